@@ -1,0 +1,99 @@
+// A GGUF model as the runtime sees it: one file, or a split set NAME-0000i-of-0000N.gguf opened
+// from any one of its parts, and the map of its routed experts.
+#pragma once
+
+#include "moecache/error.h"
+#include "moecache/gguf.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moecache {
+
+struct SplitName {
+    std::string prefix;  // NAME of NAME-00002-of-00005.gguf
+    uint32_t index = 0;  // 0-based (the 2 above is index 1)
+    uint32_t count = 0;
+};
+std::optional<SplitName> parse_split_name(const std::string& path);
+std::string split_path(const std::string& prefix, uint32_t index, uint32_t count);
+
+// Opens every part of the model that `path` belongs to, in order, and checks that they form one
+// set: each part's split.no / split.count / split.tensors.count agree with its name and with the
+// others, and no tensor name appears in two parts.
+Result<std::vector<GgufFile>> open_gguf_model(const std::string& path);
+
+// One expert tensor of a layer, e.g. blk.7.ffn_up_exps.weight: expert e is the byte slice
+// [offset + e * bytes_per_expert, offset + (e + 1) * bytes_per_expert) of file `file`.
+struct ExpertTensor {
+    std::string name;
+    uint32_t file = 0;
+    uint64_t offset = 0;
+    uint64_t bytes_per_expert = 0;
+    GgmlTypeInfo type{};
+};
+
+struct MoeLayer {
+    uint32_t index = 0;
+    std::vector<ExpertTensor> tensors;
+    uint64_t bytes_per_expert = 0;  // the sum over its expert tensors
+    uint64_t shared_expert_bytes = 0;
+    [[nodiscard]] uint64_t expert_bytes(uint32_t n_experts) const { return bytes_per_expert * n_experts; }
+};
+
+struct ByteRange {
+    uint32_t file = 0;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+};
+
+struct ExpertRef {
+    uint32_t layer = 0;  // block index (blk.N)
+    uint32_t expert = 0;
+};
+
+struct ModelFileInfo {
+    std::string path;
+    uint64_t size = 0;
+};
+
+class ExpertMap {
+public:
+    std::string architecture;
+    std::string name;  // general.name, when present
+    std::vector<ModelFileInfo> files;
+    uint32_t n_blocks = 0;            // <arch>.block_count
+    uint32_t n_experts = 0;           // <arch>.expert_count
+    uint32_t n_experts_used = 0;      // <arch>.expert_used_count
+    uint32_t n_experts_shared = 0;    // <arch>.expert_shared_count, when present
+    uint32_t n_leading_dense = 0;     // <arch>.leading_dense_block_count, when present
+    std::vector<MoeLayer> layers;     // MoE layers only, by block index
+    uint64_t expert_bytes_total = 0;  // routed experts
+    uint64_t shared_expert_bytes_total = 0;
+    uint64_t dense_bytes_total = 0;   // every other tensor
+    uint64_t header_bytes_total = 0;  // metadata, directory and padding
+
+    [[nodiscard]] const MoeLayer* layer(uint32_t block) const;
+    // The byte ranges of one expert: one per expert tensor of its layer.
+    [[nodiscard]] std::vector<ByteRange> ranges(uint32_t block, uint32_t expert) const;
+    // Which expert holds this byte, if any. O(log n).
+    [[nodiscard]] std::optional<ExpertRef> lookup(uint32_t file, uint64_t offset) const;
+
+    // Builds the map and cross-checks the metadata against the tensor shapes.
+    static Result<ExpertMap> build(const std::vector<GgufFile>& parts);
+
+private:
+    struct Span {
+        uint32_t file;
+        uint64_t begin, end;  // of the whole tensor
+        uint64_t bytes_per_expert;
+        uint32_t layer;
+    };
+    std::vector<Span> spans_;  // sorted by (file, begin)
+};
+
+Result<ExpertMap> load_expert_map(const std::string& path);
+
+}  // namespace moecache

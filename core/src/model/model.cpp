@@ -1,0 +1,237 @@
+#include "moecache/model.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstring>
+#include <unordered_map>
+
+namespace moecache {
+namespace {
+
+// "blk.12.ffn_up_exps.weight" -> {12, "ffn_up_exps", "weight"}
+struct BlockTensorName {
+    uint32_t block;
+    std::string_view base;
+    std::string_view suffix;
+};
+
+std::optional<BlockTensorName> parse_block_name(std::string_view name) {
+    constexpr std::string_view kPrefix = "blk.";
+    if (name.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+    name.remove_prefix(kPrefix.size());
+    uint32_t block = 0;
+    const auto [p, ec] = std::from_chars(name.data(), name.data() + name.size(), block);
+    if (ec != std::errc{} || p == name.data() || p == name.data() + name.size() || *p != '.')
+        return std::nullopt;
+    name.remove_prefix(static_cast<size_t>(p - name.data()) + 1);
+    const auto dot = name.find('.');
+    return BlockTensorName{block, name.substr(0, dot),
+                           dot == std::string_view::npos ? std::string_view{} : name.substr(dot + 1)};
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+    return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+bool contains(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
+
+}  // namespace
+
+std::optional<SplitName> parse_split_name(const std::string& path) {
+    // NAME-00001-of-00005.gguf
+    constexpr std::string_view kExt = ".gguf";
+    std::string_view s = path;
+    if (!ends_with(s, kExt)) return std::nullopt;
+    s.remove_suffix(kExt.size());
+    if (s.size() < 16) return std::nullopt;
+    const std::string_view tail = s.substr(s.size() - 15);  // -00001-of-00005
+    if (tail[0] != '-' || tail.substr(6, 4) != "-of-") return std::nullopt;
+    auto digits = [](std::string_view d, uint32_t& out) {
+        if (!std::all_of(d.begin(), d.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); }))
+            return false;
+        return std::from_chars(d.data(), d.data() + d.size(), out).ec == std::errc{};
+    };
+    uint32_t no = 0, count = 0;
+    if (!digits(tail.substr(1, 5), no) || !digits(tail.substr(10, 5), count)) return std::nullopt;
+    if (no == 0 || count == 0 || no > count) return std::nullopt;
+    return SplitName{std::string(s.substr(0, s.size() - 15)), no - 1, count};
+}
+
+std::string split_path(const std::string& prefix, uint32_t index, uint32_t count) {
+    return fmt::format("{}-{:05d}-of-{:05d}.gguf", prefix, index + 1, count);
+}
+
+Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
+    auto first = MC_TRY(read_gguf(path));
+    const auto count_kv = MC_TRY(first.get_uint_opt("split.count"));
+    const auto name = parse_split_name(path);
+    if (!count_kv || *count_kv <= 1) {
+        std::vector<GgufFile> one;
+        one.push_back(std::move(first));
+        return one;
+    }
+    if (!name)
+        return failf("{}: the metadata says this is one of {} split parts, but the name does not "
+                     "follow NAME-0000i-of-0000N.gguf, so the other parts cannot be found",
+                     path, *count_kv);
+    if (name->count != *count_kv)
+        return failf("{}: the name says {} parts but split.count says {}", path, name->count,
+                     *count_kv);
+
+    std::vector<GgufFile> parts;
+    parts.reserve(name->count);
+    uint64_t total_tensors = 0;
+    std::optional<uint64_t> declared_tensors;
+    std::unordered_map<std::string, uint32_t> seen;
+    for (uint32_t i = 0; i < name->count; ++i) {
+        const std::string part_path = split_path(name->prefix, i, name->count);
+        Result<GgufFile> part = part_path == path ? Result<GgufFile>(std::move(first)) : read_gguf(part_path);
+        if (!part) {
+            if (part.error().errnum == ENOENT)
+                return fail(ENOENT, fmt::format("split model {}: part {} of {} is missing: {}",
+                                                 path, i + 1, name->count, part_path));
+            return tl::unexpected(with_context(part.error(), fmt::format("split model {}", path)));
+        }
+        const auto no = MC_TRY(part->get_uint_opt("split.no"));
+        const auto cnt = MC_TRY(part->get_uint_opt("split.count"));
+        const auto tcount = MC_TRY(part->get_uint_opt("split.tensors.count"));
+        if (!no || !cnt || *no != i || *cnt != name->count)
+            return failf("{}: does not belong to this split set: expected split.no {} of split.count "
+                         "{}, found {} of {}", part_path, i, name->count,
+                         no ? fmt::to_string(*no) : "none", cnt ? fmt::to_string(*cnt) : "none");
+        if (tcount) {
+            if (declared_tensors && *declared_tensors != *tcount)
+                return failf("{}: does not belong to this split set: split.tensors.count is {} here "
+                             "but {} in part 1", part_path, *tcount, *declared_tensors);
+            declared_tensors = tcount;
+        }
+        for (const auto& t : part->tensors) {
+            auto [it, inserted] = seen.emplace(t.name, i);
+            if (!inserted)
+                return failf("{}: tensor '{}' is also in part {}: the parts are from different "
+                             "models or splits", part_path, t.name, it->second + 1);
+        }
+        total_tensors += part->tensors.size();
+        parts.push_back(std::move(*part));
+    }
+    if (declared_tensors && *declared_tensors != total_tensors)
+        return failf("split model {}: split.tensors.count says {} tensors but the {} parts hold {}",
+                     path, *declared_tensors, name->count, total_tensors);
+    return parts;
+}
+
+const MoeLayer* ExpertMap::layer(uint32_t block) const {
+    auto it = std::lower_bound(layers.begin(), layers.end(), block,
+                               [](const MoeLayer& l, uint32_t b) { return l.index < b; });
+    return it != layers.end() && it->index == block ? &*it : nullptr;
+}
+
+std::vector<ByteRange> ExpertMap::ranges(uint32_t block, uint32_t expert) const {
+    std::vector<ByteRange> out;
+    const auto* l = layer(block);
+    if (!l || expert >= n_experts) return out;
+    for (const auto& t : l->tensors)
+        out.push_back({t.file, t.offset + uint64_t{expert} * t.bytes_per_expert, t.bytes_per_expert});
+    return out;
+}
+
+std::optional<ExpertRef> ExpertMap::lookup(uint32_t file, uint64_t offset) const {
+    auto it = std::upper_bound(spans_.begin(), spans_.end(), std::pair{file, offset},
+                               [](const std::pair<uint32_t, uint64_t>& k, const Span& s) {
+                                   return k.first < s.file || (k.first == s.file && k.second < s.begin);
+                               });
+    if (it == spans_.begin()) return std::nullopt;
+    --it;
+    if (it->file != file || offset >= it->end) return std::nullopt;
+    return ExpertRef{it->layer, static_cast<uint32_t>((offset - it->begin) / it->bytes_per_expert)};
+}
+
+Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
+    if (parts.empty()) return failf("a model needs at least one file");
+    const GgufFile& head = parts.front();
+    ExpertMap m;
+    m.architecture = MC_TRY(head.get_string("general.architecture"));
+    if (const auto* n = head.find("general.name"); n && n->as_string()) m.name = *n->as_string();
+    const std::string& arch = m.architecture;
+    auto arch_key = [&](std::string_view k) { return fmt::format("{}.{}", arch, k); };
+    auto narrow = [&](std::string_view k, std::optional<uint64_t> v) -> Result<uint32_t> {
+        if (v && *v > (1u << 20))
+            return failf("{}: metadata key '{}' is {}, which no model has", head.path, arch_key(k), *v);
+        return static_cast<uint32_t>(v.value_or(0));
+    };
+    m.n_blocks = MC_TRY(narrow("block_count", MC_TRY(head.get_uint_opt(arch_key("block_count")))));
+    m.n_experts = MC_TRY(narrow("expert_count", MC_TRY(head.get_uint_opt(arch_key("expert_count")))));
+    m.n_experts_used = MC_TRY(narrow("expert_used_count", MC_TRY(head.get_uint_opt(arch_key("expert_used_count")))));
+    m.n_experts_shared = MC_TRY(narrow("expert_shared_count", MC_TRY(head.get_uint_opt(arch_key("expert_shared_count")))));
+    m.n_leading_dense = MC_TRY(narrow("leading_dense_block_count", MC_TRY(head.get_uint_opt(arch_key("leading_dense_block_count")))));
+
+    std::vector<MoeLayer> by_block;
+    for (uint32_t fi = 0; fi < parts.size(); ++fi) {
+        const auto& f = parts[fi];
+        m.files.push_back({f.path, f.file_size});
+        uint64_t data_bytes = 0;
+        for (const auto& t : f.tensors) {
+            data_bytes += t.nbytes;
+            const auto bn = parse_block_name(t.name);
+            const bool expert = bn && ends_with(bn->base, "_exps");
+            const bool shared = bn && contains(bn->base, "_shexp");
+            if (!expert) {
+                if (shared) {
+                    m.shared_expert_bytes_total += t.nbytes;
+                    if (bn->block >= by_block.size()) by_block.resize(bn->block + 1);
+                    by_block[bn->block].shared_expert_bytes += t.nbytes;
+                } else {
+                    m.dense_bytes_total += t.nbytes;
+                }
+                continue;
+            }
+            const std::string where = fmt::format("{}: tensor '{}'", f.path, t.name);
+            if (m.n_experts == 0)
+                return failf("{} holds routed experts but '{}' is missing or 0", where,
+                             arch_key("expert_count"));
+            const int64_t last = t.ne[t.n_dims - 1];
+            if (t.n_dims < 2 || last != static_cast<int64_t>(m.n_experts))
+                return failf("{}: its last dimension is {} but {} is {}: the tensor shape does not "
+                             "match the metadata", where, last, arch_key("expert_count"), m.n_experts);
+            if (m.n_blocks != 0 && bn->block >= m.n_blocks)
+                return failf("{}: block {} is past {} = {}", where, bn->block, arch_key("block_count"),
+                             m.n_blocks);
+            if (bn->block < m.n_leading_dense)
+                return failf("{}: block {} holds experts but {} says the first {} blocks are dense",
+                             where, bn->block, arch_key("leading_dense_block_count"), m.n_leading_dense);
+            if (bn->block >= by_block.size()) by_block.resize(bn->block + 1);
+            auto& layer = by_block[bn->block];
+            layer.index = bn->block;
+            const uint64_t per = t.nbytes / m.n_experts;  // exact: the last dimension is n_experts
+            layer.tensors.push_back({t.name, fi, t.file_offset, per, t.type});
+            layer.bytes_per_expert += per;
+            m.expert_bytes_total += t.nbytes;
+            m.spans_.push_back({fi, t.file_offset, t.file_offset + t.nbytes, per, bn->block});
+        }
+        m.header_bytes_total += f.file_size - data_bytes;
+    }
+    for (uint32_t b = 0; b < by_block.size(); ++b) {
+        by_block[b].index = b;
+        if (!by_block[b].tensors.empty()) m.layers.push_back(std::move(by_block[b]));
+    }
+    if (!m.layers.empty()) {
+        if (m.n_experts_used == 0)
+            return failf("{}: the model has routed experts but '{}' is missing or 0", head.path,
+                         arch_key("expert_used_count"));
+        if (m.n_experts_used > m.n_experts)
+            return failf("{}: {} = {} is more than {} = {}", head.path, arch_key("expert_used_count"),
+                         m.n_experts_used, arch_key("expert_count"), m.n_experts);
+    }
+    std::sort(m.spans_.begin(), m.spans_.end(), [](const Span& a, const Span& b) {
+        return a.file != b.file ? a.file < b.file : a.begin < b.begin;
+    });
+    return m;
+}
+
+Result<ExpertMap> load_expert_map(const std::string& path) {
+    const auto parts = MC_TRY(open_gguf_model(path));
+    return ExpertMap::build(parts);
+}
+
+}  // namespace moecache

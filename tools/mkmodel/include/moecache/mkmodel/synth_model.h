@@ -1,0 +1,59 @@
+// Synthetic Mixture-of-Experts models that a real llama.cpp loads and runs (architecture
+// qwen3moe), with routing of a chosen skew.
+//
+// How the skew is made: every token embedding has a common component along axis 0 and random
+// components elsewhere; router row e has weight b_e on axis 0 and random weights elsewhere. So
+// logit_e = (b_e * x0 + g_e . r) / rms(x): a fixed per-expert bias plus per-token noise that is
+// close to N(0, 1) across experts, and the RMS norm scales both alike, leaving top-k untouched.
+// The bias is -S * ln(rank)^P for a random ranking of each layer's experts; S = 0 routes
+// uniformly. Routing then depends almost only on the current token, so decoding samples with a
+// temperature over a large vocabulary to see many patterns.
+#pragma once
+
+#include "moecache/error.h"
+#include "moecache/ggml_type.h"
+#include "moecache/mkmodel/gguf_writer.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moecache::mkmodel {
+
+struct RouterSkew {
+    double scale = 0.0;  // S
+    double shape = 1.0;  // P
+};
+
+struct ModelSpec {
+    std::string name = "moecache-synthetic";
+    uint32_t n_layers = 8;
+    uint32_t n_experts = 64;
+    uint32_t n_experts_used = 4;
+    uint32_t n_embd = 256;
+    uint32_t n_ff_exp = 256;  // width of one expert's FFN
+    uint32_t n_head = 4;
+    uint32_t n_head_kv = 2;
+    uint32_t head_dim = 64;
+    uint32_t n_vocab = 8192;
+    uint32_t n_ctx_train = 4096;
+    GgmlTypeInfo expert_type = *ggml_type_info(ggml::Q8_0);
+    GgmlTypeInfo dense_type = *ggml_type_info(ggml::Q8_0);
+    uint64_t seed = 1;
+    RouterSkew skew;
+    std::string preset;  // for the record: the preset that chose the skew, if any
+};
+
+// Checks a spec against what llama.cpp and the block sizes of the chosen types need.
+Result<void> validate(const ModelSpec& spec);
+
+// Bytes of one expert (gate + up + down slices) and of the whole model's routed experts.
+uint64_t bytes_per_expert(const ModelSpec& spec);
+
+// The popularity rank (0 = hottest) of every expert of every layer: [layer * n_experts + e].
+std::vector<uint32_t> expert_ranks(const ModelSpec& spec);
+
+// Fills a writer with the whole model. Nothing is generated until the writer writes.
+Result<void> build_model(const ModelSpec& spec, GgufWriter& w);
+
+}  // namespace moecache::mkmodel

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs everything moecache needs to build, test and run its demo, from Debian's packages and
+# the npm registry. Idempotent: a second run on a ready machine installs nothing and asks no registry.
+set -euo pipefail
+
+top=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+
+debs=(
+  build-essential cmake ninja-build pkg-config git
+  clang llvm libclang-rt-14-dev
+  libbpf-dev bpftool linux-libc-dev
+  liburing-dev libnuma-dev
+  libsdbus-c++-dev libsdbus-c++-bin libsystemd-dev
+  libfmt-dev libexpected-dev nlohmann-json3-dev libtomlplusplus-dev libcpp-httplib-dev
+  libgtest-dev libgmock-dev
+  nodejs npm
+  fio vmtouch
+)
+
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# nodejs/npm may come from outside Debian's packages (a newer Node is fine): accept the binaries.
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  filtered=()
+  for p in "${missing[@]}"; do [[ $p == nodejs || $p == npm ]] || filtered+=("$p"); done
+  missing=("${filtered[@]}")
+fi
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "moecache setup: installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# node-llama-cpp, the reference GGUF runtime for machines without a GPU. Pinned; CPU build only.
+node_dir="$top/tools/node"
+want=$(node -p "require('$node_dir/package.json').dependencies['node-llama-cpp']")
+have=$(node -p "try { require('$node_dir/node_modules/node-llama-cpp/package.json').version } catch (e) { '' }")
+if [ "$have" != "$want" ] || [ ! -d "$node_dir/node_modules/@node-llama-cpp/linux-x64" ]; then
+  echo "moecache setup: installing node-llama-cpp $want"
+  (cd "$node_dir" && NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm install --omit=optional --no-package-lock \
+      --no-audit --no-fund --ignore-scripts --loglevel=error)
+fi
