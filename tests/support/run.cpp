@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@ RunResult run(const std::vector<std::string>& argv, const std::vector<std::strin
     int out_pipe[2], err_pipe[2];
     if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)
         throw std::runtime_error("pipe2 failed");
+    const auto start = std::chrono::steady_clock::now();
     const pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("fork failed");
     if (pid == 0) {
@@ -63,7 +65,10 @@ RunResult run(const std::vector<std::string>& argv, const std::vector<std::strin
     for (auto& f : fds)
         if (f.fd >= 0) ::close(f.fd);
     int status = 0;
-    ::waitpid(pid, &status, 0);
+    rusage ru{};
+    ::wait4(pid, &status, 0, &ru);
+    r.max_rss_kib = ru.ru_maxrss;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (killed) r.err += "\n[killed after timeout]";
     r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     return r;

@@ -10,6 +10,8 @@ struct RunResult {
     int exit_code = -1;  // -1: did not exit normally
     std::string out;
     std::string err;
+    long max_rss_kib = 0;  // peak resident set of the child
+    double seconds = 0;
 };
 
 // argv[0] is the program path; no shell is involved. Environment entries "K=V" are added.

@@ -29,9 +29,9 @@ const text = await completion.generateCompletion(args.prompt ?? "the", {
     topK: 0,
     topP: 1.0,
     seed: Number(args.seed ?? 1),
-    onTextChunk() {
-        produced++;
+    onToken(tokens) {
         if (first === null) first = performance.now();
+        produced += tokens.length;
     },
 });
 const t2 = performance.now();
@@ -40,7 +40,7 @@ console.log(JSON.stringify({
     model: args.model,
     load_seconds: (t1 - t0) / 1000,
     generate_seconds: (t2 - t1) / 1000,
-    text_chunks: produced,
+    tokens: produced,
     decode_tokens_per_second: produced > 1 && decodeSeconds > 0 ? (produced - 1) / decodeSeconds : 0,
     text,
 }));

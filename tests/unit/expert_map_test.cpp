@@ -1,0 +1,147 @@
+// The expert map: every expert's byte ranges, address -> expert lookup, shared experts and dense
+// tensors accounted apart, metadata cross-checked against tensor shapes.
+#include "model_fixture.h"
+#include "temp_dir.h"
+
+#include "moecache/model.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace moecache {
+namespace {
+
+using mkmodel::GgufWriter;
+using mkmodel::TensorSpec;
+
+mkmodel::RowFiller zeros(uint64_t row_bytes) {
+    return [row_bytes](uint64_t, uint64_t n, uint8_t* out) { std::fill(out, out + n * row_bytes, 0); };
+}
+
+void add(GgufWriter& w, std::string name, uint32_t type, std::vector<int64_t> ne) {
+    TensorSpec t{std::move(name), *ggml_type_info(type), std::move(ne), {}};
+    t.fill = zeros(t.row_bytes());
+    w.add_tensor(std::move(t));
+}
+
+// A DeepSeek-shaped file: one leading dense block, then MoE blocks with a shared expert, a
+// routing bias, and bias companions of the expert tensors.
+Result<ExpertMap> deepseek_like(const std::string& path, uint32_t declared_experts = 8,
+                                uint32_t leading_dense = 1, uint32_t used = 2) {
+    GgufWriter w;
+    w.add("general.architecture", std::string("deepseek2"));
+    w.add("deepseek2.block_count", 3u);
+    w.add("deepseek2.expert_count", declared_experts);
+    w.add("deepseek2.expert_used_count", used);
+    w.add("deepseek2.expert_shared_count", 1u);
+    w.add("deepseek2.leading_dense_block_count", leading_dense);
+    add(w, "token_embd.weight", ggml::F16, {64, 100});
+    add(w, "blk.0.ffn_gate.weight", ggml::Q8_0, {64, 128});
+    for (int b = 1; b < 3; ++b) {
+        const std::string p = "blk." + std::to_string(b) + ".";
+        add(w, p + "ffn_gate_inp.weight", ggml::F32, {64, 8});
+        add(w, p + "exp_probs_b.bias", ggml::F32, {8});
+        add(w, p + "ffn_gate_exps.weight", ggml::Q4_K, {256, 32, 8});
+        add(w, p + "ffn_gate_exps.bias", ggml::F32, {32, 8});
+        add(w, p + "ffn_up_exps.weight", ggml::Q4_K, {256, 32, 8});
+        add(w, p + "ffn_down_exps.weight", ggml::Q8_0, {32, 256, 8});
+        add(w, p + "ffn_gate_shexp.weight", ggml::Q8_0, {64, 64});
+        add(w, p + "ffn_down_shexp.weight", ggml::Q8_0, {64, 64});
+    }
+    mkmodel::WriteOptions opt;
+    opt.alignment = 64;
+    if (auto r = w.write(path, opt); !r) return tl::unexpected(r.error());
+    return load_expert_map(path);
+}
+
+TEST(ExpertMap, DeepSeekShapeAccountsEveryPart) {
+    test::TempDir dir;
+    auto m = deepseek_like(dir.file("ds.gguf"));
+    ASSERT_TRUE(m) << m.error().what();
+    EXPECT_EQ(m->architecture, "deepseek2");
+    EXPECT_EQ(m->n_leading_dense, 1u);
+    EXPECT_EQ(m->n_experts_shared, 1u);
+    ASSERT_EQ(m->layers.size(), 2u);
+    EXPECT_EQ(m->layers[0].index, 1u);
+    const uint64_t gate = 256 / 256 * 144 * 32, bias = 32 * 4, down = 32 / 32 * 34 * 256;
+    for (const auto& l : m->layers) {
+        EXPECT_EQ(l.tensors.size(), 4u);  // gate, gate bias, up, down
+        EXPECT_EQ(l.bytes_per_expert, gate + bias + gate + down);
+        EXPECT_EQ(l.shared_expert_bytes, 2u * 64 * 34 / 32 * 64);
+    }
+    EXPECT_EQ(m->expert_bytes_total, 2 * 8 * (gate + bias + gate + down));
+    EXPECT_EQ(m->shared_expert_bytes_total, 2 * 2u * 64 * 34 / 32 * 64);
+    const uint64_t dense = 64 * 100 * 2 + 128 * 34 / 32 * 64 + 2 * (64 * 8 * 4 + 8 * 4);
+    EXPECT_EQ(m->dense_bytes_total, dense);
+    uint64_t file_bytes = 0;
+    for (const auto& f : m->files) file_bytes += f.size;
+    EXPECT_EQ(m->expert_bytes_total + m->shared_expert_bytes_total + m->dense_bytes_total + m->header_bytes_total,
+              file_bytes);
+}
+
+TEST(ExpertMap, RangesAndLookupAreInverse) {
+    test::TempDir dir;
+    auto files = test::write_model(test::small_spec(), dir.file("m.gguf"), 2);
+    auto m = load_expert_map(files[0]);
+    ASSERT_TRUE(m) << m.error().what();
+    ASSERT_EQ(m->layers.size(), 4u);
+    std::mt19937_64 rng(5);
+    for (const auto& l : m->layers) {
+        for (uint32_t e = 0; e < m->n_experts; ++e) {
+            const auto ranges = m->ranges(l.index, e);
+            ASSERT_EQ(ranges.size(), 3u);
+            for (const auto& r : ranges) {
+                EXPECT_EQ(r.length, l.bytes_per_expert / 3);
+                for (uint64_t at : {r.offset, r.offset + r.length - 1, r.offset + rng() % r.length}) {
+                    const auto ref = m->lookup(r.file, at);
+                    ASSERT_TRUE(ref.has_value()) << "file " << r.file << " byte " << at;
+                    EXPECT_EQ(ref->layer, l.index);
+                    EXPECT_EQ(ref->expert, e);
+                }
+            }
+        }
+    }
+    EXPECT_FALSE(m->lookup(0, 0).has_value());  // the header
+    EXPECT_FALSE(m->lookup(7, 0).has_value());  // no such file
+    EXPECT_TRUE(m->ranges(99, 0).empty());
+    EXPECT_TRUE(m->ranges(0, m->n_experts).empty());
+}
+
+TEST(ExpertMap, ExpertCountMustMatchTheTensorShapes) {
+    test::TempDir dir;
+    auto m = deepseek_like(dir.file("bad.gguf"), /*declared_experts=*/16);
+    ASSERT_FALSE(m);
+    EXPECT_NE(m.error().message.find("blk.1.ffn_gate_exps"), std::string::npos) << m.error().message;
+    EXPECT_NE(m.error().message.find("deepseek2.expert_count"), std::string::npos) << m.error().message;
+}
+
+TEST(ExpertMap, ExpertsInALeadingDenseBlockAreAnError) {
+    test::TempDir dir;
+    auto m = deepseek_like(dir.file("bad.gguf"), 8, /*leading_dense=*/2);
+    ASSERT_FALSE(m);
+    EXPECT_NE(m.error().message.find("leading_dense_block_count"), std::string::npos) << m.error().message;
+}
+
+TEST(ExpertMap, MoreExpertsUsedThanExist) {
+    test::TempDir dir;
+    auto m = deepseek_like(dir.file("bad.gguf"), 8, 1, /*used=*/9);
+    ASSERT_FALSE(m);
+    EXPECT_NE(m.error().message.find("expert_used_count"), std::string::npos) << m.error().message;
+}
+
+TEST(ExpertMap, DenseModelHasNoLayers) {
+    test::TempDir dir;
+    GgufWriter w;
+    w.add("general.architecture", std::string("llama"));
+    w.add("llama.block_count", 1u);
+    add(w, "blk.0.ffn_up.weight", ggml::F16, {64, 64});
+    ASSERT_TRUE(w.write(dir.file("dense.gguf"), {}));
+    auto m = load_expert_map(dir.file("dense.gguf"));
+    ASSERT_TRUE(m) << m.error().what();
+    EXPECT_TRUE(m->layers.empty());
+    EXPECT_EQ(m->dense_bytes_total, 64u * 64 * 2);
+}
+
+}  // namespace
+}  // namespace moecache

@@ -1,0 +1,43 @@
+// Where a file is mapped in this process, read off /proc/self/maps by device and inode (a path
+// string may be relative, a symlink or a deleted name; the inode is the file).
+#pragma once
+
+#include "moecache/error.h"
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moecache::routeprobe {
+
+struct FileIdentity {
+    uint32_t dev_major = 0;
+    uint32_t dev_minor = 0;
+    uint64_t inode = 0;
+};
+
+struct FileMapping {
+    uintptr_t start = 0;  // virtual address of the first byte
+    uintptr_t end = 0;    // one past the last byte
+    uint64_t file_offset = 0;  // of `start`
+    std::string perms;
+
+    // The address of file byte `offset` if [offset, offset + length) lies wholly in this mapping.
+    [[nodiscard]] bool covers(uint64_t offset, uint64_t length) const {
+        return offset >= file_offset && offset + length <= file_offset + (end - start);
+    }
+    [[nodiscard]] uintptr_t address_of(uint64_t offset) const { return start + (offset - file_offset); }
+};
+
+Result<FileIdentity> identify_file(const std::string& path);
+
+// Every mapping of the file in the text of a /proc/PID/maps. Lines that do not parse are skipped.
+std::vector<FileMapping> find_mappings(std::string_view maps_text, const FileIdentity& file);
+
+// A whole /proc file (their size is unknown until read).
+Result<std::string> read_proc_text(const char* path);
+
+}  // namespace moecache::routeprobe

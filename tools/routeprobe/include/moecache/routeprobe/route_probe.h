@@ -1,0 +1,94 @@
+// Measures which experts each decode of a GGUF runtime reads, from inside the runtime's process,
+// without root: before a decode, the page-table entry of one sentinel page per (layer, expert
+// tensor, expert) is zapped with MADV_DONTNEED (the page stays in the page cache, so the next
+// touch is a cheap minor fault); after it, /proc/self/pagemap says which sentinels were touched
+// again. That works where the runtime computes experts on the CPU straight from its mmap of the
+// model file (llama.cpp's mul_mat_id reads only the selected experts' rows); weights repacked
+// into anonymous memory or copied to a GPU are not seen, and the report's self-check (experts
+// seen per layer per step against expert_used_count) shows it.
+//
+// Threads: the interposed decode entry point serialises begin/finish under one mutex; the probe
+// itself has no locking.
+#pragma once
+
+#include "moecache/error.h"
+#include "moecache/model.h"
+#include "moecache/routeprobe/process_maps.h"
+#include "moecache/routeprobe/sentinel_plan.h"
+#include "moecache/unique_fd.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moecache::routeprobe {
+
+// What the generator (moecache-mkmodel) says it intended, when the model carries it.
+struct IntendedRouting {
+    std::string preset;
+    double skew_scale = 0;
+    double skew_shape = 0;
+    std::vector<uint32_t> rank;  // [block * n_experts + e], 0 = hottest
+};
+
+struct ProbeConfig {
+    std::string model_path;
+    uint64_t page_size = 4096;
+    uint64_t fault_around_bytes = 65536;
+    std::string fault_around_source = "kernel default";
+};
+
+// Reads fault_around_bytes from debugfs where it is mounted and readable, else the kernel's
+// default (64 KiB); never below `page_size`.
+std::pair<uint64_t, std::string> fault_around_window(uint64_t page_size);
+
+class RouteProbe {
+public:
+    // Loads the expert map, finds this process's mappings of every model file and plans sentinels.
+    static Result<std::unique_ptr<RouteProbe>> create(const ProbeConfig& config);
+
+    // Before a decode: checks that the mappings are still the ones planned for, zaps sentinels.
+    Result<void> begin_decode();
+    // After a decode of `n_tokens` tokens: counts the experts whose sentinels were touched.
+    Result<void> finish_decode(int32_t n_tokens);
+
+    [[nodiscard]] nlohmann::json report() const;
+    [[nodiscard]] uint64_t single_token_steps() const { return steps_; }
+    [[nodiscard]] double mean_experts_per_layer_per_step() const;
+
+private:
+    RouteProbe() = default;
+    Result<void> read_present(const SentinelSet& set, std::vector<uint8_t>& present);
+
+    ProbeConfig config_;
+    ExpertMap map_;
+    std::optional<IntendedRouting> intended_;
+    std::vector<FileIdentity> files_;
+    std::vector<std::vector<FileMapping>> mappings_;  // [file]
+    SentinelPlan plan_;
+    UniqueFd pagemap_;
+    std::vector<uint64_t> pagemap_buf_;
+    bool checked_zap_ = false;
+
+    // Counts. "step" = a decode of one token; batches of more tokens are kept apart, since the
+    // experts of a batch are the union over its tokens.
+    uint64_t decode_calls_ = 0;
+    uint64_t steps_ = 0;
+    uint64_t batches_ = 0;
+    uint64_t batch_tokens_ = 0;
+    uint64_t tensor_disagreements_ = 0;  // an expert with some but not all sentinels touched
+    double probe_seconds_ = 0;
+    struct LayerCounts {
+        std::vector<uint64_t> step;   // [expert], single-token steps
+        std::vector<uint64_t> batch;  // [expert], batches
+        std::vector<std::vector<uint64_t>> tensor_step;  // [tensor][expert], single-token steps
+        std::vector<uint64_t> seen_histogram;  // [k]: steps in which k experts of the layer were seen
+    };
+    std::vector<LayerCounts> layers_;  // [layer slot]
+};
+
+}  // namespace moecache::routeprobe

@@ -1,0 +1,80 @@
+#include "moecache/routeprobe/process_maps.h"
+
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <charconv>
+
+namespace moecache::routeprobe {
+namespace {
+
+// Reads a hex number and the separator after it; false when there is none.
+bool hex_field(std::string_view& s, uint64_t& out, char sep) {
+    const auto* end = s.data() + s.size();
+    auto [p, ec] = std::from_chars(s.data(), end, out, 16);
+    if (ec != std::errc() || p == end || *p != sep) return false;
+    s.remove_prefix(static_cast<size_t>(p - s.data()) + 1);
+    return true;
+}
+
+std::string_view next_word(std::string_view& s) {
+    while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
+    const size_t n = std::min(s.find(' '), s.size());
+    const auto w = s.substr(0, n);
+    s.remove_prefix(n);
+    return w;
+}
+
+}  // namespace
+
+Result<FileIdentity> identify_file(const std::string& path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return fail_errno("stat {}", path);
+    return FileIdentity{major(st.st_dev), minor(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+}
+
+// A line: "7f12a000-7f12c000 r--s 00001000 fe:01 1234567   /path/to/model.gguf"
+std::vector<FileMapping> find_mappings(std::string_view text, const FileIdentity& file) {
+    std::vector<FileMapping> out;
+    while (!text.empty()) {
+        const size_t eol = std::min(text.find('\n'), text.size());
+        std::string_view line = text.substr(0, eol);
+        text.remove_prefix(std::min(eol + 1, text.size()));
+        uint64_t start = 0, end = 0, offset = 0, dmaj = 0, dmin = 0, inode = 0;
+        if (!hex_field(line, start, '-') || !hex_field(line, end, ' ')) continue;
+        const auto perms = next_word(line);
+        const auto off_s = next_word(line);
+        if (std::from_chars(off_s.data(), off_s.data() + off_s.size(), offset, 16).ec != std::errc()) continue;
+        auto dev = next_word(line);
+        if (!hex_field(dev, dmaj, ':')) continue;
+        if (std::from_chars(dev.data(), dev.data() + dev.size(), dmin, 16).ec != std::errc()) continue;
+        const auto ino_s = next_word(line);
+        if (std::from_chars(ino_s.data(), ino_s.data() + ino_s.size(), inode, 10).ec != std::errc()) continue;
+        if (inode != file.inode || dmaj != file.dev_major || dmin != file.dev_minor || end <= start) continue;
+        out.push_back({static_cast<uintptr_t>(start), static_cast<uintptr_t>(end), offset, std::string(perms)});
+    }
+    return out;
+}
+
+Result<std::string> read_proc_text(const char* path) {
+    UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+    if (!fd) return fail_errno("open {}", path);
+    std::string text;
+    char buf[65536];
+    for (;;) {
+        const ssize_t n = ::read(fd.get(), buf, sizeof buf);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return fail_errno("read {}", path);
+        }
+        if (n == 0) break;
+        text.append(buf, static_cast<size_t>(n));
+    }
+    return text;
+}
+
+}  // namespace moecache::routeprobe

@@ -1,0 +1,50 @@
+#include "moecache/routeprobe/routing_stats.h"
+
+#include "moecache/mkmodel/router_skew.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace moecache::routeprobe {
+namespace {
+
+std::vector<double> average_ranks(const std::vector<double>& v) {
+    std::vector<size_t> order(v.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
+    std::vector<double> rank(v.size());
+    for (size_t i = 0; i < order.size();) {
+        size_t j = i;
+        while (j + 1 < order.size() && v[order[j + 1]] == v[order[i]]) ++j;
+        const double r = (static_cast<double>(i) + static_cast<double>(j)) / 2.0;
+        for (size_t k = i; k <= j; ++k) rank[order[k]] = r;
+        i = j + 1;
+    }
+    return rank;
+}
+
+}  // namespace
+
+std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y) {
+    if (x.size() != y.size() || x.size() < 2) return std::nullopt;
+    const auto rx = average_ranks(x), ry = average_ranks(y);
+    const double n = static_cast<double>(x.size());
+    const double mx = std::accumulate(rx.begin(), rx.end(), 0.0) / n;
+    const double my = std::accumulate(ry.begin(), ry.end(), 0.0) / n;
+    double sxy = 0, sxx = 0, syy = 0;
+    for (size_t i = 0; i < rx.size(); ++i) {
+        sxy += (rx[i] - mx) * (ry[i] - my);
+        sxx += (rx[i] - mx) * (rx[i] - mx);
+        syy += (ry[i] - my) * (ry[i] - my);
+    }
+    if (sxx <= 0 || syy <= 0) return std::nullopt;
+    return sxy / std::sqrt(sxx * syy);
+}
+
+double coverage(const std::vector<uint64_t>& counts, double fraction) {
+    std::vector<double> c(counts.begin(), counts.end());
+    return mkmodel::coverage_at(mkmodel::coverage_curve(std::move(c)), fraction);
+}
+
+}  // namespace moecache::routeprobe

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds moecache and runs every test. On a fresh machine it first installs what it needs.
+#   1. GCC, warnings as errors: all tests (labels unit, e2e; root and gpu as they come).
+#   2. clang with ASan + UBSan: the unit tests again, and the GGUF reader's fuzzer for a fixed time.
+# Environment: MOECACHE_FUZZ_SECONDS (60), MOECACHE_SKIP_SANITIZE=1 to run step 1 only.
+set -euo pipefail
+top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$top"
+
+tools/setup/install-deps.sh
+
+jobs=$(nproc)
+status=0
+
+echo "== build (gcc, -Werror) =="
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOECACHE_WERROR=ON >/dev/null
+ninja -C build -j "$jobs"
+echo "== tests (gcc build) =="
+ctest --test-dir build --output-on-failure -j "$jobs" || status=1
+
+if [ "${MOECACHE_SKIP_SANITIZE:-0}" != 1 ]; then
+  echo "== build (clang, ASan + UBSan, libFuzzer) =="
+  CC=clang CXX=clang++ cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+      -DMOECACHE_WERROR=ON -DMOECACHE_SANITIZE=ON -DMOECACHE_FUZZ=ON \
+      -DMOECACHE_FUZZ_SECONDS="${MOECACHE_FUZZ_SECONDS:-60}" >/dev/null
+  ninja -C build-sanitize -j "$jobs"
+  echo "== tests (sanitizer build: unit, fuzz) =="
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build-sanitize --output-on-failure -L 'unit|fuzz' -j "$jobs" || status=1
+fi
+exit $status
