@@ -162,10 +162,22 @@ uint64_t GgufDesc::data_section_bytes() const {
 uint64_t GgufDesc::header_end() const { return layout(*this).header.size(); }
 uint64_t GgufDesc::data_offset() const { return round_up(header_end(), alignment); }
 uint64_t GgufDesc::kv_offset(size_t i) const { return at(layout(*this).kv_at, i, "such kv"); }
-uint64_t GgufDesc::kv_value_offset(size_t i) const { return at(layout(*this).kv_value_at, i, "such kv"); }
-uint64_t GgufDesc::tensor_info_offset(size_t i) const { return at(layout(*this).tensor_at, i, "such tensor"); }
-uint64_t GgufDesc::tensor_dims_offset(size_t i) const { return at(layout(*this).dims_at, i, "such tensor"); }
-uint64_t GgufDesc::tensor_type_offset(size_t i) const { return at(layout(*this).type_at, i, "such tensor"); }
+
+uint64_t GgufDesc::kv_value_offset(size_t i) const {
+    return at(layout(*this).kv_value_at, i, "such kv");
+}
+
+uint64_t GgufDesc::tensor_info_offset(size_t i) const {
+    return at(layout(*this).tensor_at, i, "such tensor");
+}
+
+uint64_t GgufDesc::tensor_dims_offset(size_t i) const {
+    return at(layout(*this).dims_at, i, "such tensor");
+}
+
+uint64_t GgufDesc::tensor_type_offset(size_t i) const {
+    return at(layout(*this).type_at, i, "such tensor");
+}
 
 std::string GgufDesc::bytes() const {
     std::string out = layout(*this).header;

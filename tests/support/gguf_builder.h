@@ -58,7 +58,8 @@ struct GgufDesc {
     static std::string boolean(bool v);
     // An array payload with any element type and count, which need not match `elements` (the
     // raw bytes that follow the count): for arrays that lie about their size.
-    static std::string array(uint32_t element_type, uint64_t count, const std::string& elements = {});
+    static std::string array(uint32_t element_type, uint64_t count,
+                             const std::string& elements = {});
 
     GgufDesc& add_u32(std::string key, uint32_t v);
     GgufDesc& add_u64(std::string key, uint64_t v);
@@ -95,8 +96,9 @@ void patch_u32(std::string& bytes, uint64_t at, uint32_t v);
 void patch_u64(std::string& bytes, uint64_t at, uint64_t v);
 
 // `whole` cut into a split set as llama.cpp's gguf-split writes it: the tensors in n_parts
-// contiguous runs, the metadata in part 0 only (general.alignment in all), and in every part split.no (u16), split.count (u16)
-// and split.tensors.count (i32). Write part i to split_path(prefix, i, n_parts).
+// contiguous runs, the metadata in part 0 only (general.alignment in all), and in every part
+// split.no (u16), split.count (u16) and split.tensors.count (i32). Write part i to
+// split_path(prefix, i, n_parts).
 std::vector<GgufDesc> split_set(const GgufDesc& whole, uint32_t n_parts);
 
 // A small, valid MoE model description (architecture "qwen3moe"), for tests to start from.

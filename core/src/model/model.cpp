@@ -66,6 +66,10 @@ Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
     auto first = MC_TRY(read_gguf(path));
     const auto count_kv = MC_TRY(first.get_uint_opt("split.count"));
     const auto name = parse_split_name(path);
+    // Checked before the one-file case too: a part of a set that says it is whole is still a part.
+    if (name && count_kv && name->count != *count_kv)
+        return failf("{}: the name says {} parts but split.count says {}", path, name->count,
+                     *count_kv);
     if (!count_kv || *count_kv <= 1) {
         std::vector<GgufFile> one;
         one.push_back(std::move(first));
@@ -75,9 +79,6 @@ Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
         return failf("{}: the metadata says this is one of {} split parts, but the name does not "
                      "follow NAME-0000i-of-0000N.gguf, so the other parts cannot be found",
                      path, *count_kv);
-    if (name->count != *count_kv)
-        return failf("{}: the name says {} parts but split.count says {}", path, name->count,
-                     *count_kv);
 
     std::vector<GgufFile> parts;
     parts.reserve(name->count);
@@ -155,8 +156,9 @@ Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
     if (const auto* n = head.find("general.name"); n && n->as_string()) m.name = *n->as_string();
     const std::string& arch = m.architecture;
     auto arch_key = [&](std::string_view k) { return fmt::format("{}.{}", arch, k); };
+    constexpr uint32_t kMaxBlocks = 1u << 20;  // also the most of any count below
     auto narrow = [&](std::string_view k, std::optional<uint64_t> v) -> Result<uint32_t> {
-        if (v && *v > (1u << 20))
+        if (v && *v > kMaxBlocks)
             return failf("{}: metadata key '{}' is {}, which no model has", head.path, arch_key(k), *v);
         return static_cast<uint32_t>(v.value_or(0));
     };
@@ -176,6 +178,11 @@ Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
             const auto bn = parse_block_name(t.name);
             const bool expert = bn && ends_with(bn->base, "_exps");
             const bool shared = bn && contains(bn->base, "_shexp");
+            // by_block is indexed by the block number of a name: bound it before it sizes anything.
+            if ((expert || shared) && bn->block >= (m.n_blocks != 0 ? m.n_blocks : kMaxBlocks))
+                return failf("{}: tensor '{}': block {} is past {} = {}", f.path, t.name, bn->block,
+                             arch_key("block_count"),
+                             m.n_blocks != 0 ? fmt::to_string(m.n_blocks) : "(missing)");
             if (!expert) {
                 if (shared) {
                     m.shared_expert_bytes_total += t.nbytes;
@@ -194,9 +201,6 @@ Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
             if (t.n_dims < 2 || last != static_cast<int64_t>(m.n_experts))
                 return failf("{}: its last dimension is {} but {} is {}: the tensor shape does not "
                              "match the metadata", where, last, arch_key("expert_count"), m.n_experts);
-            if (m.n_blocks != 0 && bn->block >= m.n_blocks)
-                return failf("{}: block {} is past {} = {}", where, bn->block, arch_key("block_count"),
-                             m.n_blocks);
             if (bn->block < m.n_leading_dense)
                 return failf("{}: block {} holds experts but {} says the first {} blocks are dense",
                              where, bn->block, arch_key("leading_dense_block_count"), m.n_leading_dense);

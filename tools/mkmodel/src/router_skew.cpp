@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace moecache::mkmodel {
@@ -91,7 +92,7 @@ RouterSkew fit_skew(const Preset& preset, uint32_t n_experts, uint32_t n_used) {
     const auto noise = noise_matrix(n_experts, 3000, 11);
     const auto& first = preset.targets.front();
     RouterSkew best{};
-    double best_err = INFINITY;
+    double best_err = std::numeric_limits<double>::infinity();
     for (double shape = 0.5; shape <= 2.01; shape += 0.1) {
         // Coverage of the first target grows with S: bisect for it, then score the rest.
         double lo = 0.0, hi = 30.0;
