@@ -17,6 +17,8 @@ struct GgmlTypeInfo {
 // nullopt for an id that is unknown, or that ggml has retired (the Q4_0_4_4 family, Q4_2 ...).
 std::optional<GgmlTypeInfo> ggml_type_info(uint32_t id);
 std::optional<GgmlTypeInfo> ggml_type_by_name(std::string_view name);  // case-insensitive
+// The name of a type id ggml once had and has since removed from GGUF files (Q4_2, Q4_0_4_4 ...).
+std::optional<std::string_view> ggml_retired_type_name(uint32_t id);
 
 namespace ggml {
 inline constexpr uint32_t F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,

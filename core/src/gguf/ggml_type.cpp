@@ -43,6 +43,20 @@ std::optional<GgmlTypeInfo> ggml_type_info(uint32_t id) {
     return std::nullopt;
 }
 
+std::optional<std::string_view> ggml_retired_type_name(uint32_t id) {
+    switch (id) {
+        case 4: return "Q4_2";
+        case 5: return "Q4_3";
+        case 31: return "Q4_0_4_4";
+        case 32: return "Q4_0_4_8";
+        case 33: return "Q4_0_8_8";
+        case 36: return "IQ4_NL_4_4";
+        case 37: return "IQ4_NL_4_8";
+        case 38: return "IQ4_NL_8_8";
+        default: return std::nullopt;
+    }
+}
+
 std::optional<GgmlTypeInfo> ggml_type_by_name(std::string_view name) {
     for (const auto& t : kTypes)
         if (iequals(t.name, name)) return t;

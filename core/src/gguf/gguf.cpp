@@ -242,9 +242,12 @@ Result<GgufTensor> read_tensor_info(Cursor& c, const GgufLimits& limits) {
     const uint64_t type_at = c.pos();
     const auto type_id = MC_TRY(c.template get<uint32_t>(what));
     const auto info = ggml_type_info(type_id);
-    if (!info)
-        return c.error_at(type_at, "{}: unknown ggml tensor type {} (a newer ggml, or a retired type)",
-                          what, type_id);
+    if (!info) {
+        if (const auto retired = ggml_retired_type_name(type_id))
+            return c.error_at(type_at, "{}: ggml tensor type {} ({}) was retired from GGUF files; "
+                              "convert the model again with a current llama.cpp", what, type_id, *retired);
+        return c.error_at(type_at, "{}: unknown ggml tensor type {} (from a newer ggml?)", what, type_id);
+    }
     t.type = *info;
     t.data_offset = MC_TRY(c.template get<uint64_t>(what));
 

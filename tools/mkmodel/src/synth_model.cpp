@@ -294,7 +294,14 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
     const auto ranks = expert_ranks(s);
     for (uint32_t l = 0; l < s.n_layers; ++l) {
         const std::string p = fmt::format("blk.{}.", l);
-        tensor(p + "attn_norm.weight", f32, {n_embd}, constant_rows(static_cast<uint64_t>(n_embd), 1.0f));
+        // Attention does not see axis 0: otherwise attn_v carries the common component into every
+        // token's hidden state as a fixed vector, a fixed per-expert offset at the next routers
+        // that blurs the intended ranking (seen as skew in the uniform preset).
+        tensor(p + "attn_norm.weight", f32, {n_embd}, [=](uint64_t, uint64_t, uint8_t* out) {
+            auto* f = reinterpret_cast<float*>(out);
+            std::fill(f, f + n_embd, 1.0f);
+            f[0] = 0.0f;
+        });
         random_tensor(p + "attn_q.weight", s.dense_type, {n_embd, n_q}, kWeightSigma);
         random_tensor(p + "attn_k.weight", s.dense_type, {n_embd, n_kv}, kWeightSigma);
         random_tensor(p + "attn_v.weight", s.dense_type, {n_embd, n_kv}, kWeightSigma);

@@ -7,6 +7,7 @@
 #include "moecache/routeprobe/route_probe.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <link.h>
 #include <unistd.h>
 
@@ -42,6 +43,7 @@ struct State {
     SynchronizeFn synchronize = nullptr;
     std::unique_ptr<moecache::routeprobe::RouteProbe> probe;
     std::string out_path;
+    std::string stopped;  // why measuring stopped early, if it did
     pid_t pid = 0;
 };
 
@@ -50,10 +52,12 @@ State& state() {
     return *s;
 }
 
+// What was measured until then is still reported at exit.
 void give_up(State& s, const std::string& why) {
-    MC_LOG(LOG_WARNING, "moecache-routeprobe: {}; measuring nothing, decodes pass through", why);
+    MC_LOG(LOG_WARNING, "moecache-routeprobe: {}; measuring {}, decodes pass through", why,
+           s.probe ? "no more" : "nothing");
     s.mode = Mode::PassThrough;
-    s.probe.reset();
+    s.stopped = why;
 }
 
 // The libllama this process's llama_decode calls would reach without us. RTLD_NEXT finds it when
@@ -98,9 +102,10 @@ bool resolve_real(State& s) {
 void write_report() {
     State& s = state();
     std::lock_guard lock(s.mutex);
-    if (s.mode != Mode::Measuring || !s.probe || ::getpid() != s.pid) return;
+    if (!s.probe || ::getpid() != s.pid) return;
     try {
-        const auto j = s.probe->report();
+        auto j = s.probe->report();
+        j["stopped_early"] = s.stopped.empty() ? nlohmann::json(nullptr) : nlohmann::json(s.stopped);
         const std::string tmp = s.out_path + ".tmp";
         {
             std::ofstream out(tmp, std::ios::trunc);
@@ -122,11 +127,18 @@ void start(State& s) {
     const char* out = std::getenv("MOECACHE_ROUTEPROBE_OUT");
     if (!model || !*model || !out || !*out)
         return give_up(s, "set MOECACHE_ROUTEPROBE_MODEL (the model file) and MOECACHE_ROUTEPROBE_OUT (the report)");
+    // Fail now rather than at exit, after the whole run.
+    const std::string tmp = std::string(out) + ".tmp";
+    if (const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644); fd >= 0) {
+        ::close(fd);
+        ::unlink(tmp.c_str());
+    } else if (errno != EEXIST) {
+        return give_up(s, fmt::format("cannot write the report {}: creating {}: {}", out, tmp, std::strerror(errno)));
+    }
     moecache::routeprobe::ProbeConfig c;
     c.model_path = model;
     const long page = ::sysconf(_SC_PAGESIZE);
     c.page_size = page > 0 ? static_cast<uint64_t>(page) : 4096;
-    std::tie(c.fault_around_bytes, c.fault_around_source) = moecache::routeprobe::fault_around_window(c.page_size);
     auto probe = moecache::routeprobe::RouteProbe::create(c);
     if (!probe) return give_up(s, probe.error().what());
     s.probe = std::move(*probe);

@@ -7,6 +7,7 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 
 namespace moecache::routeprobe {
@@ -56,6 +57,22 @@ std::vector<FileMapping> find_mappings(std::string_view text, const FileIdentity
         if (std::from_chars(ino_s.data(), ino_s.data() + ino_s.size(), inode, 10).ec != std::errc()) continue;
         if (inode != file.inode || dmaj != file.dev_major || dmin != file.dev_minor || end <= start) continue;
         out.push_back({static_cast<uintptr_t>(start), static_cast<uintptr_t>(end), offset, std::string(perms)});
+    }
+    return out;
+}
+
+std::vector<FileMapping> merge_adjacent(std::vector<FileMapping> in) {
+    std::sort(in.begin(), in.end(), [](const FileMapping& a, const FileMapping& b) { return a.start < b.start; });
+    std::vector<FileMapping> out;
+    for (auto& m : in) {
+        if (!out.empty()) {
+            auto& last = out.back();
+            if (last.end == m.start && last.perms == m.perms && last.file_offset + (last.end - last.start) == m.file_offset) {
+                last.end = m.end;
+                continue;
+            }
+        }
+        out.push_back(std::move(m));
     }
     return out;
 }

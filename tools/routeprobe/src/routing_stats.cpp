@@ -47,4 +47,19 @@ double coverage(const std::vector<uint64_t>& counts, double fraction) {
     return mkmodel::coverage_at(mkmodel::coverage_curve(std::move(c)), fraction);
 }
 
+double held_out_coverage(const std::vector<uint64_t>& rank_by, const std::vector<uint64_t>& share_of, double fraction) {
+    const size_t n = std::min(rank_by.size(), share_of.size());
+    if (n == 0) return 0.0;
+    std::vector<size_t> order(n);
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return rank_by[a] > rank_by[b]; });
+    const auto k = std::clamp<size_t>(static_cast<size_t>(std::ceil(fraction * static_cast<double>(n) - 1e-9)), 1, n);
+    uint64_t top = 0, total = 0;
+    for (size_t i = 0; i < n; ++i) {
+        total += share_of[order[i]];
+        if (i < k) top += share_of[order[i]];
+    }
+    return total ? static_cast<double>(top) / static_cast<double>(total) : 0.0;
+}
+
 }  // namespace moecache::routeprobe

@@ -25,10 +25,11 @@ struct FileMapping {
     uint64_t file_offset = 0;  // of `start`
     std::string perms;
 
-    // The address of file byte `offset` if [offset, offset + length) lies wholly in this mapping.
+    // Whether file bytes [offset, offset + length) lie wholly in this mapping.
     [[nodiscard]] bool covers(uint64_t offset, uint64_t length) const {
         return offset >= file_offset && offset + length <= file_offset + (end - start);
     }
+    // Where file byte `offset` is, for an offset it covers.
     [[nodiscard]] uintptr_t address_of(uint64_t offset) const { return start + (offset - file_offset); }
 };
 
@@ -36,6 +37,10 @@ Result<FileIdentity> identify_file(const std::string& path);
 
 // Every mapping of the file in the text of a /proc/PID/maps. Lines that do not parse are skipped.
 std::vector<FileMapping> find_mappings(std::string_view maps_text, const FileIdentity& file);
+
+// The same mappings with adjacent pieces that continue each other (address and file offset,
+// same permissions) joined: a VMA split by madvise reads as one mapping again.
+std::vector<FileMapping> merge_adjacent(std::vector<FileMapping> mappings);
 
 // A whole /proc file (their size is unknown until read).
 Result<std::string> read_proc_text(const char* path);

@@ -15,4 +15,9 @@ std::optional<double> spearman(const std::vector<double>& x, const std::vector<d
 // the same definition as moecache-mkmodel's prediction.
 double coverage(const std::vector<uint64_t>& counts, double fraction);
 
+// The same share with the hottest experts chosen on one sample (`rank_by`) and their share read
+// off another (`share_of`). Choosing and measuring on one finite sample overstates the share
+// (chance favours the experts it picks); on two halves of a run it does not.
+double held_out_coverage(const std::vector<uint64_t>& rank_by, const std::vector<uint64_t>& share_of, double fraction);
+
 }  // namespace moecache::routeprobe
