@@ -1,0 +1,97 @@
+// moecached's configuration: TOML text (the main file, then drop-ins from moecached.toml.d/ in
+// name order, later values replacing earlier ones) -> these plain structs -> validated. Loading
+// fails with a message naming the file, the key and what is wrong before anything runs.
+#pragma once
+
+#include "moecache/error.h"
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moecache::daemon {
+
+// A size the user wrote as bytes ("48GiB", "512MiB", "1073741824") or as a share of RAM ("60%").
+struct ByteAmount {
+    uint64_t bytes = 0;        // when percent is unset
+    std::optional<double> percent;  // of MemTotal, 0 < percent <= 100
+    [[nodiscard]] uint64_t resolve(uint64_t mem_total) const;
+};
+
+struct ExpertPin {
+    uint32_t layer = 0;
+    uint32_t first = 0, last = 0;  // inclusive expert range; a whole layer is 0..UINT32_MAX
+};
+
+struct ModelConfig {
+    std::string path;             // a path or a glob (*, ?, [..]); any part of a split set
+    std::optional<ByteAmount> budget;  // this model's lock budget; unset: the global budget only
+    std::vector<ExpertPin> pins;  // always locked (within budgets)
+    bool lock_dense = true;       // lock the non-expert tensors (attention, norms, embeddings) too
+    std::string where;            // "FILE:LINE:COL: model[N]" (N counts within FILE), for messages
+};
+
+struct Config {
+    // [daemon]
+    std::string state_dir = "/var/lib/moecache";
+    std::string socket_path = "/run/moecache/moecached.sock";
+    std::string log_level = "info";  // error, warning, info, debug
+    double tick_seconds = 1.0;       // how often residency is refreshed and placement decided
+
+    // [budget]
+    ByteAmount lock_budget{0, 50.0};           // all locked bytes together
+    ByteAmount reserve{2ull << 30, std::nullopt};  // never locked: locked <= MemTotal - reserve
+
+    // [prefetch]
+    uint32_t queue_depth = 32;
+    uint32_t read_size = 1u << 20;  // bytes per read request
+    int numa_node = -1;             // -1: wherever the kernel puts pages
+
+    // [pressure]
+    bool pressure_enabled = true;
+    uint32_t pressure_stall_us = 100000;    // PSI trigger: "some" stall of this many us ...
+    uint32_t pressure_window_us = 1000000;  // ... within this window
+    double pressure_release_share = 0.10;   // share of locked bytes released per pressure event
+    double pressure_recover_seconds = 30;   // quiet time before taking memory back
+
+    // [policy]
+    double decay_half_life_tokens = 4096;
+    uint32_t admit_after_uses = 2;
+    double elite_share = 0.125;  // of each layer's experts, never released by the policy
+    double hysteresis = 0.25;    // a newcomer must be this much hotter than the one it replaces
+    double save_interval_seconds = 60;
+
+    // [[model]]
+    std::vector<ModelConfig> models;
+
+    std::vector<std::string> sources;  // the files read, in order
+    // Dotted key ("budget.lock") -> "FILE:LINE:COL" of the value in force, so that checks made
+    // after all files are read (validate_config) can still say which file to edit.
+    std::map<std::string, std::string> origins;
+};
+
+// Reads `path` and the drop-ins in `<dir of path>/moecached.toml.d/*.toml` (in name order; hidden
+// files and other names skipped; no such directory is fine). Does not validate: see below.
+Result<Config> load_config(const std::string& path);
+// Parses one TOML text on top of `base` (for tests and drop-ins). `name` is used in messages.
+Result<Config> parse_config_text(const std::string& text, const std::string& name, Config base = {});
+// Checks what no single key can: budgets against each other and the machine, the PSI trigger, the
+// NUMA node. `numa_node_dir` is where the kernel lists nodes (node0, node1, ...): a seam for tests.
+// Model files are not checked: the daemon reports and retries missing models at run time.
+Result<void> validate_config(const Config& c, uint64_t mem_total,
+                             const std::string& numa_node_dir = "/sys/devices/system/node");
+
+// The value syntaxes TOML has no type for. Their messages say what is wrong with the text; the
+// caller adds the file and key.
+// "4096", "48GiB", "1.5 G", "512 mib", "60%": units B, KiB, MiB, GiB, TiB (K, M, G, T mean the
+// same binary units; any case); fractions of a byte are dropped; "N%" is a share of MemTotal.
+Result<ByteAmount> parse_byte_amount(std::string_view text);
+// "12" (all of layer 12), "12:3" (expert 3 of layer 12), "12:0-7" (experts 0..7 of layer 12).
+Result<ExpertPin> parse_expert_pin(std::string_view text);
+// "48 GiB" when a unit divides it, else "1000 bytes" / "51539607553 bytes (48.0 GiB)".
+std::string format_bytes(uint64_t bytes);
+
+}  // namespace moecache::daemon

@@ -1,0 +1,56 @@
+// Heat: how much each expert of a model is used, decayed over the model's token clock, so that
+// what was hot long ago fades. Fed by telemetry (router decisions from clients, page-cache events
+// from eBPF); read by the planner; saved as a profile keyed by (architecture, layer, expert).
+#pragma once
+
+#include "moecache/error.h"
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace moecache::daemon {
+
+class HeatTable {
+public:
+    HeatTable() = default;
+    HeatTable(uint32_t n_layers, uint32_t n_experts, double half_life_tokens);
+
+    // One use of each of `experts` in MoE layer `layer` (0-based among the MoE layers) at the
+    // current clock. The clock is the model's token count: advance it once per batch.
+    void record(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight = 1);
+    void advance_clock(uint64_t tokens) { clock_ += tokens; }
+
+    [[nodiscard]] double heat(uint32_t layer, uint32_t expert) const;
+    [[nodiscard]] uint32_t uses(uint32_t layer, uint32_t expert) const { return cells_[index(layer, expert)].uses; }
+    [[nodiscard]] uint64_t clock() const { return clock_; }
+    [[nodiscard]] uint32_t n_layers() const { return n_layers_; }
+    [[nodiscard]] uint32_t n_experts() const { return n_experts_; }
+    void set_half_life(double tokens) { half_life_ = tokens; }
+
+    // Profiles: JSON text {"key", "n_layers", "n_experts", "clock", "experts": [[layer, expert,
+    // heat, uses], ...]} with heat decayed to the clock. Loading checks the shape.
+    [[nodiscard]] std::string to_profile(const std::string& key) const;
+    Result<void> load_profile(const std::string& text, const std::string& key, const std::string& where);
+
+private:
+    struct Cell {
+        double heat = 0;
+        uint64_t at = 0;  // clock when heat was last brought up to date
+        uint32_t uses = 0;
+    };
+    [[nodiscard]] size_t index(uint32_t layer, uint32_t expert) const { return size_t{layer} * n_experts_ + expert; }
+    [[nodiscard]] double decayed(const Cell& c) const;
+
+    uint32_t n_layers_ = 0, n_experts_ = 0;
+    double half_life_ = 4096;
+    uint64_t clock_ = 0;
+    std::vector<Cell> cells_;
+};
+
+// Writes a file atomically (temporary file, fsync, rename), creating the directory if needed.
+Result<void> write_file_atomic(const std::string& path, const std::string& text);
+Result<std::string> read_text_file(const std::string& path);
+
+}  // namespace moecache::daemon

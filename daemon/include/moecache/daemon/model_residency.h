@@ -1,0 +1,71 @@
+// One registered model in the daemon: its mapping, its locker, its heat, and the residency state
+// of every slot. A slot is one expert (MoE layer index * n_experts + expert) or the dense part
+// (kDenseSlot): everything that is not a routed expert.
+#pragma once
+
+#include "moecache/daemon/config.h"
+#include "moecache/daemon/heat.h"
+#include "moecache/daemon/mapped_model.h"
+#include "moecache/daemon/page_locker.h"
+#include "moecache/daemon/planner.h"
+#include "moecache/page_cache.h"
+
+#include <memory>
+#include <vector>
+
+namespace moecache::daemon {
+
+enum class Tier : uint8_t { Storage, Fetching, Locked };
+const char* to_string(Tier t);
+
+struct SlotState {
+    Tier tier = Tier::Storage;
+    uint64_t locked_bytes = 0;  // what locking it added to VmLck
+    uint64_t cached_bytes = 0;  // in the page cache at the last refresh
+    uint32_t fetches_pending = 0;
+};
+
+class ModelResidency {
+public:
+    static Result<std::unique_ptr<ModelResidency>> open(const std::string& path, const ModelConfig& cfg,
+                                                        double half_life_tokens);
+
+    [[nodiscard]] const MappedModel& model() const { return *model_; }
+    [[nodiscard]] HeatTable& heat() { return heat_; }
+    [[nodiscard]] const HeatTable& heat() const { return heat_; }
+    [[nodiscard]] const ModelConfig& config() const { return config_; }
+    [[nodiscard]] uint32_t n_experts() const { return model_->map().n_experts; }
+    [[nodiscard]] uint32_t n_slots() const { return static_cast<uint32_t>(slots_.size()); }
+    [[nodiscard]] SlotState& state(uint32_t slot) { return slot == kDenseSlot ? dense_ : slots_[slot]; }
+    [[nodiscard]] const SlotState& state(uint32_t slot) const { return slot == kDenseSlot ? dense_ : slots_[slot]; }
+    [[nodiscard]] std::vector<ByteRange> ranges(uint32_t slot) const;
+    // Bytes locking a slot would cost at most (whole pages of its ranges).
+    [[nodiscard]] uint64_t slot_bytes(uint32_t slot) const {
+        return slot == kDenseSlot ? dense_bytes_ : slot_bytes_[slot];
+    }
+    [[nodiscard]] uint64_t locked_bytes() const { return locker_->locked_bytes(); }
+    // The MoE layer index of block N (blk.N), if block N is an MoE layer.
+    [[nodiscard]] std::optional<uint32_t> layer_of_block(uint32_t block) const;
+
+    // Locks every range of a slot (all or nothing).
+    Result<uint64_t> lock(uint32_t slot);
+    Result<uint64_t> release(uint32_t slot, bool drop);
+    // Page-cache residency of every slot, by cachestat (mincore where the kernel lacks it).
+    Result<void> refresh_cached();
+
+    [[nodiscard]] ModelView view(uint64_t budget) const;
+
+private:
+    ModelConfig config_;
+    std::unique_ptr<MappedModel> model_;
+    std::unique_ptr<PageLocker> locker_;
+    HeatTable heat_;
+    std::vector<SlotState> slots_;
+    SlotState dense_;
+    std::vector<uint8_t> pinned_;
+    std::vector<uint64_t> slot_bytes_;
+    uint64_t dense_bytes_ = 0;
+    std::vector<PageCacheProbe> probes_;
+};
+
+}  // namespace moecache::daemon

@@ -1,0 +1,53 @@
+// The placement policy, first version: which experts (and dense parts) should be locked in RAM,
+// given their heat, the pins, and the budgets. Pure: it reads a view of the state and returns a
+// plan; the daemon carries it out. Order of claim on the budget:
+//   1. pinned experts and the dense part of models that lock it (used by every token);
+//   2. the elite: the hottest `elite_share` of each layer (among admitted experts);
+//   3. everything admitted (used at least `admit_after_uses` times), hottest first, where a
+//      locked expert counts `1 + hysteresis` times its heat so placements do not churn.
+// Budgets (the global cap and each model's) are filled greedily in that order.
+#pragma once
+
+#include "moecache/daemon/heat.h"
+
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <vector>
+
+namespace moecache::daemon {
+
+inline constexpr uint32_t kDenseSlot = std::numeric_limits<uint32_t>::max();
+
+struct PlannerSettings {
+    uint32_t admit_after_uses = 2;
+    double elite_share = 0.125;
+    double hysteresis = 0.25;
+};
+
+struct ModelView {
+    const HeatTable* heat = nullptr;   // n_layers x n_experts
+    std::vector<uint8_t> locked;       // per slot (layer * n_experts + expert): 1 if locked
+    std::vector<uint8_t> pinned;       // per slot
+    std::vector<uint64_t> slot_bytes;  // per slot: bytes locking it costs
+    bool dense_wanted = false;
+    bool dense_locked = false;
+    uint64_t dense_bytes = 0;
+    uint64_t budget = std::numeric_limits<uint64_t>::max();  // this model's cap
+};
+
+struct SlotRef {
+    uint32_t model;
+    uint32_t slot;  // kDenseSlot for the dense part
+    bool operator==(const SlotRef&) const = default;
+};
+
+struct Plan {
+    std::vector<SlotRef> lock;     // hottest first
+    std::vector<SlotRef> release;  // coldest first
+    uint64_t planned_bytes = 0;    // bytes of the whole desired set
+};
+
+Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, const PlannerSettings& s);
+
+}  // namespace moecache::daemon

@@ -1,0 +1,126 @@
+// Prefetcher: reads byte ranges of model files through io_uring so that their pages land in the
+// page cache, ahead of the locker mlocking them. The data read is thrown away.
+//
+// Threading: a Prefetcher belongs to one thread, the one that called create() (the daemon's event
+// loop). The ring is set up SINGLE_ISSUER and, where the kernel has it, DEFER_TASKRUN: every call,
+// the destructor included, must come from that thread. Nothing here blocks except run_until_idle()
+// and the destructor (which waits for the reads still in flight, at most queue_depth of them).
+//
+// Driving it from an epoll loop:
+//   auto p = MC_TRY(Prefetcher::create({.queue_depth = 32}));
+//   p.set_callback([](uint64_t id, uint64_t tag, uint64_t bytes, int err) { ... });
+//   epoll_ctl(ep, EPOLL_CTL_ADD, p.event_fd(), EPOLLIN);
+//   p.enqueue({fd, offset, length, priority, tag});      // any number, from anywhere in the loop
+//   p.submit();                                          // once per loop turn: starts the reads
+//   ... event_fd() readable -> p.on_ready();             // reaps, calls callbacks, refills
+// enqueue() and cancel() only record what is wanted; reads start and callbacks run only inside
+// submit(), on_ready() and run_until_idle(), so a callback never runs inside enqueue() or cancel()
+// and may itself call them.
+//
+// NUMA (Options::numa_node >= 0): create() sets the calling thread's memory policy to
+// MPOL_PREFERRED for that node, before the ring and the read buffers exist, and leaves it set.
+// Guaranteed: the node exists and the policy was accepted (else create() fails). Page-cache pages
+// that this thread's reads allocate (buffered io_uring reads allocate in the submitting task, and
+// io-wq workers, started lazily, inherit its policy) come from that node while it has free memory.
+// Not guaranteed: "preferred" falls back to other nodes when the node is short of memory; pages
+// that were already cached, or that another process's reads or the kernel's own readahead bring
+// in, stay where they are (nothing is migrated); every other allocation of the calling thread
+// also prefers the node from then on.
+#pragma once
+
+#include "moecache/error.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace moecache::daemon {
+
+struct PrefetchRequest {
+    int fd = -1;          // borrowed: must stay open until this request's callback has run
+    uint64_t offset = 0;  // byte range of the file; need not be page aligned
+    uint64_t length = 0;
+    int32_t priority = 0;  // lower is sooner; FIFO among equal priorities
+    uint64_t tag = 0;      // the caller's key (e.g. model, layer, expert); cancel() works by tag
+};
+
+// Bytes and requests as the prefetcher sees them now. Every enqueued byte is in exactly one of
+// queued (not yet issued), inflight (issued, not completed) or, once read, done; bytes that will
+// never be read (EOF, error, cancel) leave queued/inflight without entering done. Once idle,
+// done_bytes is the sum of the bytes reported to the callbacks.
+struct PrefetchProgress {
+    uint64_t queued_bytes = 0;
+    uint64_t inflight_bytes = 0;
+    uint64_t done_bytes = 0;
+    uint64_t requests_done = 0;       // finished without error (an early EOF included)
+    uint64_t requests_failed = 0;     // finished with an errno
+    uint64_t requests_cancelled = 0;  // finished by cancel()
+    // How the work went, for metrics and tests.
+    uint64_t reads_submitted = 0;  // read SQEs, resubmissions included
+    uint64_t short_reads = 0;      // reads that returned less than asked and were resubmitted
+    uint64_t retries = 0;          // reads resubmitted after -EAGAIN / -EINTR
+};
+
+class Prefetcher {
+public:
+    struct Options {
+        uint32_t queue_depth = 32;      // reads in flight across all files, 1..4096
+        uint32_t read_size = 1u << 20;  // largest single read: a multiple of 4096, 4 KiB..64 MiB
+        int numa_node = -1;             // >= 0: prefer this node for the pages read (see above)
+        bool register_buffers = true;   // try fixed buffers (falls back to plain reads)
+        bool defer_taskrun = true;      // try IORING_SETUP_DEFER_TASKRUN (falls back without)
+    };
+
+    // What create() got from this kernel, for logs and tests.
+    struct Setup {
+        uint32_t ring_flags = 0;  // the IORING_SETUP_* flags the kernel accepted
+        uint32_t sq_entries = 0;
+        uint32_t cq_entries = 0;
+        bool registered_buffers = false;
+        int numa_node = -1;
+    };
+
+    // Called once per request when all its reads are done. bytes: bytes read (short when the file
+    // ends before the range does). err: 0, ECANCELED after cancel(), or the errno of the failed
+    // read (EBADF, EIO, EINVAL for a range that overflows, ...). Must not throw.
+    using Callback = std::function<void(uint64_t id, uint64_t tag, uint64_t bytes, int err)>;
+
+    static Result<Prefetcher> create(const Options& options);
+    Prefetcher(Prefetcher&&) noexcept;
+    Prefetcher& operator=(Prefetcher&&) noexcept;
+    Prefetcher(const Prefetcher&) = delete;
+    Prefetcher& operator=(const Prefetcher&) = delete;
+    ~Prefetcher();
+
+    void set_callback(Callback callback);
+
+    // Queues a range, split into reads of at most read_size (split points page aligned). Returns
+    // the request id (never 0). A bad request (fd < 0, a range past 2^63) fails through its callback.
+    uint64_t enqueue(const PrefetchRequest& request);
+    // Drops the queued reads of every live request with this tag and asks the kernel to cancel the
+    // ones in flight; their results are ignored. Each such request then reports ECANCELED with the
+    // bytes it had read. Returns how many requests were cancelled.
+    size_t cancel(uint64_t tag);
+
+    // Runs callbacks of finished requests, fills free slots of the queue in priority order and
+    // submits them in one system call (none when there is nothing to submit).
+    Result<void> submit();
+    // For when event_fd() is readable: reaps every ready completion, then submit(). Never blocks.
+    Result<void> on_ready();
+    // For tools and tests: submits and waits until nothing is queued or in flight.
+    Result<void> run_until_idle();
+
+    // Readable when completions are ready (an eventfd registered with the ring). Owned here.
+    [[nodiscard]] int event_fd() const;
+    // Nothing queued, in flight or waiting for its callback.
+    [[nodiscard]] bool idle() const;
+    [[nodiscard]] PrefetchProgress progress() const;
+    [[nodiscard]] const Setup& setup() const;
+
+private:
+    struct State;
+    explicit Prefetcher(std::unique_ptr<State> state);
+    std::unique_ptr<State> state_;
+};
+
+}  // namespace moecache::daemon

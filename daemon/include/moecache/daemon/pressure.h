@@ -1,0 +1,33 @@
+// Memory pressure, from PSI triggers: /proc/pressure/memory for the machine and, on cgroup v2,
+// memory.pressure of the daemon's own cgroup. Each trigger is a file descriptor that becomes
+// readable with EPOLLPRI when "some" tasks stalled on memory for stall_us within window_us.
+#pragma once
+
+#include "moecache/error.h"
+#include "moecache/unique_fd.h"
+
+#include <string>
+#include <vector>
+
+namespace moecache::daemon {
+
+struct PressureTrigger {
+    std::string path;
+    UniqueFd fd;
+};
+
+class PressureMonitor {
+public:
+    // Arms every trigger it can; the machine-wide one must work, the cgroup one is optional.
+    static Result<PressureMonitor> open(uint32_t stall_us, uint32_t window_us);
+    [[nodiscard]] const std::vector<PressureTrigger>& triggers() const { return triggers_; }
+
+private:
+    std::vector<PressureTrigger> triggers_;
+};
+
+// The cgroup v2 directory of this process ("/sys/fs/cgroup/<path>"), if it has a v2 memory
+// controller; empty on cgroup v1 machines.
+std::string own_cgroup_v2_dir();
+
+}  // namespace moecache::daemon

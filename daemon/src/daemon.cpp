@@ -1,0 +1,506 @@
+#include "moecache/daemon/daemon.h"
+
+#include "moecache/daemon/prefetcher.h"
+#include "moecache/daemon/pressure.h"
+#include "moecache/log.h"
+
+#include <glob.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/signalfd.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <set>
+
+namespace moecache::daemon {
+namespace {
+
+constexpr uint64_t kLockBytesPerTurn = 512ull << 20;  // bounds how long one turn spends in mlock
+
+uint64_t proc_kib(const char* file, std::string_view key) {
+    std::ifstream f(file);
+    std::string line;
+    while (std::getline(f, line))
+        if (line.compare(0, key.size(), key) == 0) return std::strtoull(line.c_str() + key.size(), nullptr, 10) * 1024;
+    return 0;
+}
+
+uint64_t tag_of(uint32_t model, uint32_t slot) { return (uint64_t{model} << 32) | slot; }
+
+// The files a configured path names: a glob expands to its matches; the parts of one split set
+// count once (by part 1). A plain path that does not exist is still returned, to be retried.
+std::vector<std::string> expand(const std::string& pattern) {
+    if (pattern.find_first_of("*?[") == std::string::npos) return {pattern};
+    glob_t g{};
+    std::vector<std::string> out;
+    if (::glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g) == 0) {
+        std::set<std::string> seen;
+        for (size_t i = 0; i < g.gl_pathc; ++i) {
+            std::string p = g.gl_pathv[i];
+            if (auto s = parse_split_name(p)) p = split_path(s->prefix, 0, s->count);
+            if (seen.insert(p).second) out.push_back(p);
+        }
+    }
+    ::globfree(&g);
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+}  // namespace
+
+uint64_t mem_total_bytes() { return proc_kib("/proc/meminfo", "MemTotal:"); }
+uint64_t vmlck_bytes() { return proc_kib("/proc/self/status", "VmLck:"); }
+
+struct Daemon::ModelEntry {
+    uint32_t id = 0;
+    ModelConfig config;
+    std::string path;
+    std::unique_ptr<ModelResidency> res;
+    std::string error;  // the last reason it could not be loaded, logged once
+    std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn
+};
+
+Daemon::~Daemon() {
+    for (auto& m : models_)
+        if (m->res) close_model(*m, "the daemon stops");
+}
+
+Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
+    std::unique_ptr<Daemon> d(new Daemon());
+    d->config_ = std::move(config);
+    d->mem_total_ = mem_total_bytes();
+    MC_TRY_VOID(validate_config(d->config_, d->mem_total_));
+
+    d->epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
+    if (!d->epoll_) return fail_errno("epoll_create1");
+    auto watch = [&](int fd, uint32_t events) -> Result<void> {
+        epoll_event ev{};
+        ev.events = events;
+        ev.data.fd = fd;
+        if (::epoll_ctl(d->epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) return fail_errno("epoll_ctl add fd {}", fd);
+        return {};
+    };
+
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGHUP);
+    // Blocked in this thread so that they arrive through the signalfd; threads created later
+    // (io_uring workers) inherit the mask.
+    ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+    d->signal_fd_.reset(::signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC));
+    if (!d->signal_fd_) return fail_errno("signalfd");
+    MC_TRY_VOID(watch(d->signal_fd_.get(), EPOLLIN));
+
+    d->timer_fd_.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+    if (!d->timer_fd_) return fail_errno("timerfd_create");
+    const double t = d->config_.tick_seconds;
+    itimerspec its{};
+    its.it_interval.tv_sec = static_cast<time_t>(t);
+    its.it_interval.tv_nsec = static_cast<long>((t - std::floor(t)) * 1e9);
+    its.it_value = its.it_interval;
+    if (::timerfd_settime(d->timer_fd_.get(), 0, &its, nullptr) != 0) return fail_errno("timerfd_settime");
+    MC_TRY_VOID(watch(d->timer_fd_.get(), EPOLLIN));
+
+    Prefetcher::Options po;
+    po.queue_depth = d->config_.queue_depth;
+    po.read_size = d->config_.read_size;
+    po.numa_node = d->config_.numa_node;
+    d->prefetcher_ = std::make_unique<Prefetcher>(MC_TRY(Prefetcher::create(po)));
+    Daemon* self = d.get();
+    d->prefetcher_->set_callback([self](uint64_t, uint64_t tag, uint64_t bytes, int err) { self->on_fetched(tag, bytes, err); });
+    MC_TRY_VOID(watch(d->prefetcher_->event_fd(), EPOLLIN));
+
+    if (d->config_.pressure_enabled) {
+        auto pm = PressureMonitor::open(d->config_.pressure_stall_us, d->config_.pressure_window_us);
+        if (pm) {
+            d->pressure_ = std::make_unique<PressureMonitor>(std::move(*pm));
+            for (const auto& trig : d->pressure_->triggers()) MC_TRY_VOID(watch(trig.fd.get(), EPOLLPRI));
+        } else {
+            MC_LOG(LOG_WARNING, "memory pressure back-off is off: {}", pm.error().what());
+        }
+    }
+
+    d->add_plain_models();
+    d->refresh_models();
+    d->last_save_ = std::chrono::steady_clock::now();
+    d->place();
+    return d;
+}
+
+uint64_t Daemon::lock_cap() const {
+    const uint64_t budget = config_.lock_budget.resolve(mem_total_);
+    const uint64_t reserve = config_.reserve.resolve(mem_total_);
+    const uint64_t ram_cap = mem_total_ > reserve ? mem_total_ - reserve : 0;
+    return std::min({budget, ram_cap, pressure_cap_});
+}
+
+uint64_t Daemon::model_cap(const ModelEntry& m) const {
+    return m.config.budget ? m.config.budget->resolve(mem_total_) : UINT64_MAX;
+}
+
+uint64_t Daemon::total_locked() const {
+    uint64_t t = 0;
+    for (const auto& m : models_)
+        if (m->res) t += m->res->locked_bytes();
+    return t;
+}
+
+std::string Daemon::profile_path(const std::string& key) const {
+    return config_.state_dir + "/profiles/" + key + ".json";
+}
+
+void Daemon::add_plain_models() {
+    // Plain paths get their entry now (and are retried while missing); globs in refresh_models().
+    for (const auto& mc : config_.models) {
+        if (mc.path.find_first_of("*?[") != std::string::npos) continue;
+        const bool known = std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == mc.path; });
+        if (known) continue;
+        auto e = std::make_unique<ModelEntry>();
+        e->id = next_model_id_++;
+        e->config = mc;
+        e->path = mc.path;
+        models_.push_back(std::move(e));
+    }
+}
+
+void Daemon::refresh_models() {
+    // Globs may name new files; configured models that went away are closed.
+    for (const auto& mc : config_.models) {
+        if (mc.path.find_first_of("*?[") == std::string::npos) continue;
+        for (const auto& p : expand(mc.path)) {
+            const bool known = std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == p; });
+            if (known) continue;
+            auto e = std::make_unique<ModelEntry>();
+            e->id = next_model_id_++;
+            e->config = mc;
+            e->path = p;
+            models_.push_back(std::move(e));
+        }
+    }
+    for (auto& m : models_) {
+        if (m->res) {
+            auto same = m->res->model().unchanged();
+            if (!same || !*same) close_model(*m, same ? "the file changed on disk or went away" : same.error().what());
+        }
+        if (!m->res) open_model(*m);
+    }
+}
+
+void Daemon::open_model(ModelEntry& m) {
+    auto res = ModelResidency::open(m.path, m.config, config_.decay_half_life_tokens);
+    if (!res) {
+        const std::string why = res.error().what();
+        if (why != m.error) MC_LOG(LOG_WARNING, "model {} is not loaded (retrying): {}", m.path, why);
+        m.error = why;
+        return;
+    }
+    m.res = std::move(*res);
+    m.error.clear();
+    const auto& map = m.res->model().map();
+    MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
+           map.files.size());
+    const std::string pp = profile_path(m.res->model().profile_key());
+    if (::access(pp.c_str(), F_OK) == 0) {
+        auto text = read_text_file(pp);
+        auto ok = text ? m.res->heat().load_profile(*text, m.res->model().profile_key(), pp)
+                       : Result<void>(tl::unexpected(text.error()));
+        if (ok) MC_LOG(LOG_INFO, "model {}: heat profile {} loaded: starting warm", m.path, pp);
+        else MC_LOG(LOG_WARNING, "model {}: heat profile ignored: {}", m.path, ok.error().what());
+    }
+    (void)m.res->refresh_cached();
+}
+
+void Daemon::close_model(ModelEntry& m, const std::string& why) {
+    if (!m.res) return;
+    MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
+    const std::string key = m.res->model().profile_key();
+    if (auto r = write_file_atomic(profile_path(key), m.res->heat().to_profile(key)); !r)
+        MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
+    for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
+        if (m.res->state(s).tier == Tier::Fetching) prefetcher_->cancel(tag_of(m.id, s));
+        (void)m.res->release(s, false);
+    }
+    if (m.res->state(kDenseSlot).tier == Tier::Fetching) prefetcher_->cancel(tag_of(m.id, kDenseSlot));
+    (void)m.res->release(kDenseSlot, false);
+    m.res.reset();
+    m.waiting.clear();
+}
+
+void Daemon::place() {
+    std::vector<ModelView> views;
+    std::vector<ModelEntry*> loaded;
+    for (auto& m : models_)
+        if (m->res) {
+            views.push_back(m->res->view(model_cap(*m)));
+            loaded.push_back(m.get());
+        }
+    const PlannerSettings s{config_.admit_after_uses, config_.elite_share, config_.hysteresis};
+    const Plan plan = plan_placement(views, lock_cap(), s);
+    for (const auto& r : plan.release) {
+        auto& m = *loaded[r.model];
+        if (auto rel = m.res->release(r.slot, /*drop=*/false); !rel)
+            MC_LOG(LOG_WARNING, "model {}: release: {}", m.path, rel.error().what());
+    }
+    int32_t priority = 0;
+    for (const auto& r : plan.lock) {
+        auto& m = *loaded[r.model];
+        SlotState& st = m.res->state(r.slot);
+        if (st.tier != Tier::Storage) continue;
+        if (st.cached_bytes >= m.res->slot_bytes(r.slot) - std::min<uint64_t>(m.res->slot_bytes(r.slot), 2 * 4096)) {
+            m.waiting.push_back(r.slot);  // already cached: lock without reading
+            continue;
+        }
+        st.tier = Tier::Fetching;
+        for (const auto& range : m.res->ranges(r.slot)) {
+            const auto& f = m.res->model().files()[range.file];
+            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, tag_of(m.id, r.slot)});
+            ++st.fetches_pending;
+        }
+        ++priority;
+    }
+    if (auto r = prefetcher_->submit(); !r) MC_LOG(LOG_WARNING, "prefetch: {}", r.error().what());
+    uint64_t budget = kLockBytesPerTurn;
+    for (auto* m : loaded) {
+        std::vector<uint32_t> waiting;
+        waiting.swap(m->waiting);
+        for (uint32_t slot : waiting) {
+            if (budget == 0) {
+                m->waiting.push_back(slot);
+                continue;
+            }
+            const uint64_t bytes = m->res->slot_bytes(slot);
+            try_lock(*m, slot);
+            budget -= std::min(budget, bytes);
+        }
+    }
+}
+
+void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
+    SlotState& st = m.res->state(slot);
+    if (st.tier == Tier::Locked) return;
+    const uint64_t need = m.res->slot_bytes(slot);
+    if (total_locked() + need > lock_cap() || m.res->locked_bytes() + need > model_cap(m)) {
+        st.tier = Tier::Storage;  // the plan will ask again if it still wants it
+        return;
+    }
+    if (auto r = m.res->lock(slot); !r) {
+        st.tier = Tier::Storage;
+        MC_LOG(LOG_WARNING, "model {}: lock: {}", m.path, r.error().what());
+        // A file truncated or replaced under us fails here first: look at it again now.
+        if (auto same = m.res->model().unchanged(); !same || !*same) close_model(m, "the file changed on disk");
+    }
+}
+
+void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
+    const auto id = static_cast<uint32_t>(tag >> 32);
+    const auto slot = static_cast<uint32_t>(tag & 0xffffffffu);
+    for (auto& m : models_) {
+        if (m->id != id || !m->res) continue;
+        SlotState& st = m->res->state(slot);
+        if (st.fetches_pending > 0) --st.fetches_pending;
+        if (err != 0 && err != ECANCELED) MC_LOG(LOG_WARNING, "model {}: prefetch failed: {}", m->path, std::strerror(err));
+        if (st.fetches_pending == 0 && st.tier == Tier::Fetching) m->waiting.push_back(slot);
+    }
+}
+
+void Daemon::tick() {
+    refresh_models();
+    for (auto& m : models_)
+        if (m->res) (void)m->res->refresh_cached();
+    const auto now = std::chrono::steady_clock::now();
+    if (pressure_cap_ != UINT64_MAX &&
+        now - last_pressure_ > std::chrono::duration<double>(config_.pressure_recover_seconds)) {
+        MC_LOG(LOG_INFO, "memory pressure has gone: taking memory back");
+        pressure_cap_ = UINT64_MAX;
+    }
+    if (now - last_save_ > std::chrono::duration<double>(config_.save_interval_seconds)) {
+        (void)save_profiles();
+        last_save_ = now;
+    }
+    place();
+}
+
+void Daemon::on_pressure(const std::string& source) {
+    ++pressure_events_;
+    last_pressure_ = std::chrono::steady_clock::now();
+    const uint64_t locked = total_locked();
+    const auto keep = static_cast<uint64_t>(static_cast<double>(locked) * (1.0 - config_.pressure_release_share));
+    pressure_cap_ = std::min(pressure_cap_, keep);
+    MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source,
+           pressure_cap_ >> 20);
+    place();
+}
+
+void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
+    for (auto& m : models_) {
+        if (m->id != model || !m->res) continue;
+        if (const auto layer = m->res->layer_of_block(block)) {
+            // The clock advances once per batch: on the first MoE layer's report.
+            if (*layer == 0) m->res->heat().advance_clock(tokens);
+            m->res->heat().record(*layer, experts);
+        }
+    }
+}
+
+Result<void> Daemon::save_profiles() {
+    for (auto& m : models_) {
+        if (!m->res) continue;
+        const std::string key = m->res->model().profile_key();
+        MC_TRY_VOID(write_file_atomic(profile_path(key), m->res->heat().to_profile(key)));
+    }
+    return {};
+}
+
+Result<void> Daemon::reload(Config config) {
+    MC_TRY_VOID(validate_config(config, mem_total_));
+    // Models no longer configured are closed; new ones are opened.
+    std::vector<std::unique_ptr<ModelEntry>> kept;
+    for (auto& m : models_) {
+        const bool still = std::any_of(config.models.begin(), config.models.end(), [&](const ModelConfig& mc) {
+            return mc.path == m->config.path;
+        });
+        if (still) kept.push_back(std::move(m));
+        else close_model(*m, "removed from the configuration");
+    }
+    models_ = std::move(kept);
+    config_ = std::move(config);
+    add_plain_models();
+    for (auto& m : models_)
+        if (m->res) m->res->heat().set_half_life(config_.decay_half_life_tokens);
+    refresh_models();
+    place();
+    MC_LOG(LOG_INFO, "configuration reloaded: lock budget now {} MiB", lock_cap() >> 20);
+    return {};
+}
+
+Result<void> Daemon::handle_signal() {
+    signalfd_siginfo si{};
+    while (::read(signal_fd_.get(), &si, sizeof si) == sizeof si) {
+        if (si.ssi_signo == SIGHUP) {
+            if (config_.sources.empty()) continue;
+            auto c = load_config(config_.sources.front());
+            if (!c) {
+                MC_LOG(LOG_ERR, "reload refused, the running configuration stays: {}", c.error().what());
+                continue;
+            }
+            if (auto r = reload(std::move(*c)); !r) MC_LOG(LOG_ERR, "reload refused: {}", r.error().what());
+        } else {
+            MC_LOG(LOG_INFO, "signal {}: stopping", si.ssi_signo);
+            stopping_ = true;
+        }
+    }
+    return {};
+}
+
+Result<void> Daemon::step(int timeout_ms) {
+    epoll_event events[16];
+    const int n = ::epoll_wait(epoll_.get(), events, 16, timeout_ms);
+    if (n < 0) {
+        if (errno == EINTR) return {};
+        return fail_errno("epoll_wait");
+    }
+    bool want_place = false;
+    for (int i = 0; i < n; ++i) {
+        const int fd = events[i].data.fd;
+        if (fd == signal_fd_.get()) {
+            MC_TRY_VOID(handle_signal());
+        } else if (fd == timer_fd_.get()) {
+            uint64_t expirations;
+            while (::read(fd, &expirations, sizeof expirations) > 0) {}
+            tick();
+        } else if (fd == prefetcher_->event_fd()) {
+            MC_TRY_VOID(prefetcher_->on_ready());
+            want_place = true;
+        } else if (pressure_) {
+            for (const auto& t : pressure_->triggers())
+                if (t.fd.get() == fd) on_pressure(t.path);
+        }
+    }
+    if (want_place) place();
+    return {};
+}
+
+Result<void> Daemon::run() {
+    MC_LOG(LOG_INFO, "moecached running: lock cap {} MiB of {} MiB RAM, {} model(s) configured", lock_cap() >> 20,
+           mem_total_ >> 20, config_.models.size());
+    while (!stopping_) MC_TRY_VOID(step(-1));
+    if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
+    for (auto& m : models_)
+        if (m->res) close_model(*m, "the daemon stops");
+    return {};
+}
+
+bool Daemon::idle() const {
+    for (const auto& m : models_) {
+        if (!m->res) continue;
+        if (!m->waiting.empty()) return false;
+        for (uint32_t s = 0; s < m->res->n_slots(); ++s)
+            if (m->res->state(s).tier == Tier::Fetching) return false;
+        if (m->res->state(kDenseSlot).tier == Tier::Fetching) return false;
+    }
+    return true;
+}
+
+std::optional<uint32_t> Daemon::model_id(const std::string& path) const {
+    for (const auto& m : models_)
+        if (m->path == path || m->config.path == path) return m->id;
+    return std::nullopt;
+}
+
+DaemonStatus Daemon::status() const {
+    DaemonStatus s;
+    s.mem_total = mem_total_;
+    s.lock_cap = lock_cap();
+    s.locked_bytes = total_locked();
+    s.vmlck_bytes = vmlck_bytes();
+    s.pressure_events = pressure_events_;
+    s.under_pressure = pressure_cap_ != UINT64_MAX;
+    const auto p = prefetcher_->progress();
+    s.prefetch_done_bytes = p.done_bytes;
+    s.prefetch_queued_bytes = p.queued_bytes;
+    for (const auto& m : models_) {
+        ModelStatus ms;
+        ms.id = m->id;
+        ms.path = m->path;
+        ms.error = m->error;
+        ms.loaded = m->res != nullptr;
+        if (m->res) {
+            const auto& r = *m->res;
+            ms.key = r.model().profile_key();
+            ms.locked_bytes = r.locked_bytes();
+            ms.dense_tier = r.state(kDenseSlot).tier;
+            ms.dense_bytes = r.slot_bytes(kDenseSlot);
+            const auto& map = r.model().map();
+            const auto view = r.view(0);
+            for (uint32_t slot = 0; slot < r.n_slots(); ++slot) {
+                ExpertStatus e;
+                const uint32_t layer = slot / map.n_experts;
+                e.block = map.layers[layer].index;
+                e.expert = slot % map.n_experts;
+                const auto& st = r.state(slot);
+                e.tier = st.tier;
+                e.heat = r.heat().heat(layer, e.expert);
+                e.uses = r.heat().uses(layer, e.expert);
+                e.pinned = view.pinned[slot] != 0;
+                e.bytes = map.layers[layer].bytes_per_expert;
+                e.cached_bytes = st.cached_bytes;
+                e.locked_bytes = st.locked_bytes;
+                ms.expert_bytes += e.bytes;
+                ms.expert_cached_bytes += e.cached_bytes;
+                ms.expert_locked_bytes += e.locked_bytes;
+                ms.experts.push_back(e);
+            }
+        }
+        s.models.push_back(std::move(ms));
+    }
+    return s;
+}
+
+}  // namespace moecache::daemon

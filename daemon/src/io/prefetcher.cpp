@@ -1,0 +1,470 @@
+// The prefetcher's scheduler: requests wait in per-priority FIFOs, are cut into reads, and each
+// read occupies one of queue_depth slots (its own buffer) from submission to completion. The
+// kernel tells us which slot completed through the SQE user data: slot index and generation.
+#include "moecache/daemon/prefetcher.h"
+
+#include "moecache/log.h"
+#include "moecache/unique_fd.h"
+#include "ring.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <map>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace moecache::daemon {
+
+namespace {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint32_t kMaxQueueDepth = 4096;
+constexpr uint32_t kMaxReadSize = 64u << 20;
+constexpr uint32_t kMaxRetries = 16;  // -EAGAIN / -EINTR in a row on one read before it fails
+
+// A read's user data: the slot in the low bits, the slot's generation above them, so that a
+// completion or cancel meant for an earlier read of a reused slot is never taken for the current one.
+constexpr unsigned kSlotBits = 16;
+constexpr uint64_t kSlotMask = (uint64_t{1} << kSlotBits) - 1;
+constexpr uint64_t kCancelUserData = ~uint64_t{0};  // our ASYNC_CANCEL SQEs: their results don't matter
+static_assert(kMaxQueueDepth <= kSlotMask);
+
+uint64_t read_user_data(uint32_t slot, uint64_t generation) { return (generation << kSlotBits) | slot; }
+
+Result<void> validate(const Prefetcher::Options& o) {
+    if (o.queue_depth == 0 || o.queue_depth > kMaxQueueDepth)
+        return fail(EINVAL, fmt::format("prefetch queue_depth {} is out of range 1..{}", o.queue_depth, kMaxQueueDepth));
+    if (o.read_size < kPage || o.read_size > kMaxReadSize || o.read_size % kPage != 0)
+        return fail(EINVAL, fmt::format("prefetch read_size {} must be a multiple of 4096 between 4 KiB and 64 MiB",
+                                        o.read_size));
+    if (o.numa_node < -1) return fail(EINVAL, fmt::format("prefetch numa_node {}: use -1 or a node number", o.numa_node));
+    return {};
+}
+
+}  // namespace
+
+struct Prefetcher::State {
+    struct Request {
+        uint64_t tag = 0;
+        int fd = -1;
+        uint64_t next = 0;  // [next, end) is not issued yet
+        uint64_t end = 0;
+        uint64_t bytes_read = 0;
+        uint32_t inflight = 0;  // reads issued whose completion has not been reaped
+        int err = 0;
+        bool cancelled = false;
+    };
+    struct Slot {
+        uint64_t request = 0;  // 0: free
+        uint64_t generation = 0;
+        uint64_t offset = 0;  // of the whole read; a short read continues at offset + done
+        uint32_t length = 0;
+        uint32_t done = 0;
+        uint32_t retries = 0;
+        bool cancel_sent = false;
+    };
+    struct Finished {
+        uint64_t id, tag, bytes;
+        int err;
+    };
+
+    Options options;
+    Setup setup;
+    Callback callback;
+    // Destroyed in reverse: the ring first (the kernel drops its references to the eventfd and the
+    // registered buffers), then the eventfd, then the buffers.
+    io::BufferPool buffers;
+    UniqueFd eventfd;
+    std::unique_ptr<io::Ring> ring;
+
+    std::unordered_map<uint64_t, Request> requests;           // live requests by id
+    std::map<int32_t, std::deque<uint64_t>> waiting;          // ids by priority, FIFO; stale ids are skipped
+    std::unordered_map<uint64_t, std::vector<uint64_t>> by_tag;  // live ids by tag, for cancel()
+    std::vector<Slot> slots;
+    std::vector<uint32_t> free_slots;
+    uint32_t busy_slots = 0;
+    uint32_t cancels_in_kernel = 0;  // ASYNC_CANCEL SQEs whose completion is not reaped yet
+    std::vector<Finished> finished;  // waiting for their callback
+    uint64_t next_id = 1;
+    PrefetchProgress progress;
+
+    State() = default;
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
+    ~State() { drain_before_exit(); }
+
+    uint64_t enqueue(const PrefetchRequest& q);
+    size_t cancel(uint64_t tag);
+    Result<void> submit();
+    Result<void> on_ready();
+    Result<void> run_until_idle();
+    [[nodiscard]] bool idle() const { return requests.empty() && finished.empty() && busy_slots == 0; }
+
+private:
+    void fill_slots();
+    void prep_read(uint32_t slot);
+    void prep_cancel(uint32_t slot);
+    io_uring_sqe* next_sqe();
+    Result<void> flush();
+    void reap();
+    void complete(uint64_t user_data, int res);
+    void release(uint32_t slot, Request& r);
+    void stop_issuing(Request& r);
+    void finish_if_done(uint64_t id);
+    void finish_now(uint64_t id, uint64_t tag, int err);
+    void deliver();
+    void drain_eventfd() const;
+    [[nodiscard]] bool kernel_holds_work() const;
+    void drain_before_exit();
+};
+
+uint64_t Prefetcher::State::enqueue(const PrefetchRequest& q) {
+    const uint64_t id = next_id++;
+    constexpr uint64_t kMaxOffset = uint64_t{std::numeric_limits<int64_t>::max()};
+    if (q.fd < 0) {
+        finish_now(id, q.tag, EBADF);
+    } else if (q.length > kMaxOffset || q.offset > kMaxOffset - q.length) {
+        finish_now(id, q.tag, EINVAL);  // the kernel takes loff_t offsets
+    } else if (q.length == 0) {
+        finish_now(id, q.tag, 0);
+    } else {
+        requests.emplace(id, Request{.tag = q.tag, .fd = q.fd, .next = q.offset, .end = q.offset + q.length});
+        waiting[q.priority].push_back(id);
+        by_tag[q.tag].push_back(id);
+        progress.queued_bytes += q.length;
+    }
+    return id;
+}
+
+size_t Prefetcher::State::cancel(uint64_t tag) {
+    const auto t = by_tag.find(tag);
+    if (t == by_tag.end()) return 0;
+    const std::vector<uint64_t> ids = t->second;  // a copy: finishing edits by_tag
+    size_t n = 0;
+    for (const uint64_t id : ids) {
+        Request& r = requests.at(id);
+        if (r.cancelled) continue;
+        r.cancelled = true;
+        stop_issuing(r);
+        ++n;
+        finish_if_done(id);
+    }
+    // The reads still in flight: ask the kernel to drop them (it can while one waits in io-wq;
+    // a read already waiting on the device just completes), and ignore what they return.
+    for (uint32_t i = 0; i < slots.size(); ++i) {
+        Slot& s = slots[i];
+        if (s.request == 0 || s.cancel_sent) continue;
+        const auto it = requests.find(s.request);
+        if (it != requests.end() && it->second.cancelled) prep_cancel(i);
+    }
+    return n;
+}
+
+Result<void> Prefetcher::State::submit() {
+    deliver();
+    fill_slots();
+    return flush();
+}
+
+Result<void> Prefetcher::State::on_ready() {
+    // Clear the eventfd before looking, so that a completion arriving after this point signals it
+    // again: the other order could lose a wakeup.
+    drain_eventfd();
+    // Under DEFER_TASKRUN completions are only posted when we enter the kernel for them.
+    if (ring->defers_taskrun() && kernel_holds_work()) {
+        const int r = io_uring_get_events(ring->get());
+        if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) return fail(-r, "io_uring_get_events");
+    }
+    reap();
+    return submit();
+}
+
+Result<void> Prefetcher::State::run_until_idle() {
+    for (;;) {
+        MC_TRY_VOID(submit());
+        if (busy_slots == 0) {
+            if (idle()) break;
+            continue;  // callbacks queued or finished more work: go round again
+        }
+        const int r = io_uring_submit_and_wait(ring->get(), 1);
+        if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) return fail(-r, "io_uring_submit_and_wait");
+        reap();
+    }
+    drain_eventfd();  // what it counted has been handled here
+    return {};
+}
+
+void Prefetcher::State::fill_slots() {
+    while (!free_slots.empty() && !waiting.empty()) {
+        const auto level = waiting.begin();
+        const uint64_t id = level->second.front();
+        const auto it = requests.find(id);
+        if (it == requests.end() || it->second.next >= it->second.end) {
+            level->second.pop_front();  // finished, cancelled or fully issued
+            if (level->second.empty()) waiting.erase(level);
+            continue;
+        }
+        Request& r = it->second;
+        // After the first read every split point is page aligned, so no page is read twice.
+        const uint64_t length = std::min(r.end - r.next, options.read_size - r.next % kPage);
+        const uint32_t i = free_slots.back();
+        free_slots.pop_back();
+        ++busy_slots;
+        Slot& s = slots[i];
+        s = Slot{.request = id, .generation = s.generation + 1, .offset = r.next,
+                 .length = static_cast<uint32_t>(length)};
+        r.next += length;
+        ++r.inflight;
+        progress.queued_bytes -= length;
+        progress.inflight_bytes += length;
+        prep_read(i);
+    }
+}
+
+void Prefetcher::State::prep_read(uint32_t i) {
+    const Slot& s = slots[i];
+    const Request& r = requests.at(s.request);
+    io_uring_sqe* sqe = next_sqe();
+    // The data is thrown away, so a short read's remainder may land at the start of the buffer.
+    void* buf = buffers.buffer(i);
+    const uint32_t len = s.length - s.done;
+    const uint64_t off = s.offset + s.done;
+    if (setup.registered_buffers)
+        io_uring_prep_read_fixed(sqe, r.fd, buf, len, off, static_cast<int>(i));
+    else
+        io_uring_prep_read(sqe, r.fd, buf, len, off);
+    io_uring_sqe_set_data64(sqe, read_user_data(i, s.generation));
+    ++progress.reads_submitted;
+}
+
+void Prefetcher::State::prep_cancel(uint32_t i) {
+    io_uring_sqe* sqe = next_sqe();
+    io_uring_prep_cancel64(sqe, read_user_data(i, slots[i].generation), 0);
+    io_uring_sqe_set_data64(sqe, kCancelUserData);
+    slots[i].cancel_sent = true;
+    ++cancels_in_kernel;
+}
+
+io_uring_sqe* Prefetcher::State::next_sqe() {
+    // The SQ holds 2 x queue_depth entries and at most one read and one cancel per slot wait in
+    // it, so it cannot be full; submitting (and retrying) is only a guard.
+    io_uring_sqe* sqe = io_uring_get_sqe(ring->get());
+    while (sqe == nullptr) {
+        (void)io_uring_submit(ring->get());
+        sqe = io_uring_get_sqe(ring->get());
+    }
+    return sqe;
+}
+
+Result<void> Prefetcher::State::flush() {
+    while (io_uring_sq_ready(ring->get()) > 0) {
+        const int r = io_uring_submit(ring->get());
+        if (r > 0 || r == -EINTR) continue;
+        if (r == 0) break;
+        // Out of kernel resources (or a CQ backlog): the SQEs stay queued and go with the next
+        // submit, which a completion will bring, as long as something is in the kernel.
+        if ((r == -EAGAIN || r == -EBUSY) && kernel_holds_work()) break;
+        return fail(-r, fmt::format("io_uring_submit ({} SQEs)", io_uring_sq_ready(ring->get())));
+    }
+    return {};
+}
+
+bool Prefetcher::State::kernel_holds_work() const {
+    io_uring* rg = ring->get();
+    return busy_slots + cancels_in_kernel > io_uring_sq_ready(rg);
+}
+
+void Prefetcher::State::reap() {
+    // Everything ready first, then one advance of the CQ head.
+    unsigned head = 0;
+    unsigned n = 0;
+    io_uring_cqe* cqe = nullptr;
+    io_uring_for_each_cqe(ring->get(), head, cqe) {
+        complete(cqe->user_data, cqe->res);
+        ++n;
+    }
+    io_uring_cq_advance(ring->get(), n);
+}
+
+void Prefetcher::State::complete(uint64_t user_data, int res) {
+    if (user_data == kCancelUserData) {
+        --cancels_in_kernel;
+        return;
+    }
+    const auto i = static_cast<uint32_t>(user_data & kSlotMask);
+    if (i >= slots.size() || slots[i].request == 0 || slots[i].generation != user_data >> kSlotBits) return;
+    Slot& s = slots[i];
+    const uint64_t id = s.request;
+    Request& r = requests.at(id);
+    const uint32_t asked = s.length - s.done;
+
+    if (r.cancelled) {
+        progress.inflight_bytes -= asked;
+    } else if (res > 0) {
+        const uint32_t got = std::min(static_cast<uint32_t>(res), asked);
+        s.done += got;
+        s.retries = 0;
+        r.bytes_read += got;
+        progress.done_bytes += got;
+        progress.inflight_bytes -= got;
+        if (s.done < s.length) {
+            if (r.err == 0) {
+                ++progress.short_reads;
+                prep_read(i);  // the rest of it, in the same slot
+                return;
+            }
+            progress.inflight_bytes -= s.length - s.done;
+        }
+    } else if (res == 0) {
+        // At or past EOF (the file may have been truncated under us): the request ends here,
+        // without an error, with what it read.
+        progress.inflight_bytes -= asked;
+        stop_issuing(r);
+    } else if ((res == -EAGAIN || res == -EINTR) && s.retries < kMaxRetries) {
+        ++s.retries;
+        ++progress.retries;
+        prep_read(i);
+        return;
+    } else {
+        progress.inflight_bytes -= asked;
+        if (r.err == 0) r.err = -res;
+        stop_issuing(r);
+    }
+    release(i, r);
+    finish_if_done(id);
+}
+
+void Prefetcher::State::release(uint32_t i, Request& r) {
+    slots[i].request = 0;
+    slots[i].cancel_sent = false;
+    free_slots.push_back(i);
+    --busy_slots;
+    --r.inflight;
+}
+
+void Prefetcher::State::stop_issuing(Request& r) {
+    progress.queued_bytes -= r.end - r.next;
+    r.end = r.next;
+}
+
+void Prefetcher::State::finish_if_done(uint64_t id) {
+    const auto it = requests.find(id);
+    const Request& r = it->second;
+    if (r.inflight != 0 || r.next < r.end) return;
+    const int err = r.cancelled ? ECANCELED : r.err;
+    if (r.cancelled)
+        ++progress.requests_cancelled;
+    else if (err != 0)
+        ++progress.requests_failed;
+    else
+        ++progress.requests_done;
+    finished.push_back(Finished{id, r.tag, r.bytes_read, err});
+    auto& ids = by_tag[r.tag];
+    ids.erase(std::find(ids.begin(), ids.end(), id));
+    if (ids.empty()) by_tag.erase(r.tag);
+    requests.erase(it);
+}
+
+// A request that ends before any read: counted and reported like any other.
+void Prefetcher::State::finish_now(uint64_t id, uint64_t tag, int err) {
+    if (err != 0)
+        ++progress.requests_failed;
+    else
+        ++progress.requests_done;
+    finished.push_back(Finished{id, tag, 0, err});
+}
+
+void Prefetcher::State::deliver() {
+    while (!finished.empty()) {
+        std::vector<Finished> batch;
+        batch.swap(finished);  // callbacks may enqueue, cancel and finish more
+        if (!callback) continue;
+        for (const Finished& f : batch) callback(f.id, f.tag, f.bytes, f.err);
+    }
+}
+
+void Prefetcher::State::drain_eventfd() const {
+    uint64_t count = 0;
+    // Non-blocking: EAGAIN when nothing was signalled.
+    while (::read(eventfd.get(), &count, sizeof count) < 0 && errno == EINTR) {
+    }
+}
+
+// The kernel may still write into the buffers of reads in flight, so they must complete before
+// the buffers go. Nobody is called back: the owner is going away.
+void Prefetcher::State::drain_before_exit() {
+    if (!ring) return;
+    for (auto& [id, r] : requests) {
+        r.cancelled = true;
+        stop_issuing(r);
+    }
+    for (uint32_t i = 0; i < slots.size(); ++i) {
+        if (slots[i].request != 0 && !slots[i].cancel_sent) prep_cancel(i);
+    }
+    while (busy_slots > 0) {
+        const int r = io_uring_submit_and_wait(ring->get(), 1);
+        if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
+            // E.g. -EEXIST: destroyed from another thread than the one that made it (DEFER_TASKRUN).
+            MC_LOG(LOG_ERR, "prefetcher: cannot wait for {} reads in flight ({}); leaking their buffers",
+                   busy_slots, Error{-r, ""}.what());
+            if (!setup.registered_buffers) buffers.leak();  // registered ones are pinned by the kernel
+            return;
+        }
+        reap();
+    }
+}
+
+Result<Prefetcher> Prefetcher::create(const Options& options) {
+    MC_TRY_VOID(validate(options));
+    if (options.numa_node >= 0) MC_TRY_VOID(io::prefer_numa_node(options.numa_node));
+
+    auto s = std::make_unique<State>();
+    s->options = options;
+    // After the memory policy: the buffers come from the preferred node too.
+    s->buffers = MC_TRY(io::BufferPool::allocate(options.queue_depth, options.read_size));
+    s->eventfd = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!s->eventfd) return fail_errno("eventfd for the prefetch ring");
+    // Room for one read and one cancel per slot in the SQ, and for every completion in the CQ.
+    s->ring = MC_TRY(io::Ring::create({.sq_entries = 2 * options.queue_depth,
+                                       .cq_entries = 4 * options.queue_depth,
+                                       .defer_taskrun = options.defer_taskrun}));
+    MC_TRY_VOID(s->ring->register_eventfd(s->eventfd.get()));
+    if (options.register_buffers) {
+        // Fixed buffers save pinning the pages on every read; they count against RLIMIT_MEMLOCK
+        // without CAP_IPC_LOCK, so plain reads are the fallback.
+        const auto reg = s->ring->register_buffers(s->buffers.iovecs());
+        s->setup.registered_buffers = reg.has_value();
+        if (!reg) MC_LOG(LOG_INFO, "prefetcher: plain reads, no fixed buffers: {}", reg.error().what());
+    }
+    s->setup.ring_flags = s->ring->flags();
+    s->setup.sq_entries = s->ring->sq_entries();
+    s->setup.cq_entries = s->ring->cq_entries();
+    s->setup.numa_node = options.numa_node;
+    s->slots.resize(options.queue_depth);
+    for (uint32_t i = options.queue_depth; i > 0; --i) s->free_slots.push_back(i - 1);
+    return Prefetcher(std::move(s));
+}
+
+Prefetcher::Prefetcher(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Prefetcher::Prefetcher(Prefetcher&&) noexcept = default;
+Prefetcher& Prefetcher::operator=(Prefetcher&&) noexcept = default;
+Prefetcher::~Prefetcher() = default;
+
+void Prefetcher::set_callback(Callback callback) { state_->callback = std::move(callback); }
+uint64_t Prefetcher::enqueue(const PrefetchRequest& request) { return state_->enqueue(request); }
+size_t Prefetcher::cancel(uint64_t tag) { return state_->cancel(tag); }
+Result<void> Prefetcher::submit() { return state_->submit(); }
+Result<void> Prefetcher::on_ready() { return state_->on_ready(); }
+Result<void> Prefetcher::run_until_idle() { return state_->run_until_idle(); }
+int Prefetcher::event_fd() const { return state_->eventfd.get(); }
+bool Prefetcher::idle() const { return state_->idle(); }
+PrefetchProgress Prefetcher::progress() const { return state_->progress; }
+const Prefetcher::Setup& Prefetcher::setup() const { return state_->setup; }
+
+}  // namespace moecache::daemon

@@ -1,0 +1,75 @@
+// moecached: loads the configuration, then hands over to the event loop.
+#include "moecache/daemon/config.h"
+#include "moecache/daemon/daemon.h"
+#include "moecache/log.h"
+
+#include <fmt/format.h>
+
+#include <sys/resource.h>
+
+#include <cstring>
+#include <string>
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: moecached [--config FILE] [--check] [--verbose]
+
+Keeps the hot experts of Mixture-of-Experts models resident: locks them in the page cache within
+budgets, prefetches them with io_uring, backs off under memory pressure, and saves their heat so
+that a restart starts warm. Runs in the foreground; SIGHUP reloads the configuration.
+
+  --config FILE   the configuration (default /etc/moecache/moecached.toml; drop-ins are read
+                  from moecached.toml.d/ beside it)
+  --check         load and validate the configuration, print what it says, and exit
+  --verbose       debug logging
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::string config_path = "/etc/moecache/moecached.toml";
+    bool check = false;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--config" && i + 1 < argc) config_path = argv[++i];
+        else if (a == "--check") check = true;
+        else if (a == "--verbose") moecache::log::set_max_priority(LOG_DEBUG);
+        else if (a == "-h" || a == "--help") {
+            fmt::print("{}", kUsage);
+            return 0;
+        } else {
+            fmt::print(stderr, "moecached: unknown argument '{}'\n{}", a, kUsage);
+            return 2;
+        }
+    }
+    auto config = moecache::daemon::load_config(config_path);
+    if (!config) {
+        MC_LOG(LOG_ERR, "{}", config.error().what());
+        return 1;
+    }
+    if (auto v = moecache::daemon::validate_config(*config, moecache::daemon::mem_total_bytes()); !v) {
+        MC_LOG(LOG_ERR, "{}", v.error().what());
+        return 1;
+    }
+    if (check) {
+        fmt::print("{}: valid ({} file(s) read, {} model entr{})\n", config_path, config->sources.size(),
+                   config->models.size(), config->models.size() == 1 ? "y" : "ies");
+        return 0;
+    }
+    if (config->log_level == "debug") moecache::log::set_max_priority(LOG_DEBUG);
+    // Locking is bounded by the daemon's own budgets, not by RLIMIT_MEMLOCK.
+    rlimit unlimited{RLIM_INFINITY, RLIM_INFINITY};
+    if (::setrlimit(RLIMIT_MEMLOCK, &unlimited) != 0)
+        MC_LOG(LOG_WARNING, "RLIMIT_MEMLOCK stays limited ({}): locking may fail early; run as root or "
+                            "with CAP_IPC_LOCK and CAP_SYS_RESOURCE", std::strerror(errno));
+    auto daemon = moecache::daemon::Daemon::create(std::move(*config));
+    if (!daemon) {
+        MC_LOG(LOG_ERR, "{}", daemon.error().what());
+        return 1;
+    }
+    if (auto r = (*daemon)->run(); !r) {
+        MC_LOG(LOG_ERR, "{}", r.error().what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,125 @@
+#include "moecache/daemon/heat.h"
+
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+
+namespace moecache::daemon {
+
+HeatTable::HeatTable(uint32_t n_layers, uint32_t n_experts, double half_life_tokens)
+    : n_layers_(n_layers), n_experts_(n_experts), half_life_(half_life_tokens),
+      cells_(size_t{n_layers} * n_experts) {}
+
+double HeatTable::decayed(const Cell& c) const {
+    if (c.heat == 0 || clock_ == c.at) return c.heat;
+    return c.heat * std::exp2(-static_cast<double>(clock_ - c.at) / half_life_);
+}
+
+void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight) {
+    if (layer >= n_layers_) return;
+    for (uint32_t e : experts) {
+        if (e >= n_experts_) continue;
+        Cell& c = cells_[index(layer, e)];
+        c.heat = decayed(c) + weight;
+        c.at = clock_;
+        ++c.uses;
+    }
+}
+
+double HeatTable::heat(uint32_t layer, uint32_t expert) const { return decayed(cells_[index(layer, expert)]); }
+
+std::string HeatTable::to_profile(const std::string& key) const {
+    nlohmann::json j;
+    j["key"] = key;
+    j["n_layers"] = n_layers_;
+    j["n_experts"] = n_experts_;
+    j["clock"] = clock_;
+    auto& ex = j["experts"] = nlohmann::json::array();
+    for (uint32_t l = 0; l < n_layers_; ++l)
+        for (uint32_t e = 0; e < n_experts_; ++e) {
+            const Cell& c = cells_[index(l, e)];
+            if (c.uses == 0) continue;
+            ex.push_back({l, e, decayed(c), c.uses});
+        }
+    return j.dump();
+}
+
+Result<void> HeatTable::load_profile(const std::string& text, const std::string& key, const std::string& where) {
+    const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) return failf("{}: not a heat profile (not JSON)", where);
+    auto get_u = [&](const char* k) -> Result<uint64_t> {
+        if (!j.contains(k) || !j[k].is_number_unsigned()) return failf("{}: key '{}' missing or not a count", where, k);
+        return j[k].get<uint64_t>();
+    };
+    if (!j.contains("key") || !j["key"].is_string() || j["key"].get<std::string>() != key)
+        return failf("{}: the profile is for another model (key '{}', expected '{}')", where,
+                     j.contains("key") && j["key"].is_string() ? j["key"].get<std::string>() : "", key);
+    if (MC_TRY(get_u("n_layers")) != n_layers_ || MC_TRY(get_u("n_experts")) != n_experts_)
+        return failf("{}: the profile's shape does not match the model ({} layers x {} experts)", where, n_layers_,
+                     n_experts_);
+    if (!j.contains("experts") || !j["experts"].is_array()) return failf("{}: key 'experts' missing", where);
+    std::vector<Cell> cells(cells_.size());
+    for (const auto& row : j["experts"]) {
+        if (!row.is_array() || row.size() != 4 || !row[0].is_number_unsigned() || !row[1].is_number_unsigned() ||
+            !row[2].is_number() || !row[3].is_number_unsigned())
+            return failf("{}: an 'experts' entry is not [layer, expert, heat, uses]", where);
+        const auto l = row[0].get<uint64_t>(), e = row[1].get<uint64_t>();
+        const double h = row[2].get<double>();
+        if (l >= n_layers_ || e >= n_experts_ || !std::isfinite(h) || h < 0)
+            return failf("{}: entry [{}, {}] is out of range or has a bad heat", where, l, e);
+        cells[index(static_cast<uint32_t>(l), static_cast<uint32_t>(e))] =
+            Cell{h, 0, static_cast<uint32_t>(std::min<uint64_t>(row[3].get<uint64_t>(), UINT32_MAX))};
+    }
+    cells_ = std::move(cells);
+    clock_ = 0;
+    return {};
+}
+
+Result<void> write_file_atomic(const std::string& path, const std::string& text) {
+    const auto dir = std::filesystem::path(path).parent_path();
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return fail(ec.value(), fmt::format("{}: cannot create directory", dir.string()));
+    const std::string tmp = path + ".tmp";
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) return fail_errno("{}: cannot create", tmp);
+    size_t off = 0;
+    while (off < text.size()) {
+        const ssize_t n = ::write(fd.get(), text.data() + off, text.size() - off);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return fail_errno("{}: write", tmp);
+        }
+        off += static_cast<size_t>(n);
+    }
+    if (::fsync(fd.get()) != 0) return fail_errno("{}: fsync", tmp);
+    fd.reset();
+    if (::rename(tmp.c_str(), path.c_str()) != 0) return fail_errno("{}: rename to {}", tmp, path);
+    return {};
+}
+
+Result<std::string> read_text_file(const std::string& path) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return fail_errno("{}: cannot open", path);
+    std::string out;
+    char buf[65536];
+    for (;;) {
+        const ssize_t n = ::read(fd.get(), buf, sizeof buf);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return fail_errno("{}: read", path);
+        }
+        if (n == 0) break;
+        out.append(buf, static_cast<size_t>(n));
+        if (out.size() > (256u << 20)) return failf("{}: larger than 256 MiB", path);
+    }
+    return out;
+}
+
+}  // namespace moecache::daemon

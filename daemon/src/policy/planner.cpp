@@ -1,0 +1,87 @@
+#include "moecache/daemon/planner.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace moecache::daemon {
+namespace {
+
+struct Candidate {
+    SlotRef ref;
+    int klass;     // 0 must, 1 elite, 2 regular
+    double score;  // within a class, higher first
+    uint64_t bytes;
+    bool locked;
+};
+
+void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::vector<Candidate>& out) {
+    if (m.dense_wanted && m.dense_bytes > 0)
+        out.push_back({{mi, kDenseSlot}, 0, INFINITY, m.dense_bytes, m.dense_locked});
+    if (!m.heat) return;
+    const uint32_t nl = m.heat->n_layers(), ne = m.heat->n_experts();
+    const auto elite_n = static_cast<uint32_t>(std::ceil(s.elite_share * ne));
+    std::vector<std::pair<double, uint32_t>> layer;
+    for (uint32_t l = 0; l < nl; ++l) {
+        layer.clear();
+        for (uint32_t e = 0; e < ne; ++e) {
+            const uint32_t slot = l * ne + e;
+            const bool locked = m.locked[slot] != 0;
+            if (m.pinned[slot]) {
+                out.push_back({{mi, slot}, 0, INFINITY, m.slot_bytes[slot], locked});
+                continue;
+            }
+            if (m.heat->uses(l, e) < s.admit_after_uses) {
+                // Not admitted, but locked (a profile from an older run, a pin that was removed):
+                // it competes like the rest so that it is released in its turn, not at once.
+                if (locked) out.push_back({{mi, slot}, 2, m.heat->heat(l, e) * (1 + s.hysteresis), m.slot_bytes[slot], true});
+                continue;
+            }
+            layer.emplace_back(m.heat->heat(l, e), e);
+        }
+        const auto n_elite = std::min<size_t>(elite_n, layer.size());
+        std::partial_sort(layer.begin(), layer.begin() + static_cast<ptrdiff_t>(n_elite), layer.end(),
+                          [](const auto& a, const auto& b) { return a.first > b.first; });
+        for (size_t i = 0; i < layer.size(); ++i) {
+            const uint32_t slot = l * ne + layer[i].second;
+            const bool locked = m.locked[slot] != 0;
+            const double score = layer[i].first * (locked ? 1 + s.hysteresis : 1.0);
+            out.push_back({{mi, slot}, i < n_elite ? 1 : 2, score, m.slot_bytes[slot], locked});
+        }
+    }
+}
+
+}  // namespace
+
+Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, const PlannerSettings& s) {
+    std::vector<Candidate> cands;
+    for (uint32_t mi = 0; mi < models.size(); ++mi) add_model(mi, models[mi], s, cands);
+    std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
+        return a.klass != b.klass ? a.klass < b.klass : a.score > b.score;
+    });
+
+    Plan p;
+    std::vector<uint64_t> model_used(models.size(), 0);
+    std::vector<const Candidate*> not_kept;
+    for (const auto& c : cands) {
+        const auto& m = models[c.ref.model];
+        const bool fits = p.planned_bytes + c.bytes <= global_cap && model_used[c.ref.model] + c.bytes <= m.budget;
+        if (fits) {
+            p.planned_bytes += c.bytes;
+            model_used[c.ref.model] += c.bytes;
+            if (!c.locked) p.lock.push_back(c.ref);
+        } else if (c.locked) {
+            not_kept.push_back(&c);
+        }
+    }
+    // Everything locked that is not in the plan goes, coldest first.
+    std::sort(not_kept.begin(), not_kept.end(), [](const Candidate* a, const Candidate* b) {
+        return a->klass != b->klass ? a->klass > b->klass : a->score < b->score;
+    });
+    for (const auto* c : not_kept) p.release.push_back(c->ref);
+    // Every locked expert is a candidate above; a locked dense part that is no longer wanted is not.
+    for (uint32_t mi = 0; mi < models.size(); ++mi)
+        if (models[mi].dense_locked && !models[mi].dense_wanted) p.release.insert(p.release.begin(), {mi, kDenseSlot});
+    return p;
+}
+
+}  // namespace moecache::daemon

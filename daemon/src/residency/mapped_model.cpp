@@ -1,0 +1,118 @@
+#include "moecache/daemon/mapped_model.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cctype>
+#include <utility>
+
+namespace moecache::daemon {
+
+Mapping::Mapping(Mapping&& o) noexcept
+    : addr_(std::exchange(o.addr_, nullptr)), length_(std::exchange(o.length_, 0)) {}
+
+Mapping& Mapping::operator=(Mapping&& o) noexcept {
+    if (this != &o) {
+        if (addr_) ::munmap(addr_, length_);
+        addr_ = std::exchange(o.addr_, nullptr);
+        length_ = std::exchange(o.length_, 0);
+    }
+    return *this;
+}
+
+Mapping::~Mapping() {
+    if (addr_) ::munmap(addr_, length_);
+}
+
+Result<FileIdentity> identity_of(int fd, const std::string& path) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return fail_errno("{}: fstat", path);
+    return FileIdentity{st.st_dev, st.st_ino, static_cast<uint64_t>(st.st_size),
+                        int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+Result<FileIdentity> identity_of_path(const std::string& path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return fail_errno("{}: stat", path);
+    return FileIdentity{st.st_dev, st.st_ino, static_cast<uint64_t>(st.st_size),
+                        int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+namespace {
+
+std::string sanitize(std::string_view s) {
+    std::string out;
+    for (char c : s) out += std::isalnum(static_cast<unsigned char>(c)) ? static_cast<char>(std::tolower(static_cast<unsigned char>(c))) : '-';
+    return out.empty() ? "unnamed" : out;
+}
+
+// Everything of the files that is not a routed expert, merged, as ranges to lock with "dense".
+std::vector<ByteRange> dense_ranges_of(const std::vector<GgufFile>& parts, const ExpertMap& map) {
+    std::vector<ByteRange> out;
+    for (uint32_t fi = 0; fi < parts.size(); ++fi) {
+        std::vector<std::pair<uint64_t, uint64_t>> experts;  // [begin, end) of expert tensors
+        for (const auto& l : map.layers)
+            for (const auto& t : l.tensors)
+                if (t.file == fi) experts.emplace_back(t.offset, t.offset + t.bytes_per_expert * map.n_experts);
+        std::sort(experts.begin(), experts.end());
+        uint64_t at = 0;
+        for (const auto& [b, e] : experts) {
+            if (b > at) out.push_back({fi, at, b - at});
+            at = std::max(at, e);
+        }
+        if (parts[fi].file_size > at) out.push_back({fi, at, parts[fi].file_size - at});
+    }
+    return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path) {
+    auto m = std::make_unique<MappedModel>();
+    m->path_ = path;
+    const auto parts = MC_TRY(open_gguf_model(path));
+    m->map_ = MC_TRY(ExpertMap::build(parts));
+    for (const auto& part : parts) {
+        ModelFile f;
+        f.path = part.path;
+        // O_RDONLY only: the daemon never writes a model file.
+        f.fd.reset(::open(part.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOATIME));
+        if (!f.fd && errno == EPERM) f.fd.reset(::open(part.path.c_str(), O_RDONLY | O_CLOEXEC));
+        if (!f.fd) return fail_errno("{}: cannot open", part.path);
+        f.identity = MC_TRY(identity_of(f.fd.get(), part.path));
+        if (f.identity.size != part.file_size)
+            return failf("{}: changed while it was being opened ({} bytes, now {})", part.path, part.file_size,
+                         f.identity.size);
+        if (f.identity.size > 0) {
+            void* addr = ::mmap(nullptr, f.identity.size, PROT_READ, MAP_SHARED, f.fd.get(), 0);
+            if (addr == MAP_FAILED) return fail_errno("{}: mmap of {} bytes", part.path, f.identity.size);
+            f.mapping = Mapping(addr, f.identity.size);
+            // The daemon decides what is read: no read-ahead around its own faults.
+            ::madvise(addr, f.identity.size, MADV_RANDOM);
+        }
+        m->files_.push_back(std::move(f));
+    }
+    m->dense_ranges_ = dense_ranges_of(parts, m->map_);
+    m->profile_key_ = fmt::format("{}-{}x{}-{}", sanitize(m->map_.architecture), m->map_.n_blocks,
+                                  m->map_.n_experts, sanitize(m->map_.name));
+    return m;
+}
+
+Result<bool> MappedModel::unchanged() const {
+    for (const auto& f : files_) {
+        auto now = identity_of_path(f.path);
+        if (!now) {
+            if (now.error().errnum == ENOENT) return false;
+            return tl::unexpected(now.error());
+        }
+        if (!(*now == f.identity)) return false;
+        // Truncated in place keeps the inode: compare the open file's size as well.
+        const auto open_now = MC_TRY(identity_of(f.fd.get(), f.path));
+        if (!(open_now == f.identity)) return false;
+    }
+    return true;
+}
+
+}  // namespace moecache::daemon

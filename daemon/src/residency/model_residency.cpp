@@ -1,0 +1,123 @@
+#include "moecache/daemon/model_residency.h"
+
+#include "moecache/log.h"
+
+namespace moecache::daemon {
+
+namespace {
+uint64_t page_bytes(const std::vector<ByteRange>& rs) {
+    const uint64_t ps = PageLocker::page_size();
+    uint64_t bytes = 0;
+    for (const auto& r : rs)
+        if (r.length) bytes += ((r.offset + r.length - 1) / ps - r.offset / ps + 1) * ps;
+    return bytes;
+}
+}  // namespace
+
+const char* to_string(Tier t) {
+    switch (t) {
+        case Tier::Storage: return "ssd";
+        case Tier::Fetching: return "fetching";
+        case Tier::Locked: return "ram";
+    }
+    return "?";
+}
+
+Result<std::unique_ptr<ModelResidency>> ModelResidency::open(const std::string& path, const ModelConfig& cfg,
+                                                             double half_life_tokens) {
+    auto r = std::make_unique<ModelResidency>();
+    r->config_ = cfg;
+    r->model_ = MC_TRY(MappedModel::open(path));
+    r->locker_ = std::make_unique<PageLocker>(*r->model_);
+    const auto& map = r->model_->map();
+    const auto n_layers = static_cast<uint32_t>(map.layers.size());
+    r->heat_ = HeatTable(n_layers, map.n_experts, half_life_tokens);
+    r->slots_.resize(size_t{n_layers} * map.n_experts);
+    r->pinned_.assign(r->slots_.size(), 0);
+    for (const auto& pin : cfg.pins) {
+        const auto layer = r->layer_of_block(pin.layer);
+        if (!layer) {
+            MC_LOG(LOG_WARNING, "{}: {} pins block {}, which holds no routed experts; ignored", path, cfg.where,
+                   pin.layer);
+            continue;
+        }
+        for (uint64_t e = pin.first; e <= std::min<uint64_t>(pin.last, map.n_experts - 1); ++e)
+            r->pinned_[size_t{*layer} * map.n_experts + e] = 1;
+    }
+    for (const auto& f : r->model_->files()) r->probes_.push_back(MC_TRY(PageCacheProbe::open(f.path)));
+    r->slot_bytes_.resize(r->slots_.size());
+    for (uint32_t s = 0; s < r->slots_.size(); ++s) r->slot_bytes_[s] = page_bytes(r->ranges(s));
+    r->dense_bytes_ = page_bytes(r->ranges(kDenseSlot));
+    return r;
+}
+
+std::optional<uint32_t> ModelResidency::layer_of_block(uint32_t block) const {
+    const auto& layers = model_->map().layers;
+    for (uint32_t i = 0; i < layers.size(); ++i)
+        if (layers[i].index == block) return i;
+    return std::nullopt;
+}
+
+std::vector<ByteRange> ModelResidency::ranges(uint32_t slot) const {
+    if (slot == kDenseSlot) return model_->dense_ranges();
+    const auto& map = model_->map();
+    return map.ranges(map.layers[slot / map.n_experts].index, slot % map.n_experts);
+}
+
+
+Result<uint64_t> ModelResidency::lock(uint32_t slot) {
+    SlotState& st = state(slot);
+    if (st.tier == Tier::Locked) return uint64_t{0};
+    const auto rs = ranges(slot);
+    uint64_t added = 0;
+    for (size_t i = 0; i < rs.size(); ++i) {
+        auto r = locker_->lock(rs[i]);
+        if (!r) {
+            for (size_t j = 0; j < i; ++j) (void)locker_->unlock(rs[j], false);
+            return tl::unexpected(r.error());
+        }
+        added += *r;
+    }
+    st.tier = Tier::Locked;
+    st.locked_bytes = added;
+    return added;
+}
+
+Result<uint64_t> ModelResidency::release(uint32_t slot, bool drop) {
+    SlotState& st = state(slot);
+    if (st.tier != Tier::Locked) return uint64_t{0};
+    uint64_t freed = 0;
+    for (const auto& r : ranges(slot)) freed += MC_TRY(locker_->unlock(r, drop));
+    st.tier = Tier::Storage;
+    st.locked_bytes = 0;
+    return freed;
+}
+
+Result<void> ModelResidency::refresh_cached() {
+    auto cached = [&](uint32_t slot) -> Result<uint64_t> {
+        uint64_t b = 0;
+        for (const auto& r : ranges(slot)) b += MC_TRY(probes_[r.file].resident_bytes(r.offset, r.length));
+        return b;
+    };
+    for (uint32_t s = 0; s < slots_.size(); ++s) slots_[s].cached_bytes = MC_TRY(cached(s));
+    dense_.cached_bytes = MC_TRY(cached(kDenseSlot));
+    return {};
+}
+
+ModelView ModelResidency::view(uint64_t budget) const {
+    ModelView v;
+    v.heat = &heat_;
+    v.locked.resize(slots_.size());
+    v.slot_bytes = slot_bytes_;
+    for (uint32_t s = 0; s < slots_.size(); ++s) {
+        v.locked[s] = slots_[s].tier == Tier::Locked;
+    }
+    v.pinned = pinned_;
+    v.dense_wanted = config_.lock_dense;
+    v.dense_locked = dense_.tier == Tier::Locked;
+    v.dense_bytes = dense_bytes_;
+    v.budget = budget;
+    return v;
+}
+
+}  // namespace moecache::daemon

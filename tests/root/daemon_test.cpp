@@ -1,0 +1,224 @@
+// moecached's core on the real kernel: mlock within budgets (VmLck agrees), residency truth,
+// heat saved and restored so a restart starts warm, and model files that are truncated,
+// replaced, or vanish and come back. Runs the daemon in-process and drives its loop.
+#include "model_fixture.h"
+#include "temp_dir.h"
+
+#include "moecache/daemon/daemon.h"
+#include "moecache/daemon/page_locker.h"
+#include "moecache/page_cache.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+namespace moecache::daemon {
+namespace {
+
+void drop_cache(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+}
+
+uint64_t resident(const std::string& path, const ByteRange& r) {
+    auto p = PageCacheProbe::open(path);
+    return p ? p->resident_bytes(r.offset, r.length).value_or(0) : 0;
+}
+
+class DaemonTest : public testing::Test {
+protected:
+    void SetUp() override {
+        if (::geteuid() != 0) GTEST_SKIP() << "needs root: mlock beyond RLIMIT_MEMLOCK and PSI triggers";
+        model_ = dir_.file("model.gguf");
+        auto spec = test::small_spec();  // 4 layers x 16 experts of 204 KiB
+        test::write_model(spec, model_);
+        drop_cache(model_);
+    }
+
+    Config config(uint64_t budget = 64ull << 20) {
+        Config c;
+        c.state_dir = dir_.file("state");
+        c.lock_budget = ByteAmount{budget, std::nullopt};
+        c.reserve = ByteAmount{0, std::nullopt};
+        c.pressure_enabled = false;
+        c.tick_seconds = 0.05;
+        c.admit_after_uses = 1;
+        c.elite_share = 0;
+        ModelConfig m;
+        m.path = model_;
+        m.lock_dense = false;
+        m.where = "test";
+        c.models.push_back(m);
+        return c;
+    }
+
+    // Drives the loop until nothing is fetching or waiting, or the deadline passes.
+    static void settle(Daemon& d, double seconds = 20) {
+        const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+        d.tick();
+        while (std::chrono::steady_clock::now() < end) {
+            ASSERT_TRUE(d.step(50));
+            if (d.idle()) {
+                d.tick();
+                if (d.idle()) return;
+            }
+        }
+        FAIL() << "the daemon did not settle in " << seconds << " s";
+    }
+
+    static void route(Daemon& d, uint32_t model, uint32_t block, std::vector<uint32_t> experts, int times = 3) {
+        for (int i = 0; i < times; ++i) d.record_routing(model, block, experts, 1);
+    }
+
+    static const ExpertStatus& expert(const DaemonStatus& s, uint32_t block, uint32_t e) {
+        for (const auto& x : s.models.at(0).experts)
+            if (x.block == block && x.expert == e) return x;
+        throw std::runtime_error("no such expert");
+    }
+
+    test::TempDir dir_;
+    std::string model_;
+};
+
+TEST_F(DaemonTest, LocksTheHotExpertsAndTheKernelAgrees) {
+    const uint64_t vmlck_before = vmlck_bytes();
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    const uint32_t id = *(*d)->model_id(model_);
+    route(**d, id, 0, {3, 5});
+    route(**d, id, 2, {7});
+    settle(**d);
+    const auto s = (*d)->status();
+    ASSERT_EQ(s.models.size(), 1u);
+    ASSERT_TRUE(s.models[0].loaded) << s.models[0].error;
+    for (auto [b, e] : {std::pair{0u, 3u}, {0u, 5u}, {2u, 7u}}) {
+        const auto& x = expert(s, b, e);
+        EXPECT_EQ(x.tier, Tier::Locked) << b << ":" << e;
+        EXPECT_GE(x.cached_bytes, x.bytes) << "locked means resident";
+    }
+    // Residency as the kernel reports it, independently of the daemon's own bookkeeping.
+    const auto map = load_expert_map(model_);
+    for (const auto& r : map->ranges(0, 5)) EXPECT_EQ(resident(model_, r), r.length);
+    for (const auto& r : map->ranges(1, 3)) EXPECT_EQ(resident(model_, r), 0u);
+    EXPECT_EQ(expert(s, 1, 3).tier, Tier::Storage);
+    EXPECT_EQ(expert(s, 1, 3).cached_bytes, 0u) << "nothing but the hot set was read";
+    // What the daemon says it locked is what the kernel counts for it.
+    EXPECT_GT(s.locked_bytes, 3 * expert(s, 0, 3).bytes - 1);
+    EXPECT_EQ(s.vmlck_bytes - vmlck_before, s.locked_bytes);
+    EXPECT_LE(s.locked_bytes, s.lock_cap);
+}
+
+TEST_F(DaemonTest, NeverLocksMoreThanTheBudget) {
+    auto spec = test::small_spec();
+    const uint64_t per_expert = mkmodel::bytes_per_expert(spec);
+    const uint64_t budget = 5 * per_expert + per_expert / 2;  // room for five experts
+    const uint64_t vmlck_before = vmlck_bytes();
+    auto d = Daemon::create(config(budget));
+    ASSERT_TRUE(d) << d.error().what();
+    const uint32_t id = *(*d)->model_id(model_);
+    for (uint32_t e = 0; e < 16; ++e) route(**d, id, 1, {e}, 2 + static_cast<int>(e));
+    settle(**d);
+    auto s = (*d)->status();
+    EXPECT_LE(s.locked_bytes, budget);
+    EXPECT_LE(s.vmlck_bytes - vmlck_before, budget);
+    uint32_t locked = 0;
+    for (const auto& x : s.models[0].experts) locked += x.tier == Tier::Locked;
+    EXPECT_EQ(locked, 5u);
+    // The five hottest: experts 11..15 of block 1.
+    for (uint32_t e = 11; e < 16; ++e) EXPECT_EQ(expert(s, 1, e).tier, Tier::Locked) << e;
+    // Pressure releases the coldest locked experts first and keeps the budget.
+    (*d)->on_pressure("test");
+    s = (*d)->status();
+    EXPECT_TRUE(s.under_pressure);
+    EXPECT_EQ(expert(s, 1, 11).tier, Tier::Storage) << "the coldest goes first";
+    EXPECT_EQ(expert(s, 1, 15).tier, Tier::Locked);
+    EXPECT_EQ(s.vmlck_bytes - vmlck_before, s.locked_bytes);
+}
+
+TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {
+    {
+        auto d = Daemon::create(config());
+        ASSERT_TRUE(d) << d.error().what();
+        const uint32_t id = *(*d)->model_id(model_);
+        route(**d, id, 0, {1, 9}, 5);
+        route(**d, id, 3, {4}, 5);
+        settle(**d);
+        ASSERT_TRUE((*d)->save_profiles());
+    }
+    drop_cache(model_);
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    settle(**d);  // no telemetry at all
+    const auto s = (*d)->status();
+    for (auto [b, e] : {std::pair{0u, 1u}, {0u, 9u}, {3u, 4u}}) {
+        EXPECT_EQ(expert(s, b, e).tier, Tier::Locked) << b << ":" << e;
+        EXPECT_GE(expert(s, b, e).cached_bytes, expert(s, b, e).bytes);
+    }
+    EXPECT_EQ(expert(s, 1, 1).cached_bytes, 0u);
+}
+
+TEST_F(DaemonTest, TruncatedModelIsReportedAndReexamined) {
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    const uint32_t id = *(*d)->model_id(model_);
+    route(**d, id, 0, {2});
+    settle(**d);
+    ASSERT_EQ(expert((*d)->status(), 0, 2).tier, Tier::Locked);
+    const auto size = std::filesystem::file_size(model_);
+    const std::string saved = dir_.file("saved.gguf");
+    std::filesystem::copy_file(model_, saved);
+    ASSERT_EQ(::truncate(model_.c_str(), static_cast<off_t>(size / 2)), 0);
+    (*d)->tick();
+    auto s = (*d)->status();
+    EXPECT_FALSE(s.models[0].loaded);
+    EXPECT_FALSE(s.models[0].error.empty());
+    EXPECT_EQ(s.locked_bytes, 0u);
+    // Put the whole file back (as a new file moved over it): the daemon takes it up again.
+    std::filesystem::rename(saved, model_);
+    settle(**d);
+    s = (*d)->status();
+    EXPECT_TRUE(s.models[0].loaded) << s.models[0].error;
+    EXPECT_EQ(expert(s, 0, 2).tier, Tier::Locked) << "its heat survived the reload";
+}
+
+TEST_F(DaemonTest, ModelThatVanishesAndComesBack) {
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    const std::string away = dir_.file("away.gguf");
+    std::filesystem::rename(model_, away);
+    (*d)->tick();
+    auto s = (*d)->status();
+    EXPECT_FALSE(s.models[0].loaded);
+    EXPECT_NE(s.models[0].error.find("No such file"), std::string::npos) << s.models[0].error;
+    std::filesystem::rename(away, model_);
+    (*d)->tick();
+    s = (*d)->status();
+    EXPECT_TRUE(s.models[0].loaded) << s.models[0].error;
+}
+
+TEST_F(DaemonTest, ReloadWithASmallerBudgetReleasesAndABadOneIsRefused) {
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    const uint32_t id = *(*d)->model_id(model_);
+    route(**d, id, 1, {6});
+    settle(**d);
+    ASSERT_EQ(expert((*d)->status(), 1, 6).tier, Tier::Locked);
+    auto bad = config();
+    bad.reserve = ByteAmount{mem_total_bytes(), std::nullopt};  // nothing left to lock
+    EXPECT_FALSE((*d)->reload(bad));
+    EXPECT_EQ(expert((*d)->status(), 1, 6).tier, Tier::Locked) << "a refused reload changes nothing";
+    ASSERT_TRUE((*d)->reload(config(4096)));
+    const auto s = (*d)->status();
+    EXPECT_EQ(expert(s, 1, 6).tier, Tier::Storage);
+    EXPECT_EQ(s.locked_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace moecache::daemon

@@ -1,0 +1,451 @@
+// The prefetcher against the real kernel: files are dropped from the page cache, ranges are
+// prefetched through io_uring, and residency is checked with cachestat/mincore. Readahead is kept
+// out of the picture with POSIX_FADV_RANDOM on the descriptors, so "resident" must be exactly the
+// pages of the ranges asked for.
+#include "model_fixture.h"
+#include "temp_dir.h"
+
+#include "moecache/daemon/prefetcher.h"
+#include "moecache/model.h"
+#include "moecache/page_cache.h"
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <liburing.h>
+#include <numaif.h>
+#include <sys/epoll.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace moecache::daemon {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kMiB = 1u << 20;
+
+struct Done {
+    uint64_t id, tag, bytes;
+    int err;
+};
+
+// Records every callback, in order.
+struct Recorder {
+    std::vector<Done> done;
+    void attach(Prefetcher& p) {
+        p.set_callback([this](uint64_t id, uint64_t tag, uint64_t bytes, int err) {
+            done.push_back({id, tag, bytes, err});
+        });
+    }
+    [[nodiscard]] const Done* find(uint64_t id) const {
+        for (const auto& d : done)
+            if (d.id == id) return &d;
+        return nullptr;
+    }
+    [[nodiscard]] std::vector<uint64_t> order() const {
+        std::vector<uint64_t> ids;
+        for (const auto& d : done) ids.push_back(d.id);
+        return ids;
+    }
+};
+
+// Drops the file's pages; the caller checks that it worked (not on tmpfs, for one).
+void drop_cache(const std::string& path) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY));
+    ASSERT_TRUE(fd) << path;
+    ::fdatasync(fd.get());
+    ASSERT_EQ(::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED), 0);
+}
+
+// A file of `bytes` written through write(2) (real blocks, not holes), then dropped.
+std::string make_cold_file(const test::TempDir& dir, const std::string& name, uint64_t bytes) {
+    const std::string path = dir.file(name);
+    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
+    std::string chunk(kMiB, '\0');
+    for (uint64_t i = 0; i < chunk.size(); ++i) chunk[i] = static_cast<char>(i * 131 + 7);
+    for (uint64_t off = 0; off < bytes; off += chunk.size()) {
+        const uint64_t n = std::min<uint64_t>(chunk.size(), bytes - off);
+        EXPECT_EQ(::write(fd.get(), chunk.data(), n), static_cast<ssize_t>(n));
+    }
+    fd.reset();
+    drop_cache(path);
+    return path;
+}
+
+// An fd whose reads bring in exactly the pages asked for.
+UniqueFd open_random(const std::string& path) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    EXPECT_TRUE(fd) << path;
+    EXPECT_EQ(::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_RANDOM), 0);
+    return fd;
+}
+
+uint64_t resident(const std::string& path, uint64_t offset, uint64_t length) {
+    auto probe = PageCacheProbe::open(path);
+    EXPECT_TRUE(probe) << probe.error().what();
+    if (!probe) return 0;
+    auto r = probe->resident_bytes(offset, length);
+    EXPECT_TRUE(r) << r.error().what();
+    return r ? *r : 0;
+}
+
+// Bytes of the whole pages that cover a set of ranges of a file of `size` bytes.
+uint64_t page_cover(const std::vector<std::pair<uint64_t, uint64_t>>& ranges, uint64_t size) {
+    std::set<uint64_t> pages;
+    for (const auto& [off, len] : ranges)
+        for (uint64_t p = off / kPage; p * kPage < off + len; ++p) pages.insert(p);
+    uint64_t bytes = 0;
+    for (const uint64_t p : pages) bytes += std::min(kPage, size - p * kPage);
+    return bytes;
+}
+
+bool kernel_at_least(int major, int minor) {
+    utsname u{};
+    if (::uname(&u) != 0) return false;
+    int ma = 0, mi = 0;
+    if (std::sscanf(u.release, "%d.%d", &ma, &mi) != 2) return false;
+    return ma > major || (ma == major && mi >= minor);
+}
+
+class PrefetcherTest : public testing::Test {
+protected:
+    void SetUp() override {
+        if (::geteuid() != 0) GTEST_SKIP() << "needs root (the root test label): run as root";
+        auto p = Prefetcher::create({.queue_depth = 1});
+        if (!p) GTEST_SKIP() << "io_uring is not usable here: " << p.error().what();
+        // The residency checks need a file system whose pages can be dropped (not tmpfs).
+        const auto probe_file = make_cold_file(dir, "probe.bin", 4 * kPage);
+        { std::string buf(4 * kPage, '\0'); UniqueFd fd(::open(probe_file.c_str(), O_RDONLY));
+          ASSERT_EQ(::pread(fd.get(), buf.data(), buf.size(), 0), static_cast<ssize_t>(buf.size())); }
+        drop_cache(probe_file);
+        if (resident(probe_file, 0, 4 * kPage) != 0)
+            GTEST_SKIP() << "POSIX_FADV_DONTNEED does not drop pages under " << dir.path()
+                         << " (tmpfs?); set TMPDIR to a disk file system";
+    }
+
+    static Prefetcher make(const Prefetcher::Options& o, Recorder& rec) {
+        auto p = Prefetcher::create(o);
+        EXPECT_TRUE(p) << p.error().what();
+        rec.attach(*p);
+        return std::move(*p);
+    }
+
+    test::TempDir dir;
+};
+
+// The core promise, under every ring and buffer set-up the fallbacks can land in.
+struct Variant {
+    bool defer_taskrun, register_buffers;
+};
+class PrefetcherVariants : public PrefetcherTest, public testing::WithParamInterface<Variant> {};
+
+TEST_P(PrefetcherVariants, ExactlyTheRequestedRangesBecomeResident) {
+    const auto path = make_cold_file(dir, "data.bin", 64 * kMiB);
+    ASSERT_EQ(resident(path, 0, 64 * kMiB), 0u) << "the file should start cold";
+    Recorder rec;
+    auto p = make({.queue_depth = 8, .read_size = 256 * 1024, .register_buffers = GetParam().register_buffers,
+                   .defer_taskrun = GetParam().defer_taskrun},
+                  rec);
+    EXPECT_EQ(p.setup().registered_buffers, GetParam().register_buffers);  // root: no memlock limit
+    EXPECT_EQ((p.setup().ring_flags & IORING_SETUP_DEFER_TASKRUN) != 0,
+              GetParam().defer_taskrun && kernel_at_least(6, 1));
+    auto fd = open_random(path);
+    // Unaligned starts and ends, one range inside a page, one spanning many reads.
+    const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
+        {100, 5000}, {3 * kMiB + 17, 2 * kMiB + 3}, {20 * kMiB, 7 * kMiB}, {40 * kMiB + 10, 20}};
+    std::vector<uint64_t> ids;
+    for (const auto& [off, len] : ranges) ids.push_back(p.enqueue({fd.get(), off, len, 0, off}));
+    ASSERT_TRUE(p.run_until_idle());
+
+    ASSERT_EQ(rec.done.size(), ranges.size());
+    for (size_t i = 0; i < ranges.size(); ++i) {
+        const Done* d = rec.find(ids[i]);
+        ASSERT_NE(d, nullptr);
+        EXPECT_EQ(d->err, 0);
+        EXPECT_EQ(d->bytes, ranges[i].second);
+        EXPECT_EQ(d->tag, ranges[i].first);
+        EXPECT_EQ(resident(path, ranges[i].first, ranges[i].second), ranges[i].second) << "range " << i;
+    }
+    EXPECT_EQ(resident(path, 0, 64 * kMiB), page_cover(ranges, 64 * kMiB)) << "pages outside the ranges";
+}
+
+INSTANTIATE_TEST_SUITE_P(Setups, PrefetcherVariants,
+                         testing::Values(Variant{true, true}, Variant{true, false}, Variant{false, true},
+                                         Variant{false, false}),
+                         [](const testing::TestParamInfo<Variant>& v) {
+                             return std::string(v.param.defer_taskrun ? "Defer" : "Coop") +
+                                    (v.param.register_buffers ? "Fixed" : "Plain");
+                         });
+
+TEST_F(PrefetcherTest, ExpertsOfASplitModelFromAnEpollLoop) {
+    auto spec = test::small_spec();
+    const auto files = test::write_model(spec, dir.file("m.gguf"), 2);
+    ASSERT_EQ(files.size(), 2u);
+    auto map = load_expert_map(files[0]);
+    ASSERT_TRUE(map) << map.error().what();
+    for (const auto& f : files) drop_cache(f);  // after reading the headers
+    std::vector<UniqueFd> fds;
+    for (const auto& f : map->files) fds.push_back(open_random(f.path));
+
+    // Two experts of every layer (the layers live in both files), each its own tag.
+    Recorder rec;
+    auto p = make({.queue_depth = 16, .read_size = 64 * 1024}, rec);
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> want(map->files.size());
+    uint64_t total = 0;
+    for (const auto& layer : map->layers) {
+        for (const uint32_t e : {1u, 9u}) {
+            for (const ByteRange& r : map->ranges(layer.index, e)) {
+                p.enqueue({fds[r.file].get(), r.offset, r.length, 0, uint64_t{layer.index} << 32 | e});
+                want[r.file].push_back({r.offset, r.length});
+                total += r.length;
+            }
+        }
+    }
+    UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+    epoll_event ev{.events = EPOLLIN, .data = {.u64 = 0}};
+    ASSERT_EQ(::epoll_ctl(ep.get(), EPOLL_CTL_ADD, p.event_fd(), &ev), 0);
+    ASSERT_TRUE(p.submit());
+    int wakeups = 0;
+    while (!p.idle()) {
+        const int n = ::epoll_wait(ep.get(), &ev, 1, 10000);
+        ASSERT_EQ(n, 1) << "the eventfd never became readable with reads in flight";
+        ASSERT_TRUE(p.on_ready());
+        ++wakeups;
+    }
+    EXPECT_GT(wakeups, 0);
+    EXPECT_EQ(p.progress().done_bytes, total);
+    EXPECT_EQ(p.progress().requests_done, rec.done.size());
+    for (size_t f = 0; f < map->files.size(); ++f) {
+        const auto& path = map->files[f].path;
+        for (const auto& [off, len] : want[f]) EXPECT_EQ(resident(path, off, len), len) << path << " @" << off;
+        EXPECT_EQ(resident(path, 0, map->files[f].size), page_cover(want[f], map->files[f].size))
+            << path << ": pages outside the experts asked for";
+    }
+}
+
+TEST_F(PrefetcherTest, PriorityOrderWithOneReadInFlight) {
+    const auto path = make_cold_file(dir, "data.bin", 16 * kMiB);
+    auto fd = open_random(path);
+    Recorder rec;
+    auto p = make({.queue_depth = 1, .read_size = 1 * kMiB}, rec);
+    auto req = [&](uint64_t mib, int32_t prio) { return p.enqueue({fd.get(), mib * kMiB, kMiB, prio, mib}); };
+    const uint64_t a = req(0, 5), b = req(1, 1), c = req(2, 3), d = req(3, 1), e = req(4, 0);
+    ASSERT_TRUE(p.run_until_idle());
+    EXPECT_EQ(rec.order(), (std::vector<uint64_t>{e, b, d, c, a})) << "lower priority first, FIFO within one";
+
+    // A request that arrives while others wait overtakes those of lower priority.
+    rec.done.clear();
+    const uint64_t l1 = req(5, 7), l2 = req(6, 7), l3 = req(7, 7);
+    ASSERT_TRUE(p.submit());  // l1 is in flight now
+    const uint64_t h = req(8, -1);
+    ASSERT_TRUE(p.run_until_idle());
+    EXPECT_EQ(rec.order(), (std::vector<uint64_t>{l1, h, l2, l3}));
+}
+
+TEST_F(PrefetcherTest, CancelDropsQueuedAndInFlightReads) {
+    const auto path = make_cold_file(dir, "data.bin", 32 * kMiB);
+    auto fd = open_random(path);
+    Recorder rec;
+    auto p = make({.queue_depth = 1, .read_size = 64 * 1024}, rec);
+    const uint64_t a = p.enqueue({fd.get(), 0, 8 * kMiB, 0, 1});
+    const uint64_t b = p.enqueue({fd.get(), 8 * kMiB, 8 * kMiB, 0, 2});
+    const uint64_t c = p.enqueue({fd.get(), 16 * kMiB, 8 * kMiB, 0, 3});
+    ASSERT_TRUE(p.submit());  // a's first read is in flight
+    EXPECT_EQ(p.cancel(1), 1u);
+    EXPECT_EQ(p.cancel(3), 1u);  // c never started
+    EXPECT_EQ(p.cancel(3), 0u) << "already cancelled";
+    EXPECT_EQ(p.cancel(42), 0u) << "no such tag";
+    EXPECT_TRUE(rec.done.empty()) << "callbacks never run inside cancel()";
+    ASSERT_TRUE(p.run_until_idle());
+
+    ASSERT_EQ(rec.done.size(), 3u);
+    EXPECT_EQ(rec.find(a)->err, ECANCELED);
+    EXPECT_EQ(rec.find(a)->bytes, 0u) << "the in-flight read's result is ignored";
+    EXPECT_EQ(rec.find(c)->err, ECANCELED);
+    EXPECT_EQ(rec.find(c)->bytes, 0u);
+    EXPECT_EQ(rec.find(b)->err, 0);
+    EXPECT_EQ(rec.find(b)->bytes, 8 * kMiB);
+    EXPECT_LE(resident(path, 0, 8 * kMiB), 64u * 1024) << "at most the read that was in flight";
+    EXPECT_EQ(resident(path, 8 * kMiB, 8 * kMiB), 8 * kMiB);
+    EXPECT_EQ(resident(path, 16 * kMiB, 8 * kMiB), 0u);
+    const auto pr = p.progress();
+    EXPECT_EQ(pr.requests_cancelled, 2u);
+    EXPECT_EQ(pr.requests_done, 1u);
+    EXPECT_EQ(pr.done_bytes, 8 * kMiB);
+    EXPECT_EQ(pr.queued_bytes + pr.inflight_bytes, 0u);
+}
+
+TEST_F(PrefetcherTest, TruncatedFileEndsTheRequestShortWithoutError) {
+    const auto path = make_cold_file(dir, "data.bin", 16 * kMiB);
+    auto fd = open_random(path);
+    Recorder rec;
+    auto p = make({.queue_depth = 2, .read_size = 1 * kMiB}, rec);
+    const uint64_t whole = p.enqueue({fd.get(), 0, 16 * kMiB, 0, 1});
+    const uint64_t beyond = p.enqueue({fd.get(), 10 * kMiB, kMiB, 0, 2});
+    ASSERT_TRUE(p.submit());  // [0, 1) and [1, 2) MiB in flight, below the new end
+    const uint64_t new_size = 5 * kMiB + 100;
+    ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(new_size)), 0);
+    ASSERT_TRUE(p.run_until_idle());
+
+    ASSERT_EQ(rec.done.size(), 2u);
+    EXPECT_EQ(rec.find(whole)->err, 0);
+    EXPECT_EQ(rec.find(whole)->bytes, new_size) << "the bytes that were there";
+    EXPECT_EQ(rec.find(beyond)->err, 0);
+    EXPECT_EQ(rec.find(beyond)->bytes, 0u);
+    const auto pr = p.progress();
+    EXPECT_EQ(pr.requests_done, 2u);
+    EXPECT_EQ(pr.requests_failed, 0u);
+    EXPECT_GE(pr.short_reads, 1u) << "[5 MiB, 6 MiB) returns 100 bytes, then the rest hits EOF";
+    EXPECT_EQ(pr.done_bytes, new_size);
+    EXPECT_EQ(pr.queued_bytes + pr.inflight_bytes, 0u);
+    EXPECT_EQ(resident(path, 0, new_size), new_size);
+}
+
+TEST_F(PrefetcherTest, ProgressAddsUp) {
+    const auto a = make_cold_file(dir, "a.bin", 8 * kMiB);
+    const auto b = make_cold_file(dir, "b.bin", 8 * kMiB);
+    auto fa = open_random(a), fb = open_random(b);
+    Recorder rec;
+    auto p = make({.queue_depth = 4, .read_size = 1 * kMiB}, rec);
+    // Split points after the first read are page aligned: 100 + 3 MiB is 4 reads, not 3.
+    const std::vector<PrefetchRequest> reqs = {
+        {fa.get(), 100, 3 * kMiB, 2, 1}, {fb.get(), 0, 4 * kMiB, 1, 2}, {fa.get(), 5 * kMiB, 5000, 0, 3}};
+    const uint64_t total = 3 * kMiB + 4 * kMiB + 5000;
+    for (const auto& r : reqs) p.enqueue(r);
+    EXPECT_EQ(p.progress().queued_bytes, total);
+    EXPECT_FALSE(p.idle());
+    ASSERT_TRUE(p.submit());
+    auto pr = p.progress();
+    EXPECT_EQ(pr.queued_bytes + pr.inflight_bytes + pr.done_bytes, total);
+    EXPECT_GT(pr.inflight_bytes, 0u);
+    EXPECT_LE(pr.inflight_bytes, 4 * kMiB) << "never more than queue_depth reads";
+    ASSERT_TRUE(p.run_until_idle());
+    EXPECT_TRUE(p.idle());
+
+    pr = p.progress();
+    uint64_t reported = 0;
+    for (const auto& d : rec.done) reported += d.bytes;
+    EXPECT_EQ(pr.queued_bytes, 0u);
+    EXPECT_EQ(pr.inflight_bytes, 0u);
+    EXPECT_EQ(pr.done_bytes, total);
+    EXPECT_EQ(reported, total);
+    EXPECT_EQ(pr.requests_done, 3u);
+    EXPECT_EQ(pr.requests_failed + pr.requests_cancelled, 0u);
+    EXPECT_EQ(pr.reads_submitted, 4u + 4u + 1u + pr.short_reads + pr.retries);
+}
+
+TEST_F(PrefetcherTest, BadRequestsFailThroughTheirCallbacks) {
+    const auto path = make_cold_file(dir, "data.bin", 1 * kMiB);
+    auto fd = open_random(path);
+    UniqueFd dirfd(::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY));
+    int closed_number = 4000;  // an fd number nothing has open
+    while (::fcntl(closed_number, F_GETFD) != -1) ++closed_number;
+    Recorder rec;
+    auto p = make({.queue_depth = 4}, rec);
+    const uint64_t negative = p.enqueue({-1, 0, kPage, 0, 1});
+    const uint64_t not_open = p.enqueue({closed_number, 0, kPage, 0, 2});
+    const uint64_t directory = p.enqueue({dirfd.get(), 0, kPage, 0, 3});
+    const uint64_t overflow = p.enqueue({fd.get(), ~uint64_t{0} - 10, 100, 0, 4});
+    const uint64_t empty = p.enqueue({fd.get(), 0, 0, 0, 5});
+    const uint64_t good = p.enqueue({fd.get(), 0, kMiB, 0, 6});
+    EXPECT_TRUE(rec.done.empty()) << "callbacks never run inside enqueue()";
+    ASSERT_TRUE(p.run_until_idle());
+    ASSERT_EQ(rec.done.size(), 6u);
+    EXPECT_EQ(rec.find(negative)->err, EBADF);
+    EXPECT_EQ(rec.find(not_open)->err, EBADF);
+    EXPECT_EQ(rec.find(directory)->err, EISDIR);
+    EXPECT_EQ(rec.find(overflow)->err, EINVAL);
+    EXPECT_EQ(rec.find(empty)->err, 0);
+    EXPECT_EQ(rec.find(good)->err, 0);
+    EXPECT_EQ(rec.find(good)->bytes, kMiB);
+    EXPECT_EQ(p.progress().requests_failed, 4u);
+    EXPECT_EQ(p.progress().requests_done, 2u);
+}
+
+TEST_F(PrefetcherTest, CallbacksMayEnqueueAndCancel) {
+    const auto path = make_cold_file(dir, "data.bin", 8 * kMiB);
+    auto fd = open_random(path);
+    auto p = *Prefetcher::create({.queue_depth = 2, .read_size = 256 * 1024});
+    std::vector<uint64_t> tags;
+    p.set_callback([&](uint64_t, uint64_t tag, uint64_t, int) {
+        tags.push_back(tag);
+        if (tag < 4) p.enqueue({fd.get(), (tag + 1) * kMiB, kMiB, 0, tag + 1});
+        if (tag == 2) p.enqueue({fd.get(), 7 * kMiB, kMiB, 0, 99}), p.cancel(99);
+    });
+    p.enqueue({fd.get(), 0, kMiB, 0, 0});
+    ASSERT_TRUE(p.run_until_idle());
+    std::sort(tags.begin(), tags.end());
+    EXPECT_EQ(tags, (std::vector<uint64_t>{0, 1, 2, 3, 4, 99}));
+    EXPECT_EQ(resident(path, 0, 5 * kMiB), 5 * kMiB);
+    EXPECT_EQ(resident(path, 7 * kMiB, kMiB), 0u);
+}
+
+TEST_F(PrefetcherTest, DestroyedAndMovedWithReadsInFlight) {
+    const auto path = make_cold_file(dir, "data.bin", 64 * kMiB);
+    auto fd = open_random(path);
+    Recorder rec;
+    {
+        auto p = make({.queue_depth = 32, .read_size = 1 * kMiB, .register_buffers = false}, rec);
+        p.enqueue({fd.get(), 0, 64 * kMiB, 0, 1});
+        ASSERT_TRUE(p.submit());
+        Prefetcher moved = std::move(p);  // the ring and its reads go along
+        ASSERT_TRUE(moved.on_ready());
+        // Destroyed with up to 32 reads into plain buffers in flight: it must wait for them.
+    }
+    EXPECT_TRUE(rec.done.empty()) << "no callbacks from a destructor";
+}
+
+TEST_F(PrefetcherTest, OptionsAreChecked) {
+    EXPECT_FALSE(Prefetcher::create({.queue_depth = 0}));
+    EXPECT_FALSE(Prefetcher::create({.queue_depth = 5000}));
+    EXPECT_FALSE(Prefetcher::create({.read_size = 1000}));
+    EXPECT_FALSE(Prefetcher::create({.read_size = 4096 + 512}));
+    EXPECT_FALSE(Prefetcher::create({.read_size = 128u << 20}));
+    EXPECT_FALSE(Prefetcher::create({.numa_node = -2}));
+    auto ok = Prefetcher::create({.queue_depth = 3, .read_size = 4096});
+    ASSERT_TRUE(ok) << ok.error().what();
+    EXPECT_GE(ok->setup().sq_entries, 6u);
+    EXPECT_GE(ok->setup().cq_entries, 12u);
+    if (kernel_at_least(6, 1)) {
+        EXPECT_NE(ok->setup().ring_flags & IORING_SETUP_DEFER_TASKRUN, 0u);
+        EXPECT_NE(ok->setup().ring_flags & IORING_SETUP_SINGLE_ISSUER, 0u);
+    }
+}
+
+// In a thread of its own: the memory policy it sets belongs to the calling thread and must not
+// leak into the other tests.
+TEST_F(PrefetcherTest, NumaNodeZeroWorksAndAnAbsentNodeIsAnError) {
+    const auto path = make_cold_file(dir, "data.bin", 4 * kMiB);
+    std::thread([&] {
+        auto absent = Prefetcher::create({.numa_node = 999});
+        ASSERT_FALSE(absent);
+        EXPECT_EQ(absent.error().errnum, EINVAL);
+        EXPECT_NE(absent.error().message.find("999"), std::string::npos) << absent.error().message;
+
+        auto p = Prefetcher::create({.queue_depth = 4, .numa_node = 0});
+        ASSERT_TRUE(p) << p.error().what();
+        EXPECT_EQ(p->setup().numa_node, 0);
+        int mode = -1;
+        unsigned long mask[16] = {};
+        ASSERT_EQ(::get_mempolicy(&mode, mask, sizeof mask * 8, nullptr, 0), 0);
+        EXPECT_EQ(mode, MPOL_PREFERRED);
+        EXPECT_EQ(mask[0] & 1ul, 1ul);
+        auto fd = open_random(path);
+        uint64_t got = 0;
+        p->set_callback([&](uint64_t, uint64_t, uint64_t bytes, int) { got = bytes; });
+        p->enqueue({fd.get(), 0, 4 * kMiB, 0, 0});
+        ASSERT_TRUE(p->run_until_idle());
+        EXPECT_EQ(got, 4 * kMiB);
+        EXPECT_EQ(resident(path, 0, 4 * kMiB), 4 * kMiB);
+    }).join();
+}
+
+}  // namespace
+}  // namespace moecache::daemon

@@ -1,0 +1,628 @@
+// moecached's config on bad input: one test per class of error, each fixture a TOML text written
+// at run time. Every rejection must name the file, the key (a dotted path such as budget.lock or
+// model[1].pin[1]) and say what is wrong. Then what must work: the annotated default config,
+// drop-ins in name order, every field read, and the size and pin syntaxes.
+#include "temp_dir.h"
+
+#include "moecache/daemon/config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <initializer_list>
+#include <limits>
+#include <sstream>
+
+namespace moecache::daemon {
+namespace {
+
+using test::TempDir;
+using test::write_file;
+
+constexpr uint64_t kKiB = 1ull << 10, kMiB = 1ull << 20, kGiB = 1ull << 30, kTiB = 1ull << 40;
+constexpr uint64_t kMemTotal = 64 * kGiB;
+constexpr uint32_t kWholeLayer = std::numeric_limits<uint32_t>::max();
+
+void expect_mentions(const std::string& message, std::initializer_list<std::string> phrases) {
+    for (const auto& p : phrases)
+        EXPECT_NE(message.find(p), std::string::npos) << "no '" << p << "' in: " << message;
+}
+
+// The settings of a config as "key = value" lines, so that two configs compare with a readable
+// difference. Sources, origins and models' `where` are left out: they say where, not what.
+std::string describe(const Config& c) {
+    std::ostringstream s;
+    const auto size = [](const ByteAmount& a) {
+        return a.percent ? fmt::format("{}%", *a.percent) : fmt::format("{} bytes", a.bytes);
+    };
+    s << "daemon.state_dir = " << c.state_dir << "\n"
+      << "daemon.socket = " << c.socket_path << "\n"
+      << "daemon.log_level = " << c.log_level << "\n"
+      << "daemon.tick_seconds = " << c.tick_seconds << "\n"
+      << "budget.lock = " << size(c.lock_budget) << "\n"
+      << "budget.reserve = " << size(c.reserve) << "\n"
+      << "prefetch.queue_depth = " << c.queue_depth << "\n"
+      << "prefetch.read_size = " << c.read_size << "\n"
+      << "prefetch.numa_node = " << c.numa_node << "\n"
+      << "pressure.enabled = " << c.pressure_enabled << "\n"
+      << "pressure.stall_us = " << c.pressure_stall_us << "\n"
+      << "pressure.window_us = " << c.pressure_window_us << "\n"
+      << "pressure.release_share = " << c.pressure_release_share << "\n"
+      << "pressure.recover_seconds = " << c.pressure_recover_seconds << "\n"
+      << "policy.decay_half_life_tokens = " << c.decay_half_life_tokens << "\n"
+      << "policy.admit_after_uses = " << c.admit_after_uses << "\n"
+      << "policy.elite_share = " << c.elite_share << "\n"
+      << "policy.hysteresis = " << c.hysteresis << "\n"
+      << "policy.save_interval_seconds = " << c.save_interval_seconds << "\n";
+    for (const auto& m : c.models) {
+        s << "model " << m.path << " budget " << (m.budget ? size(*m.budget) : "none")
+          << " lock_dense " << m.lock_dense << " pins";
+        for (const auto& p : m.pins) s << " " << p.layer << ":" << p.first << "-" << p.last;
+        s << "\n";
+    }
+    return s.str();
+}
+
+class ConfigTest : public ::testing::Test {
+protected:
+    ConfigTest() {
+        // A stand-in for /sys/devices/system/node on a two-node machine, with one of the files
+        // that sit beside the node directories there.
+        std::filesystem::create_directories(numa_.file("node0"));
+        std::filesystem::create_directories(numa_.file("node1"));
+        write_file(numa_.file("online"), "0-1\n");
+    }
+
+    Result<Config> load(const std::string& text) {
+        write_file(main_, text);
+        return load_config(main_);
+    }
+
+    std::string drop_in(const std::string& name, const std::string& text) {
+        std::filesystem::create_directories(dir_.file("moecached.toml.d"));
+        const auto path = dir_.file("moecached.toml.d/" + name);
+        write_file(path, text);
+        return path;
+    }
+
+    // Fails the test unless loading `text` as the main file fails with a message that names the
+    // file and holds every phrase.
+    void expect_rejected(const std::string& text, std::initializer_list<std::string> phrases) {
+        const auto c = load(text);
+        ASSERT_FALSE(c) << "accepted:\n" << text;
+        expect_mentions(c.error().what(), {main_});
+        expect_mentions(c.error().what(), phrases);
+    }
+
+    // Fails the test unless `text` loads but does not validate, with every phrase in the message.
+    void expect_invalid(const std::string& text, std::initializer_list<std::string> phrases,
+                        uint64_t mem_total = kMemTotal) {
+        const auto c = load(text);
+        ASSERT_TRUE(c) << c.error().what();
+        const auto v = validate_config(*c, mem_total, numa_.path());
+        ASSERT_FALSE(v) << "validated:\n" << text;
+        expect_mentions(v.error().what(), phrases);
+    }
+
+    TempDir dir_;
+    TempDir numa_;
+    const std::string main_ = dir_.file("moecached.toml");
+};
+
+// ---- TOML itself -----------------------------------------------------------------------------
+
+TEST_F(ConfigTest, SyntaxErrorGivesLineAndColumn) {
+    expect_rejected("[daemon]\nlog_level = \"info\"\ntick_seconds = = 2\n",
+                    {main_ + ":3:", "TOML syntax error"});
+}
+
+TEST_F(ConfigTest, MissingMainFileIsAnError) {
+    const auto path = dir_.file("absent.toml");
+    const auto c = load_config(path);
+    ASSERT_FALSE(c);
+    expect_mentions(c.error().what(), {path, "cannot open the config file", "No such file"});
+}
+
+// ---- Names -----------------------------------------------------------------------------------
+
+TEST_F(ConfigTest, UnknownTableSuggestsTheClosest) {
+    expect_rejected("[budgte]\nlock = \"8GiB\"\n",
+                    {"budgte", "unknown table", "did you mean 'budget'?"});
+}
+
+TEST_F(ConfigTest, UnknownKeySuggestsTheClosest) {
+    expect_rejected("[prefetch]\nqueue_dept = 8\n", {main_ + ":2:", "prefetch.queue_dept",
+                                                     "unknown key", "did you mean 'queue_depth'?"});
+}
+
+TEST_F(ConfigTest, UnknownKeyFarFromEveryKnownKeyHasNoSuggestion) {
+    const auto c = load("[policy]\ncolour = \"blue\"\n");
+    ASSERT_FALSE(c);
+    expect_mentions(c.error().what(),
+                    {main_, "policy.colour", "unknown key",
+                     "the keys here are decay_half_life_tokens, admit_after_uses"});
+    EXPECT_EQ(c.error().what().find("did you mean"), std::string::npos) << c.error().what();
+}
+
+TEST_F(ConfigTest, UnknownKeyOfAModelSuggestsTheClosest) {
+    expect_rejected("[[model]]\npath = \"/m/a.gguf\"\npins = [\"1\"]\n",
+                    {"model[0].pins", "unknown key", "did you mean 'pin'?"});
+}
+
+TEST_F(ConfigTest, KeyAboveItsTableSaysWhereItBelongs) {
+    expect_rejected("tick_seconds = 2\n[daemon]\n",
+                    {"tick_seconds", "unknown key", "belongs in [daemon]"});
+}
+
+// ---- Types -----------------------------------------------------------------------------------
+
+TEST_F(ConfigTest, WrongTypeSaysExpectedAndActual) {
+    expect_rejected("[prefetch]\nqueue_depth = \"32\"\n",
+                    {"prefetch.queue_depth", "expected an integer", "got a string (\"32\")"});
+}
+
+TEST_F(ConfigTest, SectionThatIsNotATable) {
+    expect_rejected("daemon = 3\n", {"daemon", "expected a table", "got an integer"});
+}
+
+TEST_F(ConfigTest, ModelWrittenAsAPlainTable) {
+    expect_rejected("[model]\npath = \"/m/a.gguf\"\n",
+                    {"model", "expected an array of tables", "[[model]]", "got a table"});
+}
+
+TEST_F(ConfigTest, SizeOfWrongType) {
+    expect_rejected(
+        "[budget]\nlock = 1.5\n",
+        {"budget.lock", "expected an integer (bytes) or a string", "got a floating-point number"});
+}
+
+// ---- Ranges ----------------------------------------------------------------------------------
+
+TEST_F(ConfigTest, IntegerOutOfRange) {
+    expect_rejected("[prefetch]\nqueue_depth = 0\n",
+                    {"prefetch.queue_depth", "out of range", "at least 1 and at most 4096"});
+}
+
+TEST_F(ConfigTest, PsiWindowOutsideWhatTheKernelAccepts) {
+    expect_rejected("[pressure]\nwindow_us = 100000\n",
+                    {"pressure.window_us", "out of range", "at least 500000 and at most 10000000"});
+}
+
+TEST_F(ConfigTest, NumberOutOfAnOpenRange) {
+    expect_rejected("[pressure]\nrelease_share = 0.0\n",
+                    {"pressure.release_share", "out of range", "greater than 0 and at most 1"});
+}
+
+TEST_F(ConfigTest, NumberThatIsNotFinite) {
+    expect_rejected("[daemon]\ntick_seconds = inf\n",
+                    {"daemon.tick_seconds", "out of range", "finite"});
+}
+
+TEST_F(ConfigTest, NumaNodeBelowMinusOne) {
+    expect_rejected("[prefetch]\nnuma_node = -2\n",
+                    {"prefetch.numa_node", "out of range", "at least -1"});
+}
+
+TEST_F(ConfigTest, LogLevelThatDoesNotExist) {
+    expect_rejected("[daemon]\nlog_level = \"warn\"\n",
+                    {"daemon.log_level", "not a log level", "did you mean 'warning'?"});
+}
+
+TEST_F(ConfigTest, RelativeDaemonPath) {
+    expect_rejected("[daemon]\nstate_dir = \"var/lib/moecache\"\n",
+                    {"daemon.state_dir", "relative path"});
+}
+
+// ---- Sizes -----------------------------------------------------------------------------------
+
+TEST_F(ConfigTest, SizeWithUnknownUnit) {
+    expect_rejected("[budget]\nlock = \"12 parsecs\"\n",
+                    {"budget.lock", "'12 parsecs'", "unknown unit 'parsecs'"});
+}
+
+TEST_F(ConfigTest, NegativeSize) {
+    expect_rejected("[budget]\nreserve = \"-1GiB\"\n", {"budget.reserve", "'-1GiB'", "negative"});
+    expect_rejected("[budget]\nreserve = -5\n", {"budget.reserve", "-5", "negative"});
+}
+
+TEST_F(ConfigTest, PercentOutOfRange) {
+    expect_rejected("[budget]\nlock = \"150%\"\n",
+                    {"budget.lock", "'150%'", "more than 0% and at most 100%"});
+    expect_rejected("[budget]\nlock = \"0%\"\n",
+                    {"budget.lock", "'0%'", "more than 0% and at most 100%"});
+}
+
+TEST_F(ConfigTest, SizeThatOverflows) {
+    expect_rejected("[budget]\nlock = \"99999999999TiB\"\n",
+                    {"budget.lock", "too large", "64 bits"});
+}
+
+TEST_F(ConfigTest, ReadSizeIsWholePagesInBytes) {
+    expect_rejected("[prefetch]\nread_size = \"50%\"\n",
+                    {"prefetch.read_size", "not a percentage"});
+    expect_rejected("[prefetch]\nread_size = 5000\n",
+                    {"prefetch.read_size", "not a multiple of 4096"});
+    expect_rejected("[prefetch]\nread_size = \"128MiB\"\n",
+                    {"prefetch.read_size", "out of range", "at least 4 KiB and at most 64 MiB"});
+}
+
+// ---- Models ----------------------------------------------------------------------------------
+
+TEST_F(ConfigTest, ModelWithoutPath) {
+    expect_rejected("[[model]]\npath = \"/m/a.gguf\"\n\n[[model]]\nbudget = \"1GiB\"\n",
+                    {main_ + ":4:", "model[1]", "has no 'path'"});
+}
+
+TEST_F(ConfigTest, ModelWithRelativePath) {
+    expect_rejected("[[model]]\npath = \"models/a.gguf\"\n",
+                    {"model[0].path", "'models/a.gguf'", "relative path"});
+}
+
+TEST_F(ConfigTest, ModelWithEmptyPath) {
+    expect_rejected("[[model]]\npath = \"\"\n", {"model[0].path", "the path is empty"});
+}
+
+TEST_F(ConfigTest, PinThatDoesNotParse) {
+    expect_rejected(
+        "[[model]]\npath = \"/m/a.gguf\"\n[[model]]\npath = \"/m/b.gguf\"\npin = [\"3\", "
+        "\"12:x\"]\n",
+        {"model[1].pin[1]", "'12:x' is not a pin", "\"12:0-7\""});
+}
+
+TEST_F(ConfigTest, PinWithBackwardsRange) {
+    expect_rejected("[[model]]\npath = \"/m/a.gguf\"\npin = [\"12:7-0\"]\n",
+                    {"model[0].pin[0]", "first > last", "12:0-7"});
+}
+
+TEST_F(ConfigTest, PinOfWrongType) {
+    expect_rejected("[[model]]\npath = \"/m/a.gguf\"\npin = [12]\n",
+                    {"model[0].pin[0]", "expected a string", "got an integer (12)"});
+}
+
+TEST_F(ConfigTest, DuplicateModelPathAcrossFiles) {
+    const auto second = drop_in("10-more.toml", "[[model]]\npath = \"/m//a.gguf\"\n");
+    const auto c = load("[[model]]\npath = \"/m/a.gguf\"\n");
+    ASSERT_FALSE(c);
+    // Names the file and entry that repeats the path, and where it was first configured.
+    expect_mentions(c.error().what(),
+                    {second + ":1:", "model[0]", "duplicate model path", main_ + ":1:"});
+}
+
+// ---- Validation: what only the whole config and the machine can say --------------------------
+
+TEST_F(ConfigTest, ReserveNotLessThanMemory) {
+    expect_invalid("[budget]\nreserve = \"64GiB\"\n",
+                   {main_ + ":2:", "budget.reserve", "not less than", "MemTotal 64 GiB",
+                    "nothing could be locked"});
+}
+
+TEST_F(ConfigTest, DefaultThatDoesNotFitIsNamedAsDefault) {
+    // 2 GiB of default reserve on a 1 GiB machine.
+    expect_invalid("", {main_, "budget.reserve (default)", "nothing could be locked"}, kGiB);
+}
+
+TEST_F(ConfigTest, LockBudgetThatResolvesToZero) {
+    expect_invalid("[budget]\nlock = 0\n", {main_ + ":2:", "budget.lock", "resolves to 0 bytes"});
+    expect_invalid("[budget]\nlock = \"0.000000001%\"\n",
+                   {main_, "budget.lock", "resolves to 0 bytes"});
+}
+
+TEST_F(ConfigTest, ModelBudgetAboveTheLockBudget) {
+    expect_invalid(
+        "[budget]\nlock = \"25%\"\n[[model]]\npath = \"/m/a.gguf\"\nbudget = \"20GiB\"\n",
+        {main_ + ":3:", "model[0].budget", "20 GiB", "larger than the global lock budget",
+         "25% of MemTotal 64 GiB = 16 GiB", "budget.lock"});
+}
+
+TEST_F(ConfigTest, StallLongerThanWindowNamesBothFiles) {
+    const auto psi = drop_in("50-psi.toml", "[pressure]\nstall_us = 700000\n");
+    expect_invalid("[pressure]\nwindow_us = 600000\n",
+                   {psi + ":2:", "pressure.stall_us", "700000", "longer than the window",
+                    main_ + ":2:", "pressure.window_us = 600000"});
+}
+
+TEST_F(ConfigTest, NumaNodeThatDoesNotExist) {
+    expect_invalid("[prefetch]\nnuma_node = 5\n", {main_ + ":2:", "prefetch.numa_node",
+                                                   "NUMA node 5 does not exist", "has nodes 0, 1"});
+}
+
+TEST_F(ConfigTest, NumaNodeThatExists) {
+    const auto c = load("[prefetch]\nnuma_node = 1\n");
+    ASSERT_TRUE(c) << c.error().what();
+    const auto v = validate_config(*c, kMemTotal, numa_.path());
+    EXPECT_TRUE(v) << v.error().what();
+}
+
+TEST_F(ConfigTest, NumaNodeIsCheckedAgainstThisMachine) {
+    if (std::filesystem::exists("/sys/devices/system/node/node1023"))
+        GTEST_SKIP() << "this machine has a NUMA node 1023";
+    const auto c = load("[prefetch]\nnuma_node = 1023\n");
+    ASSERT_TRUE(c) << c.error().what();
+    const auto v = validate_config(*c, kMemTotal);
+    ASSERT_FALSE(v);
+    expect_mentions(v.error().what(),
+                    {main_, "prefetch.numa_node", "NUMA node 1023 does not exist"});
+}
+
+// ---- What must work --------------------------------------------------------------------------
+
+TEST_F(ConfigTest, EmptyFileGivesTheDefaults) {
+    const auto c = load("");
+    ASSERT_TRUE(c) << c.error().what();
+    EXPECT_EQ(describe(*c), describe(Config{}));
+    EXPECT_EQ(c->sources, std::vector<std::string>{main_});  // no drop-in directory: fine
+    EXPECT_TRUE(validate_config(*c, kMemTotal, numa_.path()));
+}
+
+TEST_F(ConfigTest, EveryFieldIsRead) {
+    const auto c = load(R"([daemon]
+state_dir = "/srv/moecache/state"
+socket = "/srv/moecache/sock"
+log_level = "debug"
+tick_seconds = 2          # an integer where a float is expected
+
+[budget]
+lock = "96GiB"
+reserve = "12.5%"
+
+[prefetch]
+queue_depth = 128
+read_size = "256KiB"
+numa_node = 1
+
+[pressure]
+enabled = false
+stall_us = 150000
+window_us = 2000000
+release_share = 0.5
+recover_seconds = 0
+
+[policy]
+decay_half_life_tokens = 1000.5
+admit_after_uses = 3
+elite_share = 0.25
+hysteresis = 0
+save_interval_seconds = 300
+
+[[model]]
+path = "/models/kimi/Kimi-K2-*.gguf"
+budget = "80G"
+pin = ["0", "12:3", "13:0-7"]
+lock_dense = false
+
+[[model]]
+path = "/models/qwen.gguf"
+)");
+    ASSERT_TRUE(c) << c.error().what();
+    EXPECT_EQ(c->state_dir, "/srv/moecache/state");
+    EXPECT_EQ(c->socket_path, "/srv/moecache/sock");
+    EXPECT_EQ(c->log_level, "debug");
+    EXPECT_EQ(c->tick_seconds, 2.0);
+    EXPECT_EQ(c->lock_budget.bytes, 96 * kGiB);
+    EXPECT_FALSE(c->lock_budget.percent);
+    EXPECT_EQ(c->reserve.percent, 12.5);
+    EXPECT_EQ(c->queue_depth, 128u);
+    EXPECT_EQ(c->read_size, 256 * kKiB);
+    EXPECT_EQ(c->numa_node, 1);
+    EXPECT_FALSE(c->pressure_enabled);
+    EXPECT_EQ(c->pressure_stall_us, 150000u);
+    EXPECT_EQ(c->pressure_window_us, 2000000u);
+    EXPECT_EQ(c->pressure_release_share, 0.5);
+    EXPECT_EQ(c->pressure_recover_seconds, 0.0);
+    EXPECT_EQ(c->decay_half_life_tokens, 1000.5);
+    EXPECT_EQ(c->admit_after_uses, 3u);
+    EXPECT_EQ(c->elite_share, 0.25);
+    EXPECT_EQ(c->hysteresis, 0.0);
+    EXPECT_EQ(c->save_interval_seconds, 300.0);
+
+    ASSERT_EQ(c->models.size(), 2u);
+    const auto& kimi = c->models[0];
+    EXPECT_EQ(kimi.path, "/models/kimi/Kimi-K2-*.gguf");
+    ASSERT_TRUE(kimi.budget);
+    EXPECT_EQ(kimi.budget->bytes, 80 * kGiB);
+    EXPECT_FALSE(kimi.lock_dense);
+    ASSERT_EQ(kimi.pins.size(), 3u);
+    EXPECT_EQ(kimi.pins[0].layer, 0u);
+    EXPECT_EQ(kimi.pins[0].first, 0u);
+    EXPECT_EQ(kimi.pins[0].last, kWholeLayer);
+    EXPECT_EQ(kimi.pins[1].layer, 12u);
+    EXPECT_EQ(kimi.pins[1].first, 3u);
+    EXPECT_EQ(kimi.pins[1].last, 3u);
+    EXPECT_EQ(kimi.pins[2].layer, 13u);
+    EXPECT_EQ(kimi.pins[2].first, 0u);
+    EXPECT_EQ(kimi.pins[2].last, 7u);
+    EXPECT_EQ(kimi.where, main_ + ":30:1: model[0]");
+    const auto& qwen = c->models[1];
+    EXPECT_EQ(qwen.path, "/models/qwen.gguf");
+    EXPECT_FALSE(qwen.budget);
+    EXPECT_TRUE(qwen.lock_dense);
+    EXPECT_TRUE(qwen.pins.empty());
+
+    EXPECT_EQ(c->origins.size(), 19u) << "every key set above has an origin";
+    EXPECT_EQ(c->origins.at("budget.lock"), main_ + ":8:8");
+    const auto v = validate_config(*c, 256 * kGiB, numa_.path());
+    EXPECT_TRUE(v) << v.error().what();
+}
+
+TEST_F(ConfigTest, DropInsOverrideInNameOrderAndAddModels) {
+    // Written out of order, to show that the order is the names', not the directory's.
+    const auto b =
+        drop_in("20-b.toml", "[prefetch]\nqueue_depth = 20\n[[model]]\npath = \"/m/b.gguf\"\n");
+    const auto a =
+        drop_in("10-a.toml",
+                "[prefetch]\nqueue_depth = 10\nnuma_node = 0\n[[model]]\npath = \"/m/a.gguf\"\n");
+    drop_in("30-c.toml.disabled", "this is not TOML and is not read\n");
+    drop_in("README", "neither is this\n");
+    drop_in(".05-hidden.toml", "[prefetch]\nqueue_depth = 5\n");
+    std::filesystem::create_directories(dir_.file("moecached.toml.d/40-dir.toml"));
+
+    const auto c =
+        load("[prefetch]\nqueue_depth = 1\nread_size = 8192\n[[model]]\npath = \"/m/main.gguf\"\n");
+    ASSERT_TRUE(c) << c.error().what();
+    EXPECT_EQ(c->sources, (std::vector<std::string>{main_, a, b}));
+    EXPECT_EQ(c->queue_depth, 20u) << "the last file wins";
+    EXPECT_EQ(c->numa_node, 0) << "a key only 10-a.toml sets";
+    EXPECT_EQ(c->read_size, 8192u) << "a key only the main file sets";
+    EXPECT_EQ(c->origins.at("prefetch.queue_depth"), b + ":2:15");
+    ASSERT_EQ(c->models.size(), 3u);
+    EXPECT_EQ(c->models[0].path, "/m/main.gguf");
+    EXPECT_EQ(c->models[1].path, "/m/a.gguf");
+    EXPECT_EQ(c->models[2].path, "/m/b.gguf");
+    EXPECT_EQ(c->models[2].where, b + ":3:1: model[0]") << "indices count within each file";
+}
+
+TEST_F(ConfigTest, ErrorInADropInNamesTheDropIn) {
+    const auto bad = drop_in("10-bad.toml", "[policy]\nelite_share = 2\n");
+    const auto c = load("");
+    ASSERT_FALSE(c);
+    expect_mentions(c.error().what(), {bad + ":2:", "policy.elite_share", "out of range"});
+}
+
+// ---- The annotated default config ------------------------------------------------------------
+
+const std::string kAnnotatedConfig = MOECACHE_SOURCE_DIR "/config/moecached.toml";
+
+TEST(AnnotatedConfig, ParsesAndValidates) {
+    const auto c = parse_config_text(test::read_file(kAnnotatedConfig), kAnnotatedConfig);
+    ASSERT_TRUE(c) << c.error().what();
+    EXPECT_EQ(describe(*c), describe(Config{})) << "the shipped file must change nothing";
+    const auto v = validate_config(*c, kMemTotal);
+    EXPECT_TRUE(v) << v.error().what();
+}
+
+// The file shows each setting as "#key = default" and each example model line as "#[[model]]" or
+// "#key = value"; prose comments start with "# ". Uncommented, it must list every key with the
+// daemon's real default, and the example models must be valid.
+TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
+    std::istringstream in(test::read_file(kAnnotatedConfig));
+    std::string uncommented, line;
+    while (std::getline(in, line)) {
+        const bool setting = line.size() > 1 && line[0] == '#' && line[1] != ' ' && line[1] != '#';
+        uncommented += (setting ? line.substr(1) : line) + "\n";
+    }
+    const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
+    ASSERT_TRUE(c) << c.error().what();
+    EXPECT_EQ(c->origins.size(), 19u) << "a key is missing from the annotated config";
+    ASSERT_EQ(c->models.size(), 2u) << "the example models";
+    Config without_models = *c;
+    without_models.models.clear();
+    EXPECT_EQ(describe(without_models), describe(Config{}));
+    const auto v = validate_config(*c, 128 * kGiB);
+    EXPECT_TRUE(v) << v.error().what();
+}
+
+// ---- Value syntaxes --------------------------------------------------------------------------
+
+TEST(ByteAmountSyntax, Accepted) {
+    struct Case {
+        std::string text;
+        uint64_t bytes;
+    };
+    const Case cases[] = {
+        {"0", 0},
+        {"4096", 4096},
+        {"4096B", 4096},
+        {"1KiB", kKiB},
+        {"1k", kKiB},
+        {"512MiB", 512 * kMiB},
+        {"512 mib", 512 * kMiB},
+        {"48GiB", 48 * kGiB},
+        {"48G", 48 * kGiB},
+        {"48gib", 48 * kGiB},
+        {"1.5GiB", 3 * kGiB / 2},
+        {"2TiB", 2 * kTiB},
+        {"  3 T  ", 3 * kTiB},
+        {"0.5K", 512},
+        {"0.3KiB", 307},  // 307.2: the fraction of a byte is dropped
+        {"16777215TiB", 16777215 * kTiB},
+        {"18446744073709551615", std::numeric_limits<uint64_t>::max()},
+    };
+    for (const auto& [text, bytes] : cases) {
+        const auto a = parse_byte_amount(text);
+        ASSERT_TRUE(a) << text << ": " << a.error().what();
+        EXPECT_EQ(a->bytes, bytes) << text;
+        EXPECT_FALSE(a->percent) << text;
+    }
+}
+
+TEST(ByteAmountSyntax, Percent) {
+    struct Case {
+        std::string text;
+        double percent;
+        uint64_t of_64_gib;
+    };
+    const Case cases[] = {
+        {"50%", 50, 32 * kGiB},
+        {"100%", 100, 64 * kGiB},
+        {"12.5%", 12.5, 8 * kGiB},
+        {"0.001 %", 0.001, 687194},  // 687194.76736 bytes, rounded down
+    };
+    for (const auto& [text, percent, of_64_gib] : cases) {
+        const auto a = parse_byte_amount(text);
+        ASSERT_TRUE(a) << text << ": " << a.error().what();
+        EXPECT_EQ(a->percent, percent) << text;
+        EXPECT_EQ(a->resolve(64 * kGiB), of_64_gib) << text;
+    }
+    EXPECT_EQ((ByteAmount{1234, std::nullopt}.resolve(64 * kGiB)), 1234u) << "bytes do not scale";
+    const uint64_t odd = std::numeric_limits<uint64_t>::max() - 3;
+    EXPECT_EQ((ByteAmount{0, 100.0}.resolve(odd)), odd) << "100% is all of it, to the byte";
+}
+
+TEST(ByteAmountSyntax, Rejected) {
+    struct Case {
+        std::string text;
+        std::string phrase;
+    };
+    const Case cases[] = {
+        {"", "empty"},
+        {"   ", "empty"},
+        {"12 parsecs", "unknown unit 'parsecs'"},
+        {"12KB", "unknown unit 'KB'"},  // decimal or binary? Not guessed.
+        {"1.", "unknown unit '.'"},
+        {"1e9", "unknown unit 'e9'"},
+        {"-1GiB", "negative"},
+        {"GiB", "does not start with a number"},
+        {".5GiB", "does not start with a number"},
+        {"+5", "does not start with a number"},
+        {"150%", "at most 100%"},
+        {"0%", "more than 0%"},
+        {"0.0%", "more than 0%"},
+        {"99999999999TiB", "too large"},
+        {"16777216TiB", "too large"},
+        {"18446744073709551616", "too large"},
+        {"17179869184G", "too large"},  // 2^64
+    };
+    for (const auto& [text, phrase] : cases) {
+        const auto a = parse_byte_amount(text);
+        ASSERT_FALSE(a) << "'" << text << "' was accepted";
+        expect_mentions(a.error().what(), {phrase});
+    }
+}
+
+TEST(ExpertPinSyntax, AcceptedAndRejected) {
+    const auto pin = [](std::string_view text) {
+        const auto p = parse_expert_pin(text);
+        return p ? fmt::format("{}:{}-{}", p->layer, p->first, p->last)
+                 : "error: " + p.error().what();
+    };
+    EXPECT_EQ(pin("12"), fmt::format("12:0-{}", kWholeLayer));
+    EXPECT_EQ(pin("12:3"), "12:3-3");
+    EXPECT_EQ(pin("12:0-7"), "12:0-7");
+    EXPECT_EQ(pin(" 0:5-5 "), "0:5-5");
+    for (const std::string_view bad : {"", "x", "12:", "12:x", "12:3-", "12:-3", "-1", "1:2-3-4",
+                                       "12 :3", "4294967296", "1:4294967296"})
+        EXPECT_EQ(pin(bad).rfind("error: ", 0), 0u) << "'" << bad << "' was accepted: " << pin(bad);
+    expect_mentions(pin("12:7-0"), {"first > last", "12:0-7"});
+    expect_mentions(pin("4294967296"), {"too large"});
+}
+
+TEST(FormatBytes, ExactUnitsAndOthers) {
+    EXPECT_EQ(format_bytes(0), "0 bytes");
+    EXPECT_EQ(format_bytes(1000), "1000 bytes");
+    EXPECT_EQ(format_bytes(4 * kKiB), "4 KiB");
+    EXPECT_EQ(format_bytes(48 * kGiB), "48 GiB");
+    EXPECT_EQ(format_bytes(48 * kGiB + 1), "51539607553 bytes (48.0 GiB)");
+}
+
+}  // namespace
+}  // namespace moecache::daemon

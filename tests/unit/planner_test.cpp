@@ -1,0 +1,176 @@
+// The placement policy: pins and the dense part first, then the elite of each layer, then the
+// hottest admitted experts; budgets respected; hysteresis against churn; coldest released first.
+#include "moecache/daemon/heat.h"
+#include "moecache/daemon/planner.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+namespace moecache::daemon {
+namespace {
+
+constexpr uint64_t kExpert = 1000;
+
+struct World {
+    HeatTable heat;
+    ModelView view;
+    explicit World(uint32_t layers = 1, uint32_t experts = 8) : heat(layers, experts, 1e9) {
+        view.heat = &heat;
+        const size_t n = size_t{layers} * experts;
+        view.locked.assign(n, 0);
+        view.pinned.assign(n, 0);
+        view.slot_bytes.assign(n, kExpert);
+    }
+    // Expert e of layer l used `times` times.
+    void use(uint32_t l, uint32_t e, int times) {
+        const uint32_t one[] = {e};
+        for (int i = 0; i < times; ++i) heat.record(l, one);
+    }
+};
+
+std::vector<uint32_t> slots(const std::vector<SlotRef>& refs) {
+    std::vector<uint32_t> out;
+    for (const auto& r : refs) out.push_back(r.slot);
+    return out;
+}
+
+TEST(Planner, HottestAdmittedExpertsFillTheBudget) {
+    World w;
+    w.use(0, 5, 10);
+    w.use(0, 2, 7);
+    w.use(0, 7, 3);
+    w.use(0, 1, 1);  // below admit_after_uses = 2
+    PlannerSettings s;
+    s.elite_share = 0;
+    const ModelView views[] = {w.view};
+    const auto p = plan_placement(views, 2 * kExpert, s);
+    EXPECT_EQ(slots(p.lock), (std::vector<uint32_t>{5, 2}));
+    EXPECT_TRUE(p.release.empty());
+    EXPECT_EQ(p.planned_bytes, 2 * kExpert);
+    const auto all = plan_placement(views, 100 * kExpert, s);
+    EXPECT_EQ(slots(all.lock), (std::vector<uint32_t>{5, 2, 7})) << "expert 1 is not admitted yet";
+}
+
+TEST(Planner, PinsAndDenseComeFirst) {
+    World w;
+    w.use(0, 5, 10);
+    w.view.pinned[3] = 1;
+    w.view.dense_wanted = true;
+    w.view.dense_bytes = kExpert;
+    const ModelView views[] = {w.view};
+    const auto p = plan_placement(views, 2 * kExpert, {});
+    ASSERT_EQ(p.lock.size(), 2u);
+    EXPECT_EQ(p.lock[0].slot, kDenseSlot);
+    EXPECT_EQ(p.lock[1].slot, 3u);
+}
+
+TEST(Planner, HysteresisKeepsALockedExpertAgainstASlightlyHotterOne) {
+    World w;
+    w.use(0, 1, 10);
+    w.use(0, 2, 11);
+    w.view.locked[1] = 1;
+    PlannerSettings s;
+    s.elite_share = 0;
+    s.hysteresis = 0.25;
+    const ModelView views[] = {w.view};
+    auto p = plan_placement(views, kExpert, s);
+    EXPECT_TRUE(p.lock.empty());
+    EXPECT_TRUE(p.release.empty());
+    // Much hotter wins: 1 is released, 2 locked.
+    w.use(0, 2, 5);
+    const ModelView views2[] = {w.view};
+    p = plan_placement(views2, kExpert, s);
+    EXPECT_EQ(slots(p.lock), std::vector<uint32_t>{2});
+    EXPECT_EQ(slots(p.release), std::vector<uint32_t>{1});
+}
+
+TEST(Planner, EliteOfEachLayerBeatsHotterExpertsOfOtherLayers) {
+    World w(2, 8);
+    for (uint32_t e = 0; e < 4; ++e) w.use(0, e, 100 + static_cast<int>(e));
+    w.use(1, 6, 3);  // layer 1's hottest, much colder than layer 0's
+    PlannerSettings s;
+    s.elite_share = 0.125;  // one expert per layer
+    const ModelView views[] = {w.view};
+    const auto p = plan_placement(views, 2 * kExpert, s);
+    const auto got = slots(p.lock);
+    EXPECT_NE(std::find(got.begin(), got.end(), 8u + 6u), got.end()) << "layer 1's elite";
+    EXPECT_NE(std::find(got.begin(), got.end(), 3u), got.end()) << "layer 0's elite";
+}
+
+TEST(Planner, ShrinkingBudgetReleasesColdestFirstAndRespectsModelBudgets) {
+    World w;
+    for (uint32_t e = 0; e < 6; ++e) {
+        w.use(0, e, 2 + static_cast<int>(e));
+        w.view.locked[e] = 1;
+    }
+    PlannerSettings s;
+    s.elite_share = 0;
+    s.hysteresis = 0;
+    const ModelView views[] = {w.view};
+    auto p = plan_placement(views, 3 * kExpert, s);
+    EXPECT_EQ(slots(p.release), (std::vector<uint32_t>{0, 1, 2}));
+    w.view.budget = 1 * kExpert;
+    const ModelView views2[] = {w.view};
+    p = plan_placement(views2, 100 * kExpert, s);
+    EXPECT_EQ(p.planned_bytes, kExpert);
+    EXPECT_EQ(p.release.size(), 5u);
+    EXPECT_EQ(p.release.front().slot, 0u);
+}
+
+TEST(Planner, TwoModelsShareTheGlobalBudgetByHeat) {
+    World a, b;
+    a.use(0, 1, 50);
+    b.use(0, 2, 40);
+    a.use(0, 3, 5);
+    PlannerSettings s;
+    s.elite_share = 0;
+    const ModelView views[] = {a.view, b.view};
+    const auto p = plan_placement(views, 2 * kExpert, s);
+    ASSERT_EQ(p.lock.size(), 2u);
+    EXPECT_EQ(p.lock[0], (SlotRef{0, 1}));
+    EXPECT_EQ(p.lock[1], (SlotRef{1, 2}));
+}
+
+TEST(Heat, DecaysByHalfLife) {
+    HeatTable h(1, 4, 100);
+    const uint32_t e[] = {1};
+    h.record(0, e);
+    h.advance_clock(100);
+    EXPECT_NEAR(h.heat(0, 1), 0.5, 1e-9);
+    h.record(0, e);
+    EXPECT_NEAR(h.heat(0, 1), 1.5, 1e-9);
+    h.advance_clock(200);
+    EXPECT_NEAR(h.heat(0, 1), 1.5 / 4, 1e-9);
+    EXPECT_EQ(h.uses(0, 1), 2u);
+    EXPECT_EQ(h.heat(0, 0), 0.0);
+}
+
+TEST(Heat, ProfilesRoundTripAndRefuseOtherModels) {
+    HeatTable h(2, 4, 1000);
+    const uint32_t e[] = {1, 3};
+    h.record(1, e);
+    h.record(1, e);
+    const std::string text = h.to_profile("qwen3moe-2x4-x");
+    HeatTable back(2, 4, 1000);
+    ASSERT_TRUE(back.load_profile(text, "qwen3moe-2x4-x", "p.json"));
+    EXPECT_NEAR(back.heat(1, 3), 2.0, 1e-9);
+    EXPECT_EQ(back.uses(1, 1), 2u);
+    EXPECT_EQ(back.heat(0, 1), 0.0);
+
+    auto other = back.load_profile(text, "llama-2x4-y", "p.json");
+    ASSERT_FALSE(other);
+    EXPECT_NE(other.error().message.find("another model"), std::string::npos);
+    HeatTable shape(3, 4, 1000);
+    auto bad_shape = shape.load_profile(text, "qwen3moe-2x4-x", "p.json");
+    ASSERT_FALSE(bad_shape);
+    EXPECT_NE(bad_shape.error().message.find("shape"), std::string::npos);
+    for (const char* junk : {"", "[]", "{\"key\":\"qwen3moe-2x4-x\"}", "{\"key\":\"qwen3moe-2x4-x\",\"n_layers\":2,"
+                             "\"n_experts\":4,\"experts\":[[9,9,1.0,1]]}"}) {
+        HeatTable t(2, 4, 1000);
+        EXPECT_FALSE(t.load_profile(junk, "qwen3moe-2x4-x", "p.json")) << junk;
+    }
+}
+
+}  // namespace
+}  // namespace moecache::daemon
