@@ -245,7 +245,9 @@ void Daemon::place() {
     const Plan plan = plan_placement(views, lock_cap(), s);
     for (const auto& r : plan.release) {
         auto& m = *loaded[r.model];
-        if (auto rel = m.res->release(r.slot, /*drop=*/false); !rel)
+        // Dropped as well as unlocked: pages no process maps leave the page cache, so that what
+        // the policy lets go frees memory; pages a runtime maps stay where they are.
+        if (auto rel = m.res->release(r.slot, /*drop=*/true); !rel)
             MC_LOG(LOG_WARNING, "model {}: release: {}", m.path, rel.error().what());
     }
     int32_t priority = 0;

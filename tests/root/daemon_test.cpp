@@ -220,5 +220,79 @@ TEST_F(DaemonTest, ReloadWithASmallerBudgetReleasesAndABadOneIsRefused) {
     EXPECT_EQ(s.locked_bytes, 0u);
 }
 
+TEST_F(DaemonTest, ReleaseDropsPagesNobodyMapsAndKeepsMappedOnes) {
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    const uint32_t id = *(*d)->model_id(model_);
+    route(**d, id, 2, {4, 8});
+    settle(**d);
+    const auto map = load_expert_map(model_);
+    const auto mapped = map->ranges(2, 4).at(0), unmapped = map->ranges(2, 8).at(0);
+    ASSERT_EQ(resident(model_, mapped), mapped.length);
+    ASSERT_EQ(resident(model_, unmapped), unmapped.length);
+    // Another process (here: this one, through its own mapping) uses expert 4.
+    const int fd = ::open(model_.c_str(), O_RDONLY);
+    const uint64_t size = std::filesystem::file_size(model_);
+    auto* base = static_cast<volatile uint8_t*>(::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0));
+    ASSERT_NE(base, MAP_FAILED);
+    uint64_t sum = 0;
+    for (uint64_t off = mapped.offset; off < mapped.offset + mapped.length; off += 4096) sum += base[off];
+    ASSERT_TRUE((*d)->reload(config(4096)));  // releases both
+    EXPECT_EQ((*d)->status().locked_bytes, 0u);
+    // Interior pages only: the edge pages are shared with neighbours that may still be cached.
+    const ByteRange mapped_inner{0, (mapped.offset + 4095) / 4096 * 4096, (mapped.length / 4096 - 2) * 4096};
+    const ByteRange unmapped_inner{0, (unmapped.offset + 4095) / 4096 * 4096, (unmapped.length / 4096 - 2) * 4096};
+    EXPECT_EQ(resident(model_, mapped_inner), mapped_inner.length) << "mapped by a process: kept";
+    EXPECT_EQ(resident(model_, unmapped_inner), 0u) << "mapped by nobody: dropped";
+    ::munmap(const_cast<uint8_t*>(base), size);
+    ::close(fd);
+    EXPECT_GT(sum + 1, 0u);
+}
+
+TEST_F(DaemonTest, PinsAndGlobs) {
+    auto c = config();
+    c.models[0].path = dir_.file("mod*.gguf");
+    c.models[0].pins = {ExpertPin{3, 0, 1}, ExpertPin{1, 5, 5}};
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    settle(**d);  // no telemetry: the pins alone
+    const auto s = (*d)->status();
+    ASSERT_EQ(s.models.size(), 1u);
+    EXPECT_EQ(s.models[0].path, model_) << "the glob resolved to the model";
+    for (auto [b, e] : {std::pair{3u, 0u}, {3u, 1u}, {1u, 5u}}) {
+        EXPECT_TRUE(expert(s, b, e).pinned);
+        EXPECT_EQ(expert(s, b, e).tier, Tier::Locked) << b << ":" << e;
+    }
+    uint32_t locked = 0;
+    for (const auto& x : s.models[0].experts) locked += x.tier == Tier::Locked;
+    EXPECT_EQ(locked, 3u);
+}
+
+TEST_F(DaemonTest, AnotherQuantizationOfTheSameModelStartsWarm) {
+    {
+        auto d = Daemon::create(config());
+        ASSERT_TRUE(d) << d.error().what();
+        route(**d, *(*d)->model_id(model_), 1, {2, 11}, 4);
+        settle(**d);
+    }  // saves the heat profile on the way out
+    // The same model (architecture, shape, name) in another expert type: other file offsets.
+    auto spec = test::small_spec();
+    spec.expert_type = *ggml_type_info(ggml::Q4_K);
+    const std::string q4 = dir_.file("model-q4_K.gguf");
+    test::write_model(spec, q4);
+    drop_cache(q4);
+    auto c = config();
+    c.models[0].path = q4;
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    settle(**d);
+    const auto s = (*d)->status();
+    EXPECT_EQ(expert(s, 1, 2).tier, Tier::Locked);
+    EXPECT_EQ(expert(s, 1, 11).tier, Tier::Locked);
+    EXPECT_EQ(expert(s, 1, 3).tier, Tier::Storage);
+    const auto map = load_expert_map(q4);
+    for (const auto& r : map->ranges(1, 11)) EXPECT_EQ(resident(q4, r), r.length);
+}
+
 }  // namespace
 }  // namespace moecache::daemon

@@ -75,3 +75,75 @@ RunResult run(const std::vector<std::string>& argv, const std::vector<std::strin
 }
 
 }  // namespace moecache::test
+
+namespace moecache::test {
+
+Background::Background(const std::vector<std::string>& argv) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+        ::dup2(p[1], 1);
+        ::dup2(p[1], 2);
+        std::vector<char*> args;
+        for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+        args.push_back(nullptr);
+        ::execvp(args[0], args.data());
+        ::_exit(127);
+    }
+    ::close(p[1]);
+    fd_ = p[0];
+}
+
+Background::~Background() {
+    if (exit_code_ == -2 && pid_ > 0) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, nullptr, 0);
+    }
+    if (fd_ >= 0) ::close(fd_);
+}
+
+void Background::pump(int timeout_ms) {
+    if (fd_ < 0) return;
+    pollfd pfd{fd_, POLLIN, 0};
+    if (::poll(&pfd, 1, timeout_ms) <= 0) return;
+    char buf[8192];
+    const ssize_t n = ::read(fd_, buf, sizeof buf);
+    if (n > 0) out_.append(buf, static_cast<size_t>(n));
+    else {
+        ::close(fd_);
+        fd_ = -1;
+    }
+}
+
+bool Background::wait_for(const std::string& text, double seconds) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (out_.find(text) == std::string::npos) {
+        if (fd_ < 0 || std::chrono::steady_clock::now() > end) return out_.find(text) != std::string::npos;
+        pump(100);
+    }
+    return true;
+}
+
+void Background::signal(int sig) {
+    if (exit_code_ == -2) ::kill(pid_, sig);
+}
+
+int Background::wait(double seconds) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (exit_code_ == -2) {
+        int status = 0;
+        const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+        if (r == pid_) {
+            exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+            break;
+        }
+        if (std::chrono::steady_clock::now() > end) return -1;
+        pump(50);
+    }
+    while (fd_ >= 0) pump(100);
+    return exit_code_;
+}
+
+}  // namespace moecache::test

@@ -1,0 +1,71 @@
+// The moecached program itself: bad configurations refused with a message and exit code 1,
+// --check, a foreground run that takes SIGHUP (reload) and SIGTERM (saves heat, exits 0).
+#include "model_fixture.h"
+#include "run.h"
+#include "temp_dir.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+namespace moecache {
+namespace {
+
+class Moecached : public testing::Test {
+protected:
+    void SetUp() override {
+        if (::geteuid() != 0) GTEST_SKIP() << "needs root: mlock and PSI triggers";
+        model_ = dir_.file("model.gguf");
+        test::write_model(test::small_spec(), model_);
+    }
+    std::string config(const std::string& lock = "64MiB") {
+        return "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\ntick_seconds = 0.1\n"
+               "[budget]\nlock = \"" + lock + "\"\nreserve = \"1GiB\"\n"
+               "[[model]]\npath = \"" + model_ + "\"\npin = [\"0:0-3\"]\n";
+    }
+    test::TempDir dir_;
+    std::string model_;
+};
+
+TEST_F(Moecached, RefusesABadConfigurationWithAMessage) {
+    test::write_file(dir_.file("bad.toml"), "[budget]\nlock = \"12 parsecs\"\n");
+    const auto r = test::run({MOECACHE_DAEMON_BIN, "--config", dir_.file("bad.toml")});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find(dir_.file("bad.toml")), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("budget.lock"), std::string::npos) << r.err;
+    const auto missing = test::run({MOECACHE_DAEMON_BIN, "--config", dir_.file("none.toml")});
+    EXPECT_EQ(missing.exit_code, 1);
+    EXPECT_NE(missing.err.find("none.toml"), std::string::npos) << missing.err;
+    EXPECT_EQ(test::run({MOECACHE_DAEMON_BIN, "--bogus"}).exit_code, 2);
+}
+
+TEST_F(Moecached, CheckValidatesAndExits) {
+    test::write_file(dir_.file("good.toml"), config());
+    const auto r = test::run({MOECACHE_DAEMON_BIN, "--config", dir_.file("good.toml"), "--check"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("valid"), std::string::npos) << r.out;
+}
+
+TEST_F(Moecached, RunsReloadsOnSighupAndStopsOnSigterm) {
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config());
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    ASSERT_TRUE(d.wait_for("model " + model_ + " loaded", 20)) << d.output();
+    test::write_file(cfg, config("32MiB"));
+    d.signal(SIGHUP);
+    EXPECT_TRUE(d.wait_for("lock budget now 32 MiB", 20)) << d.output();
+    // A broken edit is refused and the daemon goes on.
+    test::write_file(cfg, "[budget]\nlock = 7\nnope = 1\n");
+    d.signal(SIGHUP);
+    EXPECT_TRUE(d.wait_for("reload refused", 20)) << d.output();
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+    EXPECT_TRUE(std::filesystem::exists(dir_.file("state/profiles/qwen3moe-4x16-moecache-synthetic.json")))
+        << d.output();
+}
+
+}  // namespace
+}  // namespace moecache
