@@ -55,6 +55,7 @@ std::vector<std::string> expand(const std::string& pattern) {
 
 uint64_t mem_total_bytes() { return proc_kib("/proc/meminfo", "MemTotal:"); }
 uint64_t vmlck_bytes() { return proc_kib("/proc/self/status", "VmLck:"); }
+uint64_t mem_available_bytes() { return proc_kib("/proc/meminfo", "MemAvailable:"); }
 
 struct Daemon::ModelEntry {
     uint32_t id = 0;
@@ -255,7 +256,7 @@ void Daemon::place() {
         auto& m = *loaded[r.model];
         SlotState& st = m.res->state(r.slot);
         if (st.tier != Tier::Storage) continue;
-        if (st.cached_bytes >= m.res->slot_bytes(r.slot) - std::min<uint64_t>(m.res->slot_bytes(r.slot), 2 * 4096)) {
+        if (st.cached_bytes >= m.res->slot_length(r.slot)) {
             m.waiting.push_back(r.slot);  // already cached: lock without reading
             continue;
         }
@@ -268,6 +269,11 @@ void Daemon::place() {
         ++priority;
     }
     if (auto r = prefetcher_->submit(); !r) MC_LOG(LOG_WARNING, "prefetch: {}", r.error().what());
+    // The reserve holds against what the machine has now, not only against RAM: locking cached
+    // pages takes them out of MemAvailable, so never lock below reserve.
+    const uint64_t reserve = config_.reserve.resolve(mem_total_);
+    const uint64_t available = mem_available_bytes();
+    lockable_this_turn_ = available > reserve ? available - reserve : 0;
     uint64_t budget = kLockBytesPerTurn;
     for (auto* m : loaded) {
         std::vector<uint32_t> waiting;
@@ -288,11 +294,14 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
     SlotState& st = m.res->state(slot);
     if (st.tier == Tier::Locked) return;
     const uint64_t need = m.res->slot_bytes(slot);
-    if (total_locked() + need > lock_cap() || m.res->locked_bytes() + need > model_cap(m)) {
+    if (total_locked() + need > lock_cap() || m.res->locked_bytes() + need > model_cap(m) ||
+        need > lockable_this_turn_) {
         st.tier = Tier::Storage;  // the plan will ask again if it still wants it
         return;
     }
-    if (auto r = m.res->lock(slot); !r) {
+    auto r = m.res->lock(slot);
+    if (r) lockable_this_turn_ -= std::min(lockable_this_turn_, *r);
+    if (!r) {
         st.tier = Tier::Storage;
         MC_LOG(LOG_WARNING, "model {}: lock: {}", m.path, r.error().what());
         // A file truncated or replaced under us fails here first: look at it again now.

@@ -294,5 +294,26 @@ TEST_F(DaemonTest, AnotherQuantizationOfTheSameModelStartsWarm) {
     for (const auto& r : map->ranges(1, 11)) EXPECT_EQ(resident(q4, r), r.length);
 }
 
+TEST_F(DaemonTest, TheReserveHoldsAgainstWhatIsAvailableNow) {
+    // Take 4 GiB so that a reserve can sit between what is available and RAM with wide margins
+    // (other processes move MemAvailable by far less than the 2 GiB used here).
+    constexpr uint64_t kHog = 4ull << 30, kMargin = 2ull << 30;
+    if (mem_available_bytes() < kHog + (2ull << 30)) GTEST_SKIP() << "less than 6 GiB available";
+    auto* hog = static_cast<uint8_t*>(::mmap(nullptr, kHog, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    ASSERT_NE(hog, MAP_FAILED);
+    for (uint64_t off = 0; off < kHog; off += 4096) hog[off] = 1;
+    auto c = config();
+    c.reserve = ByteAmount{mem_available_bytes() + kMargin, std::nullopt};
+    ASSERT_LT(c.reserve.bytes, mem_total_bytes());
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    route(**d, *(*d)->model_id(model_), 0, {1, 2, 3});
+    settle(**d);
+    EXPECT_EQ((*d)->status().locked_bytes, 0u) << "the budget allows it, the reserve does not";
+    ::munmap(hog, kHog);  // 4 GiB back: now the reserve leaves room
+    settle(**d);
+    EXPECT_EQ(expert((*d)->status(), 0, 2).tier, Tier::Locked);
+}
+
 }  // namespace
 }  // namespace moecache::daemon

@@ -184,7 +184,11 @@ INSTANTIATE_TEST_SUITE_P(Setups, PrefetcherVariants,
                                     (v.param.register_buffers ? "Fixed" : "Plain");
                          });
 
-TEST_F(PrefetcherTest, ExpertsOfASplitModelFromAnEpollLoop) {
+// The daemon's way: the eventfd in an epoll set, on_ready() when it is readable. With
+// DEFER_TASKRUN the kernel only signals that work is waiting; with COOP_TASKRUN, that CQEs are there.
+class EpollLoop : public PrefetcherTest, public testing::WithParamInterface<bool> {};
+
+TEST_P(EpollLoop, ExpertsOfASplitModel) {
     auto spec = test::small_spec();
     const auto files = test::write_model(spec, dir.file("m.gguf"), 2);
     ASSERT_EQ(files.size(), 2u);
@@ -196,7 +200,7 @@ TEST_F(PrefetcherTest, ExpertsOfASplitModelFromAnEpollLoop) {
 
     // Two experts of every layer (the layers live in both files), each its own tag.
     Recorder rec;
-    auto p = make({.queue_depth = 16, .read_size = 64 * 1024}, rec);
+    auto p = make({.queue_depth = 16, .read_size = 64 * 1024, .defer_taskrun = GetParam()}, rec);
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> want(map->files.size());
     uint64_t total = 0;
     for (const auto& layer : map->layers) {
@@ -229,6 +233,9 @@ TEST_F(PrefetcherTest, ExpertsOfASplitModelFromAnEpollLoop) {
             << path << ": pages outside the experts asked for";
     }
 }
+
+INSTANTIATE_TEST_SUITE_P(Taskrun, EpollLoop, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& v) { return v.param ? "Defer" : "Coop"; });
 
 TEST_F(PrefetcherTest, PriorityOrderWithOneReadInFlight) {
     const auto path = make_cold_file(dir, "data.bin", 16 * kMiB);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <deque>
 #include <limits>
@@ -244,6 +245,9 @@ void Prefetcher::State::prep_read(uint32_t i) {
 }
 
 void Prefetcher::State::prep_cancel(uint32_t i) {
+    // Best effort: a cancel never takes the SQ entries that reads may need; without one, the
+    // read's result is ignored all the same.
+    if (io_uring_sq_space_left(ring->get()) <= options.queue_depth) return;
     io_uring_sqe* sqe = next_sqe();
     io_uring_prep_cancel64(sqe, read_user_data(i, slots[i].generation), 0);
     io_uring_sqe_set_data64(sqe, kCancelUserData);
@@ -252,12 +256,16 @@ void Prefetcher::State::prep_cancel(uint32_t i) {
 }
 
 io_uring_sqe* Prefetcher::State::next_sqe() {
-    // The SQ holds 2 x queue_depth entries and at most one read and one cancel per slot wait in
-    // it, so it cannot be full; submitting (and retrying) is only a guard.
+    // Cannot come back empty: the SQ has 2 x queue_depth entries, each busy slot has at most one
+    // read in it, and cancels only take entries beyond queue_depth (see prep_cancel).
     io_uring_sqe* sqe = io_uring_get_sqe(ring->get());
-    while (sqe == nullptr) {
+    if (sqe == nullptr) {
         (void)io_uring_submit(ring->get());
         sqe = io_uring_get_sqe(ring->get());
+    }
+    if (sqe == nullptr) {
+        MC_LOG(LOG_CRIT, "prefetcher: submission queue full with {} slots busy: a bug", busy_slots);
+        std::abort();
     }
     return sqe;
 }

@@ -5,6 +5,11 @@
 namespace moecache::daemon {
 
 namespace {
+uint64_t length(const std::vector<ByteRange>& rs) {
+    uint64_t bytes = 0;
+    for (const auto& r : rs) bytes += r.length;
+    return bytes;
+}
 uint64_t page_bytes(const std::vector<ByteRange>& rs) {
     const uint64_t ps = PageLocker::page_size();
     uint64_t bytes = 0;
@@ -46,8 +51,14 @@ Result<std::unique_ptr<ModelResidency>> ModelResidency::open(const std::string& 
     }
     for (const auto& f : r->model_->files()) r->probes_.push_back(MC_TRY(PageCacheProbe::open(f.path)));
     r->slot_bytes_.resize(r->slots_.size());
-    for (uint32_t s = 0; s < r->slots_.size(); ++s) r->slot_bytes_[s] = page_bytes(r->ranges(s));
+    r->slot_length_.resize(r->slots_.size());
+    for (uint32_t s = 0; s < r->slots_.size(); ++s) {
+        const auto rs = r->ranges(s);
+        r->slot_bytes_[s] = page_bytes(rs);
+        r->slot_length_[s] = length(rs);
+    }
     r->dense_bytes_ = page_bytes(r->ranges(kDenseSlot));
+    r->dense_length_ = length(r->ranges(kDenseSlot));
     return r;
 }
 

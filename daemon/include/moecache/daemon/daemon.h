@@ -103,13 +103,15 @@ private:
     std::vector<std::unique_ptr<ModelEntry>> models_;
     uint32_t next_model_id_ = 0;
     uint64_t pressure_cap_ = UINT64_MAX;
+    uint64_t lockable_this_turn_ = 0;  // MemAvailable - reserve, counted down as a turn locks
     uint64_t pressure_events_ = 0;
     std::chrono::steady_clock::time_point last_pressure_{}, last_save_{};
     bool stopping_ = false;
 };
 
-// Total RAM (MemTotal) and this process's VmLck, from /proc.
+// Total and available RAM (MemTotal, MemAvailable) and this process's VmLck, from /proc.
 uint64_t mem_total_bytes();
 uint64_t vmlck_bytes();
+uint64_t mem_available_bytes();
 
 }  // namespace moecache::daemon

@@ -43,6 +43,10 @@ public:
     [[nodiscard]] uint64_t slot_bytes(uint32_t slot) const {
         return slot == kDenseSlot ? dense_bytes_ : slot_bytes_[slot];
     }
+    // Bytes of a slot's ranges, exactly: what "fully cached" means.
+    [[nodiscard]] uint64_t slot_length(uint32_t slot) const {
+        return slot == kDenseSlot ? dense_length_ : slot_length_[slot];
+    }
     [[nodiscard]] uint64_t locked_bytes() const { return locker_->locked_bytes(); }
     // The MoE layer index of block N (blk.N), if block N is an MoE layer.
     [[nodiscard]] std::optional<uint32_t> layer_of_block(uint32_t block) const;
@@ -63,8 +67,8 @@ private:
     std::vector<SlotState> slots_;
     SlotState dense_;
     std::vector<uint8_t> pinned_;
-    std::vector<uint64_t> slot_bytes_;
-    uint64_t dense_bytes_ = 0;
+    std::vector<uint64_t> slot_bytes_, slot_length_;
+    uint64_t dense_bytes_ = 0, dense_length_ = 0;
     std::vector<PageCacheProbe> probes_;
 };
 
