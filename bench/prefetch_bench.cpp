@@ -3,7 +3,9 @@
 // runs it beside fio and vmtouch and prints medians.
 //
 //   moecache-prefetch-bench MODEL.gguf [--qd N] [--read-size BYTES] [--fadvise random|normal|none]
-//                           [--plain-buffers] [--no-defer] [--order random|file] [--seed N]
+//                           [--plain-buffers] [--no-defer] [--order random|file] [--seed N] [--blocking]
+// It drives the prefetcher as the daemon does, from an epoll loop on its eventfd (--blocking:
+// run_until_idle() instead).
 //   moecache-prefetch-bench MODEL.gguf --info     (prints slice=, experts=, expert_bytes=, file_bytes=)
 //
 // Prints one line: moecache bytes=B seconds=S mbps=M user=U sys=S resident=R reads=N
@@ -13,6 +15,7 @@
 #include "moecache/unique_fd.h"
 
 #include <fcntl.h>
+#include <sys/epoll.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -41,12 +44,14 @@ struct Args {
     std::string order = "random";
     uint64_t seed = 1;
     bool info = false;
+    bool blocking = false;
 };
 
 [[noreturn]] void usage(const char* why) {
     std::fprintf(stderr,
                  "moecache-prefetch-bench: %s\nusage: moecache-prefetch-bench MODEL.gguf [--qd N] [--read-size BYTES]\n"
-                 "  [--fadvise random|normal|none] [--plain-buffers] [--no-defer] [--order random|file] [--seed N] [--info]\n",
+                 "  [--fadvise random|normal|none] [--plain-buffers] [--no-defer] [--order random|file] [--seed N]\n"
+                 "  [--blocking] [--info]\n",
                  why);
     std::exit(2);
 }
@@ -67,6 +72,7 @@ Args parse(int argc, char** argv) {
         else if (k == "--order") a.order = value();
         else if (k == "--seed") a.seed = std::stoull(value());
         else if (k == "--info") a.info = true;
+        else if (k == "--blocking") a.blocking = true;
         else if (!k.empty() && k[0] != '-' && a.model.empty()) a.model = k;
         else usage(("unknown argument " + k).c_str());
     }
@@ -116,6 +122,21 @@ uint64_t resident_expert_bytes(const ExpertMap& map, const std::vector<moecache:
     return n;
 }
 
+// The daemon's way: sleep in epoll_wait until the eventfd says completions are ready.
+moecache::Result<void> event_loop(Prefetcher& p) {
+    UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+    epoll_event ev{.events = EPOLLIN, .data = {.u64 = 0}};
+    if (!ep || ::epoll_ctl(ep.get(), EPOLL_CTL_ADD, p.event_fd(), &ev) != 0) return moecache::fail_errno("epoll");
+    MC_TRY_VOID(p.submit());
+    while (!p.idle()) {
+        const int n = ::epoll_wait(ep.get(), &ev, 1, 30000);
+        if (n < 0 && errno == EINTR) continue;  // task work without DEFER_TASKRUN interrupts
+        if (n <= 0) return moecache::fail_errno("epoll_wait: no completion in 30 s");
+        MC_TRY_VOID(p.on_ready());
+    }
+    return {};
+}
+
 int run(const Args& a) {
     auto map = moecache::load_expert_map(a.model);
     if (!map) {
@@ -159,7 +180,7 @@ int run(const Args& a) {
     ::getrusage(RUSAGE_SELF, &before);
     const auto start = std::chrono::steady_clock::now();
     for (const auto& r : ranges) p->enqueue({fds[r.file].get(), r.offset, r.length, 0, r.offset});
-    if (auto done = p->run_until_idle(); !done) {
+    if (auto done = a.blocking ? p->run_until_idle() : event_loop(*p); !done) {
         std::fprintf(stderr, "%s\n", done.error().what().c_str());
         return 1;
     }

@@ -326,8 +326,11 @@ void Daemon::tick() {
     for (auto& m : models_)
         if (m->res) (void)m->res->refresh_cached();
     const auto now = std::chrono::steady_clock::now();
-    if (pressure_cap_ != UINT64_MAX &&
-        now - last_pressure_ > std::chrono::duration<double>(config_.pressure_recover_seconds)) {
+    // Quiet means longer than the trigger's window: a trigger fires at most once per window, so a
+    // shorter wait would lift the cap in the middle of a long squeeze.
+    const double quiet = std::max(config_.pressure_recover_seconds,
+                                  pressure_ ? 1.5 * pressure_->window_us() / 1e6 : 0.0);
+    if (pressure_cap_ != UINT64_MAX && now - last_pressure_ > std::chrono::duration<double>(quiet)) {
         MC_LOG(LOG_INFO, "memory pressure has gone: taking memory back");
         pressure_cap_ = UINT64_MAX;
     }

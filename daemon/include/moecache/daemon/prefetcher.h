@@ -3,8 +3,14 @@
 //
 // Threading: a Prefetcher belongs to one thread, the one that called create() (the daemon's event
 // loop). The ring is set up SINGLE_ISSUER and, where the kernel has it, DEFER_TASKRUN: every call,
-// the destructor included, must come from that thread. Nothing here blocks except run_until_idle()
-// and the destructor (which waits for the reads still in flight, at most queue_depth of them).
+// the destructor included, must come from that thread.
+//
+// Blocking: nothing here waits for I/O except run_until_idle() and the destructor (which waits
+// for the reads still in flight, at most queue_depth of them). submit() does each read's page
+// allocation and bio submission inline, in the calling thread (microseconds per read; on a cold
+// file the file system may first read its extent blocks). Without DEFER_TASKRUN (kernels before
+// 6.1, or Options::defer_taskrun = false) completions run as task work that interrupts the
+// thread's blocking system calls: epoll_wait returns EINTR, and the loop must retry it.
 //
 // Driving it from an epoll loop:
 //   auto p = MC_TRY(Prefetcher::create({.queue_depth = 32}));

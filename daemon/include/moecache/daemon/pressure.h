@@ -19,11 +19,15 @@ struct PressureTrigger {
 class PressureMonitor {
 public:
     // Arms every trigger it can; the machine-wide one must work, the cgroup one is optional.
+    // A window the kernel refuses for lack of CAP_SYS_RESOURCE is rounded up to 2 s multiples.
     static Result<PressureMonitor> open(uint32_t stall_us, uint32_t window_us);
     [[nodiscard]] const std::vector<PressureTrigger>& triggers() const { return triggers_; }
+    // The window in force: the configured one, or rounded up to what the kernel accepted.
+    [[nodiscard]] uint32_t window_us() const { return window_us_; }
 
 private:
     std::vector<PressureTrigger> triggers_;
+    uint32_t window_us_ = 0;
 };
 
 // The cgroup v2 directory of this process ("/sys/fs/cgroup/<path>"), if it has a v2 memory
