@@ -157,34 +157,27 @@ std::string Daemon::profile_path(const std::string& key) const {
     return config_.state_dir + "/profiles/" + key + ".json";
 }
 
+void Daemon::add_entry(const ModelConfig& mc, const std::string& path) {
+    const bool known = std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; });
+    if (known) return;
+    auto e = std::make_unique<ModelEntry>();
+    e->id = next_model_id_++;
+    e->config = mc;
+    e->path = path;
+    models_.push_back(std::move(e));
+}
+
 void Daemon::add_plain_models() {
     // Plain paths get their entry now (and are retried while missing); globs in refresh_models().
-    for (const auto& mc : config_.models) {
-        if (mc.path.find_first_of("*?[") != std::string::npos) continue;
-        const bool known = std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == mc.path; });
-        if (known) continue;
-        auto e = std::make_unique<ModelEntry>();
-        e->id = next_model_id_++;
-        e->config = mc;
-        e->path = mc.path;
-        models_.push_back(std::move(e));
-    }
+    for (const auto& mc : config_.models)
+        if (mc.path.find_first_of("*?[") == std::string::npos) add_entry(mc, mc.path);
 }
 
 void Daemon::refresh_models() {
-    // Globs may name new files; configured models that went away are closed.
-    for (const auto& mc : config_.models) {
-        if (mc.path.find_first_of("*?[") == std::string::npos) continue;
-        for (const auto& p : expand(mc.path)) {
-            const bool known = std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == p; });
-            if (known) continue;
-            auto e = std::make_unique<ModelEntry>();
-            e->id = next_model_id_++;
-            e->config = mc;
-            e->path = p;
-            models_.push_back(std::move(e));
-        }
-    }
+    // Globs may match new files. A model whose file changed or went away is closed and retried.
+    for (const auto& mc : config_.models)
+        if (mc.path.find_first_of("*?[") != std::string::npos)
+            for (const auto& p : expand(mc.path)) add_entry(mc, p);
     for (auto& m : models_) {
         if (m->res) {
             auto same = m->res->model().unchanged();

@@ -82,6 +82,7 @@ public:
 private:
     struct ModelEntry;
     Daemon() = default;
+    void add_entry(const ModelConfig& mc, const std::string& path);
     void add_plain_models();
     void refresh_models();
     void open_model(ModelEntry& m);
