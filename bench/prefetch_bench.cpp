@@ -3,7 +3,7 @@
 // runs it beside fio and vmtouch and prints medians.
 //
 //   moecache-prefetch-bench MODEL.gguf [--qd N] [--read-size BYTES] [--fadvise random|normal|none]
-//                           [--plain-buffers] [--no-defer] [--order random|file] [--seed N] [--blocking]
+//                           [--plain-buffers] [--no-defer] [--order random|file|offset] [--seed N] [--blocking]
 // It drives the prefetcher as the daemon does, from an epoll loop on its eventfd (--blocking:
 // run_until_idle() instead).
 //   moecache-prefetch-bench MODEL.gguf --info     (prints slice=, experts=, expert_bytes=, file_bytes=)
@@ -26,6 +26,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -50,7 +51,7 @@ struct Args {
 [[noreturn]] void usage(const char* why) {
     std::fprintf(stderr,
                  "moecache-prefetch-bench: %s\nusage: moecache-prefetch-bench MODEL.gguf [--qd N] [--read-size BYTES]\n"
-                 "  [--fadvise random|normal|none] [--plain-buffers] [--no-defer] [--order random|file] [--seed N]\n"
+                 "  [--fadvise random|normal|none] [--plain-buffers] [--no-defer] [--order random|file|offset] [--seed N]\n"
                  "  [--blocking] [--info]\n",
                  why);
     std::exit(2);
@@ -78,7 +79,7 @@ Args parse(int argc, char** argv) {
     }
     if (a.model.empty()) usage("no model given");
     if (a.fadvise != "random" && a.fadvise != "normal" && a.fadvise != "none") usage("--fadvise: random, normal or none");
-    if (a.order != "random" && a.order != "file") usage("--order: random or file");
+    if (a.order != "random" && a.order != "file" && a.order != "offset") usage("--order: random, file or offset");
     return a;
 }
 
@@ -93,6 +94,10 @@ std::vector<moecache::ByteRange> expert_ranges(const ExpertMap& map, const Args&
     std::vector<moecache::ByteRange> ranges;
     for (const auto& x : experts)
         for (const auto& r : map.ranges(x.layer, x.expert)) ranges.push_back(r);
+    if (a.order == "offset") {
+        std::sort(ranges.begin(), ranges.end(),
+                  [](const auto& x, const auto& y) { return std::tie(x.file, x.offset) < std::tie(y.file, y.offset); });
+    }
     return ranges;
 }
 

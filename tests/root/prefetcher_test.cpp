@@ -22,6 +22,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <ostream>
 #include <set>
 #include <string>
 #include <thread>
@@ -146,6 +147,10 @@ protected:
 struct Variant {
     bool defer_taskrun, register_buffers;
 };
+void PrintTo(const Variant& v, std::ostream* os) {
+    *os << (v.defer_taskrun ? "DEFER_TASKRUN" : "COOP_TASKRUN") << ", "
+        << (v.register_buffers ? "fixed buffers" : "plain buffers");
+}
 class PrefetcherVariants : public PrefetcherTest, public testing::WithParamInterface<Variant> {};
 
 TEST_P(PrefetcherVariants, ExactlyTheRequestedRangesBecomeResident) {

@@ -122,7 +122,7 @@ private:
     void deliver();
     void drain_eventfd() const;
     [[nodiscard]] bool kernel_holds_work() const;
-    [[nodiscard]] bool task_work_waiting() const;
+    Result<void> run_task_work();
     void drain_before_exit();
 };
 
@@ -175,21 +175,25 @@ Result<void> Prefetcher::State::submit() {
 }
 
 Result<void> Prefetcher::State::on_ready() {
-    for (;;) {
-        // Task work (with DEFER_TASKRUN: every completion) is run and posted only when we enter
-        // the kernel for it, and since 6.13 at most 20 items a pass; IORING_SQ_TASKRUN stays set
-        // while some is left. All of it now, not one eventfd round trip per 20.
-        if (task_work_waiting()) {
-            const int r = io_uring_get_events(ring->get());
-            if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) return fail(-r, "io_uring_get_events");
-        }
-        reap();
-        // Clear the eventfd only now, then look once more: work that arrived before the clear
-        // shows in the flag or the CQ, work that arrives after it signals the eventfd again.
-        drain_eventfd();
-        if (!task_work_waiting() && io_uring_cq_ready(ring->get()) == 0) break;
-    }
+    // Clear the eventfd before looking, so that whatever arrives after this point signals it
+    // again: the other order could lose a wakeup.
+    drain_eventfd();
+    if (ring->defers_taskrun() && kernel_holds_work()) MC_TRY_VOID(run_task_work());
+    reap();
     return submit();
+}
+
+// Under DEFER_TASKRUN completions wait as task work until we enter the kernel for them, and since
+// 6.13 io_uring_get_events() runs at most 20 items a pass, leaving the rest unannounced (the
+// eventfd only rings when the list was empty). Asking for a whole CQ of completions with a zero
+// timeout runs every waiting item and returns at once, with -ETIME.
+Result<void> Prefetcher::State::run_task_work() {
+    __kernel_timespec zero{};
+    io_uring_cqe* cqe = nullptr;
+    const int r = io_uring_wait_cqes(ring->get(), &cqe, ring->cq_entries(), &zero, nullptr);
+    if (r < 0 && r != -ETIME && r != -EINTR && r != -EAGAIN && r != -EBUSY)
+        return fail(-r, "io_uring_wait_cqes (running completions' task work)");
+    return {};
 }
 
 Result<void> Prefetcher::State::run_until_idle() {
@@ -288,10 +292,6 @@ Result<void> Prefetcher::State::flush() {
     }
     return {};
 }
-
-// A ring with DEFER_TASKRUN always has TASKRUN_FLAG (the flags are given up in that order); one
-// without either runs task work on the way out of any system call, so there is nothing to ask.
-bool Prefetcher::State::task_work_waiting() const { return ring->pending_taskrun(); }
 
 bool Prefetcher::State::kernel_holds_work() const {
     io_uring* rg = ring->get();

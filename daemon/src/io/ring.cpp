@@ -14,12 +14,10 @@ namespace moecache::daemon::io {
 namespace {
 
 // The optional setup flags, in the order they are given up on EINVAL: the newest kernel feature
-// first (DEFER_TASKRUN 6.1 also needs SINGLE_ISSUER 6.0; TASKRUN_FLAG and COOP_TASKRUN 5.19, the
-// flag only with COOP or DEFER; SUBMIT_ALL 5.18).
+// first (DEFER_TASKRUN 6.1 also needs SINGLE_ISSUER 6.0, COOP_TASKRUN 5.19, SUBMIT_ALL 5.18).
 constexpr uint32_t kOptionalFlags[] = {
     IORING_SETUP_DEFER_TASKRUN,  // completions' task work runs only when we ask: no interruptions
     IORING_SETUP_SINGLE_ISSUER,  // one thread submits: the kernel can skip locking
-    IORING_SETUP_TASKRUN_FLAG,   // IORING_SQ_TASKRUN tells us task work is waiting (see pending_taskrun)
     IORING_SETUP_COOP_TASKRUN,   // no IPI to run task work; it waits for our next system call
     IORING_SETUP_SUBMIT_ALL,     // one bad SQE does not stop the rest of the batch
 };
@@ -27,8 +25,7 @@ constexpr uint32_t kOptionalFlags[] = {
 }  // namespace
 
 Result<std::unique_ptr<Ring>> Ring::create(const Params& params) {
-    uint32_t flags = IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG |
-                     IORING_SETUP_SINGLE_ISSUER;
+    uint32_t flags = IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SINGLE_ISSUER;
     if (params.defer_taskrun) flags |= IORING_SETUP_DEFER_TASKRUN;
 
     std::unique_ptr<Ring> ring(new Ring());

@@ -22,8 +22,8 @@ public:
         uint32_t cq_entries = 0;
         bool defer_taskrun = true;
     };
-    // Asks for SUBMIT_ALL | COOP_TASKRUN | TASKRUN_FLAG | SINGLE_ISSUER | DEFER_TASKRUN and drops
-    // one flag at a time, newest kernel feature first, while the kernel answers EINVAL.
+    // Asks for SUBMIT_ALL | COOP_TASKRUN | SINGLE_ISSUER | DEFER_TASKRUN and drops one flag at a
+    // time, newest kernel feature first, while the kernel answers EINVAL.
     static Result<std::unique_ptr<Ring>> create(const Params& params);
     ~Ring();
     Ring(const Ring&) = delete;
@@ -34,12 +34,6 @@ public:
     [[nodiscard]] uint32_t sq_entries() const { return ring_.sq.ring_entries; }
     [[nodiscard]] uint32_t cq_entries() const { return ring_.cq.ring_entries; }
     [[nodiscard]] bool defers_taskrun() const { return (ring_.flags & IORING_SETUP_DEFER_TASKRUN) != 0; }
-    // Task work (completions not yet posted) waits for us to enter the kernel. The kernel sets
-    // this when work arrives and again when it stopped before the end of it; false when the
-    // ring has no TASKRUN_FLAG.
-    [[nodiscard]] bool pending_taskrun() const {
-        return (IO_URING_READ_ONCE(*ring_.sq.kflags) & IORING_SQ_TASKRUN) != 0;
-    }
 
     // Both are undone by the kernel when the ring is torn down.
     Result<void> register_eventfd(int fd);

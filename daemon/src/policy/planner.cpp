@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace moecache::daemon {
 namespace {
@@ -16,7 +17,7 @@ struct Candidate {
 
 void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::vector<Candidate>& out) {
     if (m.dense_wanted && m.dense_bytes > 0)
-        out.push_back({{mi, kDenseSlot}, 0, INFINITY, m.dense_bytes, m.dense_locked});
+        out.push_back({{mi, kDenseSlot}, 0, std::numeric_limits<double>::infinity(), m.dense_bytes, m.dense_locked});
     if (!m.heat) return;
     const uint32_t nl = m.heat->n_layers(), ne = m.heat->n_experts();
     const auto elite_n = static_cast<uint32_t>(std::ceil(s.elite_share * ne));
@@ -27,7 +28,7 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::v
             const uint32_t slot = l * ne + e;
             const bool locked = m.locked[slot] != 0;
             if (m.pinned[slot]) {
-                out.push_back({{mi, slot}, 0, INFINITY, m.slot_bytes[slot], locked});
+                out.push_back({{mi, slot}, 0, std::numeric_limits<double>::infinity(), m.slot_bytes[slot], locked});
                 continue;
             }
             if (m.heat->uses(l, e) < s.admit_after_uses) {
