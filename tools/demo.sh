@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo: builds moecache, generates a Mixture-of-Experts model with DeepSeek-V4-Flash routing
 # skew, shows what moecache sees in it, and runs real llama.cpp on it.
-# Environment: MOECACHE_DEMO_DIR (build/demo), MOECACHE_DEMO_TOKENS (128).
+# Environment: MOECACHE_DEMO_DIR (build/demo), MOECACHE_DEMO_TOKENS (512).
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$top"
@@ -11,7 +11,7 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 ninja -C build -j "$(nproc)" moecachectl moecache-mkmodel $(ninja -C build -t targets all 2>/dev/null | grep -q '^moecache-routeprobe:' && echo moecache-routeprobe)
 
 demo=${MOECACHE_DEMO_DIR:-$top/build/demo}
-tokens=${MOECACHE_DEMO_TOKENS:-128}
+tokens=${MOECACHE_DEMO_TOKENS:-512}
 mkdir -p "$demo"
 model="$demo/deepseek-skew.gguf"
 
