@@ -2,6 +2,7 @@
 
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/daemon/pressure.h"
+#include "moecache/file_util.h"
 #include "moecache/log.h"
 
 #include <glob.h>
@@ -202,7 +203,7 @@ void Daemon::open_model(ModelEntry& m) {
            map.files.size());
     const std::string pp = profile_path(m.res->model().profile_key());
     if (::access(pp.c_str(), F_OK) == 0) {
-        auto text = read_text_file(pp);
+        auto text = read_whole_file(pp, 256u << 20, "heat profile");
         auto ok = text ? m.res->heat().load_profile(*text, m.res->model().profile_key(), pp)
                        : Result<void>(tl::unexpected(text.error()));
         if (ok) MC_LOG(LOG_INFO, "model {}: heat profile {} loaded: starting warm", m.path, pp);

@@ -2,6 +2,7 @@
 // order, each read on top of the ones before (scalars replaced, [[model]] entries appended), so
 // a package or an admin can drop a file in without editing the main one.
 #include "moecache/daemon/config.h"
+#include "moecache/file_util.h"
 #include "moecache/unique_fd.h"
 
 #include <dirent.h>
@@ -16,29 +17,10 @@ namespace moecache::daemon {
 namespace {
 
 // Far above any real config; a bound so that a wrong path (a model, /dev/zero) fails fast.
-constexpr off_t kMaxConfigBytes = 4 << 20;
+constexpr uint64_t kMaxConfigBytes = 4 << 20;
 
 Result<std::string> read_text_file(const std::string& path) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) return fail_errno("{}: cannot open the config file", path);
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) return fail_errno("{}: fstat", path);
-    if (!S_ISREG(st.st_mode)) return failf("{}: not a regular file", path);
-    if (st.st_size > kMaxConfigBytes)
-        return failf("{}: {} is too large for a config file (the limit is {})", path,
-                     format_bytes(static_cast<uint64_t>(st.st_size)),
-                     format_bytes(kMaxConfigBytes));
-    std::string text(static_cast<size_t>(st.st_size), '\0');
-    size_t done = 0;
-    while (done < text.size()) {
-        const ssize_t got = ::read(fd.get(), text.data() + done, text.size() - done);
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) return fail_errno("{}: read", path);
-        if (got == 0) break;  // the file shrank while we read it: take what is there
-        done += static_cast<size_t>(got);
-    }
-    text.resize(done);
-    return text;
+    return read_whole_file(path, kMaxConfigBytes, "config file");
 }
 
 bool is_drop_in_name(std::string_view name) {

@@ -1,14 +1,8 @@
 #include "moecache/daemon/heat.h"
 
-#include "moecache/unique_fd.h"
-
-#include <fcntl.h>
 #include <nlohmann/json.hpp>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cmath>
-#include <filesystem>
 
 namespace moecache::daemon {
 
@@ -79,47 +73,6 @@ Result<void> HeatTable::load_profile(const std::string& text, const std::string&
     cells_ = std::move(cells);
     clock_ = 0;
     return {};
-}
-
-Result<void> write_file_atomic(const std::string& path, const std::string& text) {
-    const auto dir = std::filesystem::path(path).parent_path();
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) return fail(ec.value(), fmt::format("{}: cannot create directory", dir.string()));
-    const std::string tmp = path + ".tmp";
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd) return fail_errno("{}: cannot create", tmp);
-    size_t off = 0;
-    while (off < text.size()) {
-        const ssize_t n = ::write(fd.get(), text.data() + off, text.size() - off);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return fail_errno("{}: write", tmp);
-        }
-        off += static_cast<size_t>(n);
-    }
-    if (::fsync(fd.get()) != 0) return fail_errno("{}: fsync", tmp);
-    fd.reset();
-    if (::rename(tmp.c_str(), path.c_str()) != 0) return fail_errno("{}: rename to {}", tmp, path);
-    return {};
-}
-
-Result<std::string> read_text_file(const std::string& path) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) return fail_errno("{}: cannot open", path);
-    std::string out;
-    char buf[65536];
-    for (;;) {
-        const ssize_t n = ::read(fd.get(), buf, sizeof buf);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return fail_errno("{}: read", path);
-        }
-        if (n == 0) break;
-        out.append(buf, static_cast<size_t>(n));
-        if (out.size() > (256u << 20)) return failf("{}: larger than 256 MiB", path);
-    }
-    return out;
 }
 
 }  // namespace moecache::daemon

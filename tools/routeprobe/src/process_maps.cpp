@@ -1,5 +1,7 @@
 #include "moecache/routeprobe/process_maps.h"
 
+#include "moecache/file_util.h"
+
 #include "moecache/unique_fd.h"
 
 #include <fcntl.h>
@@ -78,20 +80,8 @@ std::vector<FileMapping> merge_adjacent(std::vector<FileMapping> in) {
 }
 
 Result<std::string> read_proc_text(const char* path) {
-    UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
-    if (!fd) return fail_errno("open {}", path);
-    std::string text;
-    char buf[65536];
-    for (;;) {
-        const ssize_t n = ::read(fd.get(), buf, sizeof buf);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return fail_errno("read {}", path);
-        }
-        if (n == 0) break;
-        text.append(buf, static_cast<size_t>(n));
-    }
-    return text;
+    // /proc/self/maps of a process with many mappings can be tens of MiB; nothing here is larger.
+    return read_whole_file(path, 256u << 20, "proc file");
 }
 
 }  // namespace moecache::routeprobe

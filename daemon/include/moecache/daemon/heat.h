@@ -49,8 +49,4 @@ private:
     std::vector<Cell> cells_;
 };
 
-// Writes a file atomically (temporary file, fsync, rename), creating the directory if needed.
-Result<void> write_file_atomic(const std::string& path, const std::string& text);
-Result<std::string> read_text_file(const std::string& path);
-
 }  // namespace moecache::daemon

@@ -1,0 +1,20 @@
+// Whole-file reads and atomic writes, for the small text files moecache keeps (configs, heat
+// profiles) and for /proc files (whose size stat reports as 0, so reading goes to the end).
+#pragma once
+
+#include "moecache/error.h"
+
+#include <cstdint>
+#include <string>
+
+namespace moecache {
+
+// The whole file; refuses anything that is not a regular file (or a /proc-like file) or that is
+// larger than max_bytes, so that a wrong path (a model, /dev/zero) fails fast. Errors name `what`.
+Result<std::string> read_whole_file(const std::string& path, uint64_t max_bytes, std::string_view what = "file");
+
+// Writes a temporary file beside `path`, fsyncs it and renames it over `path`; creates the
+// directory if needed. Readers see the old or the new text, never a part.
+Result<void> write_file_atomic(const std::string& path, const std::string& text);
+
+}  // namespace moecache

@@ -1,0 +1,59 @@
+#include "moecache/file_util.h"
+
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+namespace moecache {
+
+Result<std::string> read_whole_file(const std::string& path, uint64_t max_bytes, std::string_view what) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return fail_errno("{}: cannot open the {}", path, what);
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) return fail_errno("{}: fstat", path);
+    if (!S_ISREG(st.st_mode)) return failf("{}: not a regular file", path);
+    if (static_cast<uint64_t>(st.st_size) > max_bytes)
+        return failf("{}: {} bytes is too large for a {} (the limit is {})", path, st.st_size, what, max_bytes);
+    std::string text;
+    char buf[65536];
+    for (;;) {
+        const ssize_t n = ::read(fd.get(), buf, sizeof buf);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return fail_errno("{}: read", path);
+        }
+        if (n == 0) break;
+        text.append(buf, static_cast<size_t>(n));
+        if (text.size() > max_bytes)
+            return failf("{}: too large for a {} (the limit is {} bytes)", path, what, max_bytes);
+    }
+    return text;
+}
+
+Result<void> write_file_atomic(const std::string& path, const std::string& text) {
+    const auto dir = std::filesystem::path(path).parent_path();
+    std::error_code ec;
+    if (!dir.empty()) std::filesystem::create_directories(dir, ec);
+    if (ec) return fail(ec.value(), fmt::format("{}: cannot create the directory", dir.string()));
+    const std::string tmp = path + ".tmp";
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) return fail_errno("{}: cannot create", tmp);
+    for (size_t off = 0; off < text.size();) {
+        const ssize_t n = ::write(fd.get(), text.data() + off, text.size() - off);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return fail_errno("{}: write", tmp);
+        }
+        off += static_cast<size_t>(n);
+    }
+    if (::fsync(fd.get()) != 0) return fail_errno("{}: fsync", tmp);
+    fd.reset();
+    if (::rename(tmp.c_str(), path.c_str()) != 0) return fail_errno("{}: rename to {}", tmp, path);
+    return {};
+}
+
+}  // namespace moecache
