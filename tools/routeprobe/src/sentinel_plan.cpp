@@ -30,7 +30,8 @@ Result<SentinelPlan> plan_sentinels(const ExpertMap& map, const std::vector<std:
                              "range (llama.cpp repacks q4_0, iq4_nl, q4_K and other expert types into "
                              "anonymous memory for its x86 CPU kernels unless --no-repack is given: measure "
                              "a q8_0 or f16 model) or did not mmap the model at all (--no-mmap)",
-                             t.name, whole, t.offset, map.files[t.file].path);
+                             t.name, whole, t.offset,
+                             t.file < map.files.size() ? map.files[t.file].path : "(no such file)");
             plan.min_slice_bytes = std::min(plan.min_slice_bytes, t.bytes_per_expert);
             SentinelSet set{li, ti, std::vector<uintptr_t>(map.n_experts), std::vector<AddressRange>(map.n_experts)};
             const uintptr_t base = m->address_of(t.offset);
