@@ -70,6 +70,8 @@ struct Daemon::ModelEntry {
 Daemon::~Daemon() {
     for (auto& m : models_)
         if (m->res) close_model(*m, "the daemon stops");
+    // Whoever embeds the daemon (tests, tools) gets its signals back.
+    if (sigmask_saved_) ::pthread_sigmask(SIG_SETMASK, &saved_sigmask_, nullptr);
 }
 
 Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
@@ -95,7 +97,8 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     sigaddset(&mask, SIGHUP);
     // Blocked in this thread so that they arrive through the signalfd; threads created later
     // (io_uring workers) inherit the mask.
-    ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+    ::pthread_sigmask(SIG_BLOCK, &mask, &d->saved_sigmask_);
+    d->sigmask_saved_ = true;
     d->signal_fd_.reset(::signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC));
     if (!d->signal_fd_) return fail_errno("signalfd");
     MC_TRY_VOID(watch(d->signal_fd_.get(), EPOLLIN));

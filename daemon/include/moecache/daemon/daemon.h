@@ -10,6 +10,8 @@
 #include "moecache/error.h"
 #include "moecache/unique_fd.h"
 
+#include <signal.h>
+
 #include <chrono>
 #include <memory>
 #include <span>
@@ -108,6 +110,8 @@ private:
     uint64_t pressure_events_ = 0;
     std::chrono::steady_clock::time_point last_pressure_{}, last_save_{};
     bool stopping_ = false;
+    sigset_t saved_sigmask_{};
+    bool sigmask_saved_ = false;
 };
 
 // Total and available RAM (MemTotal, MemAvailable) and this process's VmLck, from /proc.
