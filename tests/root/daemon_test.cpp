@@ -1,6 +1,7 @@
 // moecached's core on the real kernel: mlock within budgets (VmLck agrees), residency truth,
 // heat saved and restored so a restart starts warm, and model files that are truncated,
 // replaced, or vanish and come back. Runs the daemon in-process and drives its loop.
+#include "daemon_fixture.h"
 #include "model_fixture.h"
 #include "temp_dir.h"
 
@@ -20,13 +21,6 @@
 namespace moecache::daemon {
 namespace {
 
-void drop_cache(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    ::fdatasync(fd);
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-}
-
 uint64_t resident(const std::string& path, const ByteRange& r) {
     auto p = PageCacheProbe::open(path);
     return p ? p->resident_bytes(r.offset, r.length).value_or(0) : 0;
@@ -39,25 +33,10 @@ protected:
         model_ = dir_.file("model.gguf");
         auto spec = test::small_spec();  // 4 layers x 16 experts of 204 KiB
         test::write_model(spec, model_);
-        drop_cache(model_);
+        test::drop_page_cache(model_);
     }
 
-    Config config(uint64_t budget = 64ull << 20) {
-        Config c;
-        c.state_dir = dir_.file("state");
-        c.lock_budget = ByteAmount{budget, std::nullopt};
-        c.reserve = ByteAmount{0, std::nullopt};
-        c.pressure_enabled = false;
-        c.tick_seconds = 0.05;
-        c.admit_after_uses = 1;
-        c.elite_share = 0;
-        ModelConfig m;
-        m.path = model_;
-        m.lock_dense = false;
-        m.where = "test";
-        c.models.push_back(m);
-        return c;
-    }
+    Config config(uint64_t budget = 64ull << 20) { return test::daemon_config(model_, dir_.file("state"), budget); }
 
     // Drives the loop until nothing is fetching or waiting, or the deadline passes.
     static void settle(Daemon& d, double seconds = 20) {
@@ -152,7 +131,7 @@ TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {
         settle(**d);
         ASSERT_TRUE((*d)->save_profiles());
     }
-    drop_cache(model_);
+    test::drop_page_cache(model_);
     auto d = Daemon::create(config());
     ASSERT_TRUE(d) << d.error().what();
     settle(**d);  // no telemetry at all
@@ -280,7 +259,7 @@ TEST_F(DaemonTest, AnotherQuantizationOfTheSameModelStartsWarm) {
     spec.expert_type = *ggml_type_info(ggml::Q4_K);
     const std::string q4 = dir_.file("model-q4_K.gguf");
     test::write_model(spec, q4);
-    drop_cache(q4);
+    test::drop_page_cache(q4);
     auto c = config();
     c.models[0].path = q4;
     auto d = Daemon::create(c);

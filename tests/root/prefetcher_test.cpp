@@ -59,14 +59,6 @@ struct Recorder {
     }
 };
 
-// Drops the file's pages; the caller checks that it worked (not on tmpfs, for one).
-void drop_cache(const std::string& path) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY));
-    ASSERT_TRUE(fd) << path;
-    ::fdatasync(fd.get());
-    ASSERT_EQ(::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED), 0);
-}
-
 // A file of `bytes` written through write(2) (real blocks, not holes), then dropped.
 std::string make_cold_file(const test::TempDir& dir, const std::string& name, uint64_t bytes) {
     const std::string path = dir.file(name);
@@ -78,7 +70,7 @@ std::string make_cold_file(const test::TempDir& dir, const std::string& name, ui
         EXPECT_EQ(::write(fd.get(), chunk.data(), n), static_cast<ssize_t>(n));
     }
     fd.reset();
-    drop_cache(path);
+    test::drop_page_cache(path);
     return path;
 }
 
@@ -127,7 +119,7 @@ protected:
         const auto probe_file = make_cold_file(dir, "probe.bin", 4 * kPage);
         { std::string buf(4 * kPage, '\0'); UniqueFd fd(::open(probe_file.c_str(), O_RDONLY));
           ASSERT_EQ(::pread(fd.get(), buf.data(), buf.size(), 0), static_cast<ssize_t>(buf.size())); }
-        drop_cache(probe_file);
+        test::drop_page_cache(probe_file);
         if (resident(probe_file, 0, 4 * kPage) != 0)
             GTEST_SKIP() << "POSIX_FADV_DONTNEED does not drop pages under " << dir.path()
                          << " (tmpfs?); set TMPDIR to a disk file system";
@@ -201,7 +193,7 @@ TEST_P(EpollLoop, ExpertsOfASplitModel) {
     ASSERT_EQ(files.size(), 2u);
     auto map = load_expert_map(files[0]);
     ASSERT_TRUE(map) << map.error().what();
-    for (const auto& f : files) drop_cache(f);  // after reading the headers
+    for (const auto& f : files) test::drop_page_cache(f);  // after reading the headers
     std::vector<UniqueFd> fds;
     for (const auto& f : map->files) fds.push_back(open_random(f.path));
 

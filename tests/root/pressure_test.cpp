@@ -3,6 +3,7 @@
 // limit: every pass refaults pages the cgroup just evicted, and the kernel counts the reclaim and
 // the refault reads as memory stalls, which the machine-wide PSI "some" line sees. The balloon's
 // cgroup can reclaim only its own pages, so the machine is never in danger and nothing is killed.
+#include "daemon_fixture.h"
 #include "model_fixture.h"
 #include "temp_dir.h"
 
@@ -251,10 +252,10 @@ protected:
 
         model_ = dir_.file("model.gguf");
         test::write_model(spec(), model_);
-        drop_cache(model_);
+        test::drop_page_cache(model_);
         scratch_ = scratch_dir + "/moecache-pressure-scratch-" + std::to_string(::getpid());
         write_scratch(scratch_, kScratchBytes);
-        drop_cache(scratch_);  // or the readers would hit pages charged to this test's cgroup
+        test::drop_page_cache(scratch_);  // or the readers would hit pages charged to this test's cgroup
     }
 
     ~PressureTest() override {
@@ -277,14 +278,6 @@ protected:
         return armed;
     }
 
-    static void drop_cache(const std::string& path) {
-        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-        ASSERT_GE(fd, 0) << path;
-        ::fdatasync(fd);
-        ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-        ::close(fd);
-    }
-
     static void write_scratch(const std::string& path, uint64_t bytes) {
         const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
         ASSERT_GE(fd, 0) << path;
@@ -295,23 +288,12 @@ protected:
     }
 
     Config config(uint64_t budget) const {
-        Config c;
-        c.state_dir = dir_.file("state");
-        c.lock_budget = ByteAmount{budget, std::nullopt};
-        c.reserve = ByteAmount{0, std::nullopt};
-        c.tick_seconds = 0.05;
-        c.admit_after_uses = 1;
-        c.elite_share = 0;
+        Config c = test::daemon_config(model_, dir_.file("state"), budget);
         c.pressure_enabled = true;
         c.pressure_stall_us = stall_us_;
         c.pressure_window_us = window_us_;
         c.pressure_release_share = 0.10;
         c.pressure_recover_seconds = recover_s_;
-        ModelConfig m;
-        m.path = model_;
-        m.lock_dense = false;
-        m.where = "test";
-        c.models.push_back(m);
         return c;
     }
 

@@ -22,5 +22,7 @@ private:
 // Writes bytes to a file (for fixtures built at run time).
 void write_file(const std::string& path, const std::string& bytes);
 std::string read_file(const std::string& path);
+// Writes back and drops a file's pages from the page cache, so that it starts cold.
+void drop_page_cache(const std::string& path);
 
 }  // namespace moecache::test

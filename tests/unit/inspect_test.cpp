@@ -29,13 +29,6 @@ nlohmann::json inspect(const std::string& model) {
     return nlohmann::json::parse(r.out);
 }
 
-void drop_cache(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    ::fdatasync(fd);
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-}
-
 void read_all(const std::string& path) {
     const int fd = ::open(path.c_str(), O_RDONLY);
     std::vector<char> buf(1 << 20);
@@ -106,7 +99,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(Inspect, ReportsPageCacheResidencyPerLayer) {
     test::TempDir dir;
     const auto files = test::write_model(test::small_spec(), dir.file("m.gguf"));
-    drop_cache(files[0]);
+    test::drop_page_cache(files[0]);
     auto cold = inspect(files[0]);
     for (const auto& l : cold["layers"]) EXPECT_EQ(l["resident_bytes"], 0u);
     read_all(files[0]);

@@ -17,9 +17,7 @@ constexpr uint64_t kPage = 4096;
 std::string make_file(const test::TempDir& dir, uint64_t bytes) {
     const std::string path = dir.file("data.bin");
     test::write_file(path, std::string(bytes, 'x'));
-    UniqueFd fd(::open(path.c_str(), O_RDONLY));
-    ::fdatasync(fd.get());
-    ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
+    test::drop_page_cache(path);
     return path;
 }
 

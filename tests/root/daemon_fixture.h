@@ -1,0 +1,28 @@
+// The configuration the root tests start from: one model, everything locked after one use, no
+// elite share, no pressure triggers, a fast tick; tests change what they test.
+#pragma once
+
+#include "moecache/daemon/config.h"
+
+#include <string>
+
+namespace moecache::test {
+
+inline daemon::Config daemon_config(const std::string& model, const std::string& state_dir, uint64_t budget) {
+    daemon::Config c;
+    c.state_dir = state_dir;
+    c.lock_budget = daemon::ByteAmount{budget, std::nullopt};
+    c.reserve = daemon::ByteAmount{0, std::nullopt};
+    c.pressure_enabled = false;
+    c.tick_seconds = 0.05;
+    c.admit_after_uses = 1;
+    c.elite_share = 0;
+    daemon::ModelConfig m;
+    m.path = model;
+    m.lock_dense = false;
+    m.where = "test";
+    c.models.push_back(m);
+    return c;
+}
+
+}  // namespace moecache::test
