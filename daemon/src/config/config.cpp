@@ -215,6 +215,28 @@ Result<uint32_t> read_read_size(const Value& v) {
     return static_cast<uint32_t>(amount.bytes);
 }
 
+Result<std::string> read_page_cache_mode(const Value& v) {
+    static constexpr std::string_view kModes[] = {"auto", "on", "off"};
+    auto mode = MC_TRY(read_string(v));
+    if (std::find(std::begin(kModes), std::end(kModes), mode) == std::end(kModes))
+        return v.fail("'{}' is not a mode: use auto (on where the kernel allows), on (the daemon does not "
+                      "start without it) or off{}",
+                      mode, did_you_mean(mode, kModes));
+    return mode;
+}
+
+// The kernel takes a BPF ring buffer of a power-of-two number of pages.
+Result<uint32_t> read_ring_size(const Value& v) {
+    constexpr uint64_t kMin = 4ull << 10, kMax = 1ull << 30;
+    const auto amount = MC_TRY(read_byte_amount(v));
+    if (amount.percent) return v.fail("a ring buffer size is in bytes, not a percentage of RAM");
+    if (amount.bytes < kMin || amount.bytes > kMax)
+        return v.fail("{} is out of range: it must be at least 4 KiB and at most 1 GiB", format_bytes(amount.bytes));
+    if ((amount.bytes & (amount.bytes - 1)) != 0)
+        return v.fail("{} is not a power of two (the kernel's ring buffers are)", format_bytes(amount.bytes));
+    return static_cast<uint32_t>(amount.bytes);
+}
+
 Result<std::vector<ExpertPin>> read_pins(const Value& v) {
     constexpr std::string_view kExpected = "a string such as \"12\", \"12:3\" or \"12:0-7\"";
     const auto* array = v.node.as_array();
@@ -295,6 +317,11 @@ const Key<Config> kPolicyKeys[] = {
            t.save_interval_seconds = MC_TRY(read_number(v, {1, true}, kNoUpperBound))),
 };
 
+const Key<Config> kTelemetryKeys[] = {
+    MC_KEY("page_cache", Config, t.page_cache_telemetry = MC_TRY(read_page_cache_mode(v))),
+    MC_KEY("ring_buffer", Config, t.page_cache_ring_bytes = MC_TRY(read_ring_size(v))),
+};
+
 const Key<ModelConfig> kModelKeys[] = {
     MC_KEY("path", ModelConfig, t.path = MC_TRY(read_absolute_path(v))),
     MC_KEY("budget", ModelConfig, t.budget = MC_TRY(read_byte_amount(v))),
@@ -311,7 +338,7 @@ struct Section {
 
 const Section kSections[] = {
     {"daemon", kDaemonKeys},     {"budget", kBudgetKeys}, {"prefetch", kPrefetchKeys},
-    {"pressure", kPressureKeys}, {"policy", kPolicyKeys},
+    {"pressure", kPressureKeys}, {"policy", kPolicyKeys}, {"telemetry", kTelemetryKeys},
 };
 constexpr std::string_view kModelSection = "model";
 

@@ -64,6 +64,10 @@ struct Config {
     double hysteresis = 0.25;    // a newcomer must be this much hotter than the one it replaces
     double save_interval_seconds = 60;
 
+    // [telemetry]
+    std::string page_cache_telemetry = "auto";  // eBPF page-cache events: auto, on, off
+    uint32_t page_cache_ring_bytes = 4u << 20;  // the BPF ring buffer, a power of two
+
     // [[model]]
     std::vector<ModelConfig> models;
 
