@@ -65,6 +65,7 @@ struct Daemon::ModelEntry {
     std::unique_ptr<ModelResidency> res;
     std::string error;  // the last reason it could not be loaded, logged once
     std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn
+    std::vector<uint32_t> file_ids;  // page-cache telemetry ids of its files, while watched
 };
 
 Daemon::~Daemon() {
@@ -130,6 +131,33 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         } else {
             MC_LOG(LOG_WARNING, "memory pressure back-off is off: {}", pm.error().what());
         }
+    }
+
+    d->self_tgid_ = static_cast<uint32_t>(::getpid());
+    if (d->config_.page_cache_telemetry != "off") {
+        bpf::PageCacheTelemetry::Options to;
+        to.ring_bytes = d->config_.page_cache_ring_bytes;
+        to.ignore_tgid = static_cast<pid_t>(d->self_tgid_);
+        auto pc = bpf::PageCacheTelemetry::open(to, [self](const bpf::PageCacheEvent& e) { self->on_page_cache_event(e); });
+        if (pc) {
+            d->page_cache_ = std::make_unique<bpf::PageCacheTelemetry>(std::move(*pc));
+            MC_TRY_VOID(watch(d->page_cache_->event_fd(), EPOLLIN));
+            if (!d->page_cache_->faults_attached()) {
+                d->page_cache_off_reason_ = bpf::probe_page_cache_features().missing;
+                MC_LOG(LOG_NOTICE, "page-cache telemetry: reads and evictions only: {}", d->page_cache_off_reason_);
+            } else {
+                MC_LOG(LOG_INFO, "page-cache telemetry on: reads, evictions and faults of model files ({} KiB ring)",
+                       d->config_.page_cache_ring_bytes >> 10);
+            }
+        } else if (d->config_.page_cache_telemetry == "on") {
+            return tl::unexpected(with_context(pc.error(), "telemetry.page_cache = \"on\""));
+        } else {
+            d->page_cache_off_reason_ = pc.error().what();
+            MC_LOG(LOG_WARNING, "page-cache telemetry is off, the daemon runs on the telemetry it has: {}",
+                   d->page_cache_off_reason_);
+        }
+    } else {
+        d->page_cache_off_reason_ = "telemetry.page_cache = \"off\" in the configuration";
     }
 
     d->add_plain_models();
@@ -201,6 +229,7 @@ void Daemon::open_model(ModelEntry& m) {
     }
     m.res = std::move(*res);
     m.error.clear();
+    watch_files(m);
     const auto& map = m.res->model().map();
     MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
            map.files.size());
@@ -227,8 +256,97 @@ void Daemon::close_model(ModelEntry& m, const std::string& why) {
     }
     if (m.res->state(kDenseSlot).tier == Tier::Fetching) prefetcher_->cancel(tag_of(m.id, kDenseSlot));
     (void)m.res->release(kDenseSlot, false);
+    unwatch_files(m);
     m.res.reset();
     m.waiting.clear();
+}
+
+void Daemon::watch_files(ModelEntry& m) {
+    if (!page_cache_) return;
+    const auto& files = m.res->model().files();
+    for (uint32_t i = 0; i < files.size(); ++i) {
+        const uint32_t id = next_file_id_++;
+        if (auto r = page_cache_->watch(files[i].identity.dev, files[i].identity.ino, id); !r) {
+            MC_LOG(LOG_WARNING, "model {}: {}", m.path, r.error().what());
+            continue;
+        }
+        watched_[id] = WatchedFile{m.id, i};
+        m.file_ids.push_back(id);
+    }
+}
+
+void Daemon::unwatch_files(ModelEntry& m) {
+    if (!page_cache_ || !m.res) return;
+    const auto& files = m.res->model().files();
+    for (uint32_t id : m.file_ids) {
+        const auto it = watched_.find(id);
+        if (it == watched_.end()) continue;
+        // Another entry may watch the same inode now (a model configured twice): leave it then.
+        const auto& f = files[it->second.file];
+        watched_.erase(it);
+        const bool shared = std::any_of(models_.begin(), models_.end(), [&](const auto& o) {
+            if (o.get() == &m || !o->res) return false;
+            return std::any_of(o->res->model().files().begin(), o->res->model().files().end(),
+                               [&](const ModelFile& of) { return of.identity.dev == f.identity.dev && of.identity.ino == f.identity.ino; });
+        });
+        if (!shared) (void)page_cache_->unwatch(f.identity.dev, f.identity.ino);
+    }
+    m.file_ids.clear();
+}
+
+void Daemon::on_page_cache_event(const bpf::PageCacheEvent& e) {
+    ++page_cache_events_;
+    const auto it = watched_.find(e.file_id);
+    ModelEntry* m = nullptr;
+    if (it != watched_.end())
+        for (auto& o : models_)
+            if (o->id == it->second.model && o->res) m = o.get();
+    if (!m) {
+        ++page_cache_unattributed_;  // sent before its model was closed
+        return;
+    }
+    constexpr uint64_t kPage = 4096;
+    const uint64_t begin = e.first_page * kPage;
+    const uint64_t end = begin + uint64_t{e.pages} * kPage;
+    const bool own = e.tgid == self_tgid_;
+    using K = bpf::PageCacheEventKind;
+    m->res->for_each_slot(it->second.file, begin, end, [&](uint32_t slot, uint64_t bytes) {
+        SlotTelemetry& t = m->res->telemetry(slot);
+        bool used = false;
+        switch (e.kind) {
+            case K::Added:
+                (own ? t.prefetch_bytes : t.read_bytes) += bytes;
+                used = !own;
+                break;
+            case K::Deleted: t.evicted_bytes += bytes; break;
+            case K::Fault:
+            case K::Mapped:
+                ++t.faults;
+                used = true;
+                break;
+        }
+        if (used && slot != kDenseSlot) used_this_batch_.emplace_back(m->id, slot);
+    });
+}
+
+void Daemon::consume_page_cache() {
+    if (!page_cache_) return;
+    // Bounded, so that a flood cannot hold the loop: the ring's fd stays readable for the next turn.
+    page_cache_->consume(1u << 16);
+    if (used_this_batch_.empty()) return;
+    // One use per expert per batch: a read of one expert arrives as several folios.
+    std::sort(used_this_batch_.begin(), used_this_batch_.end());
+    used_this_batch_.erase(std::unique(used_this_batch_.begin(), used_this_batch_.end()), used_this_batch_.end());
+    for (auto& m : models_) {
+        if (!m->res) continue;
+        const uint32_t n = m->res->n_experts();
+        for (const auto& [id, slot] : used_this_batch_) {
+            if (id != m->id || slot >= m->res->n_slots()) continue;
+            const uint32_t expert = slot % n;
+            m->res->heat().record(slot / n, std::span<const uint32_t>(&expert, 1));
+        }
+    }
+    used_this_batch_.clear();
 }
 
 void Daemon::place() {
@@ -426,6 +544,8 @@ Result<void> Daemon::step(int timeout_ms) {
             uint64_t expirations;
             while (::read(fd, &expirations, sizeof expirations) > 0) {}
             tick();
+        } else if (page_cache_ && fd == page_cache_->event_fd()) {
+            consume_page_cache();
         } else if (fd == prefetcher_->event_fd()) {
             MC_TRY_VOID(prefetcher_->on_ready());
             want_place = true;
@@ -476,6 +596,17 @@ DaemonStatus Daemon::status() const {
     const auto p = prefetcher_->progress();
     s.prefetch_done_bytes = p.done_bytes;
     s.prefetch_queued_bytes = p.queued_bytes;
+    s.page_cache.enabled = page_cache_ != nullptr;
+    s.page_cache.off_reason = page_cache_off_reason_;
+    s.page_cache.events = page_cache_events_;
+    s.page_cache.unattributed = page_cache_unattributed_;
+    if (page_cache_) {
+        s.page_cache.faults = page_cache_->faults_attached();
+        s.page_cache.ring_bytes = page_cache_->ring_bytes();
+        const auto c = page_cache_->counters();
+        std::copy(std::begin(c.sent), std::end(c.sent), s.page_cache.sent);
+        std::copy(std::begin(c.dropped), std::end(c.dropped), s.page_cache.dropped);
+    }
     for (const auto& m : models_) {
         ModelStatus ms;
         ms.id = m->id;
@@ -488,6 +619,7 @@ DaemonStatus Daemon::status() const {
             ms.locked_bytes = r.locked_bytes();
             ms.dense_tier = r.state(kDenseSlot).tier;
             ms.dense_bytes = r.slot_bytes(kDenseSlot);
+            ms.dense_telemetry = r.telemetry(kDenseSlot);
             const auto& map = r.model().map();
             const auto view = r.view(0);
             for (uint32_t slot = 0; slot < r.n_slots(); ++slot) {
@@ -503,6 +635,7 @@ DaemonStatus Daemon::status() const {
                 e.bytes = map.layers[layer].bytes_per_expert;
                 e.cached_bytes = st.cached_bytes;
                 e.locked_bytes = st.locked_bytes;
+                e.telemetry = r.telemetry(slot);
                 ms.expert_bytes += e.bytes;
                 ms.expert_cached_bytes += e.cached_bytes;
                 ms.expert_locked_bytes += e.locked_bytes;

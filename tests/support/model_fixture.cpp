@@ -4,11 +4,13 @@
 
 namespace moecache::test {
 
-std::vector<std::string> write_model(const mkmodel::ModelSpec& spec, const std::string& path, uint32_t splits) {
+std::vector<std::string> write_model(const mkmodel::ModelSpec& spec, const std::string& path, uint32_t splits,
+                                     uint32_t alignment) {
     mkmodel::GgufWriter w;
     if (auto r = mkmodel::build_model(spec, w); !r) throw std::runtime_error(r.error().what());
     mkmodel::WriteOptions opt;
     opt.splits = splits;
+    opt.alignment = alignment;
     auto files = w.write(path, opt);
     if (!files) throw std::runtime_error(files.error().what());
     std::vector<std::string> out;

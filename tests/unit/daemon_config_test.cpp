@@ -53,7 +53,9 @@ std::string describe(const Config& c) {
       << "policy.admit_after_uses = " << c.admit_after_uses << "\n"
       << "policy.elite_share = " << c.elite_share << "\n"
       << "policy.hysteresis = " << c.hysteresis << "\n"
-      << "policy.save_interval_seconds = " << c.save_interval_seconds << "\n";
+      << "policy.save_interval_seconds = " << c.save_interval_seconds << "\n"
+      << "telemetry.page_cache = " << c.page_cache_telemetry << "\n"
+      << "telemetry.ring_buffer = " << c.page_cache_ring_bytes << "\n";
     for (const auto& m : c.models) {
         s << "model " << m.path << " budget " << (m.budget ? size(*m.budget) : "none")
           << " lock_dense " << m.lock_dense << " pins";
@@ -244,6 +246,16 @@ TEST_F(ConfigTest, ReadSizeIsWholePagesInBytes) {
                     {"prefetch.read_size", "not a multiple of 4096"});
     expect_rejected("[prefetch]\nread_size = \"128MiB\"\n",
                     {"prefetch.read_size", "out of range", "at least 4 KiB and at most 64 MiB"});
+}
+
+TEST_F(ConfigTest, TelemetryModeAndRingSize) {
+    expect_rejected("[telemetry]\npage_cache = \"yes\"\n",
+                    {"telemetry.page_cache", "'yes' is not a mode", "auto", "off"});
+    expect_rejected("[telemetry]\npage_cache = true\n", {"telemetry.page_cache", "wrong type"});
+    expect_rejected("[telemetry]\nring_buffer = \"3MiB\"\n", {"telemetry.ring_buffer", "not a power of two"});
+    expect_rejected("[telemetry]\nring_buffer = \"10%\"\n", {"telemetry.ring_buffer", "not a percentage"});
+    expect_rejected("[telemetry]\nring_buffer = 1024\n", {"telemetry.ring_buffer", "out of range"});
+    expect_rejected("[telemetry]\nring = \"4MiB\"\n", {"telemetry.ring", "ring_buffer"});
 }
 
 // ---- Models ----------------------------------------------------------------------------------
@@ -438,7 +450,7 @@ path = "/models/qwen.gguf"
     EXPECT_TRUE(qwen.lock_dense);
     EXPECT_TRUE(qwen.pins.empty());
 
-    EXPECT_EQ(c->origins.size(), 19u) << "every key set above has an origin";
+    EXPECT_EQ(c->origins.size(), 21u) << "every key set above has an origin";
     EXPECT_EQ(c->origins.at("budget.lock"), main_ + ":8:8");
     const auto v = validate_config(*c, 256 * kGiB, numa_.path());
     EXPECT_TRUE(v) << v.error().what();
@@ -502,7 +514,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 19u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 21u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

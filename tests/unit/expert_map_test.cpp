@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <random>
 
 namespace moecache {
@@ -106,6 +107,36 @@ TEST(ExpertMap, RangesAndLookupAreInverse) {
     EXPECT_FALSE(m->lookup(7, 0).has_value());  // no such file
     EXPECT_TRUE(m->ranges(99, 0).empty());
     EXPECT_TRUE(m->ranges(0, m->n_experts).empty());
+}
+
+// for_each_overlap against lookup() of every byte of random ranges (pages and large folios).
+TEST(ExpertMap, OverlapsOfARangeAgreeWithLookupOfEachByte) {
+    test::TempDir dir;
+    auto files = test::write_model(test::small_spec(), dir.file("m.gguf"), 2);
+    auto m = load_expert_map(files[0]);
+    ASSERT_TRUE(m) << m.error().what();
+    std::mt19937_64 rng(11);
+    for (uint32_t file = 0; file < m->files.size(); ++file) {
+        const uint64_t size = m->files[file].size;
+        for (int i = 0; i < 200; ++i) {
+            const uint64_t begin = rng() % size;
+            const uint64_t len = 1 + rng() % (i % 2 ? 4096 : 300000);
+            const uint64_t end = std::min(size, begin + len);
+            std::map<std::pair<uint32_t, uint32_t>, uint64_t> want, got;
+            uint64_t want_rest = 0;
+            for (uint64_t at = begin; at < end; ++at) {
+                if (const auto ref = m->lookup(file, at)) ++want[{ref->layer, ref->expert}];
+                else ++want_rest;
+            }
+            const uint64_t rest = m->for_each_overlap(file, begin, end, [&](ExpertRef r, uint64_t bytes) {
+                got[{r.layer, r.expert}] += bytes;
+            });
+            ASSERT_EQ(got, want) << "file " << file << " [" << begin << ", " << end << ")";
+            ASSERT_EQ(rest, want_rest);
+        }
+    }
+    EXPECT_EQ(m->for_each_overlap(0, 100, 100, [](ExpertRef, uint64_t) { FAIL(); }), 0u);
+    EXPECT_EQ(m->for_each_overlap(9, 0, 4096, [](ExpertRef, uint64_t) { FAIL(); }), 4096u);  // no such file
 }
 
 TEST(ExpertMap, ExpertCountMustMatchTheTensorShapes) {

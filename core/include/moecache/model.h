@@ -5,6 +5,7 @@
 #include "moecache/error.h"
 #include "moecache/gguf.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -80,6 +81,11 @@ public:
     [[nodiscard]] std::vector<ByteRange> ranges(uint32_t block, uint32_t expert) const;
     // Which expert holds this byte, if any. O(log n).
     [[nodiscard]] std::optional<ExpertRef> lookup(uint32_t file, uint64_t offset) const;
+    // Calls fn(ExpertRef, bytes) for every expert whose slices overlap [begin, end) of `file`, with
+    // the bytes of the overlap (an expert with slices in two overlapping tensors is called twice).
+    // Returns the bytes of the range that belong to no routed expert. O(log n + experts overlapped).
+    template <class Fn>
+    uint64_t for_each_overlap(uint32_t file, uint64_t begin, uint64_t end, Fn&& fn) const;
 
     // Builds the map and cross-checks the metadata against the tensor shapes.
     static Result<ExpertMap> build(const std::vector<GgufFile>& parts);
@@ -93,6 +99,29 @@ private:
     };
     std::vector<Span> spans_;  // sorted by (file, begin)
 };
+
+template <class Fn>
+uint64_t ExpertMap::for_each_overlap(uint32_t file, uint64_t begin, uint64_t end, Fn&& fn) const {
+    if (begin >= end) return 0;
+    uint64_t covered = 0;
+    // The first span that ends after `begin`: spans of one file do not overlap, so they are
+    // sorted by their ends too.
+    auto it = std::lower_bound(spans_.begin(), spans_.end(), std::pair{file, begin},
+                               [](const Span& s, const std::pair<uint32_t, uint64_t>& k) {
+                                   return s.file < k.first || (s.file == k.first && s.end <= k.second);
+                               });
+    for (; it != spans_.end() && it->file == file && it->begin < end; ++it) {
+        const uint64_t lo = std::max(begin, it->begin), hi = std::min(end, it->end);
+        if (lo >= hi || it->bytes_per_expert == 0) continue;
+        covered += hi - lo;
+        for (uint64_t e = (lo - it->begin) / it->bytes_per_expert; it->begin + e * it->bytes_per_expert < hi; ++e) {
+            const uint64_t s0 = std::max(lo, it->begin + e * it->bytes_per_expert);
+            const uint64_t s1 = std::min(hi, it->begin + (e + 1) * it->bytes_per_expert);
+            fn(ExpertRef{it->layer, static_cast<uint32_t>(e)}, s1 - s0);
+        }
+    }
+    return (end - begin) - covered;
+}
 
 Result<ExpertMap> load_expert_map(const std::string& path);
 

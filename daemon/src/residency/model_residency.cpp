@@ -38,6 +38,11 @@ Result<std::unique_ptr<ModelResidency>> ModelResidency::open(const std::string& 
     const auto n_layers = static_cast<uint32_t>(map.layers.size());
     r->heat_ = HeatTable(n_layers, map.n_experts, half_life_tokens);
     r->slots_.resize(size_t{n_layers} * map.n_experts);
+    r->telemetry_.resize(r->slots_.size());
+    for (uint32_t i = 0; i < n_layers; ++i) {
+        if (map.layers[i].index >= r->layer_index_.size()) r->layer_index_.resize(map.layers[i].index + 1, UINT32_MAX);
+        r->layer_index_[map.layers[i].index] = i;
+    }
     r->pinned_.assign(r->slots_.size(), 0);
     for (const auto& pin : cfg.pins) {
         const auto layer = r->layer_of_block(pin.layer);
@@ -63,10 +68,8 @@ Result<std::unique_ptr<ModelResidency>> ModelResidency::open(const std::string& 
 }
 
 std::optional<uint32_t> ModelResidency::layer_of_block(uint32_t block) const {
-    const auto& layers = model_->map().layers;
-    for (uint32_t i = 0; i < layers.size(); ++i)
-        if (layers[i].index == block) return i;
-    return std::nullopt;
+    if (block >= layer_index_.size() || layer_index_[block] == UINT32_MAX) return std::nullopt;
+    return layer_index_[block];
 }
 
 std::vector<ByteRange> ModelResidency::ranges(uint32_t slot) const {

@@ -1,9 +1,11 @@
 // moecached's core: one event loop that owns all state. Every event source is a file descriptor
-// in one epoll set (signals, the tick timer, prefetch completions, PSI triggers; the socket and
-// the BPF ring buffer join later), so nothing else touches the state and nothing blocks the loop
-// for long: storage is read by io_uring, and mlock runs only on pages that are already cached.
+// in one epoll set (signals, the tick timer, prefetch completions, PSI triggers, the BPF ring
+// buffer of page-cache events; the client socket joins later), so nothing else touches the state
+// and nothing blocks the loop for long: storage is read by io_uring, mlock runs only on pages
+// that are already cached, and one turn reads a bounded number of page-cache events.
 #pragma once
 
+#include "moecache/bpf/page_cache_telemetry.h"
 #include "moecache/daemon/config.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
@@ -16,6 +18,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace moecache::daemon {
@@ -30,6 +33,7 @@ struct ExpertStatus {
     uint32_t uses = 0;
     bool pinned = false;
     uint64_t bytes = 0, cached_bytes = 0, locked_bytes = 0;
+    SlotTelemetry telemetry;
 };
 
 struct ModelStatus {
@@ -42,7 +46,19 @@ struct ModelStatus {
     uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
     Tier dense_tier = Tier::Storage;
     uint64_t dense_bytes = 0;
+    SlotTelemetry dense_telemetry;
     std::vector<ExpertStatus> experts;  // MoE layer-major
+};
+
+// eBPF page-cache telemetry (bpf/): whether it runs, and what it has delivered.
+struct PageCacheStatus {
+    bool enabled = false;
+    bool faults = false;           // page faults reported too (Linux >= 6.11)
+    std::string off_reason;        // why not, when it is not enabled (or faults are not reported)
+    uint64_t events = 0;           // consumed by the daemon
+    uint64_t unattributed = 0;     // of files no longer watched (closed models)
+    uint64_t sent[4] = {}, dropped[4] = {};  // by the kernel, per kind: added, deleted, fault, mapped
+    uint32_t ring_bytes = 0;
 };
 
 struct DaemonStatus {
@@ -53,6 +69,7 @@ struct DaemonStatus {
     uint64_t pressure_events = 0;
     bool under_pressure = false;
     uint64_t prefetch_done_bytes = 0, prefetch_queued_bytes = 0;
+    PageCacheStatus page_cache;
     std::vector<ModelStatus> models;
 };
 
@@ -97,12 +114,26 @@ private:
     [[nodiscard]] uint64_t total_locked() const;
     [[nodiscard]] std::string profile_path(const std::string& key) const;
     Result<void> handle_signal();
+    void watch_files(ModelEntry& m);
+    void unwatch_files(ModelEntry& m);
+    void on_page_cache_event(const bpf::PageCacheEvent& e);
+    void consume_page_cache();
 
     Config config_;
     uint64_t mem_total_ = 0;
     UniqueFd epoll_, signal_fd_, timer_fd_;
     std::unique_ptr<Prefetcher> prefetcher_;
     std::unique_ptr<PressureMonitor> pressure_;
+    std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
+    std::string page_cache_off_reason_;
+    struct WatchedFile {
+        uint32_t model = 0, file = 0;
+    };
+    std::unordered_map<uint32_t, WatchedFile> watched_;  // by the file id the BPF events carry
+    uint32_t next_file_id_ = 1;
+    uint64_t page_cache_events_ = 0, page_cache_unattributed_ = 0;
+    std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
+    uint32_t self_tgid_ = 0;
     std::vector<std::unique_ptr<ModelEntry>> models_;
     uint32_t next_model_id_ = 0;
     uint64_t pressure_cap_ = UINT64_MAX;

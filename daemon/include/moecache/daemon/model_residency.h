@@ -10,6 +10,7 @@
 #include "moecache/daemon/planner.h"
 #include "moecache/page_cache.h"
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -23,6 +24,14 @@ struct SlotState {
     uint64_t locked_bytes = 0;  // what locking it added to VmLck
     uint64_t cached_bytes = 0;  // in the page cache at the last refresh
     uint32_t fetches_pending = 0;
+};
+
+// What the page cache did to a slot's bytes, as eBPF reported it (bpf/).
+struct SlotTelemetry {
+    uint64_t read_bytes = 0;      // read from storage by other processes: misses of a runtime
+    uint64_t prefetch_bytes = 0;  // read from storage by the daemon's own prefetch
+    uint64_t evicted_bytes = 0;   // left the page cache
+    uint64_t faults = 0;          // page faults of other processes on it (a use: see the client's re-arm)
 };
 
 class ModelResidency {
@@ -51,6 +60,25 @@ public:
     // The MoE layer index of block N (blk.N), if block N is an MoE layer.
     [[nodiscard]] std::optional<uint32_t> layer_of_block(uint32_t block) const;
 
+    [[nodiscard]] SlotTelemetry& telemetry(uint32_t slot) { return slot == kDenseSlot ? dense_telemetry_ : telemetry_[slot]; }
+    [[nodiscard]] const SlotTelemetry& telemetry(uint32_t slot) const {
+        return slot == kDenseSlot ? dense_telemetry_ : telemetry_[slot];
+    }
+    // Calls fn(slot, bytes) for each slot with bytes in [begin, end) of model file `file` (the
+    // dense slot for what is not a routed expert), clipped to the file.
+    template <class Fn>
+    void for_each_slot(uint32_t file, uint64_t begin, uint64_t end, Fn&& fn) const {
+        const auto& map = model_->map();
+        if (file >= map.files.size()) return;
+        end = std::min(end, map.files[file].size);
+        if (begin >= end) return;
+        const uint64_t rest = map.for_each_overlap(file, begin, end, [&](ExpertRef r, uint64_t bytes) {
+            if (r.layer < layer_index_.size() && layer_index_[r.layer] != UINT32_MAX)
+                fn(layer_index_[r.layer] * map.n_experts + r.expert, bytes);
+        });
+        if (rest > 0) fn(kDenseSlot, rest);
+    }
+
     // Locks every range of a slot (all or nothing).
     Result<uint64_t> lock(uint32_t slot);
     Result<uint64_t> release(uint32_t slot, bool drop);
@@ -66,6 +94,9 @@ private:
     HeatTable heat_;
     std::vector<SlotState> slots_;
     SlotState dense_;
+    std::vector<SlotTelemetry> telemetry_;
+    SlotTelemetry dense_telemetry_;
+    std::vector<uint32_t> layer_index_;  // block -> MoE layer index, UINT32_MAX for other blocks
     std::vector<uint8_t> pinned_;
     std::vector<uint64_t> slot_bytes_, slot_length_;
     uint64_t dense_bytes_ = 0, dense_length_ = 0;
