@@ -404,6 +404,10 @@ lock_dense = false
 
 [[model]]
 path = "/models/qwen.gguf"
+
+[telemetry]
+page_cache = "off"
+ring_buffer = "1MiB"
 )");
     ASSERT_TRUE(c) << c.error().what();
     EXPECT_EQ(c->state_dir, "/srv/moecache/state");
@@ -426,6 +430,8 @@ path = "/models/qwen.gguf"
     EXPECT_EQ(c->elite_share, 0.25);
     EXPECT_EQ(c->hysteresis, 0.0);
     EXPECT_EQ(c->save_interval_seconds, 300.0);
+    EXPECT_EQ(c->page_cache_telemetry, "off");
+    EXPECT_EQ(c->page_cache_ring_bytes, 1u << 20);
 
     ASSERT_EQ(c->models.size(), 2u);
     const auto& kimi = c->models[0];
