@@ -310,22 +310,34 @@ void Daemon::on_page_cache_event(const bpf::PageCacheEvent& e) {
     const uint64_t end = begin + uint64_t{e.pages} * kPage;
     const bool own = e.tgid == self_tgid_;
     using K = bpf::PageCacheEventKind;
+    if (e.kind == K::Fault || e.kind == K::Mapped) {
+        // One fault is one use of one expert: the one that owns most of the reported range. A
+        // Mapped event reports the fault-around window (16 pages), not the faulting page; the
+        // re-armer puts its page in the middle of an expert's slice, so that expert owns most of
+        // the window whenever the slice is at least as large as the window.
+        uint32_t best = kDenseSlot;
+        uint64_t best_bytes = 0;
+        m->res->for_each_slot(it->second.file, begin, end, [&](uint32_t slot, uint64_t bytes) {
+            if (bytes > best_bytes) {
+                best = slot;
+                best_bytes = bytes;
+            }
+        });
+        if (best_bytes == 0) return;
+        ++m->res->telemetry(best).faults;
+        if (best != kDenseSlot) used_this_batch_.emplace_back(m->id, best);
+        return;
+    }
     m->res->for_each_slot(it->second.file, begin, end, [&](uint32_t slot, uint64_t bytes) {
         SlotTelemetry& t = m->res->telemetry(slot);
-        bool used = false;
-        switch (e.kind) {
-            case K::Added:
-                (own ? t.prefetch_bytes : t.read_bytes) += bytes;
-                used = !own;
-                break;
-            case K::Deleted: t.evicted_bytes += bytes; break;
-            case K::Fault:
-            case K::Mapped:
-                ++t.faults;
-                used = true;
-                break;
+        if (e.kind == K::Deleted) {
+            t.evicted_bytes += bytes;
+        } else if (own) {
+            t.prefetch_bytes += bytes;
+        } else {
+            t.read_bytes += bytes;
+            if (slot != kDenseSlot) used_this_batch_.emplace_back(m->id, slot);
         }
-        if (used && slot != kDenseSlot) used_this_batch_.emplace_back(m->id, slot);
     });
 }
 

@@ -1,6 +1,6 @@
 // The route probe's pure parts: reading /proc/PID/maps text, planning sentinels and VMA cuts, and
 // the routing statistics. Maps text and expert maps are built here; nothing touches /proc.
-#include "moecache/routeprobe/process_maps.h"
+#include "moecache/process_maps.h"
 #include "moecache/routeprobe/routing_stats.h"
 #include "moecache/routeprobe/sentinel_plan.h"
 
@@ -22,7 +22,7 @@ namespace {
 
 // ---- /proc/PID/maps ----------------------------------------------------------------------
 
-constexpr FileIdentity kModel{0xfe, 0x01, 1234567};
+constexpr InodeId kModel{0xfe, 0x01, 1234567};
 
 TEST(ProcessMaps, ReadsAllFieldsOfAFileLine) {
     const auto found = find_mappings("7f12a000-7f12c000 r--s 00001000 fe:01 1234567   /models/m.gguf\n", kModel);
@@ -58,9 +58,9 @@ TEST(ProcessMaps, PathsWithSpacesAndDeletedFilesAreFoundByInode) {
 TEST(ProcessMaps, DeviceNumbersAreHexAndInodesDecimal) {
     // NVMe partitions sit on major 259 = 0x103; the kernel prints "%02x:%02x".
     const std::string line = "10000-11000 r--p 00000000 103:0a 4096 /m.gguf\n";
-    EXPECT_EQ(find_mappings(line, FileIdentity{259, 10, 4096}).size(), 1u);
-    EXPECT_TRUE(find_mappings(line, FileIdentity{103, 10, 4096}).empty()) << "device read as decimal";
-    EXPECT_TRUE(find_mappings(line, FileIdentity{259, 10, 0x4096}).empty()) << "inode read as hex";
+    EXPECT_EQ(find_mappings(line, InodeId{259, 10, 4096}).size(), 1u);
+    EXPECT_TRUE(find_mappings(line, InodeId{103, 10, 4096}).empty()) << "device read as decimal";
+    EXPECT_TRUE(find_mappings(line, InodeId{259, 10, 0x4096}).empty()) << "inode read as hex";
 }
 
 TEST(ProcessMaps, OtherFilesAndAnonymousMappingsAreLeftOut) {

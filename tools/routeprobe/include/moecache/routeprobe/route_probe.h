@@ -18,7 +18,7 @@
 
 #include "moecache/error.h"
 #include "moecache/model.h"
-#include "moecache/routeprobe/process_maps.h"
+#include "moecache/process_maps.h"
 #include "moecache/routeprobe/sentinel_plan.h"
 #include "moecache/unique_fd.h"
 
@@ -74,7 +74,7 @@ private:
     ProbeConfig config_;
     ExpertMap map_;
     std::optional<IntendedRouting> intended_;
-    std::vector<FileIdentity> files_;
+    std::vector<InodeId> files_;
     std::vector<std::vector<FileMapping>> mappings_;  // [file], as found, contiguous runs merged
     SentinelPlan plan_;
     UniqueFd pagemap_;

@@ -16,7 +16,7 @@
 
 #include "moecache/error.h"
 #include "moecache/model.h"
-#include "moecache/routeprobe/process_maps.h"
+#include "moecache/process_maps.h"
 
 #include <cstdint>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "moecache/routeprobe/process_maps.h"
+#include "moecache/process_maps.h"
 
 #include "moecache/file_util.h"
 
@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <charconv>
 
-namespace moecache::routeprobe {
+namespace moecache {
 namespace {
 
 // Reads a hex number and the separator after it; false when there is none.
@@ -34,14 +34,14 @@ std::string_view next_word(std::string_view& s) {
 
 }  // namespace
 
-Result<FileIdentity> identify_file(const std::string& path) {
+Result<InodeId> identify_file(const std::string& path) {
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0) return fail_errno("stat {}", path);
-    return FileIdentity{major(st.st_dev), minor(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+    return InodeId{major(st.st_dev), minor(st.st_dev), static_cast<uint64_t>(st.st_ino)};
 }
 
 // A line: "7f12a000-7f12c000 r--s 00001000 fe:01 1234567   /path/to/model.gguf"
-std::vector<FileMapping> find_mappings(std::string_view text, const FileIdentity& file) {
+std::vector<FileMapping> find_mappings(std::string_view text, const InodeId& file) {
     std::vector<FileMapping> out;
     while (!text.empty()) {
         const size_t eol = std::min(text.find('\n'), text.size());
@@ -84,4 +84,4 @@ Result<std::string> read_proc_text(const char* path) {
     return read_whole_file(path, 256u << 20, "proc file");
 }
 
-}  // namespace moecache::routeprobe
+}  // namespace moecache

@@ -11,9 +11,9 @@
 #include <string_view>
 #include <vector>
 
-namespace moecache::routeprobe {
+namespace moecache {
 
-struct FileIdentity {
+struct InodeId {
     uint32_t dev_major = 0;
     uint32_t dev_minor = 0;
     uint64_t inode = 0;
@@ -33,10 +33,10 @@ struct FileMapping {
     [[nodiscard]] uintptr_t address_of(uint64_t offset) const { return start + (offset - file_offset); }
 };
 
-Result<FileIdentity> identify_file(const std::string& path);
+Result<InodeId> identify_file(const std::string& path);
 
 // Every mapping of the file in the text of a /proc/PID/maps. Lines that do not parse are skipped.
-std::vector<FileMapping> find_mappings(std::string_view maps_text, const FileIdentity& file);
+std::vector<FileMapping> find_mappings(std::string_view maps_text, const InodeId& file);
 
 // The same mappings with adjacent pieces that continue each other (address and file offset,
 // same permissions) joined: a VMA split by madvise reads as one mapping again.
@@ -45,4 +45,4 @@ std::vector<FileMapping> merge_adjacent(std::vector<FileMapping> mappings);
 // A whole /proc file (their size is unknown until read).
 Result<std::string> read_proc_text(const char* path);
 
-}  // namespace moecache::routeprobe
+}  // namespace moecache

@@ -1,0 +1,135 @@
+// libmoecache-rearm.so: the re-armer (rearm.h) for any runtime that maps GGUF models, loaded with
+// LD_PRELOAD; nothing in the runtime changes. A background thread finds the runtime's shared
+// mappings of *.gguf files in /proc/self/maps (every 20 ms until one appears, then every second
+// for new models and changed mappings), reads each model's expert map, and re-arms one page per expert
+// every MOECACHE_REARM_MS milliseconds (default 100; 0 turns it off). It says what it does once,
+// on stderr, prefixed "moecache-rearm:", and never stops the runtime: on any error it goes quiet.
+#include "moecache/client/rearm.h"
+#include "moecache/model.h"
+#include "moecache/process_maps.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+
+namespace {
+
+using moecache::ExpertMap;
+using moecache::FileMapping;
+using moecache::client::ExpertRearmer;
+
+struct Model {
+    ExpertMap map;
+    std::string maps_snapshot;  // the mapping lines it was planned from
+    ExpertRearmer rearmer;
+};
+
+// The paths of *.gguf files this process maps shared.
+std::set<std::string> mapped_models(const std::string& maps) {
+    std::set<std::string> out;
+    size_t at = 0;
+    while (at < maps.size()) {
+        size_t nl = maps.find('\n', at);
+        if (nl == std::string::npos) nl = maps.size();
+        const std::string line = maps.substr(at, nl - at);
+        at = nl + 1;
+        const size_t slash = line.find('/');
+        if (slash == std::string::npos) continue;
+        const std::string path = line.substr(slash);
+        const size_t sp = line.find(' ');
+        if (sp == std::string::npos || sp + 4 >= line.size() || line[sp + 4] != 's') continue;
+        if (path.size() > 5 && path.compare(path.size() - 5, 5, ".gguf") == 0) out.insert(path);
+    }
+    return out;
+}
+
+void run(unsigned period_ms) {
+    std::map<std::string, std::unique_ptr<Model>> models;  // by the path of the part mapped first
+    std::set<std::string> failed;
+    auto next_scan = std::chrono::steady_clock::now();
+    for (;;) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= next_scan) {
+            // Often while nothing is mapped (a runtime maps its model soon after start), then
+            // once a second to follow new models and changed mappings.
+            next_scan = now + (models.empty() ? std::chrono::milliseconds(20) : std::chrono::milliseconds(1000));
+            auto text = moecache::read_proc_text("/proc/self/maps");
+            if (!text) return;
+            for (const auto& path : mapped_models(*text)) {
+                if (failed.count(path)) continue;
+                bool known = false;
+                for (const auto& [p, m] : models)
+                    for (const auto& f : m->map.files) known = known || f.path == path;
+                if (known) continue;
+                auto map = moecache::load_expert_map(path);
+                if (!map) {
+                    std::fprintf(stderr, "moecache-rearm: %s: not re-armed: %s\n", path.c_str(), map.error().what().c_str());
+                    failed.insert(path);
+                    continue;
+                }
+                auto m = std::make_unique<Model>();
+                m->map = std::move(*map);
+                models[path] = std::move(m);
+            }
+            // (Re)plan any model whose mappings changed.
+            for (auto& [path, m] : models) {
+                std::vector<std::vector<FileMapping>> mappings(m->map.files.size());
+                std::string snapshot;
+                for (size_t f = 0; f < m->map.files.size(); ++f) {
+                    auto id = moecache::identify_file(m->map.files[f].path);
+                    if (!id) continue;
+                    mappings[f] = moecache::merge_adjacent(moecache::find_mappings(*text, *id));
+                    for (const auto& fm : mappings[f]) snapshot += std::to_string(fm.start) + "-" + std::to_string(fm.end) + ";";
+                }
+                if (snapshot == m->maps_snapshot) continue;
+                m->maps_snapshot = snapshot;
+                m->rearmer = ExpertRearmer::plan(m->map, mappings);
+                std::fprintf(stderr, "moecache-rearm: %s: re-arming %zu experts every %u ms\n", path.c_str(),
+                             m->rearmer.pages(), period_ms);
+            }
+        }
+        for (auto& [path, m] : models) {
+            const bool was = m->rearmer.refused();
+            m->rearmer.rearm();
+            if (!was && m->rearmer.refused())
+                std::fprintf(stderr, "moecache-rearm: %s: the kernel refused (%s; a locked mapping?): stopped\n",
+                             path.c_str(), std::strerror(m->rearmer.refusal_errno()));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(period_ms));
+    }
+}
+
+__attribute__((constructor)) void start() {
+    unsigned period = 100;
+    if (const char* e = std::getenv("MOECACHE_REARM_MS")) {
+        char* end = nullptr;
+        const unsigned long v = std::strtoul(e, &end, 10);
+        if (end == e || *end != '\0' || v > 3'600'000) {
+            std::fprintf(stderr, "moecache-rearm: MOECACHE_REARM_MS=%s is not a number of milliseconds (0..3600000): off\n", e);
+            return;
+        }
+        period = static_cast<unsigned>(v);
+    }
+    if (period == 0) return;
+    // Only where it is asked for: a preload also reaches every child the runtime starts.
+    if (const char* only = std::getenv("MOECACHE_REARM_EXE")) {
+        char exe[4096];
+        const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+        if (n <= 0) return;
+        exe[n] = '\0';
+        if (std::strstr(exe, only) == nullptr) return;
+    }
+    std::thread([period] { run(period); }).detach();
+}
+
+}  // namespace
