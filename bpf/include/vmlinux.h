@@ -35,6 +35,9 @@ enum {
 	BPF_RB_FORCE_WAKEUP = 2,
 };
 enum {
+	BPF_RB_AVAIL_DATA = 0,
+};
+enum {
 	BPF_F_NO_PREALLOC = 1,
 };
 

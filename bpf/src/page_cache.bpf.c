@@ -17,6 +17,10 @@ char LICENSE[] SEC("license") = "GPL";
 /* Set by the loader before load: faults and mappings by this process (the daemon's own mlock
  * populating its mapping) are not news. Its reads from storage are reported: they are prefetch. */
 const volatile __u32 ignore_tgid = 0;
+/* The reader is woken only once this many bytes wait in the ring; below that it polls on its own
+ * clock. A wakeup per record would cost every reader of a model file an interrupt and a context
+ * switch of the daemon per folio: a consumer that keeps up is woken by each record otherwise. */
+const volatile __u64 wakeup_bytes = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -79,7 +83,10 @@ static __always_inline int emit(__u8 kind, struct address_space *mapping, __u64 
 	e->tgid = tgid;
 	e->kind = kind;
 	e->pad[0] = e->pad[1] = e->pad[2] = 0;
-	bpf_ringbuf_submit(e, 0);
+	__u64 flags = BPF_RB_NO_WAKEUP;
+	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= wakeup_bytes)
+		flags = BPF_RB_FORCE_WAKEUP;
+	bpf_ringbuf_submit(e, flags);
 	__sync_fetch_and_add(&sent[kind & (MC_PC_KINDS - 1)], 1);
 	return 0;
 }

@@ -1,8 +1,9 @@
 // libmoecache-rearm.so: the re-armer (rearm.h) for any runtime that maps GGUF models, loaded with
 // LD_PRELOAD; nothing in the runtime changes. A background thread finds the runtime's shared
-// mappings of *.gguf files in /proc/self/maps (every 20 ms until one appears, then every second
-// for new models and changed mappings), reads each model's expert map, and re-arms one page per expert
-// every MOECACHE_REARM_MS milliseconds (default 100; 0 turns it off). It says what it does once,
+// mappings of *.gguf files in /proc/self/maps (every 20 ms until one appears, then every 10 s
+// for new models and changed mappings), reads each model's expert map, and re-arms one page per
+// expert every MOECACHE_REARM_MS milliseconds (default 1000; 0 turns it off; what it costs:
+// bench/rearm-overhead.sh). It says what it does once,
 // on stderr, prefixed "moecache-rearm:", and never stops the runtime: on any error it goes quiet.
 #include "moecache/client/rearm.h"
 #include "moecache/model.h"
@@ -61,8 +62,9 @@ void run(unsigned period_ms) {
         const auto now = std::chrono::steady_clock::now();
         if (now >= next_scan) {
             // Often while nothing is mapped (a runtime maps its model soon after start), then
-            // once a second to follow new models and changed mappings.
-            next_scan = now + (models.empty() ? std::chrono::milliseconds(20) : std::chrono::milliseconds(1000));
+            // every 10 s for new models and changed mappings: reading a runtime's maps (thousands
+            // of lines for a JavaScript host) every second cost it measurably.
+            next_scan = now + (models.empty() ? std::chrono::milliseconds(20) : std::chrono::milliseconds(10000));
             auto text = moecache::read_proc_text("/proc/self/maps");
             if (!text) return;
             for (const auto& path : mapped_models(*text)) {
@@ -110,7 +112,7 @@ void run(unsigned period_ms) {
 }
 
 __attribute__((constructor)) void start() {
-    unsigned period = 100;
+    unsigned period = 1000;
     if (const char* e = std::getenv("MOECACHE_REARM_MS")) {
         char* end = nullptr;
         const unsigned long v = std::strtoul(e, &end, 10);

@@ -10,6 +10,7 @@
 #include <sys/epoll.h>
 #include <sys/signalfd.h>
 #include <sys/timerfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -343,6 +344,17 @@ void Daemon::on_page_cache_event(const bpf::PageCacheEvent& e) {
 
 void Daemon::consume_page_cache() {
     if (!page_cache_) return;
+    auto thread_cpu = [] {
+        timespec ts{};
+        ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+        return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
+    };
+    const double cpu0 = thread_cpu();
+    consume_page_cache_batch();
+    page_cache_cpu_ += thread_cpu() - cpu0;
+}
+
+void Daemon::consume_page_cache_batch() {
     // Bounded, so that a flood cannot hold the loop: the ring's fd stays readable for the next turn.
     page_cache_->consume(1u << 16);
     if (used_this_batch_.empty()) return;
@@ -557,7 +569,7 @@ Result<void> Daemon::step(int timeout_ms) {
             while (::read(fd, &expirations, sizeof expirations) > 0) {}
             tick();
         } else if (page_cache_ && fd == page_cache_->event_fd()) {
-            consume_page_cache();
+            // read below
         } else if (fd == prefetcher_->event_fd()) {
             MC_TRY_VOID(prefetcher_->on_ready());
             want_place = true;
@@ -566,6 +578,9 @@ Result<void> Daemon::step(int timeout_ms) {
                 if (t.fd.get() == fd) on_pressure(t.path);
         }
     }
+    // Page-cache events wake the loop only in bulk (see bpf/): the rest are read on every turn,
+    // and run() turns at least every kPollIntervalMs.
+    if (page_cache_) consume_page_cache();
     if (want_place) place();
     return {};
 }
@@ -573,7 +588,8 @@ Result<void> Daemon::step(int timeout_ms) {
 Result<void> Daemon::run() {
     MC_LOG(LOG_INFO, "moecached running: lock cap {} MiB of {} MiB RAM, {} model(s) configured", lock_cap() >> 20,
            mem_total_ >> 20, config_.models.size());
-    while (!stopping_) MC_TRY_VOID(step(-1));
+    const int timeout = page_cache_ ? bpf::PageCacheTelemetry::kPollIntervalMs : -1;
+    while (!stopping_) MC_TRY_VOID(step(timeout));
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_)
         if (m->res) close_model(*m, "the daemon stops");
@@ -612,6 +628,7 @@ DaemonStatus Daemon::status() const {
     s.page_cache.off_reason = page_cache_off_reason_;
     s.page_cache.events = page_cache_events_;
     s.page_cache.unattributed = page_cache_unattributed_;
+    s.page_cache.consume_cpu_seconds = page_cache_cpu_;
     if (page_cache_) {
         s.page_cache.faults = page_cache_->faults_attached();
         s.page_cache.ring_bytes = page_cache_->ring_bytes();

@@ -72,7 +72,7 @@ TEST(PageCacheHits, FaultsOfReArmedExpertsRankThemAsTheRouterDoes) {
     ASSERT_TRUE(d) << d.error().what();
 
     // Re-armed every 2 ms, about once per token on this machine, so that the count of faults
-    // approaches the count of tokens that used an expert (the default, 100 ms, is for production:
+    // approaches the count of tokens that used an expert (the default, 1000 ms, is for production:
     // see bench/rearm-overhead.sh). 2000 tokens: the tail of the ranking needs them.
     test::Background node({"/usr/bin/env", std::string("LD_PRELOAD=") + MOECACHE_REARM_LIB, "MOECACHE_REARM_MS=2",
                            "node", std::string(MOECACHE_NODE_DIR) + "/generate.mjs", "--model", model, "--tokens", "2000",

@@ -55,7 +55,12 @@ public:
         uint32_t max_files = 4096;       // watched files at once
         pid_t ignore_tgid = 0;           // its faults are not reported (the daemon itself)
         bool faults = true;              // attach the fault programs where the kernel has them
+        // event_fd() becomes readable once this many bytes wait (0: a quarter of the ring); below
+        // that the caller consumes on its own clock (poll_interval_ms below is a good one).
+        uint32_t wakeup_bytes = 0;
     };
+    // How often a caller should consume() even when event_fd() has not become readable.
+    static constexpr int kPollIntervalMs = 100;
     using Sink = std::function<void(const PageCacheEvent&)>;
 
     // Fails with a message that says what is missing (privileges, BTF, a tracepoint) and errno.
@@ -69,7 +74,8 @@ public:
     Result<void> watch(dev_t dev, ino_t ino, uint32_t file_id);
     Result<void> unwatch(dev_t dev, ino_t ino);
 
-    // Readable (EPOLLIN) while the ring holds records.
+    // Readable (EPOLLIN) once the ring holds Options::wakeup_bytes: consume() also every
+    // kPollIntervalMs.
     [[nodiscard]] int event_fd() const;
     // Hands up to max_events records to the sink; returns how many. Never waits.
     size_t consume(size_t max_events = SIZE_MAX);

@@ -9,6 +9,9 @@
 #include "moecache/error.h"
 #include "moecache/model.h"
 #include "moecache/process_maps.h"
+#include "moecache/unique_fd.h"
+
+#include <sys/uio.h>
 
 #include <cstdint>
 #include <vector>
@@ -47,6 +50,9 @@ private:
     std::vector<Page> pages_;
     std::vector<std::pair<uintptr_t, uintptr_t>> mappings_;  // [start, end) of the mappings used
     bool prepared_ = false;
+    bool batch_ = true;     // process_madvise() works here, as far as we know
+    UniqueFd pidfd_;        // of this process, for process_madvise()
+    std::vector<iovec> iov_;
     bool refused_ = false;
     int refusal_errno_ = 0;
 };

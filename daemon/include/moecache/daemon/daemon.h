@@ -57,6 +57,7 @@ struct PageCacheStatus {
     std::string off_reason;        // why not, when it is not enabled (or faults are not reported)
     uint64_t events = 0;           // consumed by the daemon
     uint64_t unattributed = 0;     // of files no longer watched (closed models)
+    double consume_cpu_seconds = 0;  // the daemon's CPU time reading and attributing them
     uint64_t sent[4] = {}, dropped[4] = {};  // by the kernel, per kind: added, deleted, fault, mapped
     uint32_t ring_bytes = 0;
 };
@@ -118,6 +119,7 @@ private:
     void unwatch_files(ModelEntry& m);
     void on_page_cache_event(const bpf::PageCacheEvent& e);
     void consume_page_cache();
+    void consume_page_cache_batch();
 
     Config config_;
     uint64_t mem_total_ = 0;
@@ -132,6 +134,7 @@ private:
     std::unordered_map<uint32_t, WatchedFile> watched_;  // by the file id the BPF events carry
     uint32_t next_file_id_ = 1;
     uint64_t page_cache_events_ = 0, page_cache_unattributed_ = 0;
+    double page_cache_cpu_ = 0;
     std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
     uint32_t self_tgid_ = 0;
     std::vector<std::unique_ptr<ModelEntry>> models_;
