@@ -27,7 +27,8 @@ static_assert(sizeof(mc_file_key) == 16);
 std::mutex g_libbpf_mutex;
 std::string g_libbpf_log;
 
-int on_libbpf_print(enum libbpf_print_level level, const char* format, va_list args) {
+__attribute__((format(printf, 2, 0))) int on_libbpf_print(enum libbpf_print_level level, const char* format,
+                                                          va_list args) {
     if (level == LIBBPF_DEBUG) return 0;
     char line[512];
     const int n = std::vsnprintf(line, sizeof line, format, args);
