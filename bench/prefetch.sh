@@ -107,9 +107,10 @@ measure() {
   if [ "$ceiling" = 1 ]; then
     local ceil
     ceil=$(printf '%s\n' "${ceil_rates[@]}" | median)
-    printf 'disk ceiling        median %5.0f MB/s  (runs: %s; fio sequential O_DIRECT, bs 8 MiB, QD 4)\n' \
+    printf 'disk sequential     median %5.0f MB/s  (runs: %s; fio sequential O_DIRECT, bs 8 MiB, QD 4)\n' \
       "$ceil" "$(runs_of "${ceil_rates[@]}")"
-    printf 'ceiling / vmtouch   %s  (what any reader could gain over vmtouch on this device)\n' "$(ratio "$ceil" "$vt")"
+    printf 'sequential/vmtouch  %s  (near or below 1: vmtouch reads as fast as the disk streams; nothing doubles it)\n' \
+      "$(ratio "$ceil" "$vt")"
   fi
   printf 'moecache / fio      %s  (target >= 0.95)\n' "$(ratio "$mc" "$fio_med")"
   printf 'moecache / vmtouch  %s  (target >= 2)\n' "$(ratio "$mc" "$vt")"
