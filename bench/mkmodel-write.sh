@@ -15,7 +15,7 @@ mkdir -p "$dir"
 model="$dir/bench-write.gguf"
 shape=(--layers 32 --embd 1024 --ff 512 --expert-type q8_0)
 
-median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
+source "$top/bench/common.sh"
 
 "$mk" -o "$model" "${shape[@]}" --drop-cache >/dev/null
 bytes=$(stat -c %s "$model")

@@ -28,24 +28,9 @@ done
 for t in losetup mkfs.ext4 bc; do command -v $t >/dev/null || { echo "$t is missing" >&2; exit 1; }; done
 shape=(--layers 8 --embd 1024 --ff 512 --expert-type q8_0)   # 0.9 GB, 512 experts of 1.6 MiB
 
-median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
-field() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p"; }
-runs_of() { printf '%.0f ' "$@"; }
-
-img=/dev/shm/moecache-bench-telemetry.img
-mnt=$(mktemp -d /tmp/moecache-bench.XXXXXX)
-loopdev=
-cleanup() {
-  mountpoint -q "$mnt" && umount "$mnt"
-  [ -n "$loopdev" ] && losetup -d "$loopdev"
-  rmdir "$mnt"
-  rm -f "$img"
-}
-trap cleanup EXIT
-truncate -s 1200M "$img"
-loopdev=$(losetup -f --show "$img")
-mkfs.ext4 -q -E nodiscard,lazy_itable_init=0 "$loopdev"
-mount "$loopdev" "$mnt"
+source "$top/bench/common.sh"
+loop_fs /dev/shm/moecache-bench-telemetry.img 1200M
+mnt=$loop_mnt
 
 measure() {   # LABEL MODEL
   local label=$1 m=$2 i out

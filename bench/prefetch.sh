@@ -43,9 +43,7 @@ mkdir -p "$dir"
 model="$dir/bench-prefetch.gguf"
 shape=(--layers 32 --embd 1024 --ff 512 --expert-type q8_0)   # 3.5 GB, 2048 experts of 1.6 MiB
 
-median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
-field() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p"; }
-runs_of() { printf '%.0f ' "$@"; }
+source "$top/bench/common.sh"
 ratio() { printf '%.2f' "$(echo "$1 / $2" | bc -l)"; }
 fio_mbps() { awk -F';' '{print $7 * 1024 / 1000000}'; }   # terse v3: field 7 is read bandwidth, KiB/s
 
@@ -126,21 +124,9 @@ fi
 for t in losetup mkfs.ext4 mount; do
   command -v $t >/dev/null || { echo "$t is missing: the loop-device section is skipped" >&2; exit 0; }
 done
-img="$dir/bench-prefetch-loop.img"
-mnt=$(mktemp -d /tmp/moecache-bench.XXXXXX)
-loopdev=
-cleanup() {
-  mountpoint -q "$mnt" && umount "$mnt"
-  [ -n "$loopdev" ] && losetup -d "$loopdev"
-  rmdir "$mnt"
-  rm -f "$img"
-}
-trap cleanup EXIT
 file_bytes=$(stat -c %s "$model")
-truncate -s $(( (file_bytes >> 20) * 1048576 + 256 * 1048576 )) "$img"
-loopdev=$(losetup --direct-io=on -f --show "$img")
-mkfs.ext4 -q -E nodiscard,lazy_itable_init=0 "$loopdev"
-mount "$loopdev" "$mnt"
+loop_fs "$dir/bench-prefetch-loop.img" $(( (file_bytes >> 20) * 1048576 + 256 * 1048576 )) --direct-io=on
+mnt=$loop_mnt
 echo 128 > "/sys/block/${loopdev#/dev/}/queue/read_ahead_kb"
 cp "$model" "$mnt/"
 sync

@@ -51,7 +51,7 @@ dpid=$!
 for _ in $(seq 100); do grep -q "moecached running" "$work/daemon.log" && break; sleep 0.1; done
 grep -q "moecached running" "$work/daemon.log" || { cat "$work/daemon.log" >&2; exit 1; }
 
-median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
+source "$top/bench/common.sh"
 tps() { sed -n 's/.*"decode_tokens_per_second":\([0-9.]*\).*/\1/p'; }
 run() {   # PERIOD (0: plain)
   if [ "$1" = 0 ]; then

@@ -1,0 +1,29 @@
+# Helpers the bench/*.sh scripts share (sourced, not run).
+
+# The median of the numbers on stdin, one per line.
+median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
+# The value of KEY=VALUE in the text on stdin.
+field() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p"; }
+# The arguments as whole numbers, for "runs: ..." lists.
+runs_of() { printf '%.0f ' "$@"; }
+
+# loop_fs IMAGE BYTES [LOSETUP OPTIONS...]: a fresh ext4 on a loop device over the file IMAGE,
+# mounted; sets $loopdev and $loop_mnt, and removes all of it (image too) when the script exits.
+loop_fs() {
+  local image=$1 bytes=$2
+  shift 2
+  loop_img=$image
+  loop_mnt=$(mktemp -d /tmp/moecache-bench.XXXXXX)
+  loopdev=
+  trap loop_fs_cleanup EXIT
+  truncate -s "$bytes" "$loop_img"
+  loopdev=$(losetup "$@" -f --show "$loop_img")
+  mkfs.ext4 -q -E nodiscard,lazy_itable_init=0 "$loopdev"
+  mount "$loopdev" "$loop_mnt"
+}
+loop_fs_cleanup() {
+  mountpoint -q "$loop_mnt" && umount "$loop_mnt"
+  [ -n "$loopdev" ] && losetup -d "$loopdev"
+  rmdir "$loop_mnt"
+  rm -f "$loop_img"
+}
