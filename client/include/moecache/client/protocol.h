@@ -1,0 +1,109 @@
+// The wire protocol between moecached and its clients (docs/protocol.md): one message per
+// SOCK_SEQPACKET packet, little-endian, a fixed header and a body whose layout the type fixes.
+// Descriptors travel beside a message as SCM_RIGHTS. Both ends decode with decode(), which trusts
+// nothing: every length, count, string and descriptor count is checked against the message type
+// and the packet's real size, and a failure says what and at which byte.
+#pragma once
+
+#include "moecache/error.h"
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace moecache::protocol {
+
+inline constexpr uint32_t kMagic = 0x3150434d;  // "MCP1" as little-endian bytes
+inline constexpr uint16_t kVersion = 1;
+inline constexpr size_t kMaxMessageBytes = 4096;
+inline constexpr size_t kHeaderBytes = 16;       // magic u32, type u16, version u16, length u32, request u32
+inline constexpr size_t kMaxName = 64;           // a client's name
+inline constexpr size_t kMaxErrorText = 1024;
+inline constexpr uint32_t kMaxModelFiles = 64;   // descriptors of one model (a split set)
+inline constexpr uint32_t kMinRingBytes = 4096, kMaxRingBytes = 64u << 20;
+
+enum class Type : uint16_t {
+    // client -> daemon
+    Hello = 1,
+    RegisterModel = 2,
+    DescribeMapping = 3,
+    TelemetrySetup = 4,
+    Goodbye = 5,
+    // daemon -> client
+    HelloReply = 128,
+    Ok = 129,
+    Failure = 130,
+    ModelRegistered = 131,
+    Directive = 132,
+};
+const char* to_string(Type t);
+
+struct Hello {
+    uint16_t min_version = kVersion, max_version = kVersion;
+    std::string name;  // what the client calls itself, for logs: printable ASCII, <= kMaxName
+    bool operator==(const Hello&) const = default;
+};
+// The model's files follow as descriptors, part 1 first: as many as `files`.
+struct RegisterModel {
+    uint32_t files = 0;
+    bool operator==(const RegisterModel&) const = default;
+};
+// Where the client maps file `file` of model `model`: [address, address + length) holds the file's
+// bytes from `file_offset`.
+struct DescribeMapping {
+    uint32_t model = 0, file = 0;
+    uint64_t address = 0, length = 0, file_offset = 0;
+    bool operator==(const DescribeMapping&) const = default;
+};
+// One descriptor follows: a memfd of ring_bytes holding the client's telemetry ring.
+struct TelemetrySetup {
+    uint32_t ring_bytes = 0;
+    bool operator==(const TelemetrySetup&) const = default;
+};
+struct Goodbye {
+    bool operator==(const Goodbye&) const = default;
+};
+struct HelloReply {
+    uint16_t version = kVersion;
+    uint32_t client_id = 0;
+    bool operator==(const HelloReply&) const = default;
+};
+struct Ok {
+    bool operator==(const Ok&) const = default;
+};
+struct Failure {
+    int32_t errnum = 0;  // an errno value, 0 when none applies
+    std::string text;    // printable ASCII, <= kMaxErrorText
+    bool operator==(const Failure&) const = default;
+};
+struct ModelRegistered {
+    uint32_t model = 0, layers = 0, experts = 0, files = 0;
+    bool operator==(const ModelRegistered&) const = default;
+};
+enum class Action : uint8_t { Promote = 1, Demote = 2, Lock = 3, Unlock = 4 };
+struct Directive {
+    Action action = Action::Lock;
+    uint32_t model = 0, block = 0, expert = 0;
+    bool operator==(const Directive&) const = default;
+};
+
+using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, HelloReply, Ok, Failure,
+                          ModelRegistered, Directive>;
+
+struct Message {
+    uint32_t request = 0;  // chosen by the client; a reply carries the request it answers
+    Body body;
+    bool operator==(const Message&) const = default;
+};
+
+[[nodiscard]] Type type_of(const Body& b);
+// How many descriptors a message of this body travels with.
+[[nodiscard]] uint32_t descriptors_of(const Body& b);
+
+std::vector<uint8_t> encode(const Message& m);
+// `bytes` is one whole packet as received; `descriptors` how many came with it (SCM_RIGHTS).
+Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors);
+
+}  // namespace moecache::protocol
