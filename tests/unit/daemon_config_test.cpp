@@ -6,6 +6,7 @@
 
 #include "moecache/daemon/config.h"
 
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -55,7 +56,10 @@ std::string describe(const Config& c) {
       << "policy.hysteresis = " << c.hysteresis << "\n"
       << "policy.save_interval_seconds = " << c.save_interval_seconds << "\n"
       << "telemetry.page_cache = " << c.page_cache_telemetry << "\n"
-      << "telemetry.ring_buffer = " << c.page_cache_ring_bytes << "\n";
+      << "telemetry.ring_buffer = " << c.page_cache_ring_bytes << "\n"
+      << "clients.allow_uids = " << fmt::format("{}", fmt::join(c.client_allow_uids, ",")) << "\n"
+      << "clients.allow_gids = " << fmt::format("{}", fmt::join(c.client_allow_gids, ",")) << "\n"
+      << "clients.max = " << c.max_clients << "\n";
     for (const auto& m : c.models) {
         s << "model " << m.path << " budget " << (m.budget ? size(*m.budget) : "none")
           << " lock_dense " << m.lock_dense << " pins";
@@ -248,6 +252,13 @@ TEST_F(ConfigTest, ReadSizeIsWholePagesInBytes) {
                     {"prefetch.read_size", "out of range", "at least 4 KiB and at most 64 MiB"});
 }
 
+TEST_F(ConfigTest, ClientIdsAreNumbers) {
+    expect_rejected("[clients]\nallow_uids = [\"alice\"]\n", {"clients.allow_uids[0]", "numeric id"});
+    expect_rejected("[clients]\nallow_gids = [-1]\n", {"clients.allow_gids[0]", "-1 is not a user or group id"});
+    expect_rejected("[clients]\nallow_uids = 1000\n", {"clients.allow_uids", "an array of numeric ids"});
+    expect_rejected("[clients]\nmax = 0\n", {"clients.max"});
+}
+
 TEST_F(ConfigTest, TelemetryModeAndRingSize) {
     expect_rejected("[telemetry]\npage_cache = \"yes\"\n",
                     {"telemetry.page_cache", "'yes' is not a mode", "auto", "off"});
@@ -408,6 +419,11 @@ path = "/models/qwen.gguf"
 [telemetry]
 page_cache = "off"
 ring_buffer = "1MiB"
+
+[clients]
+allow_uids = [0, 1000]
+allow_gids = [44]
+max = 16
 )");
     ASSERT_TRUE(c) << c.error().what();
     EXPECT_EQ(c->state_dir, "/srv/moecache/state");
@@ -432,6 +448,9 @@ ring_buffer = "1MiB"
     EXPECT_EQ(c->save_interval_seconds, 300.0);
     EXPECT_EQ(c->page_cache_telemetry, "off");
     EXPECT_EQ(c->page_cache_ring_bytes, 1u << 20);
+    EXPECT_EQ(c->client_allow_uids, (std::vector<uint32_t>{0, 1000}));
+    EXPECT_EQ(c->client_allow_gids, (std::vector<uint32_t>{44}));
+    EXPECT_EQ(c->max_clients, 16u);
 
     ASSERT_EQ(c->models.size(), 2u);
     const auto& kimi = c->models[0];
@@ -456,7 +475,7 @@ ring_buffer = "1MiB"
     EXPECT_TRUE(qwen.lock_dense);
     EXPECT_TRUE(qwen.pins.empty());
 
-    EXPECT_EQ(c->origins.size(), 21u) << "every key set above has an origin";
+    EXPECT_EQ(c->origins.size(), 24u) << "every key set above has an origin";
     EXPECT_EQ(c->origins.at("budget.lock"), main_ + ":8:8");
     const auto v = validate_config(*c, 256 * kGiB, numa_.path());
     EXPECT_TRUE(v) << v.error().what();
@@ -520,7 +539,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 21u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 24u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

@@ -237,6 +237,21 @@ Result<uint32_t> read_ring_size(const Value& v) {
     return static_cast<uint32_t>(amount.bytes);
 }
 
+// A list of user or group ids: integers 0 .. 2^32-2 (-1 is no id).
+Result<std::vector<uint32_t>> read_id_list(const Value& v) {
+    const auto* array = v.node.as_array();
+    if (!array) return wrong_type(v, "an array of numeric ids, such as [0, 1000]");
+    std::vector<uint32_t> ids;
+    for (size_t i = 0; i < array->size(); ++i) {
+        const Value e = v.element(*array->get(i), i);
+        const auto* n = e.node.as_integer();
+        if (!n) return wrong_type(e, "a numeric id (names are not looked up: write the number)");
+        if (n->get() < 0 || n->get() > 0xfffffffe) return e.fail("{} is not a user or group id", n->get());
+        ids.push_back(static_cast<uint32_t>(n->get()));
+    }
+    return ids;
+}
+
 Result<std::vector<ExpertPin>> read_pins(const Value& v) {
     constexpr std::string_view kExpected = "a string such as \"12\", \"12:3\" or \"12:0-7\"";
     const auto* array = v.node.as_array();
@@ -322,6 +337,12 @@ const Key<Config> kTelemetryKeys[] = {
     MC_KEY("ring_buffer", Config, t.page_cache_ring_bytes = MC_TRY(read_ring_size(v))),
 };
 
+const Key<Config> kClientKeys[] = {
+    MC_KEY("allow_uids", Config, t.client_allow_uids = MC_TRY(read_id_list(v))),
+    MC_KEY("allow_gids", Config, t.client_allow_gids = MC_TRY(read_id_list(v))),
+    MC_KEY("max", Config, t.max_clients = static_cast<U32>(MC_TRY(read_int(v, 1, 65536)))),
+};
+
 const Key<ModelConfig> kModelKeys[] = {
     MC_KEY("path", ModelConfig, t.path = MC_TRY(read_absolute_path(v))),
     MC_KEY("budget", ModelConfig, t.budget = MC_TRY(read_byte_amount(v))),
@@ -339,6 +360,7 @@ struct Section {
 const Section kSections[] = {
     {"daemon", kDaemonKeys},     {"budget", kBudgetKeys}, {"prefetch", kPrefetchKeys},
     {"pressure", kPressureKeys}, {"policy", kPolicyKeys}, {"telemetry", kTelemetryKeys},
+    {"clients", kClientKeys},
 };
 constexpr std::string_view kModelSection = "model";
 

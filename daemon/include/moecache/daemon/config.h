@@ -68,6 +68,11 @@ struct Config {
     std::string page_cache_telemetry = "auto";  // eBPF page-cache events: auto, on, off
     uint32_t page_cache_ring_bytes = 4u << 20;  // the BPF ring buffer, a power of two
 
+    // [clients]
+    std::vector<uint32_t> client_allow_uids;  // empty: any uid; root may always connect
+    std::vector<uint32_t> client_allow_gids;  // a peer whose primary gid is listed may connect too
+    uint32_t max_clients = 256;
+
     // [[model]]
     std::vector<ModelConfig> models;
 
