@@ -107,6 +107,7 @@ int main(int argc, char** argv) {
     if (attached) {
         moecache::daemon::Config c;
         c.state_dir = "/tmp/moecache-page-cache-bench-state";
+        c.socket_path = "";  // no clients here
         c.lock_budget = {1u << 20, std::nullopt};
         c.reserve = {0, std::nullopt};
         c.admit_after_uses = 1u << 30;  // register and watch only

@@ -33,6 +33,7 @@ model=$work/ds.gguf
 cat > "$work/moecached.toml" <<TOML
 [daemon]
 state_dir = "$work/state"
+socket = "$work/moecached.sock"
 [budget]
 lock = "1MiB"
 reserve = "0"

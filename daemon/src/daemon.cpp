@@ -1,5 +1,7 @@
 #include "moecache/daemon/daemon.h"
 
+#include "daemon_state.h"
+
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/daemon/pressure.h"
 #include "moecache/file_util.h"
@@ -59,15 +61,6 @@ uint64_t mem_total_bytes() { return proc_kib("/proc/meminfo", "MemTotal:"); }
 uint64_t vmlck_bytes() { return proc_kib("/proc/self/status", "VmLck:"); }
 uint64_t mem_available_bytes() { return proc_kib("/proc/meminfo", "MemAvailable:"); }
 
-struct Daemon::ModelEntry {
-    uint32_t id = 0;
-    ModelConfig config;
-    std::string path;
-    std::unique_ptr<ModelResidency> res;
-    std::string error;  // the last reason it could not be loaded, logged once
-    std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn
-    std::vector<uint32_t> file_ids;  // page-cache telemetry ids of its files, while watched
-};
 
 Daemon::~Daemon() {
     for (auto& m : models_)
@@ -159,6 +152,13 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         }
     } else {
         d->page_cache_off_reason_ = "telemetry.page_cache = \"off\" in the configuration";
+    }
+
+    if (!d->config_.socket_path.empty()) {
+        auto server = SocketServer::listen(d->config_.socket_path);
+        if (!server) return tl::unexpected(with_context(server.error(), "the client socket ([daemon] socket)"));
+        d->server_ = std::make_unique<SocketServer>(std::move(*server));
+        MC_TRY_VOID(watch(d->server_->fd(), EPOLLIN));
     }
 
     d->add_plain_models();
@@ -516,9 +516,8 @@ Result<void> Daemon::reload(Config config) {
     // Models no longer configured are closed; new ones are opened.
     std::vector<std::unique_ptr<ModelEntry>> kept;
     for (auto& m : models_) {
-        const bool still = std::any_of(config.models.begin(), config.models.end(), [&](const ModelConfig& mc) {
-            return mc.path == m->config.path;
-        });
+        const bool still = m->registered || std::any_of(config.models.begin(), config.models.end(),
+                                                          [&](const ModelConfig& mc) { return mc.path == m->config.path; });
         if (still) kept.push_back(std::move(m));
         else close_model(*m, "removed from the configuration");
     }
@@ -568,6 +567,10 @@ Result<void> Daemon::step(int timeout_ms) {
             uint64_t expirations;
             while (::read(fd, &expirations, sizeof expirations) > 0) {}
             tick();
+        } else if (server_ && fd == server_->fd()) {
+            accept_clients();
+        } else if (auto it = client_by_fd_.find(fd); it != client_by_fd_.end()) {
+            on_client_readable(*it->second);
         } else if (page_cache_ && fd == page_cache_->event_fd()) {
             // read below
         } else if (fd == prefetcher_->event_fd()) {
@@ -581,6 +584,8 @@ Result<void> Daemon::step(int timeout_ms) {
     // Page-cache events wake the loop only in bulk (see bpf/): the rest are read on every turn,
     // and run() turns at least every kPollIntervalMs.
     if (page_cache_) consume_page_cache();
+    consume_client_telemetry();
+    reap_clients();
     if (want_place) place();
     return {};
 }
@@ -629,6 +634,23 @@ DaemonStatus Daemon::status() const {
     s.page_cache.events = page_cache_events_;
     s.page_cache.unattributed = page_cache_unattributed_;
     s.page_cache.consume_cpu_seconds = page_cache_cpu_;
+    s.socket_path = server_ ? server_->path() : "";
+    s.clients_refused = clients_refused_;
+    for (const auto& c : clients_) {
+        if (c->dead) continue;
+        ClientStatus cs;
+        cs.id = c->id;
+        cs.pid = static_cast<uint32_t>(c->peer.pid);
+        cs.uid = c->peer.uid;
+        cs.gid = c->peer.gid;
+        cs.name = c->name;
+        cs.models = c->models;
+        cs.telemetry = c->ring != nullptr;
+        cs.events = c->events;
+        cs.bad_events = c->bad_events;
+        if (c->ring) cs.overflow = c->ring->counters().overflow;
+        s.clients.push_back(std::move(cs));
+    }
     if (page_cache_) {
         s.page_cache.faults = page_cache_->faults_attached();
         s.page_cache.ring_bytes = page_cache_->ring_bytes();

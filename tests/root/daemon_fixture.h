@@ -11,6 +11,7 @@ namespace moecache::test {
 inline daemon::Config daemon_config(const std::string& model, const std::string& state_dir, uint64_t budget) {
     daemon::Config c;
     c.state_dir = state_dir;
+    c.socket_path = state_dir + "/moecached.sock";
     c.lock_budget = daemon::ByteAmount{budget, std::nullopt};
     c.reserve = daemon::ByteAmount{0, std::nullopt};
     c.pressure_enabled = false;

@@ -215,8 +215,11 @@ TEST_F(DaemonTelemetryTest, EvictionsAreAttributedAndUnrelatedFilesShowNothing) 
         ::close(fd);
     });
     test::drop_page_cache(other);
+    const auto sent_before = s.page_cache;
     s = drain(*d);
-    EXPECT_EQ(s.page_cache.events, before);
+    EXPECT_EQ(s.page_cache.events, before) << "added " << s.page_cache.sent[0] - sent_before.sent[0] << " deleted "
+        << s.page_cache.sent[1] - sent_before.sent[1] << " faults " << s.page_cache.sent[2] - sent_before.sent[2]
+        << " mapped " << s.page_cache.sent[3] - sent_before.sent[3];
 }
 
 TEST_F(DaemonTelemetryTest, PageFaultsOfARuntimeMarkTheExpertUsed) {
@@ -281,7 +284,8 @@ TEST_F(DaemonTelemetryTest, AFloodBeyondTheRingRaisesTheDropCounter) {
 TEST_F(DaemonTelemetryTest, WithoutThePrivilegeTheDaemonSaysSoOnceAndRuns) {
     if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "setpriv (util-linux) is missing";
     auto conf = [&](const std::string& mode) {
-        return "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\ntick_seconds = 0.1\n"
+        return "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\ntick_seconds = 0.1\nsocket = \"" +
+               dir_.file("sock") + "\"\n"
                "[budget]\nlock = \"16MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
                "[telemetry]\npage_cache = \"" + mode + "\"\n[[model]]\npath = \"" + a_ + "\"\n";
     };

@@ -21,7 +21,8 @@ protected:
         test::write_model(test::small_spec(), model_);
     }
     std::string config(const std::string& lock = "64MiB") {
-        return "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\ntick_seconds = 0.1\n"
+        return "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\ntick_seconds = 0.1\nsocket = \"" +
+               dir_.file("sock") + "\"\n"
                "[budget]\nlock = \"" + lock + "\"\nreserve = \"1GiB\"\n"
                "[[model]]\npath = \"" + model_ + "\"\npin = [\"0:0-3\"]\n";
     }

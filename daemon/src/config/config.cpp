@@ -138,6 +138,13 @@ Result<std::string> read_absolute_path(const Value& v) {
     return path;
 }
 
+// A Unix socket's path fits sockaddr_un::sun_path (108 bytes with its NUL).
+Result<std::string> read_socket_path(const Value& v) {
+    auto path = MC_TRY(read_absolute_path(v));
+    if (path.size() > 107) return v.fail("'{}' is {} bytes long; a Unix socket path has at most 107", path, path.size());
+    return path;
+}
+
 Result<int64_t> read_int(const Value& v, int64_t lo, int64_t hi) {
     const auto* i = v.node.as_integer();
     if (!i) return wrong_type(v, "an integer");
@@ -290,7 +297,7 @@ constexpr int64_t kU32Max = std::numeric_limits<uint32_t>::max();
 
 const Key<Config> kDaemonKeys[] = {
     MC_KEY("state_dir", Config, t.state_dir = MC_TRY(read_absolute_path(v))),
-    MC_KEY("socket", Config, t.socket_path = MC_TRY(read_absolute_path(v))),
+    MC_KEY("socket", Config, t.socket_path = MC_TRY(read_socket_path(v))),
     MC_KEY("log_level", Config, t.log_level = MC_TRY(read_log_level(v))),
     MC_KEY("tick_seconds", Config,
            t.tick_seconds = MC_TRY(read_number(v, {0.05, true}, {60, true}))),

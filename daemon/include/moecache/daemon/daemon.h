@@ -6,6 +6,7 @@
 #pragma once
 
 #include "moecache/bpf/page_cache_telemetry.h"
+#include "moecache/client/protocol.h"
 #include "moecache/daemon/config.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
@@ -25,6 +26,7 @@ namespace moecache::daemon {
 
 class Prefetcher;
 class PressureMonitor;
+class SocketServer;
 
 struct ExpertStatus {
     uint32_t block = 0, expert = 0;
@@ -62,6 +64,17 @@ struct PageCacheStatus {
     uint32_t ring_bytes = 0;
 };
 
+struct ClientStatus {
+    uint32_t id = 0;
+    uint32_t pid = 0, uid = 0, gid = 0;
+    std::string name;
+    std::vector<uint32_t> models;  // ids of the models it registered
+    bool telemetry = false;        // a ring is attached
+    uint64_t events = 0;           // routing records consumed from its ring
+    uint64_t bad_events = 0;       // records naming a model, block or expert it may not
+    uint64_t overflow = 0;         // records its ring had no room for (the client's count)
+};
+
 struct DaemonStatus {
     uint64_t mem_total = 0;
     uint64_t lock_cap = 0;      // the budget in force now: min(lock budget, RAM - reserve, pressure cap)
@@ -71,6 +84,9 @@ struct DaemonStatus {
     bool under_pressure = false;
     uint64_t prefetch_done_bytes = 0, prefetch_queued_bytes = 0;
     PageCacheStatus page_cache;
+    std::string socket_path;       // where clients connect ("" when not listening)
+    uint64_t clients_refused = 0;  // connections turned away (not allowed, too many)
+    std::vector<ClientStatus> clients;
     std::vector<ModelStatus> models;
 };
 
@@ -120,12 +136,29 @@ private:
     void on_page_cache_event(const bpf::PageCacheEvent& e);
     void consume_page_cache();
     void consume_page_cache_batch();
+    // The client socket (clients/clients.cpp).
+    struct Client;
+    void accept_clients();
+    void on_client_readable(Client& c);
+    // Handles one packet; false when the client must be dropped (after a Failure was sent).
+    bool on_client_packet(Client& c, struct Packet& p);
+    bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
+    void reply(Client& c, uint32_t request, const protocol::Body& body);
+    bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
+    void drop_client(Client& c, const std::string& why);
+    void reap_clients();
+    void consume_client_telemetry();
 
     Config config_;
     uint64_t mem_total_ = 0;
     UniqueFd epoll_, signal_fd_, timer_fd_;
     std::unique_ptr<Prefetcher> prefetcher_;
     std::unique_ptr<PressureMonitor> pressure_;
+    std::unique_ptr<SocketServer> server_;
+    std::vector<std::unique_ptr<Client>> clients_;
+    std::unordered_map<int, Client*> client_by_fd_;
+    uint32_t next_client_id_ = 1;
+    uint64_t clients_refused_ = 0;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
     std::string page_cache_off_reason_;
     struct WatchedFile {

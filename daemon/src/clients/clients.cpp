@@ -1,0 +1,313 @@
+// The daemon's side of the client socket (docs/protocol.md): who may connect, what each message
+// does, and the telemetry rings read on every turn of the loop. Everything a client sends is
+// untrusted: a message that does not decode, a descriptor that is not a readable regular file, a
+// model or block it did not register gets a Failure naming what is wrong, then (for a protocol
+// violation) the connection is closed. Other clients never notice.
+#include "../daemon_state.h"
+
+#include "moecache/log.h"
+
+#include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace moecache::daemon {
+namespace {
+
+using namespace moecache::protocol;
+
+constexpr int kAcceptsPerTurn = 64;
+constexpr int kPacketsPerTurn = 64;
+constexpr size_t kEventsPerTurn = 1u << 16;
+
+const char* kind_of(mode_t m) {
+    if (S_ISDIR(m)) return "a directory";
+    if (S_ISFIFO(m)) return "a pipe";
+    if (S_ISSOCK(m)) return "a socket";
+    if (S_ISCHR(m)) return "a character device";
+    if (S_ISBLK(m)) return "a block device";
+    if (S_ISLNK(m)) return "a symbolic link";
+    return "not a regular file";
+}
+
+// Why a descriptor cannot stand for a model file the client may read, or "" if it can.
+std::string unusable(int fd, size_t index) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return fmt::format("descriptor {}: fstat failed: {}", index, std::strerror(errno));
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags >= 0 && (flags & O_PATH))
+        return fmt::format("descriptor {} was opened with O_PATH: it proves no right to read the file", index);
+    if (!S_ISREG(st.st_mode)) return fmt::format("descriptor {} is {}, not a model file", index, kind_of(st.st_mode));
+    if (flags < 0 || (flags & O_ACCMODE) == O_WRONLY)
+        return fmt::format("descriptor {} is not open for reading", index);
+    return "";
+}
+
+}  // namespace
+
+void Daemon::accept_clients() {
+    for (int i = 0; i < kAcceptsPerTurn; ++i) {
+        auto conn = server_->accept();
+        if (!conn) {
+            MC_LOG(LOG_WARNING, "client socket: {}", conn.error().what());
+            return;
+        }
+        if (!*conn) return;
+        auto c = std::make_unique<Client>();
+        c->conn = std::move(*conn);
+        auto peer = peer_identity(c->conn.get());
+        if (!peer) {
+            ++clients_refused_;
+            continue;
+        }
+        c->peer = std::move(*peer);
+        c->id = next_client_id_++;
+        const auto& uids = config_.client_allow_uids;
+        const auto& gids = config_.client_allow_gids;
+        const bool allowed = c->peer.uid == 0 || (uids.empty() && gids.empty()) ||
+                             std::find(uids.begin(), uids.end(), c->peer.uid) != uids.end() ||
+                             std::find(gids.begin(), gids.end(), c->peer.gid) != gids.end();
+        std::string why;
+        if (!allowed)
+            why = fmt::format("uid {} (gid {}) may not use moecached: [clients] allow_uids / allow_gids", c->peer.uid,
+                              c->peer.gid);
+        else if (clients_.size() >= config_.max_clients)
+            why = fmt::format("moecached serves {} clients already ([clients] max)", clients_.size());
+        if (!why.empty()) {
+            ++clients_refused_;
+            (void)send_packet(c->conn.get(), encode({0, Failure{EACCES, why}}));
+            continue;
+        }
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.fd = c->conn.get();
+        if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, c->conn.get(), &ev) != 0) {
+            ++clients_refused_;
+            continue;
+        }
+        client_by_fd_[c->conn.get()] = c.get();
+        clients_.push_back(std::move(c));
+    }
+}
+
+void Daemon::reply(Client& c, uint32_t request, const Body& body) {
+    if (c.dead) return;
+    if (auto r = send_packet(c.conn.get(), encode({request, body})); !r)
+        drop_client(c, fmt::format("cannot answer it ({}): it stopped reading?", r.error().what()));
+}
+
+bool Daemon::refuse(Client& c, uint32_t request, int errnum, const std::string& text) {
+    reply(c, request, Failure{errnum, text});
+    return false;
+}
+
+void Daemon::drop_client(Client& c, const std::string& why) {
+    if (c.dead) return;
+    c.dead = true;
+    MC_LOG(LOG_INFO, "client {} (pid {}, uid {}{}{}) gone: {}", c.id, c.peer.pid, c.peer.uid, c.name.empty() ? "" : ", ",
+           c.name, why);
+}
+
+void Daemon::on_client_readable(Client& c) {
+    for (int i = 0; i < kPacketsPerTurn && !c.dead; ++i) {
+        auto got = receive(c.conn.get(), kMaxMessageBytes, kMaxModelFiles);
+        if (!got) {
+            drop_client(c, got.error().what());
+            return;
+        }
+        if (got->closed) {
+            drop_client(c, "it closed the connection");
+            return;
+        }
+        if (!got->got) return;
+        if (!on_client_packet(c, got->packet)) drop_client(c, "it broke the protocol");
+    }
+}
+
+bool Daemon::on_client_packet(Client& c, Packet& p) {
+    if (p.oversized)
+        return refuse(c, 0, EMSGSIZE, fmt::format("a packet longer than the {} bytes a message may have", kMaxMessageBytes));
+    if (p.fds_truncated)
+        return refuse(c, 0, EMSGSIZE,
+                      fmt::format("a packet with more descriptors than any message takes (at most {})", kMaxModelFiles));
+    auto m = decode(p.bytes, p.fds.size());
+    if (!m) return refuse(c, 0, EPROTO, m.error().what());
+    const uint32_t rq = m->request;
+    if (!c.hello && !std::holds_alternative<Hello>(m->body))
+        return refuse(c, rq, EPROTO, fmt::format("{} before Hello: say Hello first", to_string(type_of(m->body))));
+    if (auto* h = std::get_if<Hello>(&m->body)) {
+        if (c.hello) return refuse(c, rq, EPROTO, "a second Hello");
+        if (kVersion < h->min_version || kVersion > h->max_version)
+            return refuse(c, rq, EPROTONOSUPPORT,
+                          fmt::format("this moecached speaks protocol version {}; the client asks for {} to {}", kVersion,
+                                      h->min_version, h->max_version));
+        c.hello = true;
+        c.name = h->name;
+        reply(c, rq, HelloReply{kVersion, c.id});
+        return true;
+    }
+    if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);
+    if (auto* d = std::get_if<DescribeMapping>(&m->body)) {
+        if (std::find(c.models.begin(), c.models.end(), d->model) == c.models.end())
+            return refuse(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
+        for (auto& e : models_) {
+            if (e->id != d->model || !e->res) continue;
+            const auto& files = e->res->model().files();
+            if (d->file >= files.size())
+                return refuse(c, rq, EINVAL, fmt::format("model {} has {} files; there is no file {}", d->model,
+                                                         files.size(), d->file));
+            if (d->file_offset > files[d->file].identity.size ||
+                d->length > files[d->file].identity.size - d->file_offset)
+                return refuse(c, rq, EINVAL,
+                              fmt::format("a mapping of {} bytes from offset {} runs past the end of file {} ({} bytes)",
+                                          d->length, d->file_offset, d->file, files[d->file].identity.size));
+        }
+        reply(c, rq, Ok{});
+        return true;
+    }
+    if (auto* t = std::get_if<TelemetrySetup>(&m->body)) {
+        if (c.ring) return refuse(c, rq, EEXIST, "a telemetry ring is attached already");
+        auto ring = telemetry::TelemetryRing::attach(p.fds.front().get(), t->ring_bytes);
+        if (!ring) return refuse(c, rq, EINVAL, ring.error().what());
+        c.ring = std::make_unique<telemetry::TelemetryRing>(std::move(*ring));
+        reply(c, rq, Ok{});
+        return true;
+    }
+    if (std::holds_alternative<Goodbye>(m->body)) {
+        reply(c, rq, Ok{});
+        drop_client(c, "it said goodbye");
+        return true;
+    }
+    return refuse(c, rq, EPROTO, fmt::format("{} is a message the daemon sends, not one it takes", to_string(type_of(m->body))));
+}
+
+bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) {
+    // The client proves it may read every file by handing over a readable descriptor of it; the
+    // daemon opens the model by the path the kernel gives for the descriptor and checks that each
+    // file it opened is the inode the client handed over. Never a path the client names.
+    // A request that cannot be met is answered with a Failure; the client stays connected.
+    auto failed = [&](int errnum, const std::string& text) {
+        reply(c, rq, Failure{errnum, text});
+        return true;
+    };
+    std::vector<FileIdentity> ids;
+    for (size_t i = 0; i < fds.size(); ++i) {
+        if (auto why = unusable(fds[i].get(), i); !why.empty()) return failed(EBADF, why);
+        auto id = identity_of(fds[i].get(), fmt::format("descriptor {}", i));
+        if (!id) return failed(id.error().errnum, id.error().what());
+        ids.push_back(*id);
+    }
+    auto matches = [&](const ModelEntry& e) {
+        const auto& files = e.res->model().files();
+        if (files.size() != ids.size()) return false;
+        for (size_t i = 0; i < ids.size(); ++i)
+            if (files[i].identity.dev != ids[i].dev || files[i].identity.ino != ids[i].ino) return false;
+        return true;
+    };
+    ModelEntry* entry = nullptr;
+    for (auto& e : models_)
+        if (e->res && matches(*e)) entry = e.get();
+    if (!entry) {
+        char link[64];
+        std::snprintf(link, sizeof link, "/proc/self/fd/%d", fds.front().get());
+        char target[4096];
+        const ssize_t n = ::readlink(link, target, sizeof target - 1);
+        if (n <= 0 || target[0] != '/')
+            return failed(ESTALE, "the model file has no path the daemon can open (deleted, or not in this "
+                                         "mount namespace)");
+        target[n] = '\0';
+        ModelConfig mc;
+        mc.path = target;
+        mc.where = fmt::format("registered by client {} (pid {}, uid {})", c.id, c.peer.pid, c.peer.uid);
+        add_entry(mc, mc.path);
+        for (auto& e : models_)
+            if (e->path == mc.path) entry = e.get();
+        if (!entry) return failed(EEXIST, fmt::format("{}: registered under another identity", mc.path));
+        if (!entry->res) {
+            entry->registered = true;
+            open_model(*entry);
+        }
+        if (!entry->res) {
+            const std::string why = entry->error;
+            if (entry->registered)
+                models_.erase(std::remove_if(models_.begin(), models_.end(), [&](const auto& e) { return e.get() == entry; }),
+                              models_.end());
+            return failed(EINVAL, why);
+        }
+        if (!matches(*entry))
+            return failed(ESTALE, fmt::format("{}: the files the daemon opened are not the ones the client "
+                                                     "handed over (replaced meanwhile, or not part 1 first)",
+                                                     entry->path));
+    }
+    if (std::find(c.models.begin(), c.models.end(), entry->id) == c.models.end()) c.models.push_back(entry->id);
+    const auto& map = entry->res->model().map();
+    reply(c, rq,
+          ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
+                          static_cast<uint32_t>(map.files.size())});
+    return true;
+}
+
+void Daemon::consume_client_telemetry() {
+    for (auto& cp : clients_) {
+        Client& c = *cp;
+        if (c.dead || !c.ring) continue;
+        auto n = c.ring->consume(
+            [&](const telemetry::RoutingEvent& e) {
+                if (std::find(c.models.begin(), c.models.end(), e.model) == c.models.end()) {
+                    ++c.bad_events;
+                    return;
+                }
+                for (auto& m : models_) {
+                    if (m->id != e.model || !m->res) continue;
+                    const uint32_t n_experts = m->res->n_experts();
+                    uint32_t experts[telemetry::kMaxExpertsPerRecord];
+                    uint32_t k = 0;
+                    for (uint32_t i = 0; i < e.n_experts; ++i)
+                        if (e.experts[i] < n_experts) experts[k++] = e.experts[i];
+                    if (k != e.n_experts || !m->res->layer_of_block(e.block)) {
+                        ++c.bad_events;
+                        return;
+                    }
+                    record_routing(m->id, e.block, std::span<const uint32_t>(experts, k), e.tokens);
+                    ++c.events;
+                }
+            },
+            kEventsPerTurn);
+        if (!n) {
+            MC_LOG(LOG_WARNING, "client {}: telemetry ring dropped: {}", c.id, n.error().what());
+            c.ring.reset();
+        }
+    }
+}
+
+void Daemon::reap_clients() {
+    bool any = false;
+    for (auto& c : clients_) any = any || c->dead;
+    if (!any) return;
+    std::vector<uint32_t> released;
+    for (auto& c : clients_) {
+        if (!c->dead) continue;
+        client_by_fd_.erase(c->conn.get());
+        // The fd is closed with the client, which takes it out of the epoll set.
+        released.insert(released.end(), c->models.begin(), c->models.end());
+    }
+    clients_.erase(std::remove_if(clients_.begin(), clients_.end(), [](const auto& c) { return c->dead; }), clients_.end());
+    // A model a client registered (and no configuration names) goes with the last client holding it.
+    for (uint32_t id : released) {
+        const bool held = std::any_of(clients_.begin(), clients_.end(), [&](const auto& c) {
+            return std::find(c->models.begin(), c->models.end(), id) != c->models.end();
+        });
+        if (held) continue;
+        for (auto& m : models_)
+            if (m->id == id && m->registered) close_model(*m, "its last client is gone");
+        models_.erase(std::remove_if(models_.begin(), models_.end(),
+                                     [&](const auto& m) { return m->id == id && m->registered; }),
+                      models_.end());
+    }
+}
+
+}  // namespace moecache::daemon

@@ -1,0 +1,38 @@
+// The parts of the daemon's state that its source files share (daemon.cpp, clients/clients.cpp).
+// Owned and touched by the loop's thread only.
+#pragma once
+
+#include "clients/socket_server.h"
+#include "moecache/client/telemetry_ring.h"
+#include "moecache/daemon/daemon.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moecache::daemon {
+
+struct Daemon::ModelEntry {
+    uint32_t id = 0;
+    ModelConfig config;
+    std::string path;
+    std::unique_ptr<ModelResidency> res;
+    std::string error;  // the last reason it could not be loaded, logged once
+    std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn
+    std::vector<uint32_t> file_ids;  // page-cache telemetry ids of its files, while watched
+    bool registered = false;  // added by a client at run time (not configured): closed with its last client
+};
+
+struct Daemon::Client {
+    uint32_t id = 0;
+    UniqueFd conn;
+    PeerIdentity peer;
+    bool hello = false;
+    std::string name;
+    std::vector<uint32_t> models;  // model ids it registered
+    std::unique_ptr<telemetry::TelemetryRing> ring;
+    uint64_t events = 0, bad_events = 0;
+    bool dead = false;  // dropped this turn; reaped at its end
+};
+
+}  // namespace moecache::daemon
