@@ -216,32 +216,43 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         std::snprintf(link, sizeof link, "/proc/self/fd/%d", fds.front().get());
         char target[4096];
         const ssize_t n = ::readlink(link, target, sizeof target - 1);
-        if (n <= 0 || target[0] != '/')
-            return failed(ESTALE, "the model file has no path the daemon can open (deleted, or not in this "
-                                         "mount namespace)");
-        target[n] = '\0';
-        ModelConfig mc;
-        mc.path = target;
-        mc.where = fmt::format("registered by client {} (pid {}, uid {})", c.id, c.peer.pid, c.peer.uid);
-        add_entry(mc, mc.path);
-        for (auto& e : models_)
-            if (e->path == mc.path) entry = e.get();
-        if (!entry) return failed(EEXIST, fmt::format("{}: registered under another identity", mc.path));
-        if (!entry->res) {
-            entry->registered = true;
-            open_model(*entry);
+        if (n > 0) target[n] = '\0';
+        // The path must lead to the very inode the client handed over.
+        auto at_path = n > 0 && target[0] == '/' ? identity_of_path(target) : Result<FileIdentity>(failf("no path"));
+        if (!at_path || at_path->dev != ids.front().dev || at_path->ino != ids.front().ino)
+            return failed(ESTALE, "the model file has no path the daemon can open that leads to it (deleted, replaced, "
+                                  "a memfd, or in another mount namespace)");
+        std::string path = target;
+        if (auto split = parse_split_name(path)) path = split_path(split->prefix, 0, split->count);
+        const bool existed = std::any_of(models_.begin(), models_.end(), [&](const auto& e) { return e->path == path; });
+        if (!existed) {
+            ModelConfig mc;
+            mc.path = path;
+            mc.where = fmt::format("registered by client {} (pid {}, uid {})", c.id, c.peer.pid, c.peer.uid);
+            add_entry(mc, path);
         }
+        for (auto& e : models_)
+            if (e->path == path) entry = e.get();
+        if (!existed) entry->registered = true;
+        if (!entry->res) open_model(*entry);
+        std::string why;
+        int errnum = ESTALE;
         if (!entry->res) {
-            const std::string why = entry->error;
-            if (entry->registered)
+            why = entry->error;
+            errnum = EINVAL;
+        } else if (!matches(*entry)) {
+            why = fmt::format("{}: the files the daemon opened are not the ones the client handed over (replaced "
+                              "meanwhile, or not all parts, part 1 first)",
+                              entry->path);
+        }
+        if (!why.empty()) {
+            if (!existed) {
+                if (entry->res) close_model(*entry, "registration refused");
                 models_.erase(std::remove_if(models_.begin(), models_.end(), [&](const auto& e) { return e.get() == entry; }),
                               models_.end());
-            return failed(EINVAL, why);
+            }
+            return failed(errnum, why);
         }
-        if (!matches(*entry))
-            return failed(ESTALE, fmt::format("{}: the files the daemon opened are not the ones the client "
-                                                     "handed over (replaced meanwhile, or not part 1 first)",
-                                                     entry->path));
     }
     if (std::find(c.models.begin(), c.models.end(), entry->id) == c.models.end()) c.models.push_back(entry->id);
     const auto& map = entry->res->model().map();

@@ -1,0 +1,399 @@
+// The client socket on real processes and descriptors: models registered by the descriptors a
+// client hands over (configured and unconfigured, split sets), routing telemetry through a shared
+// ring, and hostile input — wrong descriptors of every kind, wrong descriptor counts, oversized and
+// truncated packets, wrong versions, clients that die or stop reading, a burst of 10 000
+// connections: each gets its own clear error, no descriptor leaks in the daemon, others go on.
+#include "daemon_fixture.h"
+#include "model_fixture.h"
+#include "temp_dir.h"
+
+#include "moecache/client/protocol.h"
+#include "moecache/client/telemetry_ring.h"
+#include "moecache/daemon/daemon.h"
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+
+namespace moecache::daemon {
+namespace {
+
+using namespace moecache::protocol;
+
+size_t open_fds() {
+    size_t n = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+    return n;
+}
+
+class ClientSocketTest : public testing::Test {
+protected:
+    void SetUp() override {
+        if (::geteuid() != 0) GTEST_SKIP() << "needs root: the daemon mlocks and loads BPF programs";
+        model_ = dir_.file("model.gguf");
+        test::write_model(test::small_spec(), model_);
+    }
+
+    void start(Config c) {
+        auto d = Daemon::create(std::move(c));
+        ASSERT_TRUE(d) << d.error().what();
+        d_ = std::move(*d);
+    }
+    void start() {
+        Config c = test::daemon_config(model_, dir_.file("state"), 16u << 20);
+        c.page_cache_telemetry = "off";
+        start(c);
+    }
+
+    [[nodiscard]] UniqueFd connect() const {
+        UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        const std::string path = d_->status().socket_path;
+        std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+        EXPECT_EQ(::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a), 0) << std::strerror(errno);
+        return s;
+    }
+
+    static void send_raw(int s, const std::vector<uint8_t>& bytes, const std::vector<int>& fds = {}) {
+        iovec iov{const_cast<uint8_t*>(bytes.data()), bytes.size()};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(fds.size(), 1)));
+        if (!fds.empty()) {
+            msg.msg_control = control.data();
+            msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+            cmsghdr* c = CMSG_FIRSTHDR(&msg);
+            c->cmsg_level = SOL_SOCKET;
+            c->cmsg_type = SCM_RIGHTS;
+            c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+            std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+        }
+        ASSERT_EQ(::sendmsg(s, &msg, MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size())) << std::strerror(errno);
+    }
+
+    // Turns the daemon's loop until the client has a packet (or the peer closed: nullopt).
+    std::optional<Message> reply(int s, double seconds = 10) {
+        const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+        while (std::chrono::steady_clock::now() < end) {
+            EXPECT_TRUE(d_->step(5));
+            pollfd p{s, POLLIN, 0};
+            if (::poll(&p, 1, 0) == 1) {
+                std::vector<uint8_t> buf(kMaxMessageBytes);
+                const ssize_t n = ::recv(s, buf.data(), buf.size(), MSG_DONTWAIT);
+                if (n <= 0) return std::nullopt;
+                buf.resize(static_cast<size_t>(n));
+                auto m = decode(buf, 0);
+                EXPECT_TRUE(m) << m.error().what();
+                return m ? std::optional<Message>(*m) : std::nullopt;
+            }
+        }
+        ADD_FAILURE() << "no reply within " << seconds << " s";
+        return std::nullopt;
+    }
+
+    // The peer closed the connection (after whatever it sent).
+    bool closed(int s, double seconds = 10) {
+        const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+        while (std::chrono::steady_clock::now() < end) {
+            EXPECT_TRUE(d_->step(5));
+            uint8_t b[kMaxMessageBytes];
+            const ssize_t n = ::recv(s, b, sizeof b, MSG_DONTWAIT);
+            if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+        }
+        return false;
+    }
+
+    static std::string failure_text(const std::optional<Message>& m) {
+        if (!m) return "(no reply)";
+        if (const auto* f = std::get_if<Failure>(&m->body)) return f->text;
+        return std::string("(not a Failure: ") + to_string(type_of(m->body)) + ")";
+    }
+
+    UniqueFd hello(const std::string& name = "test") {
+        UniqueFd s = connect();
+        send_raw(s.get(), encode({1, Hello{1, 1, name}}));
+        auto r = reply(s.get());
+        EXPECT_TRUE(r && std::holds_alternative<HelloReply>(r->body)) << failure_text(r);
+        return s;
+    }
+
+    test::TempDir dir_;
+    std::string model_;
+    std::unique_ptr<Daemon> d_;
+};
+
+TEST_F(ClientSocketTest, AConfiguredModelIsRegisteredByItsDescriptor) {
+    start();
+    UniqueFd s = hello("llama-server");
+    UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
+    send_raw(s.get(), encode({2, RegisterModel{1}}), {f.get()});
+    auto r = reply(s.get());
+    ASSERT_TRUE(r);
+    ASSERT_TRUE(std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    const auto reg = std::get<ModelRegistered>(r->body);
+    EXPECT_EQ(r->request, 2u);
+    EXPECT_EQ(reg.model, *d_->model_id(model_));
+    EXPECT_EQ(reg.layers, 4u);
+    EXPECT_EQ(reg.experts, 16u);
+    EXPECT_EQ(reg.files, 1u);
+    const auto st = d_->status();
+    ASSERT_EQ(st.clients.size(), 1u);
+    EXPECT_EQ(st.clients[0].name, "llama-server");
+    EXPECT_EQ(st.clients[0].pid, static_cast<uint32_t>(::getpid()));
+    EXPECT_EQ(st.clients[0].models, std::vector<uint32_t>{reg.model});
+}
+
+TEST_F(ClientSocketTest, AnUnconfiguredSplitModelLivesAsLongAsItsClient) {
+    start();
+    auto parts = test::write_model(test::small_spec(), dir_.file("split.gguf"), 3);
+    std::vector<UniqueFd> fds;
+    std::vector<int> raw;
+    for (const auto& p : parts) {
+        fds.emplace_back(::open(p.c_str(), O_RDONLY | O_CLOEXEC));
+        raw.push_back(fds.back().get());
+    }
+    {
+        UniqueFd s = hello();
+        send_raw(s.get(), encode({7, RegisterModel{3}}), raw);
+        auto r = reply(s.get());
+        ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+        EXPECT_EQ(std::get<ModelRegistered>(r->body).files, 3u);
+        EXPECT_EQ(d_->status().models.size(), 2u);
+        // The parts in the wrong order are not the same model.
+        std::swap(raw[0], raw[1]);
+        send_raw(s.get(), encode({8, RegisterModel{3}}), raw);
+        r = reply(s.get());
+        ASSERT_TRUE(r);
+        EXPECT_TRUE(std::holds_alternative<Failure>(r->body));
+    }
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_EQ(d_->status().models.size(), 1u) << "the registered model went with its client";
+}
+
+TEST_F(ClientSocketTest, DescriptorsThatAreNotReadableModelFilesAreRefusedOneByOne) {
+    start();
+    const size_t fds_before = open_fds();
+    {
+        UniqueFd s = hello();
+        int pipefd[2];
+        ASSERT_EQ(::pipe2(pipefd, O_CLOEXEC), 0);
+        UniqueFd pr(pipefd[0]), pw(pipefd[1]);
+        UniqueFd dir(::open(dir_.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+        UniqueFd opath(::open(model_.c_str(), O_PATH | O_CLOEXEC));
+        UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        UniqueFd wronly(::open(model_.c_str(), O_WRONLY | O_CLOEXEC));
+        UniqueFd memfd(::memfd_create("not-a-model", MFD_CLOEXEC));
+        ASSERT_EQ(::write(memfd.get(), "GGUF", 4), 4);
+        const std::pair<int, std::string> cases[] = {
+            {pr.get(), "a pipe"},       {dir.get(), "a directory"}, {opath.get(), "O_PATH"},
+            {sock.get(), "a socket"},   {wronly.get(), "not open for reading"}, {memfd.get(), "no path the daemon can open that leads to it"},
+        };
+        for (const auto& [fd, want] : cases) {
+            send_raw(s.get(), encode({3, RegisterModel{1}}), {fd});
+            auto r = reply(s.get());
+            EXPECT_NE(failure_text(r).find(want), std::string::npos) << want << ": " << failure_text(r);
+        }
+        // Still connected, and a good request still works.
+        UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
+        send_raw(s.get(), encode({4, RegisterModel{1}}), {f.get()});
+        auto r = reply(s.get());
+        EXPECT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    }
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_EQ(open_fds(), fds_before) << "descriptors leaked";
+}
+
+TEST_F(ClientSocketTest, WrongDescriptorCountsAndBrokenPacketsCloseThatClientOnly) {
+    start();
+    UniqueFd bystander = hello("bystander");
+    UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
+    const size_t fds_before = open_fds();
+    struct Case {
+        std::vector<uint8_t> bytes;
+        size_t fds;
+        std::string want;
+    };
+    auto hello_v = [](uint16_t lo, uint16_t hi) { return encode({1, Hello{lo, hi, "x"}}); };
+    std::vector<uint8_t> oversized(kMaxMessageBytes + 100, 0);
+    const Case cases[] = {
+        {encode({2, RegisterModel{1}}), 0, "came with 0 descriptor(s); it takes 1"},
+        {encode({2, RegisterModel{1}}), 253, "more descriptors than any message takes"},
+        {hello_v(1, 1), 1, "Hello message came with 1"},
+        {oversized, 0, "longer than the 4096 bytes"},
+        {std::vector<uint8_t>(10, 0x4d), 0, "shorter than the 16-byte header"},
+        {hello_v(2, 3), 0, "speaks protocol version 1; the client asks for 2 to 3"},
+        {encode({2, Ok{}}), 0, "Ok before Hello"},
+    };
+    for (const auto& c : cases) {
+        UniqueFd s = connect();
+        std::vector<int> fds(c.fds, f.get());
+        send_raw(s.get(), c.bytes, fds);
+        auto r = reply(s.get());
+        EXPECT_NE(failure_text(r).find(c.want), std::string::npos) << c.want << ": " << failure_text(r);
+        EXPECT_TRUE(closed(s.get())) << c.want;
+    }
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_EQ(open_fds(), fds_before) << "descriptors leaked";
+    // The bystander never noticed.
+    send_raw(bystander.get(), encode({9, Goodbye{}}));
+    auto r = reply(bystander.get());
+    EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+}
+
+TEST_F(ClientSocketTest, ClientsThatDieOrStopReadingAreDroppedAndABurstOfConnectionsLeaksNothing) {
+    start();
+    const size_t fds_before = open_fds();
+    // A child that says Hello and is killed.
+    const pid_t child = ::fork();
+    if (child == 0) {
+        UniqueFd s = connect();
+        send_raw(s.get(), encode({1, Hello{1, 1, "doomed"}}));
+        ::pause();
+        ::_exit(0);
+    }
+    for (int i = 0; i < 200 && d_->status().clients.empty(); ++i) ASSERT_TRUE(d_->step(5));
+    ASSERT_EQ(d_->status().clients.size(), 1u);
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    for (int i = 0; i < 200 && !d_->status().clients.empty(); ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_TRUE(d_->status().clients.empty());
+
+    // A client that sends requests and never reads the replies: dropped when its socket is full.
+    UniqueFd deaf = hello("deaf");
+    for (int i = 0; i < 5000; ++i) {
+        const auto b = encode({static_cast<uint32_t>(i), DescribeMapping{999, 0, 4096, 4096, 0}});
+        if (::send(deaf.get(), b.data(), b.size(), MSG_DONTWAIT | MSG_NOSIGNAL) < 0) break;
+        if (i % 50 == 0) {
+            ASSERT_TRUE(d_->step(0));
+        }
+    }
+    for (int i = 0; i < 400; ++i) ASSERT_TRUE(d_->step(1));
+    bool deaf_gone = true;
+    for (const auto& c : d_->status().clients) deaf_gone = deaf_gone && c.name != "deaf";
+    EXPECT_TRUE(deaf_gone);
+    deaf.reset();
+
+    // 10 000 connections in a burst from another process, each closed at once.
+    const pid_t burst = ::fork();
+    if (burst == 0) {
+        for (int i = 0; i < 10000; ++i) {
+            UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+            sockaddr_un a{};
+            a.sun_family = AF_UNIX;
+            const std::string path = dir_.file("state") + "/moecached.sock";
+            std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+            (void)::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+        }
+        ::_exit(0);
+    }
+    int status = 0;
+    while (::waitpid(burst, &status, WNOHANG) == 0) ASSERT_TRUE(d_->step(1));
+    for (int i = 0; i < 100; ++i) ASSERT_TRUE(d_->step(1));
+    EXPECT_TRUE(d_->status().clients.empty());
+    EXPECT_EQ(open_fds(), fds_before) << "descriptors leaked";
+    UniqueFd after = hello("after the burst");
+    EXPECT_EQ(d_->status().clients.size(), 1u);
+}
+
+TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {
+    start();
+    UniqueFd s = hello();
+    UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
+    send_raw(s.get(), encode({2, RegisterModel{1}}), {f.get()});
+    auto r = reply(s.get());
+    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    const uint32_t model = std::get<ModelRegistered>(r->body).model;
+    auto ring = telemetry::TelemetryRing::create(1u << 16);
+    ASSERT_TRUE(ring) << ring.error().what();
+    send_raw(s.get(), encode({3, TelemetrySetup{1u << 16}}), {ring->fd()});
+    r = reply(s.get());
+    ASSERT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    // 300 tokens routed to experts 3 and 5 of every block; and hostile records: another model, a
+    // block with no experts, an expert past the end.
+    for (int t = 0; t < 300; ++t)
+        for (uint16_t b = 0; b < 4; ++b) {
+            telemetry::RoutingEvent e;
+            e.model = model;
+            e.block = b;
+            e.tokens = 1;
+            e.n_experts = 2;
+            e.experts[0] = 3;
+            e.experts[1] = 5;
+            ASSERT_TRUE(ring->push(e));
+            if (ring->counters().pushed % 512 == 0) {
+                ASSERT_TRUE(d_->step(0));
+            }
+        }
+    telemetry::RoutingEvent bad;
+    bad.model = model + 77;
+    ring->push(bad);
+    bad.model = model;
+    bad.block = 60;
+    ring->push(bad);
+    bad.block = 0;
+    bad.n_experts = 1;
+    bad.experts[0] = 16;
+    ring->push(bad);
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(2));
+    const auto st = d_->status();
+    ASSERT_EQ(st.clients.size(), 1u);
+    EXPECT_EQ(st.clients[0].events, 1200u);
+    EXPECT_EQ(st.clients[0].bad_events, 3u);
+    EXPECT_EQ(st.clients[0].overflow, 0u);
+    for (const auto& e : st.models[0].experts) EXPECT_EQ(e.uses, (e.expert == 3 || e.expert == 5) ? 300u : 0u);
+}
+
+TEST_F(ClientSocketTest, OnlyAllowedUsersMayConnect) {
+    Config c = test::daemon_config(model_, dir_.file("state"), 16u << 20);
+    c.page_cache_telemetry = "off";
+    c.client_allow_uids = {4242};
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);  // so that uid 65534 can reach the socket
+    start(c);
+    // Root is always let in.
+    UniqueFd root = hello("root");
+    // uid 65534 is not.
+    int pipefd[2];
+    ASSERT_EQ(::pipe(pipefd), 0);
+    const std::string path = d_->status().socket_path;
+    const pid_t child = ::fork();
+    if (child == 0) {
+        ::close(pipefd[0]);
+        if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+        UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+        if (::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) ::_exit(4);
+        uint8_t buf[kMaxMessageBytes];
+        const ssize_t n = ::recv(s.get(), buf, sizeof buf, 0);
+        (void)!::write(pipefd[1], buf, n > 0 ? static_cast<size_t>(n) : 0);
+        ::_exit(0);
+    }
+    ::close(pipefd[1]);
+    int status = 0;
+    while (::waitpid(child, &status, WNOHANG) == 0) ASSERT_TRUE(d_->step(5));
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << WEXITSTATUS(status);
+    std::vector<uint8_t> buf(kMaxMessageBytes);
+    const ssize_t n = ::read(pipefd[0], buf.data(), buf.size());
+    ::close(pipefd[0]);
+    ASSERT_GT(n, 0);
+    buf.resize(static_cast<size_t>(n));
+    auto m = decode(buf, 0);
+    ASSERT_TRUE(m) << m.error().what();
+    EXPECT_NE(failure_text(*m).find("uid 65534"), std::string::npos) << failure_text(*m);
+    EXPECT_EQ(d_->status().clients_refused, 1u);
+}
+
+}  // namespace
+}  // namespace moecache::daemon
