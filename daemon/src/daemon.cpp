@@ -593,12 +593,22 @@ Result<void> Daemon::step(int timeout_ms) {
 Result<void> Daemon::run() {
     MC_LOG(LOG_INFO, "moecached running: lock cap {} MiB of {} MiB RAM, {} model(s) configured", lock_cap() >> 20,
            mem_total_ >> 20, config_.models.size());
-    const int timeout = page_cache_ ? bpf::PageCacheTelemetry::kPollIntervalMs : -1;
-    while (!stopping_) MC_TRY_VOID(step(timeout));
+    while (!stopping_) MC_TRY_VOID(step(loop_timeout()));
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_)
         if (m->res) close_model(*m, "the daemon stops");
     return {};
+}
+
+// How long a turn may wait for events. Telemetry rings and the page-cache ring wake nobody when
+// written (that would cost the writer a system call or an interrupt per event), so the loop comes
+// round to read them: every 1 ms while a client's ring fills fast, 20 ms while rings exist,
+// 100 ms for page-cache events alone, else only when an event arrives.
+int Daemon::loop_timeout() const {
+    if (busy_rings_) return 1;
+    if (any_rings_) return 20;
+    if (page_cache_) return bpf::PageCacheTelemetry::kPollIntervalMs;
+    return -1;
 }
 
 bool Daemon::idle() const {

@@ -263,9 +263,12 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
 }
 
 void Daemon::consume_client_telemetry() {
+    busy_rings_ = false;
+    any_rings_ = false;
     for (auto& cp : clients_) {
         Client& c = *cp;
-        if (c.dead || !c.ring) continue;
+        // A client that has gone still has its last records read: they were sent.
+        if (!c.ring) continue;
         auto n = c.ring->consume(
             [&](const telemetry::RoutingEvent& e) {
                 if (std::find(c.models.begin(), c.models.end(), e.model) == c.models.end()) {
@@ -287,11 +290,15 @@ void Daemon::consume_client_telemetry() {
                     ++c.events;
                 }
             },
-            kEventsPerTurn);
+            c.dead ? SIZE_MAX : kEventsPerTurn);
         if (!n) {
             MC_LOG(LOG_WARNING, "client {}: telemetry ring dropped: {}", c.id, n.error().what());
             c.ring.reset();
+            continue;
         }
+        any_rings_ = true;
+        // A ring that was a quarter full is read again soon: see loop_timeout().
+        if (*n >= c.ring->capacity() / 4) busy_rings_ = true;
     }
 }
 
@@ -302,6 +309,9 @@ void Daemon::reap_clients() {
     std::vector<uint32_t> released;
     for (auto& c : clients_) {
         if (!c->dead) continue;
+        const uint64_t overflow = c->ring ? c->ring->counters().overflow : 0;
+        MC_LOG(LOG_INFO, "client {} ({}) telemetry: {} events, {} refused, {} overflowed in its ring", c->id,
+               c->name.empty() ? "unnamed" : c->name, c->events, c->bad_events, overflow);
         client_by_fd_.erase(c->conn.get());
         // The fd is closed with the client, which takes it out of the epoll set.
         released.insert(released.end(), c->models.begin(), c->models.end());

@@ -159,6 +159,8 @@ private:
     std::unordered_map<int, Client*> client_by_fd_;
     uint32_t next_client_id_ = 1;
     uint64_t clients_refused_ = 0;
+    bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
+    [[nodiscard]] int loop_timeout() const;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
     std::string page_cache_off_reason_;
     struct WatchedFile {

@@ -1,0 +1,64 @@
+/* libmoecache-client: what an inference process uses to talk to moecached. C ABI; see
+ * moecache/client.hpp for a C++ wrapper and docs/protocol.md for what travels.
+ *
+ * A client connects in the background (retrying with back-off), registers the model files it has
+ * open, and reports which experts its router picked; the daemon sends directives back. Reporting
+ * never blocks and costs no system call: events go through a shared-memory ring, and when the
+ * ring is full or no daemon is there they are counted and dropped. Without a daemon every call is
+ * a cheap no-op and the client says so once on stderr. After a daemon restart it reconnects and
+ * registers its models again by itself; the model handles stay valid. */
+#ifndef MOECACHE_CLIENT_H
+#define MOECACHE_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOECACHE_API __attribute__((visibility("default")))
+
+typedef struct moecache_client moecache_client;
+
+enum moecache_action { MOECACHE_PROMOTE = 1, MOECACHE_DEMOTE = 2, MOECACHE_LOCK = 3, MOECACHE_UNLOCK = 4 };
+
+typedef struct moecache_directive {
+    uint32_t model; /* a handle from moecache_client_register_model */
+    uint32_t block;
+    uint32_t expert;
+    uint32_t action; /* enum moecache_action */
+} moecache_directive;
+
+typedef struct moecache_client_stats {
+    uint64_t reported;       /* events handed to moecache_client_report */
+    uint64_t sent;           /* put in a ring the daemon reads */
+    uint64_t dropped;        /* no daemon connected, or the model not registered with it yet */
+    uint64_t overflow;       /* the ring was full */
+    uint64_t connects;       /* successful connections (1 + reconnects) */
+    int connected;
+} moecache_client_stats;
+
+/* socket_path: NULL for $MOECACHE_SOCKET or /run/moecache/moecached.sock. name: for the daemon's
+ * logs. Never fails for want of a daemon; NULL only when out of memory or threads. */
+MOECACHE_API moecache_client* moecache_client_open(const char* socket_path, const char* name);
+/* Opens every part of the model at `path` (any part of a split set) read-only and registers it,
+ * now if connected and after every (re)connection. Returns 0 and a handle, or -errno. */
+MOECACHE_API int moecache_client_register_model(moecache_client* c, const char* path, uint32_t* handle);
+/* `tokens` tokens routed MoE block `block` of model `handle` to `experts` (n of them). From one
+ * thread at a time per client. Never blocks; returns 1 if the event went to the daemon, 0 if it was
+ * counted as dropped or overflow, -EINVAL for an unknown handle. */
+MOECACHE_API int moecache_client_report(moecache_client* c, uint32_t handle, uint32_t block, const uint32_t* experts, uint32_t n,
+                           uint32_t tokens);
+/* Up to max directives received since the last call; never blocks. Returns how many. */
+MOECACHE_API size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max);
+MOECACHE_API void moecache_client_stats_get(const moecache_client* c, moecache_client_stats* out);
+/* Waits up to timeout_ms for a connection with every registered model registered (1), or not (0). */
+MOECACHE_API int moecache_client_wait_ready(moecache_client* c, int timeout_ms);
+MOECACHE_API void moecache_client_close(moecache_client* c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

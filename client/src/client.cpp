@@ -1,0 +1,380 @@
+// libmoecache-client (moecache/client.h). One background thread per client owns the connection:
+// it connects with back-off, says Hello, registers the models, hands the daemon a fresh telemetry
+// ring, and then reads directives until the connection ends, when it starts over. The caller's
+// threads only touch atomics and the ring (report) or a mutex-guarded queue (poll, register).
+#include "moecache/client.h"
+
+#include "moecache/client/protocol.h"
+#include "moecache/client/telemetry_ring.h"
+#include "moecache/model.h"
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace moecache;
+using namespace moecache::protocol;
+
+constexpr size_t kMaxModels = 64;
+constexpr uint32_t kNoId = UINT32_MAX;
+constexpr uint32_t kRingBytes = 1u << 20;
+constexpr int kReplyTimeoutMs = 5000;
+
+struct Model {
+    std::string path;
+    std::vector<UniqueFd> fds;
+    std::atomic<uint32_t> daemon_id{kNoId};
+};
+
+uint64_t now_ns() {
+    timespec ts{};
+    ::clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+}  // namespace
+
+struct moecache_client {
+    std::string socket_path, name;
+    UniqueFd wake;  // eventfd: stop, or a model to register
+    std::thread worker;
+    std::atomic<bool> stop{false};
+
+    std::mutex mu;  // models_count growth, directives, ready
+    std::condition_variable cv;
+    std::array<std::atomic<Model*>, kMaxModels> models{};
+    std::vector<std::unique_ptr<Model>> owned;
+    std::atomic<uint32_t> models_count{0};
+    std::deque<moecache_directive> directives;
+    bool ready = false;
+
+    std::atomic<telemetry::TelemetryRing*> ring{nullptr};
+    std::vector<std::unique_ptr<telemetry::TelemetryRing>> rings;  // every ring made, alive until close
+    std::atomic_flag push_lock = ATOMIC_FLAG_INIT;
+
+    std::atomic<uint64_t> reported{0}, sent{0}, dropped{0}, overflow{0}, connects{0};
+    std::atomic<bool> connected{false};
+    bool said_absent = false;
+    uint32_t next_request = 1;
+
+    void run();
+    bool session(int fd);
+    bool request(int fd, const Message& m, const std::vector<int>& fds, Message& reply);
+    bool read_one(int fd, int timeout_ms, Message& out, bool& hung_up);
+    void take_directive(const Directive& d);
+    bool register_model(int fd, Model& m);
+};
+
+namespace {
+
+bool send_with_fds(int s, const std::vector<uint8_t>& bytes, const std::vector<int>& fds) {
+    iovec iov{const_cast<uint8_t*>(bytes.data()), bytes.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(fds.size(), 1)));
+    if (!fds.empty()) {
+        msg.msg_control = control.data();
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    return ::sendmsg(s, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+}
+
+}  // namespace
+
+bool moecache_client::read_one(int fd, int timeout_ms, Message& out, bool& hung_up) {
+    pollfd p[2] = {{fd, POLLIN, 0}, {wake.get(), POLLIN, 0}};
+    if (::poll(p, 2, timeout_ms) <= 0) return false;
+    if (!(p[0].revents & (POLLIN | POLLHUP | POLLERR))) return false;
+    std::vector<uint8_t> buf(kMaxMessageBytes);
+    const ssize_t n = ::recv(fd, buf.data(), buf.size(), MSG_DONTWAIT);
+    if (n <= 0) {
+        if (n == 0 || (errno != EAGAIN && errno != EINTR)) hung_up = true;
+        return false;
+    }
+    buf.resize(static_cast<size_t>(n));
+    auto m = decode(buf, 0);
+    if (!m) {
+        std::fprintf(stderr, "moecache: a message from the daemon does not decode: %s\n", m.error().what().c_str());
+        hung_up = true;
+        return false;
+    }
+    out = std::move(*m);
+    return true;
+}
+
+void moecache_client::take_directive(const Directive& d) {
+    std::lock_guard lock(mu);
+    for (uint32_t h = 0; h < models_count.load(); ++h) {
+        Model* m = models[h].load();
+        if (m && m->daemon_id.load() == d.model) {
+            if (directives.size() < 65536)
+                directives.push_back({h, d.block, d.expert, static_cast<uint32_t>(d.action)});
+            return;
+        }
+    }
+}
+
+// Sends a request and waits for its reply; directives that arrive meanwhile are queued.
+bool moecache_client::request(int fd, const Message& m, const std::vector<int>& fds, Message& reply) {
+    if (!send_with_fds(fd, encode(m), fds)) return false;
+    const auto deadline = now_ns() + uint64_t{kReplyTimeoutMs} * 1000000ull;
+    while (now_ns() < deadline && !stop.load()) {
+        bool hung_up = false;
+        Message r;
+        if (!read_one(fd, 100, r, hung_up)) {
+            if (hung_up) return false;
+            continue;
+        }
+        if (const auto* d = std::get_if<Directive>(&r.body)) {
+            take_directive(*d);
+            continue;
+        }
+        if (r.request == m.request) {
+            reply = std::move(r);
+            return true;
+        }
+    }
+    return false;
+}
+
+bool moecache_client::register_model(int fd, Model& m) {
+    std::vector<int> raw;
+    for (const auto& f : m.fds) raw.push_back(f.get());
+    Message reply;
+    if (!request(fd, {next_request++, RegisterModel{static_cast<uint32_t>(raw.size())}}, raw, reply)) return false;
+    if (const auto* r = std::get_if<ModelRegistered>(&reply.body)) {
+        m.daemon_id.store(r->model, std::memory_order_release);
+        return true;
+    }
+    if (const auto* f = std::get_if<Failure>(&reply.body))
+        std::fprintf(stderr, "moecache: %s not registered: %s\n", m.path.c_str(), f->text.c_str());
+    return true;  // refused, but the connection is fine
+}
+
+bool moecache_client::session(int fd) {
+    Message reply;
+    if (!request(fd, {next_request++, Hello{kVersion, kVersion, name}}, {}, reply)) return false;
+    if (const auto* f = std::get_if<Failure>(&reply.body)) {
+        std::fprintf(stderr, "moecache: the daemon refused this client: %s\n", f->text.c_str());
+        return false;
+    }
+    if (!std::holds_alternative<HelloReply>(reply.body)) return false;
+    uint32_t registered = 0;
+    auto register_new = [&]() -> bool {
+        while (registered < models_count.load()) {
+            if (!register_model(fd, *models[registered].load())) return false;
+            ++registered;
+        }
+        return true;
+    };
+    if (!register_new()) return false;
+    auto ring_made = telemetry::TelemetryRing::create(kRingBytes);
+    if (!ring_made) {
+        std::fprintf(stderr, "moecache: no telemetry ring: %s\n", ring_made.error().what().c_str());
+        return false;
+    }
+    auto r = std::make_unique<telemetry::TelemetryRing>(std::move(*ring_made));
+    if (!request(fd, {next_request++, TelemetrySetup{kRingBytes}}, {r->fd()}, reply) ||
+        !std::holds_alternative<Ok>(reply.body))
+        return false;
+    telemetry::TelemetryRing* live = r.get();
+    {
+        std::lock_guard lock(mu);
+        rings.push_back(std::move(r));
+    }
+    ring.store(live, std::memory_order_release);
+    connected.store(true);
+    connects.fetch_add(1);
+    said_absent = false;
+    {
+        std::lock_guard lock(mu);
+        ready = registered == models_count.load();
+    }
+    cv.notify_all();
+    for (;;) {
+        if (stop.load()) return true;
+        bool hung_up = false;
+        Message m;
+        if (read_one(fd, 200, m, hung_up)) {
+            if (const auto* d = std::get_if<Directive>(&m.body)) take_directive(*d);
+        }
+        if (hung_up) return false;
+        uint64_t v;
+        while (::read(wake.get(), &v, sizeof v) > 0) {}
+        if (registered < models_count.load()) {
+            if (!register_new()) return false;
+            std::lock_guard lock(mu);
+            ready = true;
+            cv.notify_all();
+        }
+    }
+}
+
+void moecache_client::run() {
+    int backoff_ms = 100;
+    while (!stop.load()) {
+        UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        std::memcpy(a.sun_path, socket_path.c_str(), std::min(socket_path.size() + 1, sizeof a.sun_path - 1));
+        if (s && ::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+            backoff_ms = 100;
+            (void)session(s.get());
+            ring.store(nullptr, std::memory_order_release);
+            connected.store(false);
+            for (uint32_t h = 0; h < models_count.load(); ++h) models[h].load()->daemon_id.store(kNoId);
+            {
+                std::lock_guard lock(mu);
+                ready = false;
+            }
+            if (stop.load()) break;
+        } else if (!said_absent) {
+            std::fprintf(stderr, "moecache: no daemon at %s (%s): running without it, connecting when it appears\n",
+                         socket_path.c_str(), std::strerror(errno));
+            said_absent = true;
+        }
+        pollfd p{wake.get(), POLLIN, 0};
+        ::poll(&p, 1, backoff_ms);
+        backoff_ms = std::min(backoff_ms * 2, 2000);
+    }
+}
+
+extern "C" {
+
+moecache_client* moecache_client_open(const char* socket_path, const char* name) {
+    auto c = std::make_unique<moecache_client>();
+    const char* env = std::getenv("MOECACHE_SOCKET");
+    c->socket_path = socket_path ? socket_path : env && *env ? env : "/run/moecache/moecached.sock";
+    c->name = name ? std::string(name).substr(0, kMaxName) : "";
+    for (char& ch : c->name)
+        if (ch < 0x20 || ch > 0x7e) ch = '?';
+    c->wake.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!c->wake) return nullptr;
+    try {
+        c->worker = std::thread([p = c.get()] { p->run(); });
+    } catch (...) {
+        return nullptr;
+    }
+    return c.release();
+}
+
+int moecache_client_register_model(moecache_client* c, const char* path, uint32_t* handle) {
+    if (!c || !path || !handle) return -EINVAL;
+    auto parts = open_gguf_model(path);
+    if (!parts) return -(parts.error().errnum ? parts.error().errnum : EINVAL);
+    auto m = std::make_unique<Model>();
+    m->path = path;
+    for (const auto& p : *parts) {
+        UniqueFd fd(::open(p.path.c_str(), O_RDONLY | O_CLOEXEC));
+        if (!fd) return -errno;
+        m->fds.push_back(std::move(fd));
+    }
+    std::lock_guard lock(c->mu);
+    const uint32_t h = c->models_count.load();
+    if (h >= kMaxModels) return -ENOSPC;
+    c->models[h].store(m.get());
+    c->owned.push_back(std::move(m));
+    c->models_count.store(h + 1);
+    c->ready = false;
+    const uint64_t one = 1;
+    (void)!::write(c->wake.get(), &one, sizeof one);
+    *handle = h;
+    return 0;
+}
+
+int moecache_client_report(moecache_client* c, uint32_t handle, uint32_t block, const uint32_t* experts, uint32_t n,
+                           uint32_t tokens) {
+    if (!c || handle >= c->models_count.load(std::memory_order_acquire) || (n > 0 && !experts)) return -EINVAL;
+    c->reported.fetch_add(1, std::memory_order_relaxed);
+    const uint32_t id = c->models[handle].load(std::memory_order_acquire)->daemon_id.load(std::memory_order_acquire);
+    telemetry::TelemetryRing* r = c->ring.load(std::memory_order_acquire);
+    if (!r || id == kNoId || block > 0xffff) {
+        c->dropped.fetch_add(1, std::memory_order_relaxed);
+        return 0;
+    }
+    telemetry::RoutingEvent e;
+    e.time_ns = now_ns();
+    e.model = id;
+    e.block = static_cast<uint16_t>(block);
+    e.tokens = tokens;
+    bool all = true;
+    while (c->push_lock.test_and_set(std::memory_order_acquire)) {}
+    uint32_t at = 0;
+    do {
+        const uint32_t k = std::min<uint32_t>(n - at, telemetry::kMaxExpertsPerRecord);
+        e.n_experts = static_cast<uint8_t>(k);
+        for (uint32_t i = 0; i < k; ++i) e.experts[i] = static_cast<uint16_t>(std::min<uint32_t>(experts[at + i], 0xffff));
+        all = r->push(e) && all;
+        at += k;
+    } while (at < n);
+    c->push_lock.clear(std::memory_order_release);
+    (all ? c->sent : c->overflow).fetch_add(1, std::memory_order_relaxed);
+    return all ? 1 : 0;
+}
+
+size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max) {
+    if (!c || !out) return 0;
+    std::lock_guard lock(c->mu);
+    size_t n = 0;
+    while (n < max && !c->directives.empty()) {
+        out[n++] = c->directives.front();
+        c->directives.pop_front();
+    }
+    return n;
+}
+
+void moecache_client_stats_get(const moecache_client* c, moecache_client_stats* out) {
+    if (!c || !out) return;
+    out->reported = c->reported.load();
+    out->sent = c->sent.load();
+    out->dropped = c->dropped.load();
+    out->overflow = c->overflow.load();
+    out->connects = c->connects.load();
+    out->connected = c->connected.load() ? 1 : 0;
+}
+
+int moecache_client_wait_ready(moecache_client* c, int timeout_ms) {
+    if (!c) return 0;
+    std::unique_lock lock(c->mu);
+    return c->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return c->ready && c->connected.load(); })
+               ? 1
+               : 0;
+}
+
+void moecache_client_close(moecache_client* c) {
+    if (!c) return;
+    c->stop.store(true);
+    const uint64_t one = 1;
+    (void)!::write(c->wake.get(), &one, sizeof one);
+    if (c->worker.joinable()) c->worker.join();
+    delete c;
+}
+
+}  // extern "C"
