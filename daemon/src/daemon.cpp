@@ -176,7 +176,22 @@ uint64_t Daemon::lock_cap() const {
 }
 
 uint64_t Daemon::model_cap(const ModelEntry& m) const {
-    return m.config.budget ? m.config.budget->resolve(mem_total_) : UINT64_MAX;
+    uint64_t cap = m.config.budget ? m.config.budget->resolve(mem_total_) : UINT64_MAX;
+    if (const auto* u = uid_budget(m)) cap = std::min(cap, u->resolve(mem_total_));
+    return cap;
+}
+
+const ByteAmount* Daemon::uid_budget(const ModelEntry& m) const {
+    if (!m.registered) return nullptr;
+    const auto it = config_.uid_budgets.find(m.owner_uid);
+    return it == config_.uid_budgets.end() ? nullptr : &it->second;
+}
+
+uint64_t Daemon::uid_locked(uint32_t uid) const {
+    uint64_t t = 0;
+    for (const auto& m : models_)
+        if (m->res && m->registered && m->owner_uid == uid) t += m->res->locked_bytes();
+    return t;
 }
 
 uint64_t Daemon::total_locked() const {
@@ -433,7 +448,9 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
     SlotState& st = m.res->state(slot);
     if (st.tier == Tier::Locked) return;
     const uint64_t need = m.res->slot_bytes(slot);
+    const ByteAmount* ub = uid_budget(m);
     if (total_locked() + need > lock_cap() || m.res->locked_bytes() + need > model_cap(m) ||
+        (ub && uid_locked(m.owner_uid) + need > ub->resolve(mem_total_)) ||
         need > lockable_this_turn_) {
         st.tier = Tier::Storage;  // the plan will ask again if it still wants it
         return;
@@ -674,6 +691,8 @@ DaemonStatus Daemon::status() const {
         ms.path = m->path;
         ms.error = m->error;
         ms.loaded = m->res != nullptr;
+        ms.registered = m->registered;
+        ms.owner_uid = m->owner_uid;
         if (m->res) {
             const auto& r = *m->res;
             ms.key = r.model().profile_key();

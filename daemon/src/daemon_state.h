@@ -21,6 +21,7 @@ struct Daemon::ModelEntry {
     std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn
     std::vector<uint32_t> file_ids;  // page-cache telemetry ids of its files, while watched
     bool registered = false;  // added by a client at run time (not configured): closed with its last client
+    uint32_t owner_uid = 0;   // of the client that registered it (registered models only)
 };
 
 struct Daemon::Client {

@@ -7,6 +7,7 @@
 #include "model_fixture.h"
 #include "temp_dir.h"
 
+#include "moecache/client.h"
 #include "moecache/client/protocol.h"
 #include "moecache/client/telemetry_ring.h"
 #include "moecache/daemon/daemon.h"
@@ -393,6 +394,78 @@ TEST_F(ClientSocketTest, OnlyAllowedUsersMayConnect) {
     ASSERT_TRUE(m) << m.error().what();
     EXPECT_NE(failure_text(*m).find("uid 65534"), std::string::npos) << failure_text(*m);
     EXPECT_EQ(d_->status().clients_refused, 1u);
+}
+
+// Two uids, each with its own model and its own budget: each is held to its budget, not to the
+// other's and not to the global one (within two experts: whole experts are locked).
+TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
+    const std::string a = dir_.file("a.gguf"), b = dir_.file("b.gguf");
+    auto spec = test::small_spec();  // 4 layers x 16 experts of 204 KiB
+    spec.name = "model-a";
+    test::write_model(spec, a);
+    spec.name = "model-b";
+    test::write_model(spec, b);
+    Config c = test::daemon_config(model_, dir_.file("state"), 64u << 20);
+    c.page_cache_telemetry = "off";
+    c.uid_budgets[4001] = ByteAmount{3u << 20, std::nullopt};
+    c.uid_budgets[4002] = ByteAmount{8u << 20, std::nullopt};
+    start(c);
+    const std::string sock = d_->status().socket_path;
+    auto spawn = [&](uint32_t uid, const std::string& path) {
+        const pid_t pid = ::fork();
+        if (pid == 0) {
+            if (::setgid(uid) != 0 || ::setuid(uid) != 0) ::_exit(3);
+            moecache_client* cl = moecache_client_open(sock.c_str(), "budget-test");
+            uint32_t h = 0;
+            if (!cl || moecache_client_register_model(cl, path.c_str(), &h) != 0) ::_exit(4);
+            if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
+            uint32_t all[16];
+            for (uint32_t e = 0; e < 16; ++e) all[e] = e;
+            for (int round = 0; round < 50; ++round) {
+                for (uint32_t block = 0; block < 4; ++block) moecache_client_report(cl, h, block, all, 16, 1);
+                ::usleep(5000);
+            }
+            ::pause();
+            ::_exit(0);
+        }
+        return pid;
+    };
+    const pid_t pa = spawn(4001, a), pb = spawn(4002, b);
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    uint64_t la = 0, lb = 0;
+    while (std::chrono::steady_clock::now() < end) {
+        ASSERT_TRUE(d_->step(10));
+        const auto st = d_->status();
+        for (const auto& m : st.models) {
+            if (m.path == a) la = m.locked_bytes;
+            if (m.path == b) lb = m.locked_bytes;
+        }
+        if (la > (3u << 20) - (512u << 10) && lb > (8u << 20) - (512u << 10) && d_->idle()) break;
+    }
+    const auto st = d_->status();
+    ::kill(pa, SIGKILL);
+    ::kill(pb, SIGKILL);
+    ::waitpid(pa, nullptr, 0);
+    ::waitpid(pb, nullptr, 0);
+    bool seen_a = false, seen_b = false;
+    for (const auto& m : st.models) {
+        if (m.path == a) {
+            seen_a = true;
+            EXPECT_TRUE(m.registered);
+            EXPECT_EQ(m.owner_uid, 4001u);
+            EXPECT_LE(m.locked_bytes, 3u << 20) << "uid 4001 beyond its budget";
+            EXPECT_GT(m.locked_bytes, (3u << 20) - (512u << 10)) << "uid 4001 not given its budget";
+        }
+        if (m.path == b) {
+            seen_b = true;
+            EXPECT_EQ(m.owner_uid, 4002u);
+            EXPECT_LE(m.locked_bytes, 8u << 20) << "uid 4002 beyond its budget";
+            EXPECT_GT(m.locked_bytes, (8u << 20) - (512u << 10)) << "uid 4002 not given its budget";
+        }
+    }
+    EXPECT_TRUE(seen_a && seen_b) << "both clients registered their models";
+    EXPECT_LE(st.vmlck_bytes, st.locked_bytes + (64u << 10));
 }
 
 }  // namespace

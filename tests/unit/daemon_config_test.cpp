@@ -60,6 +60,7 @@ std::string describe(const Config& c) {
       << "clients.allow_uids = " << fmt::format("{}", fmt::join(c.client_allow_uids, ",")) << "\n"
       << "clients.allow_gids = " << fmt::format("{}", fmt::join(c.client_allow_gids, ",")) << "\n"
       << "clients.max = " << c.max_clients << "\n";
+    for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
     for (const auto& m : c.models) {
         s << "model " << m.path << " budget " << (m.budget ? size(*m.budget) : "none")
           << " lock_dense " << m.lock_dense << " pins";
@@ -257,6 +258,9 @@ TEST_F(ConfigTest, ClientIdsAreNumbers) {
     expect_rejected("[clients]\nallow_gids = [-1]\n", {"clients.allow_gids[0]", "-1 is not a user or group id"});
     expect_rejected("[clients]\nallow_uids = 1000\n", {"clients.allow_uids", "an array of numeric ids"});
     expect_rejected("[clients]\nmax = 0\n", {"clients.max"});
+    expect_rejected("[clients]\nuid_budgets = { alice = \"1GiB\" }\n", {"clients.uid_budgets.alice", "not a numeric uid"});
+    expect_rejected("[clients]\nuid_budgets = { \"1000\" = \"lots\" }\n", {"clients.uid_budgets.1000"});
+    expect_rejected("[clients]\nuid_budgets = [1]\n", {"clients.uid_budgets", "a table of uid = size"});
 }
 
 TEST_F(ConfigTest, TelemetryModeAndRingSize) {
@@ -424,6 +428,7 @@ ring_buffer = "1MiB"
 allow_uids = [0, 1000]
 allow_gids = [44]
 max = 16
+uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
 )");
     ASSERT_TRUE(c) << c.error().what();
     EXPECT_EQ(c->state_dir, "/srv/moecache/state");
@@ -451,6 +456,9 @@ max = 16
     EXPECT_EQ(c->client_allow_uids, (std::vector<uint32_t>{0, 1000}));
     EXPECT_EQ(c->client_allow_gids, (std::vector<uint32_t>{44}));
     EXPECT_EQ(c->max_clients, 16u);
+    ASSERT_EQ(c->uid_budgets.size(), 2u);
+    EXPECT_EQ(c->uid_budgets.at(1000).bytes, 8 * kGiB);
+    EXPECT_EQ(c->uid_budgets.at(1001).percent, 5.0);
 
     ASSERT_EQ(c->models.size(), 2u);
     const auto& kimi = c->models[0];
@@ -475,7 +483,7 @@ max = 16
     EXPECT_TRUE(qwen.lock_dense);
     EXPECT_TRUE(qwen.pins.empty());
 
-    EXPECT_EQ(c->origins.size(), 24u) << "every key set above has an origin";
+    EXPECT_EQ(c->origins.size(), 25u) << "every key set above has an origin";
     EXPECT_EQ(c->origins.at("budget.lock"), main_ + ":8:8");
     const auto v = validate_config(*c, 256 * kGiB, numa_.path());
     EXPECT_TRUE(v) << v.error().what();
@@ -539,7 +547,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 24u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 25u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

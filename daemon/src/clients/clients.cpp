@@ -233,7 +233,10 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         }
         for (auto& e : models_)
             if (e->path == path) entry = e.get();
-        if (!existed) entry->registered = true;
+        if (!existed) {
+            entry->registered = true;
+            entry->owner_uid = c.peer.uid;
+        }
         if (!entry->res) open_model(*entry);
         std::string why;
         int errnum = ESTALE;

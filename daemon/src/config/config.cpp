@@ -11,6 +11,8 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -259,6 +261,23 @@ Result<std::vector<uint32_t>> read_id_list(const Value& v) {
     return ids;
 }
 
+// { "1000" = "8GiB", "1001" = "20%" }: uids as keys (TOML keys are strings), sizes as values.
+Result<std::map<uint32_t, ByteAmount>> read_uid_budgets(const Value& v) {
+    const auto* table = v.node.as_table();
+    if (!table) return wrong_type(v, "a table of uid = size, such as { \"1000\" = \"8GiB\" }");
+    std::map<uint32_t, ByteAmount> out;
+    for (const auto& [k, node] : *table) {
+        const Value e = v.child(node, k.str());
+        const std::string key(k.str());
+        char* end = nullptr;
+        const unsigned long long uid = std::strtoull(key.c_str(), &end, 10);
+        if (key.empty() || *end != '\0' || !std::isdigit(static_cast<unsigned char>(key[0])) || uid > 0xfffffffe)
+            return e.fail("'{}' is not a numeric uid", key);
+        out[static_cast<uint32_t>(uid)] = MC_TRY(read_byte_amount(e));
+    }
+    return out;
+}
+
 Result<std::vector<ExpertPin>> read_pins(const Value& v) {
     constexpr std::string_view kExpected = "a string such as \"12\", \"12:3\" or \"12:0-7\"";
     const auto* array = v.node.as_array();
@@ -348,6 +367,7 @@ const Key<Config> kClientKeys[] = {
     MC_KEY("allow_uids", Config, t.client_allow_uids = MC_TRY(read_id_list(v))),
     MC_KEY("allow_gids", Config, t.client_allow_gids = MC_TRY(read_id_list(v))),
     MC_KEY("max", Config, t.max_clients = static_cast<U32>(MC_TRY(read_int(v, 1, 65536)))),
+    MC_KEY("uid_budgets", Config, t.uid_budgets = MC_TRY(read_uid_budgets(v))),
 };
 
 const Key<ModelConfig> kModelKeys[] = {

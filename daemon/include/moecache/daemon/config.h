@@ -72,6 +72,9 @@ struct Config {
     std::vector<uint32_t> client_allow_uids;  // empty: any uid; root may always connect
     std::vector<uint32_t> client_allow_gids;  // a peer whose primary gid is listed may connect too
     uint32_t max_clients = 256;
+    // What the models a uid's clients registered (and no [[model]] names) may lock together, by
+    // uid. A uid not listed is held to the global budget only.
+    std::map<uint32_t, ByteAmount> uid_budgets;
 
     // [[model]]
     std::vector<ModelConfig> models;

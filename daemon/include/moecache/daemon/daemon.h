@@ -44,6 +44,8 @@ struct ModelStatus {
     std::string key;      // heat profile key
     std::string error;    // why it is not loaded, if it is not
     bool loaded = false;
+    bool registered = false;  // by a client, not configured
+    uint32_t owner_uid = 0;   // of that client
     uint64_t locked_bytes = 0;
     uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
     Tier dense_tier = Tier::Storage;
@@ -128,6 +130,8 @@ private:
     void try_lock(ModelEntry& m, uint32_t slot);
     [[nodiscard]] uint64_t lock_cap() const;
     [[nodiscard]] uint64_t model_cap(const ModelEntry& m) const;
+    [[nodiscard]] const ByteAmount* uid_budget(const ModelEntry& m) const;
+    [[nodiscard]] uint64_t uid_locked(uint32_t uid) const;
     [[nodiscard]] uint64_t total_locked() const;
     [[nodiscard]] std::string profile_path(const std::string& key) const;
     Result<void> handle_signal();
