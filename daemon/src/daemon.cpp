@@ -404,6 +404,8 @@ void Daemon::place() {
         // the policy lets go frees memory; pages a runtime maps stay where they are.
         if (auto rel = m.res->release(r.slot, /*drop=*/true); !rel)
             MC_LOG(LOG_WARNING, "model {}: release: {}", m.path, rel.error().what());
+        else
+            tell_clients(m, r.slot, protocol::Action::Unlock);
     }
     int32_t priority = 0;
     for (const auto& r : plan.lock) {
@@ -456,7 +458,10 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
         return;
     }
     auto r = m.res->lock(slot);
-    if (r) lockable_this_turn_ -= std::min(lockable_this_turn_, *r);
+    if (r) {
+        lockable_this_turn_ -= std::min(lockable_this_turn_, *r);
+        tell_clients(m, slot, protocol::Action::Lock);
+    }
     if (!r) {
         st.tier = Tier::Storage;
         MC_LOG(LOG_WARNING, "model {}: lock: {}", m.path, r.error().what());

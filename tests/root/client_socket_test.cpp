@@ -24,6 +24,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <set>
 
 namespace moecache::daemon {
 namespace {
@@ -353,6 +354,31 @@ TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {
     EXPECT_EQ(st.clients[0].bad_events, 3u);
     EXPECT_EQ(st.clients[0].overflow, 0u);
     for (const auto& e : st.models[0].experts) EXPECT_EQ(e.uses, (e.expert == 3 || e.expert == 5) ? 300u : 0u);
+
+    // The hot experts are locked, and the client is told so: a Lock directive for each of them.
+    for (int i = 0; i < 100; ++i) {
+        d_->tick();
+        ASSERT_TRUE(d_->step(5));
+        if (d_->idle()) break;
+    }
+    std::set<std::pair<uint32_t, uint32_t>> locked;
+    for (;;) {
+        pollfd p{s.get(), POLLIN, 0};
+        if (::poll(&p, 1, 50) != 1) break;
+        std::vector<uint8_t> buf(kMaxMessageBytes);
+        const ssize_t n = ::recv(s.get(), buf.data(), buf.size(), MSG_DONTWAIT);
+        if (n <= 0) break;
+        buf.resize(static_cast<size_t>(n));
+        auto m = decode(buf, 0);
+        ASSERT_TRUE(m) << m.error().what();
+        if (const auto* dir = std::get_if<Directive>(&m->body)) {
+            EXPECT_EQ(dir->model, model);
+            if (dir->action == Action::Lock) locked.insert({dir->block, dir->expert});
+        }
+    }
+    std::set<std::pair<uint32_t, uint32_t>> want;
+    for (uint32_t b = 0; b < 4; ++b) want.insert({b, 3}), want.insert({b, 5});
+    EXPECT_EQ(locked, want);
 }
 
 TEST_F(ClientSocketTest, OnlyAllowedUsersMayConnect) {

@@ -204,3 +204,34 @@ TEST(TelemetryRing, AHostileRingIsRefused) {
 
 }  // namespace
 }  // namespace moecache::telemetry
+
+// The C++ wrapper of the client with no daemon anywhere: every call is a cheap no-op that says so.
+#include "moecache/client.hpp"
+#include "model_fixture.h"
+#include "temp_dir.h"
+
+namespace moecache {
+namespace {
+
+TEST(ClientWithoutDaemon, CallsAreNoOpsCountedAsDropped) {
+    test::TempDir dir;
+    const std::string model = dir.file("m.gguf");
+    test::write_model(test::small_spec(), model);
+    Client c("unit", dir.file("no-daemon.sock"));
+    ASSERT_TRUE(c);
+    const long long h = c.register_model(model);
+    ASSERT_GE(h, 0);
+    EXPECT_LT(c.register_model(dir.file("missing.gguf")), 0);
+    EXPECT_FALSE(c.wait_ready(50));
+    for (int i = 0; i < 1000; ++i) EXPECT_FALSE(c.report(static_cast<uint32_t>(h), 0, {1, 2}));
+    EXPECT_EQ(moecache_client_report(c.get(), 99, 0, nullptr, 0, 1), -EINVAL);
+    const auto s = c.stats();
+    EXPECT_EQ(s.reported, 1000u);
+    EXPECT_EQ(s.dropped, 1000u);
+    EXPECT_EQ(s.sent, 0u);
+    EXPECT_EQ(s.connected, 0);
+    EXPECT_TRUE(c.poll().empty());
+}
+
+}  // namespace
+}  // namespace moecache

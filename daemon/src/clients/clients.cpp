@@ -265,6 +265,16 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
     return true;
 }
 
+void Daemon::tell_clients(const ModelEntry& m, uint32_t slot, Action action) {
+    if (clients_.empty() || slot == kDenseSlot || !m.res) return;
+    const auto& map = m.res->model().map();
+    const uint32_t layer = slot / map.n_experts;
+    if (layer >= map.layers.size()) return;
+    const Directive d{action, m.id, map.layers[layer].index, slot % map.n_experts};
+    for (auto& c : clients_)
+        if (!c->dead && std::find(c->models.begin(), c->models.end(), m.id) != c->models.end()) reply(*c, 0, d);
+}
+
 void Daemon::consume_client_telemetry() {
     busy_rings_ = false;
     any_rings_ = false;

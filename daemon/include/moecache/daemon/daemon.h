@@ -152,6 +152,8 @@ private:
     void drop_client(Client& c, const std::string& why);
     void reap_clients();
     void consume_client_telemetry();
+    // A Directive to every client that registered model m, about one of its expert slots.
+    void tell_clients(const ModelEntry& m, uint32_t slot, protocol::Action action);
 
     Config config_;
     uint64_t mem_total_ = 0;
