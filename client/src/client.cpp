@@ -86,28 +86,6 @@ struct moecache_client {
     bool register_model(int fd, Model& m);
 };
 
-namespace {
-
-bool send_with_fds(int s, const std::vector<uint8_t>& bytes, const std::vector<int>& fds) {
-    iovec iov{const_cast<uint8_t*>(bytes.data()), bytes.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(fds.size(), 1)));
-    if (!fds.empty()) {
-        msg.msg_control = control.data();
-        msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-        cmsghdr* c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    }
-    return ::sendmsg(s, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
-}
-
-}  // namespace
-
 bool moecache_client::read_one(int fd, int timeout_ms, Message& out, bool& hung_up) {
     pollfd p[2] = {{fd, POLLIN, 0}, {wake.get(), POLLIN, 0}};
     if (::poll(p, 2, timeout_ms) <= 0) return false;
@@ -143,7 +121,7 @@ void moecache_client::take_directive(const Directive& d) {
 
 // Sends a request and waits for its reply; directives that arrive meanwhile are queued.
 bool moecache_client::request(int fd, const Message& m, const std::vector<int>& fds, Message& reply) {
-    if (!send_with_fds(fd, encode(m), fds)) return false;
+    if (!send_packet(fd, encode(m), fds)) return false;
     const auto deadline = now_ns() + uint64_t{kReplyTimeoutMs} * 1000000ull;
     while (now_ns() < deadline && !stop.load()) {
         bool hung_up = false;

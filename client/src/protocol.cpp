@@ -1,5 +1,8 @@
 #include "moecache/client/protocol.h"
 
+#include <sys/socket.h>
+
+#include <algorithm>
 #include <cstring>
 
 namespace moecache::protocol {
@@ -170,6 +173,27 @@ std::vector<uint8_t> encode(const Message& m) {
     auto out = w.take();
     out.insert(out.end(), b.begin(), b.end());
     return out;
+}
+
+Result<void> send_packet(int socket, std::span<const uint8_t> bytes, std::span<const int> fds) {
+    iovec iov{const_cast<uint8_t*>(bytes.data()), bytes.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(fds.size(), 1)));
+    if (!fds.empty()) {
+        msg.msg_control = control.data();
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    const ssize_t n = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
+    if (n < 0) return fail_errno("sendmsg of {} bytes and {} descriptors", bytes.size(), fds.size());
+    if (static_cast<size_t>(n) != bytes.size()) return failf("sendmsg: {} of {} bytes", n, bytes.size());
+    return {};
 }
 
 Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {

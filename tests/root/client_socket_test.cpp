@@ -67,21 +67,8 @@ protected:
     }
 
     static void send_raw(int s, const std::vector<uint8_t>& bytes, const std::vector<int>& fds = {}) {
-        iovec iov{const_cast<uint8_t*>(bytes.data()), bytes.size()};
-        msghdr msg{};
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(fds.size(), 1)));
-        if (!fds.empty()) {
-            msg.msg_control = control.data();
-            msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-            cmsghdr* c = CMSG_FIRSTHDR(&msg);
-            c->cmsg_level = SOL_SOCKET;
-            c->cmsg_type = SCM_RIGHTS;
-            c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-            std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-        }
-        ASSERT_EQ(::sendmsg(s, &msg, MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size())) << std::strerror(errno);
+        auto r = send_packet(s, bytes, fds);
+        ASSERT_TRUE(r) << r.error().what();
     }
 
     // Turns the daemon's loop until the client has a packet (or the peer closed: nullopt).

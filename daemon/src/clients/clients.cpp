@@ -79,7 +79,7 @@ void Daemon::accept_clients() {
             why = fmt::format("moecached serves {} clients already ([clients] max)", clients_.size());
         if (!why.empty()) {
             ++clients_refused_;
-            (void)send_packet(c->conn.get(), encode({0, Failure{EACCES, why}}));
+            (void)send_nowait(c->conn.get(), encode({0, Failure{EACCES, why}}));
             continue;
         }
         epoll_event ev{};
@@ -96,7 +96,7 @@ void Daemon::accept_clients() {
 
 void Daemon::reply(Client& c, uint32_t request, const Body& body) {
     if (c.dead) return;
-    if (auto r = send_packet(c.conn.get(), encode({request, body})); !r)
+    if (auto r = send_nowait(c.conn.get(), encode({request, body})); !r)
         drop_client(c, fmt::format("cannot answer it ({}): it stopped reading?", r.error().what()));
 }
 

@@ -121,7 +121,7 @@ Result<Received> receive(int conn, size_t max_bytes, size_t max_fds) {
     return r;
 }
 
-Result<void> send_packet(int conn, const std::vector<uint8_t>& bytes) {
+Result<void> send_nowait(int conn, const std::vector<uint8_t>& bytes) {
     const ssize_t n = ::send(conn, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
     if (n < 0) return fail_errno("send");
     if (static_cast<size_t>(n) != bytes.size()) return failf("send: {} of {} bytes", n, bytes.size());

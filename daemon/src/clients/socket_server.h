@@ -65,6 +65,6 @@ Result<Received> receive(int conn, size_t max_bytes, size_t max_fds);
 
 // Sends one packet without waiting; EAGAIN (the peer stopped reading) is an error the caller
 // handles by dropping the client.
-Result<void> send_packet(int conn, const std::vector<uint8_t>& bytes);
+Result<void> send_nowait(int conn, const std::vector<uint8_t>& bytes);
 
 }  // namespace moecache::daemon

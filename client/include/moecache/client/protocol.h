@@ -103,6 +103,9 @@ struct Message {
 [[nodiscard]] uint32_t descriptors_of(const Body& b);
 
 std::vector<uint8_t> encode(const Message& m);
+// Sends one packet on a SOCK_SEQPACKET socket with `fds` as SCM_RIGHTS (none: a plain send).
+// Blocks as the socket does; never raises SIGPIPE.
+Result<void> send_packet(int socket, std::span<const uint8_t> bytes, std::span<const int> fds = {});
 // `bytes` is one whole packet as received; `descriptors` how many came with it (SCM_RIGHTS).
 Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors);
 
