@@ -41,10 +41,17 @@ constexpr uint32_t kNoId = UINT32_MAX;
 constexpr uint32_t kRingBytes = 1u << 20;
 constexpr int kReplyTimeoutMs = 5000;
 
+struct Mapping {
+    uint32_t file;
+    uint64_t address, length, file_offset;
+};
+
 struct Model {
     std::string path;
     std::vector<UniqueFd> fds;
     std::atomic<uint32_t> daemon_id{kNoId};
+    std::vector<Mapping> mappings;  // guarded by moecache_client::mu
+    size_t mappings_sent = 0;       // this connection; the worker's own
 };
 
 uint64_t now_ns() {
@@ -84,6 +91,7 @@ struct moecache_client {
     bool read_one(int fd, int timeout_ms, Message& out, bool& hung_up);
     void take_directive(const Directive& d);
     bool register_model(int fd, Model& m);
+    bool send_mappings(int fd, Model& m);
 };
 
 bool moecache_client::read_one(int fd, int timeout_ms, Message& out, bool& hung_up) {
@@ -146,14 +154,35 @@ bool moecache_client::register_model(int fd, Model& m) {
     std::vector<int> raw;
     for (const auto& f : m.fds) raw.push_back(f.get());
     Message reply;
+    m.mappings_sent = 0;
     if (!request(fd, {next_request++, RegisterModel{static_cast<uint32_t>(raw.size())}}, raw, reply)) return false;
     if (const auto* r = std::get_if<ModelRegistered>(&reply.body)) {
         m.daemon_id.store(r->model, std::memory_order_release);
-        return true;
+        return send_mappings(fd, m);
     }
     if (const auto* f = std::get_if<Failure>(&reply.body))
         std::fprintf(stderr, "moecache: %s not registered: %s\n", m.path.c_str(), f->text.c_str());
     return true;  // refused, but the connection is fine
+}
+
+// The mappings described since the last call, for a model the daemon knows.
+bool moecache_client::send_mappings(int fd, Model& m) {
+    const uint32_t id = m.daemon_id.load();
+    if (id == kNoId) return true;
+    for (;;) {
+        Mapping mp{};
+        {
+            std::lock_guard lock(mu);
+            if (m.mappings_sent >= m.mappings.size()) return true;
+            mp = m.mappings[m.mappings_sent];
+        }
+        Message reply;
+        if (!request(fd, {next_request++, DescribeMapping{id, mp.file, mp.address, mp.length, mp.file_offset}}, {}, reply))
+            return false;
+        if (const auto* f = std::get_if<Failure>(&reply.body))
+            std::fprintf(stderr, "moecache: a mapping of %s refused: %s\n", m.path.c_str(), f->text.c_str());
+        ++m.mappings_sent;
+    }
 }
 
 bool moecache_client::session(int fd) {
@@ -212,6 +241,8 @@ bool moecache_client::session(int fd) {
             ready = true;
             cv.notify_all();
         }
+        for (uint32_t h = 0; h < registered; ++h)
+            if (!send_mappings(fd, *models[h].load())) return false;
     }
 }
 
@@ -284,6 +315,22 @@ int moecache_client_register_model(moecache_client* c, const char* path, uint32_
     const uint64_t one = 1;
     (void)!::write(c->wake.get(), &one, sizeof one);
     *handle = h;
+    return 0;
+}
+
+int moecache_client_describe_mapping(moecache_client* c, uint32_t handle, uint32_t file, const void* address,
+                                     uint64_t length, uint64_t file_offset) {
+    if (!c || handle >= c->models_count.load() || length == 0) return -EINVAL;
+    const auto a = reinterpret_cast<uint64_t>(address);
+    if (a + length < a || file_offset + length < file_offset) return -EINVAL;
+    {
+        std::lock_guard lock(c->mu);
+        Model* m = c->models[handle].load();
+        if (file >= m->fds.size()) return -EINVAL;
+        m->mappings.push_back({file, a, length, file_offset});
+    }
+    const uint64_t one = 1;
+    (void)!::write(c->wake.get(), &one, sizeof one);
     return 0;
 }
 

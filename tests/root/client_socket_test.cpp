@@ -143,6 +143,26 @@ TEST_F(ClientSocketTest, AConfiguredModelIsRegisteredByItsDescriptor) {
     EXPECT_EQ(st.clients[0].models, std::vector<uint32_t>{reg.model});
 }
 
+TEST_F(ClientSocketTest, MappingsAreCheckedAgainstTheModelsOfThatClient) {
+    start();
+    UniqueFd s = hello();
+    const auto ask = [&](const DescribeMapping& d) {
+        send_raw(s.get(), encode({5, d}));
+        return reply(s.get());
+    };
+    EXPECT_NE(failure_text(ask({0, 0, 0x7f0000000000, 4096, 0})).find("not one this client registered"), std::string::npos);
+    UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
+    send_raw(s.get(), encode({2, RegisterModel{1}}), {f.get()});
+    auto r = reply(s.get());
+    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    const uint32_t id = std::get<ModelRegistered>(r->body).model;
+    const uint64_t size = std::filesystem::file_size(model_);
+    EXPECT_NE(failure_text(ask({id, 1, 0x7f0000000000, 4096, 0})).find("there is no file 1"), std::string::npos);
+    EXPECT_NE(failure_text(ask({id, 0, 0x7f0000000000, size, 4096})).find("runs past the end"), std::string::npos);
+    r = ask({id, 0, 0x7f0000000000, size, 0});
+    EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+}
+
 TEST_F(ClientSocketTest, AnUnconfiguredSplitModelLivesAsLongAsItsClient) {
     start();
     auto parts = test::write_model(test::small_spec(), dir_.file("split.gguf"), 3);

@@ -64,12 +64,15 @@ int main(int argc, char** argv) {
         return 1;
     }
     // Mapped as a runtime maps it (read-only, shared).
+    std::vector<void*> mapped;
     for (const auto& f : map->files) {
         const int fd = ::open(f.path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0 || ::mmap(nullptr, f.size, PROT_READ, MAP_SHARED, fd, 0) == MAP_FAILED) {
+        void* p = fd < 0 ? MAP_FAILED : ::mmap(nullptr, f.size, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
             std::fprintf(stderr, "moecache-client-demo: cannot map %s\n", f.path.c_str());
             return 1;
         }
+        mapped.push_back(p);
         ::close(fd);
     }
     if (k == 0) k = map->n_experts_used;
@@ -82,6 +85,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "moecache-client-demo: register %s: %s\n", model.c_str(), std::strerror(-r));
         return 1;
     }
+    for (uint32_t f = 0; f < map->files.size(); ++f)
+        moecache_client_describe_mapping(c, handle, f, mapped[f], map->files[f].size, 0);
     if (wait_ready > 0 && !moecache_client_wait_ready(c, static_cast<int>(wait_ready * 1000)))
         std::fprintf(stderr, "moecache-client-demo: not connected after %.1f s; reporting anyway\n", wait_ready);
 

@@ -45,6 +45,11 @@ MOECACHE_API moecache_client* moecache_client_open(const char* socket_path, cons
 /* Opens every part of the model at `path` (any part of a split set) read-only and registers it,
  * now if connected and after every (re)connection. Returns 0 and a handle, or -errno. */
 MOECACHE_API int moecache_client_register_model(moecache_client* c, const char* path, uint32_t* handle);
+/* Where this process maps file `file` (0: part 1) of model `handle`: [address, address + length)
+ * holds the file's bytes from file_offset. Sent now if connected and after every (re)connection.
+ * Returns 0 or -errno. */
+MOECACHE_API int moecache_client_describe_mapping(moecache_client* c, uint32_t handle, uint32_t file,
+                                                  const void* address, uint64_t length, uint64_t file_offset);
 /* `tokens` tokens routed MoE block `block` of model `handle` to `experts` (n of them). From one
  * thread at a time per client. Never blocks; returns 1 if the event went to the daemon, 0 if it was
  * counted as dropped or overflow, -EINVAL for an unknown handle. */

@@ -31,6 +31,9 @@ public:
         const int r = c_ ? moecache_client_register_model(c_, path.c_str(), &h) : -ENOMEM;
         return r == 0 ? static_cast<long long>(h) : r;
     }
+    int describe_mapping(uint32_t handle, uint32_t file, const void* address, uint64_t length, uint64_t file_offset) {
+        return c_ ? moecache_client_describe_mapping(c_, handle, file, address, length, file_offset) : -ENOMEM;
+    }
     // Never blocks: true if the event went to the daemon.
     bool report(uint32_t handle, uint32_t block, const std::vector<uint32_t>& experts, uint32_t tokens = 1) {
         return c_ && moecache_client_report(c_, handle, block, experts.data(), static_cast<uint32_t>(experts.size()),

@@ -1,8 +1,9 @@
 // The daemon's side of the client socket (docs/protocol.md): who may connect, what each message
 // does, and the telemetry rings read on every turn of the loop. Everything a client sends is
 // untrusted: a message that does not decode, a descriptor that is not a readable regular file, a
-// model or block it did not register gets a Failure naming what is wrong, then (for a protocol
-// violation) the connection is closed. Other clients never notice.
+// model or block it did not register gets a Failure naming what is wrong; a protocol violation
+// (a packet that does not decode, a request before Hello) also closes the connection, a request
+// that cannot be met does not. Other clients never notice.
 #include "../daemon_state.h"
 
 #include "moecache/log.h"
@@ -129,6 +130,10 @@ void Daemon::on_client_readable(Client& c) {
 }
 
 bool Daemon::on_client_packet(Client& c, Packet& p) {
+    auto answer_failure = [this](Client& cl, uint32_t rq, int errnum, const std::string& text) {
+        reply(cl, rq, Failure{errnum, text});
+        return true;
+    };
     if (p.oversized)
         return refuse(c, 0, EMSGSIZE, fmt::format("a packet longer than the {} bytes a message may have", kMaxMessageBytes));
     if (p.fds_truncated)
@@ -153,16 +158,16 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
     if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);
     if (auto* d = std::get_if<DescribeMapping>(&m->body)) {
         if (std::find(c.models.begin(), c.models.end(), d->model) == c.models.end())
-            return refuse(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
+            return answer_failure(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
         for (auto& e : models_) {
             if (e->id != d->model || !e->res) continue;
             const auto& files = e->res->model().files();
             if (d->file >= files.size())
-                return refuse(c, rq, EINVAL, fmt::format("model {} has {} files; there is no file {}", d->model,
+                return answer_failure(c, rq, EINVAL, fmt::format("model {} has {} files; there is no file {}", d->model,
                                                          files.size(), d->file));
             if (d->file_offset > files[d->file].identity.size ||
                 d->length > files[d->file].identity.size - d->file_offset)
-                return refuse(c, rq, EINVAL,
+                return answer_failure(c, rq, EINVAL,
                               fmt::format("a mapping of {} bytes from offset {} runs past the end of file {} ({} bytes)",
                                           d->length, d->file_offset, d->file, files[d->file].identity.size));
         }
@@ -170,9 +175,9 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         return true;
     }
     if (auto* t = std::get_if<TelemetrySetup>(&m->body)) {
-        if (c.ring) return refuse(c, rq, EEXIST, "a telemetry ring is attached already");
+        if (c.ring) return answer_failure(c, rq, EEXIST, "a telemetry ring is attached already");
         auto ring = telemetry::TelemetryRing::attach(p.fds.front().get(), t->ring_bytes);
-        if (!ring) return refuse(c, rq, EINVAL, ring.error().what());
+        if (!ring) return answer_failure(c, rq, EINVAL, ring.error().what());
         c.ring = std::make_unique<telemetry::TelemetryRing>(std::move(*ring));
         reply(c, rq, Ok{});
         return true;
