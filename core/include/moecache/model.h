@@ -55,6 +55,17 @@ struct ExpertRef {
     uint32_t expert = 0;
 };
 
+// Where a byte of a file lies in the expert tensors: expert `expert` of block `layer`, at
+// `slice_offset` into that expert's slice of one tensor, whose slices are `slice_bytes` long and
+// whose last byte is just before file offset `tensor_end`.
+struct ExpertPosition {
+    uint32_t layer = 0;  // block index (blk.N)
+    uint32_t expert = 0;
+    uint64_t slice_offset = 0;
+    uint64_t slice_bytes = 0;
+    uint64_t tensor_end = 0;
+};
+
 struct ModelFileInfo {
     std::string path;
     uint64_t size = 0;
@@ -81,6 +92,8 @@ public:
     [[nodiscard]] std::vector<ByteRange> ranges(uint32_t block, uint32_t expert) const;
     // Which expert holds this byte, if any. O(log n).
     [[nodiscard]] std::optional<ExpertRef> lookup(uint32_t file, uint64_t offset) const;
+    // The same, with the position inside the expert's slice of its tensor. O(log n).
+    [[nodiscard]] std::optional<ExpertPosition> position(uint32_t file, uint64_t offset) const;
     // Calls fn(ExpertRef, bytes) for every expert whose slices overlap [begin, end) of `file`, with
     // the bytes of the overlap (an expert with slices in two overlapping tensors is called twice).
     // Returns the bytes of the range that belong to no routed expert. O(log n + experts overlapped).

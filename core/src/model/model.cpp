@@ -148,6 +148,19 @@ std::optional<ExpertRef> ExpertMap::lookup(uint32_t file, uint64_t offset) const
     return ExpertRef{it->layer, static_cast<uint32_t>((offset - it->begin) / it->bytes_per_expert)};
 }
 
+std::optional<ExpertPosition> ExpertMap::position(uint32_t file, uint64_t offset) const {
+    auto it = std::upper_bound(spans_.begin(), spans_.end(), std::pair{file, offset},
+                               [](const std::pair<uint32_t, uint64_t>& k, const Span& s) {
+                                   return k.first < s.file || (k.first == s.file && k.second < s.begin);
+                               });
+    if (it == spans_.begin()) return std::nullopt;
+    --it;
+    if (it->file != file || offset >= it->end || it->bytes_per_expert == 0) return std::nullopt;
+    const uint64_t in = offset - it->begin;
+    return ExpertPosition{it->layer, static_cast<uint32_t>(in / it->bytes_per_expert), in % it->bytes_per_expert,
+                          it->bytes_per_expert, it->end};
+}
+
 Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
     if (parts.empty()) return failf("a model needs at least one file");
     const GgufFile& head = parts.front();
