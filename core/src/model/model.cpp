@@ -138,14 +138,9 @@ std::vector<ByteRange> ExpertMap::ranges(uint32_t block, uint32_t expert) const 
 }
 
 std::optional<ExpertRef> ExpertMap::lookup(uint32_t file, uint64_t offset) const {
-    auto it = std::upper_bound(spans_.begin(), spans_.end(), std::pair{file, offset},
-                               [](const std::pair<uint32_t, uint64_t>& k, const Span& s) {
-                                   return k.first < s.file || (k.first == s.file && k.second < s.begin);
-                               });
-    if (it == spans_.begin()) return std::nullopt;
-    --it;
-    if (it->file != file || offset >= it->end) return std::nullopt;
-    return ExpertRef{it->layer, static_cast<uint32_t>((offset - it->begin) / it->bytes_per_expert)};
+    const auto p = position(file, offset);
+    if (!p) return std::nullopt;
+    return ExpertRef{p->layer, p->expert};
 }
 
 std::optional<ExpertPosition> ExpertMap::position(uint32_t file, uint64_t offset) const {
