@@ -75,5 +75,4 @@ for p in "${periods[@]}"; do
   printf 're-arm every %3d ms median %6.1f tok/s  (runs: %s) ratio %.3f\n' "$p" "$m" "${rates[$p]}" "$(echo "$m / $plain" | bc -l)"
 done
 kill -TERM "$dpid"; wait "$dpid" || true; dpid=
-grep -c . "$work/daemon.log" >/dev/null
-echo "(moecached log: $(grep -c 'page-cache telemetry on' "$work/daemon.log") telemetry start line; see $work if kept)"
+grep -q 'page-cache telemetry on' "$work/daemon.log" || echo "note: moecached ran without its BPF programs" >&2

@@ -286,7 +286,7 @@ void Daemon::watch_files(ModelEntry& m) {
             MC_LOG(LOG_WARNING, "model {}: {}", m.path, r.error().what());
             continue;
         }
-        watched_[id] = WatchedFile{m.id, i};
+        watched_[id] = WatchedFile{&m, i};
         m.file_ids.push_back(id);
     }
 }
@@ -313,10 +313,7 @@ void Daemon::unwatch_files(ModelEntry& m) {
 void Daemon::on_page_cache_event(const bpf::PageCacheEvent& e) {
     ++page_cache_events_;
     const auto it = watched_.find(e.file_id);
-    ModelEntry* m = nullptr;
-    if (it != watched_.end())
-        for (auto& o : models_)
-            if (o->id == it->second.model && o->res) m = o.get();
+    ModelEntry* m = it != watched_.end() && it->second.model->res ? it->second.model : nullptr;
     if (!m) {
         ++page_cache_unattributed_;  // sent before its model was closed
         return;
@@ -514,13 +511,15 @@ void Daemon::on_pressure(const std::string& source) {
 }
 
 void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
-    for (auto& m : models_) {
-        if (m->id != model || !m->res) continue;
-        if (const auto layer = m->res->layer_of_block(block)) {
-            // The clock advances once per batch: on the first MoE layer's report.
-            if (*layer == 0) m->res->heat().advance_clock(tokens);
-            m->res->heat().record(*layer, experts);
-        }
+    for (auto& m : models_)
+        if (m->id == model && m->res) record_routing(*m, block, experts, tokens);
+}
+
+void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
+    if (const auto layer = m.res->layer_of_block(block)) {
+        // The clock advances once per batch: on the first MoE layer's report.
+        if (*layer == 0) m.res->heat().advance_clock(tokens);
+        m.res->heat().record(*layer, experts);
     }
 }
 

@@ -106,6 +106,11 @@ bool Daemon::refuse(Client& c, uint32_t request, int errnum, const std::string& 
     return false;
 }
 
+bool Daemon::cannot(Client& c, uint32_t request, int errnum, const std::string& text) {
+    reply(c, request, Failure{errnum, text});
+    return true;
+}
+
 void Daemon::drop_client(Client& c, const std::string& why) {
     if (c.dead) return;
     c.dead = true;
@@ -130,10 +135,6 @@ void Daemon::on_client_readable(Client& c) {
 }
 
 bool Daemon::on_client_packet(Client& c, Packet& p) {
-    auto answer_failure = [this](Client& cl, uint32_t rq, int errnum, const std::string& text) {
-        reply(cl, rq, Failure{errnum, text});
-        return true;
-    };
     if (p.oversized)
         return refuse(c, 0, EMSGSIZE, fmt::format("a packet longer than the {} bytes a message may have", kMaxMessageBytes));
     if (p.fds_truncated)
@@ -158,16 +159,16 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
     if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);
     if (auto* d = std::get_if<DescribeMapping>(&m->body)) {
         if (std::find(c.models.begin(), c.models.end(), d->model) == c.models.end())
-            return answer_failure(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
+            return cannot(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
         for (auto& e : models_) {
             if (e->id != d->model || !e->res) continue;
             const auto& files = e->res->model().files();
             if (d->file >= files.size())
-                return answer_failure(c, rq, EINVAL, fmt::format("model {} has {} files; there is no file {}", d->model,
+                return cannot(c, rq, EINVAL, fmt::format("model {} has {} files; there is no file {}", d->model,
                                                          files.size(), d->file));
             if (d->file_offset > files[d->file].identity.size ||
                 d->length > files[d->file].identity.size - d->file_offset)
-                return answer_failure(c, rq, EINVAL,
+                return cannot(c, rq, EINVAL,
                               fmt::format("a mapping of {} bytes from offset {} runs past the end of file {} ({} bytes)",
                                           d->length, d->file_offset, d->file, files[d->file].identity.size));
         }
@@ -175,9 +176,9 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         return true;
     }
     if (auto* t = std::get_if<TelemetrySetup>(&m->body)) {
-        if (c.ring) return answer_failure(c, rq, EEXIST, "a telemetry ring is attached already");
+        if (c.ring) return cannot(c, rq, EEXIST, "a telemetry ring is attached already");
         auto ring = telemetry::TelemetryRing::attach(p.fds.front().get(), t->ring_bytes);
-        if (!ring) return answer_failure(c, rq, EINVAL, ring.error().what());
+        if (!ring) return cannot(c, rq, EINVAL, ring.error().what());
         c.ring = std::make_unique<telemetry::TelemetryRing>(std::move(*ring));
         reply(c, rq, Ok{});
         return true;
@@ -194,16 +195,11 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
     // The client proves it may read every file by handing over a readable descriptor of it; the
     // daemon opens the model by the path the kernel gives for the descriptor and checks that each
     // file it opened is the inode the client handed over. Never a path the client names.
-    // A request that cannot be met is answered with a Failure; the client stays connected.
-    auto failed = [&](int errnum, const std::string& text) {
-        reply(c, rq, Failure{errnum, text});
-        return true;
-    };
     std::vector<FileIdentity> ids;
     for (size_t i = 0; i < fds.size(); ++i) {
-        if (auto why = unusable(fds[i].get(), i); !why.empty()) return failed(EBADF, why);
+        if (auto why = unusable(fds[i].get(), i); !why.empty()) return cannot(c, rq, EBADF, why);
         auto id = identity_of(fds[i].get(), fmt::format("descriptor {}", i));
-        if (!id) return failed(id.error().errnum, id.error().what());
+        if (!id) return cannot(c, rq, id.error().errnum, id.error().what());
         ids.push_back(*id);
     }
     auto matches = [&](const ModelEntry& e) {
@@ -225,7 +221,7 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         // The path must lead to the very inode the client handed over.
         auto at_path = n > 0 && target[0] == '/' ? identity_of_path(target) : Result<FileIdentity>(failf("no path"));
         if (!at_path || at_path->dev != ids.front().dev || at_path->ino != ids.front().ino)
-            return failed(ESTALE, "the model file has no path the daemon can open that leads to it (deleted, replaced, "
+            return cannot(c, rq, ESTALE, "the model file has no path the daemon can open that leads to it (deleted, replaced, "
                                   "a memfd, or in another mount namespace)");
         std::string path = target;
         if (auto split = parse_split_name(path)) path = split_path(split->prefix, 0, split->count);
@@ -259,7 +255,7 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
                 models_.erase(std::remove_if(models_.begin(), models_.end(), [&](const auto& e) { return e.get() == entry; }),
                               models_.end());
             }
-            return failed(errnum, why);
+            return cannot(c, rq, errnum, why);
         }
     }
     if (std::find(c.models.begin(), c.models.end(), entry->id) == c.models.end()) c.models.push_back(entry->id);
@@ -287,26 +283,29 @@ void Daemon::consume_client_telemetry() {
         Client& c = *cp;
         // A client that has gone still has its last records read: they were sent.
         if (!c.ring) continue;
+        // The client's models, resolved once per turn rather than per event.
+        std::vector<ModelEntry*> mine;
+        for (auto& m : models_)
+            if (m->res && std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) mine.push_back(m.get());
         auto n = c.ring->consume(
             [&](const telemetry::RoutingEvent& e) {
-                if (std::find(c.models.begin(), c.models.end(), e.model) == c.models.end()) {
+                const auto it = std::find_if(mine.begin(), mine.end(), [&](const ModelEntry* m) { return m->id == e.model; });
+                if (it == mine.end()) {
                     ++c.bad_events;
                     return;
                 }
-                for (auto& m : models_) {
-                    if (m->id != e.model || !m->res) continue;
-                    const uint32_t n_experts = m->res->n_experts();
-                    uint32_t experts[telemetry::kMaxExpertsPerRecord];
-                    uint32_t k = 0;
-                    for (uint32_t i = 0; i < e.n_experts; ++i)
-                        if (e.experts[i] < n_experts) experts[k++] = e.experts[i];
-                    if (k != e.n_experts || !m->res->layer_of_block(e.block)) {
-                        ++c.bad_events;
-                        return;
-                    }
-                    record_routing(m->id, e.block, std::span<const uint32_t>(experts, k), e.tokens);
-                    ++c.events;
+                ModelEntry& m = **it;
+                const uint32_t n_experts = m.res->n_experts();
+                uint32_t experts[telemetry::kMaxExpertsPerRecord];
+                uint32_t k = 0;
+                for (uint32_t i = 0; i < e.n_experts; ++i)
+                    if (e.experts[i] < n_experts) experts[k++] = e.experts[i];
+                if (k != e.n_experts || !m.res->layer_of_block(e.block)) {
+                    ++c.bad_events;
+                    return;
                 }
+                record_routing(m, e.block, std::span<const uint32_t>(experts, k), e.tokens);
+                ++c.events;
             },
             c.dead ? SIZE_MAX : kEventsPerTurn);
         if (!n) {

@@ -149,9 +149,12 @@ private:
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
     void reply(Client& c, uint32_t request, const protocol::Body& body);
     bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
+    // A request that cannot be met: a Failure, and the client stays connected (true).
+    bool cannot(Client& c, uint32_t request, int errnum, const std::string& text);
     void drop_client(Client& c, const std::string& why);
     void reap_clients();
     void consume_client_telemetry();
+    void record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
     // A Directive to every client that registered model m, about one of its expert slots.
     void tell_clients(const ModelEntry& m, uint32_t slot, protocol::Action action);
 
@@ -170,7 +173,8 @@ private:
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
     std::string page_cache_off_reason_;
     struct WatchedFile {
-        uint32_t model = 0, file = 0;
+        ModelEntry* model = nullptr;  // erased from watched_ before its model closes
+        uint32_t file = 0;
     };
     std::unordered_map<uint32_t, WatchedFile> watched_;  // by the file id the BPF events carry
     uint32_t next_file_id_ = 1;
