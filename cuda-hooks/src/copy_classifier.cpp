@@ -38,7 +38,30 @@ std::optional<ExpertCopy> CopyClassifier::classify(const void* src, uint64_t byt
     // The slices themselves lie in this tensor; the padding may run past it.
     if (offset + n * pos->slice_bytes > pos->tensor_end) return std::nullopt;
     if (a + n * pos->slice_bytes > it->end) return std::nullopt;  // not all of it in this mapping
-    return ExpertCopy{it->model, pos->layer, pos->expert, static_cast<uint32_t>(n), pad};
+    const MoeLayer* layer = it->map->layer(pos->layer);
+    if (layer == nullptr) return std::nullopt;
+    uint32_t tensor = 0;
+    while (tensor < layer->tensors.size()) {
+        const auto& t = layer->tensors[tensor];
+        if (t.file == it->file && offset >= t.offset && offset < pos->tensor_end && t.bytes_per_expert == pos->slice_bytes &&
+            t.offset + uint64_t{it->map->n_experts} * t.bytes_per_expert == pos->tensor_end)
+            break;
+        ++tensor;
+    }
+    if (tensor == layer->tensors.size()) return std::nullopt;
+    return ExpertCopy{it->model, pos->layer, pos->expert, static_cast<uint32_t>(n), pad,
+                      it->file,  tensor,     pos->slice_bytes, offset};
+}
+
+bool CopyClassifier::covers(const void* src) const {
+    const auto a = reinterpret_cast<uintptr_t>(src);
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), a,
+                               [](uintptr_t x, const Range& r) { return x < r.begin; });
+    return it != ranges_.begin() && a < std::prev(it)->end;
+}
+
+bool ExpertCopy::padding_in_tensor(const ExpertMap& map) const {
+    return first_expert + n_experts < map.n_experts;
 }
 
 }  // namespace moecache::cuda

@@ -17,6 +17,7 @@ struct InodeId {
     uint32_t dev_major = 0;
     uint32_t dev_minor = 0;
     uint64_t inode = 0;
+    bool operator==(const InodeId&) const = default;
 };
 
 struct FileMapping {
@@ -32,6 +33,18 @@ struct FileMapping {
     // Where file byte `offset` is, for an offset it covers.
     [[nodiscard]] uintptr_t address_of(uint64_t offset) const { return start + (offset - file_offset); }
 };
+
+// One file-backed line of /proc/PID/maps. `path` is as the kernel prints it: it may end in
+// " (deleted)" and cannot be told apart from a name containing a newline.
+struct MapsEntry {
+    FileMapping mapping;
+    InodeId file;
+    std::string path;
+};
+
+// Every file-backed mapping (inode != 0) in the text of a /proc/PID/maps, in its order. Lines that
+// do not parse are skipped.
+std::vector<MapsEntry> parse_maps(std::string_view maps_text);
 
 Result<InodeId> identify_file(const std::string& path);
 

@@ -41,8 +41,8 @@ Result<InodeId> identify_file(const std::string& path) {
 }
 
 // A line: "7f12a000-7f12c000 r--s 00001000 fe:01 1234567   /path/to/model.gguf"
-std::vector<FileMapping> find_mappings(std::string_view text, const InodeId& file) {
-    std::vector<FileMapping> out;
+std::vector<MapsEntry> parse_maps(std::string_view text) {
+    std::vector<MapsEntry> out;
     while (!text.empty()) {
         const size_t eol = std::min(text.find('\n'), text.size());
         std::string_view line = text.substr(0, eol);
@@ -57,9 +57,19 @@ std::vector<FileMapping> find_mappings(std::string_view text, const InodeId& fil
         if (std::from_chars(dev.data(), dev.data() + dev.size(), dmin, 16).ec != std::errc()) continue;
         const auto ino_s = next_word(line);
         if (std::from_chars(ino_s.data(), ino_s.data() + ino_s.size(), inode, 10).ec != std::errc()) continue;
-        if (inode != file.inode || dmaj != file.dev_major || dmin != file.dev_minor || end <= start) continue;
-        out.push_back({static_cast<uintptr_t>(start), static_cast<uintptr_t>(end), offset, std::string(perms)});
+        if (inode == 0 || end <= start) continue;
+        while (!line.empty() && line.front() == ' ') line.remove_prefix(1);
+        out.push_back({{static_cast<uintptr_t>(start), static_cast<uintptr_t>(end), offset, std::string(perms)},
+                       {static_cast<uint32_t>(dmaj), static_cast<uint32_t>(dmin), inode},
+                       std::string(line)});
     }
+    return out;
+}
+
+std::vector<FileMapping> find_mappings(std::string_view text, const InodeId& file) {
+    std::vector<FileMapping> out;
+    for (auto& e : parse_maps(text))
+        if (e.file == file) out.push_back(std::move(e.mapping));
     return out;
 }
 

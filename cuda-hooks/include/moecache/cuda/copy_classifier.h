@@ -23,6 +23,12 @@ struct ExpertCopy {
     uint32_t first_expert = 0;  // the copy holds experts first_expert .. first_expert + n_experts - 1
     uint32_t n_experts = 0;
     uint64_t padding = 0;       // bytes past the last slice
+    uint32_t file = 0;          // the model file the bytes come from
+    uint32_t tensor = 0;        // which of the layer's expert tensors (MoeLayer::tensors)
+    uint64_t slice_bytes = 0;   // one expert's slice of that tensor
+    uint64_t file_offset = 0;   // of the first byte copied
+    // Whether the padding lies in the same tensor (it is then the start of the next expert's slice).
+    [[nodiscard]] bool padding_in_tensor(const ExpertMap& map) const;
 };
 
 class CopyClassifier {
@@ -36,6 +42,9 @@ public:
     // The experts a copy of `bytes` from `src` carries, if it carries whole expert slices; nullopt
     // for anything else (dense weights, activations, a partial slice, another file). O(log n).
     [[nodiscard]] std::optional<ExpertCopy> classify(const void* src, uint64_t bytes) const;
+    // Whether `src` lies in any registered mapping at all.
+    [[nodiscard]] bool covers(const void* src) const;
+    [[nodiscard]] bool empty() const { return ranges_.empty(); }
 
 private:
     struct Range {

@@ -1,0 +1,103 @@
+// The VRAM expert pool of one device, and the local placement policy that fills it when the daemon
+// is away: which expert slices sit in which slot, what a miss may evict. Pure bookkeeping over
+// device addresses the caller allocated: no CUDA here, so CI tests every rule without a GPU.
+//
+// Ordering, the rule that keeps copies byte-identical: a slot is filled and read in the order of
+// one stream. A slice filled on stream A is a hit only for copies on A (others copy from the host
+// as before), and a slot is given to another slice only by a copy on the stream that last used it,
+// so no fill can overtake a read still queued elsewhere.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace moecache::cuda {
+
+inline constexpr uint32_t kNoSlot = UINT32_MAX;
+
+// Decayed use counts per expert: what the local policy knows. Counts halve after 16 uses per
+// expert in total, so an expert that went cold loses its place within a few hundred tokens.
+class ExpertHeat {
+public:
+    void add_model(uint32_t model, uint32_t n_experts);
+    void touch(uint32_t model, uint32_t expert, uint32_t amount = 1);
+    void set(uint32_t model, uint32_t expert, uint32_t value);
+    [[nodiscard]] uint32_t heat(uint32_t model, uint32_t expert) const;
+    [[nodiscard]] uint32_t hottest() const;
+
+private:
+    std::vector<std::vector<uint32_t>> heat_;  // [model][expert]
+    uint64_t experts_ = 0, touches_ = 0;
+};
+
+// A slice of an expert tensor: model-local slice index, and the model-local expert it belongs to.
+struct SliceRef {
+    uint32_t model = 0;
+    uint32_t slice = 0;
+    uint32_t expert = 0;
+};
+
+using StreamId = uintptr_t;
+
+struct VramPoolStats {
+    uint64_t slots = 0, used = 0, bytes = 0;
+    uint64_t admitted = 0, evicted = 0, declined = 0, cross_stream = 0;
+};
+
+class VramPool {
+public:
+    // `count` slots of `slot_bytes` each at base, base + slot_bytes, ... (one device allocation).
+    void add_arena(uint64_t slot_bytes, uint64_t base, uint32_t count);
+    void add_model(uint32_t model, uint32_t n_slices, uint32_t n_experts);
+
+    // The device address of the slice when it is pooled and readable on `stream`, else 0.
+    [[nodiscard]] uint64_t lookup(const SliceRef& s, StreamId stream);
+    // A slot for a slice that missed, whose bytes the caller copies in on `stream` right after the
+    // runtime's own copy; 0 when the policy declines (no slot of that size, or every candidate
+    // victim is as hot as the slice or busy on another stream).
+    [[nodiscard]] uint64_t admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat);
+    // Empties the slice's slot (an admission whose copy failed, or a demotion).
+    void drop(uint32_t model, uint32_t slice);
+    // Empties every slot of the expert; returns how many.
+    uint32_t drop_expert(uint32_t model, uint32_t expert);
+    // How many of the expert's slices are pooled.
+    [[nodiscard]] uint32_t pooled_slices(uint32_t model, uint32_t expert) const;
+    // Gives up whole arenas until at least `bytes` are free, coldest first; returns their base
+    // addresses, to be freed once the device has finished what it queued.
+    std::vector<uint64_t> release(uint64_t bytes, const ExpertHeat& heat);
+    [[nodiscard]] bool has_class(uint64_t slot_bytes) const;
+    [[nodiscard]] VramPoolStats stats() const;
+
+private:
+    struct Slot {
+        uint64_t address = 0;
+        uint32_t arena = 0;
+        uint32_t model = kNoSlot, slice = 0, expert = 0;  // model == kNoSlot: empty
+        StreamId stream = 0;
+        bool live = true;
+        bool used = false;  // ever held a slice (its stream then matters)
+    };
+    struct SizeClass {
+        uint64_t slot_bytes = 0;
+        std::vector<uint32_t> slots;  // live slots of this size
+        std::vector<uint32_t> free;
+    };
+    struct Arena {
+        uint64_t base = 0, bytes = 0;
+        uint32_t size_class = 0, first_slot = 0, count = 0;
+        bool live = true;
+    };
+    void empty_slot(uint32_t slot);
+    SizeClass* class_for(uint64_t slot_bytes);
+    uint64_t next_random();
+
+    std::vector<Slot> slots_;
+    std::vector<SizeClass> classes_;
+    std::vector<Arena> arenas_;
+    std::vector<std::vector<uint32_t>> slot_of_;  // [model][slice]
+    std::vector<std::vector<uint16_t>> pooled_;   // [model][expert]: slices pooled
+    uint64_t rng_ = 0x9e3779b97f4a7c15ull;
+    VramPoolStats stats_;
+};
+
+}  // namespace moecache::cuda

@@ -1,0 +1,43 @@
+#include "driver.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+
+namespace moecache::cuda::hook {
+
+const Driver* driver() {
+    static Driver d{};
+    static bool ok = false;
+    static std::once_flag once;
+    std::call_once(once, [] {
+        void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+        if (lib == nullptr) return;
+        bool all = true;
+        auto get = [&](auto& fn, const char* name) {
+            fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(real_dlsym(lib, name));
+            all = all && fn != nullptr;
+        };
+        get(d.ctx_get_current, "cuCtxGetCurrent");
+        get(d.ctx_get_device, "cuCtxGetDevice");
+        get(d.ctx_synchronize, "cuCtxSynchronize");
+        get(d.ctx_push_current, "cuCtxPushCurrent_v2");
+        get(d.ctx_pop_current, "cuCtxPopCurrent_v2");
+        get(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+        get(d.stream_is_capturing, "cuStreamIsCapturing");
+        get(d.stream_synchronize, "cuStreamSynchronize");
+        get(d.memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
+        get(d.memcpy_dtod_async, "cuMemcpyDtoDAsync_v2");
+        get(d.mem_alloc, "cuMemAlloc_v2");
+        get(d.mem_free, "cuMemFree_v2");
+        get(d.mem_get_info, "cuMemGetInfo_v2");
+        get(d.mem_host_register, "cuMemHostRegister_v2");
+        get(d.mem_host_unregister, "cuMemHostUnregister");
+        get(d.pointer_get_attributes, "cuPointerGetAttributes");
+        ok = all;
+    });
+    return ok ? &d : nullptr;
+}
+
+}  // namespace moecache::cuda::hook

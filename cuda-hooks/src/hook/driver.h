@@ -1,0 +1,34 @@
+// The driver functions the hook itself calls, resolved straight from libcuda.so.1, never through
+// the hooked entry points (so its own copies are never intercepted).
+#pragma once
+
+#include "cuda_api.h"
+
+namespace moecache::cuda::hook {
+
+// glibc's dlsym (the hook exports its own).
+void* real_dlsym(void* handle, const char* symbol);
+
+struct Driver {
+    CUresult (*ctx_get_current)(CUcontext*);
+    CUresult (*ctx_get_device)(CUdevice*);
+    CUresult (*ctx_synchronize)();
+    CUresult (*ctx_push_current)(CUcontext);
+    CUresult (*ctx_pop_current)(CUcontext*);
+    CUresult (*primary_ctx_retain)(CUcontext*, CUdevice);
+    CUresult (*stream_is_capturing)(CUstream, CUstreamCaptureStatus*);
+    CUresult (*stream_synchronize)(CUstream);
+    CUresult (*memcpy_htod_async)(CUdeviceptr, const void*, size_t, CUstream);
+    CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+    CUresult (*mem_alloc)(CUdeviceptr*, size_t);
+    CUresult (*mem_free)(CUdeviceptr);
+    CUresult (*mem_get_info)(size_t*, size_t*);
+    CUresult (*mem_host_register)(void*, size_t, unsigned int);
+    CUresult (*mem_host_unregister)(void*);
+    CUresult (*pointer_get_attributes)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+};
+
+// Null when libcuda.so.1 cannot be loaded or lacks one of them.
+const Driver* driver();
+
+}  // namespace moecache::cuda::hook

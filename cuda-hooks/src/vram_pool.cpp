@@ -1,0 +1,224 @@
+#include "moecache/cuda/vram_pool.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <numeric>
+
+namespace moecache::cuda {
+
+void ExpertHeat::add_model(uint32_t model, uint32_t n_experts) {
+    if (heat_.size() <= model) heat_.resize(model + 1);
+    experts_ += n_experts - heat_[model].size();
+    heat_[model].resize(n_experts, 0);
+}
+
+void ExpertHeat::touch(uint32_t model, uint32_t expert, uint32_t amount) {
+    if (model >= heat_.size() || expert >= heat_[model].size()) return;
+    auto& h = heat_[model][expert];
+    h = h > UINT32_MAX - amount ? UINT32_MAX : h + amount;
+    touches_ += amount;
+    if (touches_ >= 16 * std::max<uint64_t>(experts_, 1)) {
+        for (auto& m : heat_)
+            for (auto& v : m) v /= 2;
+        touches_ = 0;
+    }
+}
+
+void ExpertHeat::set(uint32_t model, uint32_t expert, uint32_t value) {
+    if (model < heat_.size() && expert < heat_[model].size()) heat_[model][expert] = value;
+}
+
+uint32_t ExpertHeat::heat(uint32_t model, uint32_t expert) const {
+    return model < heat_.size() && expert < heat_[model].size() ? heat_[model][expert] : 0;
+}
+
+uint32_t ExpertHeat::hottest() const {
+    uint32_t h = 0;
+    for (const auto& m : heat_)
+        for (auto v : m) h = std::max(h, v);
+    return h;
+}
+
+void VramPool::add_arena(uint64_t slot_bytes, uint64_t base, uint32_t count) {
+    if (slot_bytes == 0 || count == 0) return;
+    auto* c = class_for(slot_bytes);
+    if (c == nullptr) {
+        classes_.push_back(SizeClass{slot_bytes, {}, {}});
+        c = &classes_.back();
+    }
+    const auto cls = static_cast<uint32_t>(c - classes_.data());
+    const auto arena = static_cast<uint32_t>(arenas_.size());
+    arenas_.push_back(Arena{base, slot_bytes * count, cls, static_cast<uint32_t>(slots_.size()), count, true});
+    for (uint32_t i = 0; i < count; ++i) {
+        const auto id = static_cast<uint32_t>(slots_.size());
+        slots_.push_back(Slot{base + uint64_t{i} * slot_bytes, arena});
+        c->slots.push_back(id);
+        c->free.push_back(id);
+    }
+    // Hand out low addresses first (a fresh pool then reads like one array).
+    std::reverse(c->free.begin(), c->free.end());
+    stats_.slots += count;
+    stats_.bytes += slot_bytes * count;
+}
+
+void VramPool::add_model(uint32_t model, uint32_t n_slices, uint32_t n_experts) {
+    if (slot_of_.size() <= model) {
+        slot_of_.resize(model + 1);
+        pooled_.resize(model + 1);
+    }
+    slot_of_[model].resize(n_slices, kNoSlot);
+    pooled_[model].resize(n_experts, 0);
+}
+
+uint64_t VramPool::lookup(const SliceRef& s, StreamId stream) {
+    if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size()) return 0;
+    const uint32_t id = slot_of_[s.model][s.slice];
+    if (id == kNoSlot) return 0;
+    if (slots_[id].stream != stream) {
+        ++stats_.cross_stream;
+        return 0;
+    }
+    return slots_[id].address;
+}
+
+VramPool::SizeClass* VramPool::class_for(uint64_t slot_bytes) {
+    for (auto& c : classes_)
+        if (c.slot_bytes == slot_bytes) return &c;
+    return nullptr;
+}
+
+bool VramPool::has_class(uint64_t slot_bytes) const {
+    return std::any_of(classes_.begin(), classes_.end(), [&](const SizeClass& c) { return c.slot_bytes == slot_bytes; });
+}
+
+uint64_t VramPool::next_random() {
+    rng_ ^= rng_ << 13;
+    rng_ ^= rng_ >> 7;
+    rng_ ^= rng_ << 17;
+    return rng_;
+}
+
+void VramPool::empty_slot(uint32_t id) {
+    auto& sl = slots_[id];
+    if (sl.model == kNoSlot) return;
+    slot_of_[sl.model][sl.slice] = kNoSlot;
+    auto& n = pooled_[sl.model][sl.expert];
+    if (n > 0) --n;
+    sl.model = kNoSlot;
+    --stats_.used;
+}
+
+uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat) {
+    if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size() || s.expert >= pooled_[s.model].size())
+        return 0;
+    if (slot_of_[s.model][s.slice] != kNoSlot) return 0;  // pooled, only not readable on this stream
+    auto* c = class_for(slice_bytes);
+    if (c == nullptr || c->slots.empty()) return 0;
+    uint32_t id = kNoSlot;
+    // A free slot that was never used, or last used on this stream (a read of its old contents
+    // may still be queued there).
+    for (size_t k = 0; k < c->free.size() && k < 16; ++k) {
+        const uint32_t cand = c->free[c->free.size() - 1 - k];
+        if (!slots_[cand].used || slots_[cand].stream == stream) {
+            id = cand;
+            c->free.erase(c->free.end() - 1 - static_cast<std::ptrdiff_t>(k));
+            break;
+        }
+    }
+    if (id == kNoSlot) {
+        // Sampled LFU: the coldest of a few random slots, if colder than the newcomer and last used
+        // on this stream. Strictly colder, so that equals do not displace each other (no churn).
+        const uint32_t mine = heat.heat(s.model, s.expert);
+        uint32_t best = kNoSlot, best_heat = mine;
+        for (int k = 0; k < 8; ++k) {
+            const uint32_t cand = c->slots[next_random() % c->slots.size()];
+            const auto& sl = slots_[cand];
+            if (sl.model == kNoSlot || sl.stream != stream) continue;
+            const uint32_t h = heat.heat(sl.model, sl.expert);
+            if (h < best_heat) {
+                best = cand;
+                best_heat = h;
+            }
+        }
+        if (best == kNoSlot) {
+            ++stats_.declined;
+            return 0;
+        }
+        empty_slot(best);
+        ++stats_.evicted;
+        id = best;
+    }
+    auto& sl = slots_[id];
+    sl.model = s.model;
+    sl.slice = s.slice;
+    sl.expert = s.expert;
+    sl.stream = stream;
+    sl.used = true;
+    slot_of_[s.model][s.slice] = id;
+    ++pooled_[s.model][s.expert];
+    ++stats_.used;
+    ++stats_.admitted;
+    return sl.address;
+}
+
+void VramPool::drop(uint32_t model, uint32_t slice) {
+    if (model >= slot_of_.size() || slice >= slot_of_[model].size()) return;
+    const uint32_t id = slot_of_[model][slice];
+    if (id == kNoSlot) return;
+    empty_slot(id);
+    classes_[arenas_[slots_[id].arena].size_class].free.push_back(id);
+}
+
+uint32_t VramPool::drop_expert(uint32_t model, uint32_t expert) {
+    uint32_t n = 0;
+    for (uint32_t id = 0; id < slots_.size(); ++id) {
+        const auto& sl = slots_[id];
+        if (sl.live && sl.model == model && sl.expert == expert) {
+            drop(model, sl.slice);
+            ++n;
+        }
+    }
+    return n;
+}
+
+uint32_t VramPool::pooled_slices(uint32_t model, uint32_t expert) const {
+    return model < pooled_.size() && expert < pooled_[model].size() ? pooled_[model][expert] : 0;
+}
+
+std::vector<uint64_t> VramPool::release(uint64_t bytes, const ExpertHeat& heat) {
+    std::vector<uint64_t> out;
+    std::vector<uint32_t> order;
+    std::vector<uint64_t> warmth(arenas_.size(), 0);
+    for (uint32_t a = 0; a < arenas_.size(); ++a) {
+        if (!arenas_[a].live) continue;
+        order.push_back(a);
+        for (uint32_t i = 0; i < arenas_[a].count; ++i) {
+            const auto& sl = slots_[arenas_[a].first_slot + i];
+            if (sl.model != kNoSlot) warmth[a] += heat.heat(sl.model, sl.expert);
+        }
+    }
+    std::sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return warmth[x] < warmth[y]; });
+    uint64_t freed = 0;
+    for (uint32_t a : order) {
+        if (freed >= bytes) break;
+        auto& ar = arenas_[a];
+        for (uint32_t i = 0; i < ar.count; ++i) {
+            empty_slot(ar.first_slot + i);
+            slots_[ar.first_slot + i].live = false;
+        }
+        auto& c = classes_[ar.size_class];
+        auto dead = [&](uint32_t id) { return !slots_[id].live; };
+        c.slots.erase(std::remove_if(c.slots.begin(), c.slots.end(), dead), c.slots.end());
+        c.free.erase(std::remove_if(c.free.begin(), c.free.end(), dead), c.free.end());
+        ar.live = false;
+        stats_.slots -= ar.count;
+        stats_.bytes -= ar.bytes;
+        freed += ar.bytes;
+        out.push_back(ar.base);
+    }
+    return out;
+}
+
+VramPoolStats VramPool::stats() const { return stats_; }
+
+}  // namespace moecache::cuda

@@ -1,0 +1,143 @@
+// The VRAM pool's bookkeeping and local policy, and the copy planner: no GPU needed.
+#include "moecache/cuda/copy_plan.h"
+#include "moecache/cuda/vram_pool.h"
+
+#include <gtest/gtest.h>
+
+namespace moecache::cuda {
+namespace {
+
+constexpr uint64_t kSlice = 1000;
+
+struct Pool : ::testing::Test {
+    void SetUp() override {
+        heat.add_model(0, 64);
+        pool.add_model(0, 3 * 64, 64);
+        pool.add_arena(kSlice, 0x100000, 4);
+    }
+    SliceRef ref(uint32_t expert, uint32_t tensor = 0) { return {0, tensor * 64 + expert, expert}; }
+    ExpertHeat heat;
+    VramPool pool;
+};
+
+TEST_F(Pool, AdmitsIntoFreeSlotsThenHits) {
+    const uint64_t a = pool.admit(ref(1), kSlice, 7, heat);
+    EXPECT_EQ(a, 0x100000u);
+    EXPECT_EQ(pool.lookup(ref(1), 7), a);
+    EXPECT_EQ(pool.lookup(ref(2), 7), 0u);
+    EXPECT_EQ(pool.pooled_slices(0, 1), 1u);
+    EXPECT_EQ(pool.admit(ref(1), kSlice, 7, heat), 0u) << "a pooled slice is not admitted twice";
+    EXPECT_EQ(pool.admit(ref(9), kSlice + 8, 7, heat), 0u) << "no slot of that size";
+}
+
+TEST_F(Pool, HitsOnlyOnTheStreamThatFilledIt) {
+    ASSERT_NE(pool.admit(ref(1), kSlice, 7, heat), 0u);
+    EXPECT_EQ(pool.lookup(ref(1), 8), 0u);
+    EXPECT_EQ(pool.stats().cross_stream, 1u);
+}
+
+TEST_F(Pool, EvictsOnlyColderExpertsOnTheSameStream) {
+    for (uint32_t e = 0; e < 4; ++e) ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+    // Equally cold newcomer: declined (no churn between equals).
+    EXPECT_EQ(pool.admit(ref(10), kSlice, 7, heat), 0u);
+    EXPECT_GT(pool.stats().declined, 0u);
+    // A hotter newcomer, but every slot was last used on stream 7: not from stream 8.
+    for (int i = 0; i < 5; ++i) heat.touch(0, 10);
+    EXPECT_EQ(pool.admit(ref(10), kSlice, 8, heat), 0u);
+    // From stream 7 it displaces one of the cold ones (sampling may need a few tries).
+    uint64_t a = 0;
+    for (int i = 0; i < 50 && a == 0; ++i) a = pool.admit(ref(10), kSlice, 7, heat);
+    ASSERT_NE(a, 0u);
+    EXPECT_EQ(pool.stats().evicted, 1u);
+    EXPECT_EQ(pool.stats().used, 4u);
+    uint32_t still = 0;
+    for (uint32_t e = 0; e < 4; ++e) still += pool.lookup(ref(e), 7) != 0;
+    EXPECT_EQ(still, 3u);
+}
+
+TEST_F(Pool, KeepsTheHotterOfTwo) {
+    for (uint32_t e = 0; e < 4; ++e) {
+        ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+        for (int i = 0; i < 10; ++i) heat.touch(0, e);
+    }
+    heat.touch(0, 20, 3);  // warmer than nothing, colder than every pooled one
+    for (int i = 0; i < 50; ++i) EXPECT_EQ(pool.admit(ref(20), kSlice, 7, heat), 0u);
+    EXPECT_EQ(pool.stats().evicted, 0u);
+}
+
+TEST_F(Pool, DropAndDemoteFreeSlots) {
+    ASSERT_NE(pool.admit(ref(1, 0), kSlice, 7, heat), 0u);
+    ASSERT_NE(pool.admit(ref(1, 1), kSlice, 7, heat), 0u);
+    ASSERT_NE(pool.admit(ref(2, 0), kSlice, 7, heat), 0u);
+    EXPECT_EQ(pool.pooled_slices(0, 1), 2u);
+    EXPECT_EQ(pool.drop_expert(0, 1), 2u);
+    EXPECT_EQ(pool.pooled_slices(0, 1), 0u);
+    EXPECT_EQ(pool.lookup(ref(1, 1), 7), 0u);
+    pool.drop(0, ref(2).slice);
+    EXPECT_EQ(pool.stats().used, 0u);
+    // A freed slot last used on stream 7 is not handed to stream 8 (a read may still be queued on 7),
+    // but a never-used one is.
+    for (uint32_t e = 30; e < 34; ++e) (void)pool.admit(ref(e), kSlice, 8, heat);
+    EXPECT_EQ(pool.stats().used, 1u) << "only the one never-used slot may go to another stream";
+}
+
+TEST_F(Pool, ReleasesColdestArenasFirst) {
+    pool.add_arena(kSlice, 0x200000, 4);
+    for (uint32_t e = 0; e < 8; ++e) ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+    for (uint32_t e = 4; e < 8; ++e) heat.touch(0, e, 5);  // the second arena holds the hot ones
+    const auto freed = pool.release(1, heat);
+    ASSERT_EQ(freed.size(), 1u);
+    EXPECT_EQ(freed[0], 0x100000u);
+    EXPECT_EQ(pool.stats().slots, 4u);
+    EXPECT_EQ(pool.stats().used, 4u);
+    for (uint32_t e = 0; e < 4; ++e) EXPECT_EQ(pool.lookup(ref(e), 7), 0u);
+    for (uint32_t e = 4; e < 8; ++e) EXPECT_NE(pool.lookup(ref(e), 7), 0u);
+}
+
+TEST(ExpertHeat, HalvesAfterSixteenUsesPerExpert) {
+    ExpertHeat h;
+    h.add_model(0, 4);
+    for (int i = 0; i < 63; ++i) h.touch(0, 0);
+    EXPECT_EQ(h.heat(0, 0), 63u);
+    h.touch(0, 1);  // the 64th use: everything halves
+    EXPECT_EQ(h.heat(0, 0), 31u);
+    EXPECT_EQ(h.heat(0, 1), 0u);
+    EXPECT_EQ(h.hottest(), 31u);
+    EXPECT_EQ(h.heat(3, 3), 0u) << "unknown model";
+}
+
+TEST(CopyPlan, MergesHostRunsAndServesHits) {
+    CopyPiece out[16];
+    // Slices 0..4, pooled: 1 and 3. Padding 100 bytes, head of slice 5, which is pooled too.
+    auto pool = [](uint32_t i) -> uint64_t { return i == 1 || i == 3 || i == 5 ? 0x9000 + i * 0x1000 : 0; };
+    const size_t n = plan_copy(5, kSlice, 100, true, pool, out, 16);
+    ASSERT_EQ(n, 6u);
+    EXPECT_EQ(out[0].offset, 0u);
+    EXPECT_EQ(out[0].bytes, kSlice);
+    EXPECT_EQ(out[0].pool_address, 0u);
+    EXPECT_EQ(out[1].pool_address, 0xa000u);
+    EXPECT_EQ(out[3].pool_address, 0xc000u);
+    EXPECT_EQ(out[4].offset, 4 * kSlice);
+    EXPECT_EQ(out[5].offset, 5 * kSlice);
+    EXPECT_EQ(out[5].bytes, 100u);
+    EXPECT_EQ(out[5].pool_address, 0xe000u);
+    uint64_t covered = 0;
+    for (size_t i = 0; i < n; ++i) covered += out[i].bytes;
+    EXPECT_EQ(covered, 5 * kSlice + 100);
+}
+
+TEST(CopyPlan, PaddingPastTheTensorComesFromTheHost) {
+    CopyPiece out[4];
+    auto all = [](uint32_t) -> uint64_t { return 0x5000; };
+    ASSERT_EQ(plan_copy(1, kSlice, 100, false, all, out, 4), 2u);
+    EXPECT_EQ(out[1].pool_address, 0u);
+    EXPECT_EQ(out[1].bytes, 100u);
+    auto none = [](uint32_t) -> uint64_t { return 0; };
+    ASSERT_EQ(plan_copy(3, kSlice, 100, true, none, out, 4), 1u) << "misses merge into one host copy";
+    EXPECT_EQ(out[0].bytes, 3 * kSlice + 100);
+    EXPECT_EQ(plan_copy(3, kSlice, 0, false, [](uint32_t i) -> uint64_t { return i % 2 ? 0x1000 : 0; }, out, 2), 0u)
+        << "more pieces than room: nothing";
+}
+
+}  // namespace
+}  // namespace moecache::cuda
