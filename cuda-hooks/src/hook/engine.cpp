@@ -163,8 +163,8 @@ void Engine::run() {
         for (int d = 0; d < kMaxDevices; ++d) {
             if ((wanted >> d & 1) == 0) continue;
             if (!allocate_pool(d)) continue;  // no model mapped yet: again on the next turn
-            devices_done_.fetch_or(uint64_t{1} << d);
             if (cfg_.pin) pin_models(d);
+            devices_done_.fetch_or(uint64_t{1} << d);
         }
         poll_directives();
         sync_cv_.notify_all();
