@@ -26,8 +26,10 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <vector>
 
@@ -75,6 +77,11 @@ struct moecache_client {
     std::atomic<uint32_t> models_count{0};
     std::deque<moecache_directive> directives;
     bool ready = false;
+    // Experts in a VRAM pool (handle, block, expert) -> device: re-sent after every connection.
+    std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t> placements;
+    std::deque<std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>> placements_unsent;
+    static constexpr uint32_t kMaxBudgetDevices = 64;
+    std::array<std::atomic<uint64_t>, kMaxBudgetDevices> budgets{};  // 0: none set
 
     std::atomic<telemetry::TelemetryRing*> ring{nullptr};
     std::vector<std::unique_ptr<telemetry::TelemetryRing>> rings;  // every ring made, alive until close
@@ -90,6 +97,8 @@ struct moecache_client {
     bool request(int fd, const Message& m, const std::vector<int>& fds, Message& reply);
     bool read_one(int fd, int timeout_ms, Message& out, bool& hung_up);
     void take_directive(const Directive& d);
+    void take_push(const Message& m);
+    bool send_placements(int fd);
     bool register_model(int fd, Model& m);
     bool send_mappings(int fd, Model& m);
 };
@@ -127,6 +136,35 @@ void moecache_client::take_directive(const Directive& d) {
     }
 }
 
+// What the daemon sends unasked: directives and pool budgets.
+void moecache_client::take_push(const Message& m) {
+    if (const auto* d = std::get_if<Directive>(&m.body)) take_directive(*d);
+    if (const auto* b = std::get_if<PoolBudget>(&m.body)) {
+        // Stored as bytes + 1, so that a budget of 0 (no pool) differs from none set.
+        const uint64_t v = b->bytes == UINT64_MAX ? UINT64_MAX : b->bytes + 1;
+        for (uint32_t d = 0; d < kMaxBudgetDevices; ++d)
+            if (b->device == kAllDevices || b->device == d) budgets[d].store(v);
+    }
+}
+
+// Placements not yet sent, for models the daemon knows; one-way messages.
+bool moecache_client::send_placements(int fd) {
+    for (;;) {
+        std::tuple<uint32_t, uint32_t, uint32_t, uint32_t> p;
+        {
+            std::lock_guard lock(mu);
+            if (placements_unsent.empty()) return true;
+            p = placements_unsent.front();
+        }
+        const auto [handle, block, expert, device] = p;
+        const uint32_t id = models[handle].load()->daemon_id.load();
+        if (id != kNoId && !send_packet(fd, encode({0, ExpertPlacement{id, block, expert, device}})))
+            return false;
+        std::lock_guard lock(mu);
+        placements_unsent.pop_front();
+    }
+}
+
 // Sends a request and waits for its reply; directives that arrive meanwhile are queued.
 bool moecache_client::request(int fd, const Message& m, const std::vector<int>& fds, Message& reply) {
     if (!send_packet(fd, encode(m), fds)) return false;
@@ -138,8 +176,8 @@ bool moecache_client::request(int fd, const Message& m, const std::vector<int>& 
             if (hung_up) return false;
             continue;
         }
-        if (const auto* d = std::get_if<Directive>(&r.body)) {
-            take_directive(*d);
+        if (std::holds_alternative<Directive>(r.body) || std::holds_alternative<PoolBudget>(r.body)) {
+            take_push(r);
             continue;
         }
         if (r.request == m.request) {
@@ -202,6 +240,12 @@ bool moecache_client::session(int fd) {
         return true;
     };
     if (!register_new()) return false;
+    {
+        std::lock_guard lock(mu);
+        placements_unsent.clear();
+        for (const auto& [k, device] : placements)
+            placements_unsent.emplace_back(std::get<0>(k), std::get<1>(k), std::get<2>(k), device);
+    }
     auto ring_made = telemetry::TelemetryRing::create(kRingBytes);
     if (!ring_made) {
         std::fprintf(stderr, "moecache: no telemetry ring: %s\n", ring_made.error().what().c_str());
@@ -229,9 +273,7 @@ bool moecache_client::session(int fd) {
         if (stop.load()) return true;
         bool hung_up = false;
         Message m;
-        if (read_one(fd, 200, m, hung_up)) {
-            if (const auto* d = std::get_if<Directive>(&m.body)) take_directive(*d);
-        }
+        if (read_one(fd, 200, m, hung_up)) take_push(m);
         if (hung_up) return false;
         uint64_t v;
         while (::read(wake.get(), &v, sizeof v) > 0) {}
@@ -243,6 +285,7 @@ bool moecache_client::session(int fd) {
         }
         for (uint32_t h = 0; h < registered; ++h)
             if (!send_mappings(fd, *models[h].load())) return false;
+        if (!send_placements(fd)) return false;
     }
 }
 
@@ -362,6 +405,34 @@ int moecache_client_report(moecache_client* c, uint32_t handle, uint32_t block, 
     c->push_lock.clear(std::memory_order_release);
     (all ? c->sent : c->overflow).fetch_add(1, std::memory_order_relaxed);
     return all ? 1 : 0;
+}
+
+int moecache_client_report_placement(moecache_client* c, uint32_t handle, uint32_t block, uint32_t expert,
+                                     int32_t device) {
+    if (!c || handle >= c->models_count.load() || device < -1) return -EINVAL;
+    const uint32_t dev = device < 0 ? kHostTier : static_cast<uint32_t>(device);
+    {
+        std::lock_guard lock(c->mu);
+        const auto key = std::make_tuple(handle, block, expert);
+        if (dev == kHostTier) {
+            if (c->placements.erase(key) == 0) return 0;  // was in no pool: nothing to say
+        } else {
+            c->placements[key] = dev;
+        }
+        if (c->placements_unsent.size() >= 1u << 20) return -ENOBUFS;
+        c->placements_unsent.emplace_back(handle, block, expert, dev);
+    }
+    const uint64_t one = 1;
+    (void)!::write(c->wake.get(), &one, sizeof one);
+    return 0;
+}
+
+int moecache_client_pool_budget(const moecache_client* c, uint32_t device, uint64_t* bytes) {
+    if (!c || !bytes || device >= moecache_client::kMaxBudgetDevices) return 0;
+    const uint64_t v = c->budgets[device].load();
+    if (v == 0) return 0;
+    *bytes = v == UINT64_MAX ? UINT64_MAX : v - 1;
+    return 1;
 }
 
 size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max) {

@@ -91,11 +91,13 @@ const char* to_string(Type t) {
         case Type::DescribeMapping: return "DescribeMapping";
         case Type::TelemetrySetup: return "TelemetrySetup";
         case Type::Goodbye: return "Goodbye";
+        case Type::ExpertPlacement: return "ExpertPlacement";
         case Type::HelloReply: return "HelloReply";
         case Type::Ok: return "Ok";
         case Type::Failure: return "Failure";
         case Type::ModelRegistered: return "ModelRegistered";
         case Type::Directive: return "Directive";
+        case Type::PoolBudget: return "PoolBudget";
     }
     return "unknown";
 }
@@ -112,6 +114,8 @@ Type type_of(const Body& b) {
         Type operator()(const Failure&) const { return Type::Failure; }
         Type operator()(const ModelRegistered&) const { return Type::ModelRegistered; }
         Type operator()(const Directive&) const { return Type::Directive; }
+        Type operator()(const ExpertPlacement&) const { return Type::ExpertPlacement; }
+        Type operator()(const PoolBudget&) const { return Type::PoolBudget; }
     };
     return std::visit(V{}, b);
 }
@@ -160,6 +164,14 @@ std::vector<uint8_t> encode(const Message& m) {
                 body.u32(x.model);
                 body.u32(x.block);
                 body.u32(x.expert);
+            } else if constexpr (std::is_same_v<T, ExpertPlacement>) {
+                body.u32(x.model);
+                body.u32(x.block);
+                body.u32(x.expert);
+                body.u32(x.device);
+            } else if constexpr (std::is_same_v<T, PoolBudget>) {
+                body.u32(x.device);
+                body.u64(x.bytes);
             }
         },
         m.body);
@@ -316,6 +328,24 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             x.block = r.u32("Directive.block");
             x.expert = r.u32("Directive.expert");
             MC_TRY_VOID(expect_fds(0, "Directive"));
+            m.body = x;
+            break;
+        }
+        case Type::ExpertPlacement: {
+            ExpertPlacement x;
+            x.model = r.u32("ExpertPlacement.model");
+            x.block = r.u32("ExpertPlacement.block");
+            x.expert = r.u32("ExpertPlacement.expert");
+            x.device = r.u32("ExpertPlacement.device");
+            MC_TRY_VOID(expect_fds(0, "ExpertPlacement"));
+            m.body = x;
+            break;
+        }
+        case Type::PoolBudget: {
+            PoolBudget x;
+            x.device = r.u32("PoolBudget.device");
+            x.bytes = r.u64("PoolBudget.bytes");
+            MC_TRY_VOID(expect_fds(0, "PoolBudget"));
             m.body = x;
             break;
         }

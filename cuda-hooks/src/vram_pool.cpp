@@ -91,6 +91,12 @@ bool VramPool::has_class(uint64_t slot_bytes) const {
     return std::any_of(classes_.begin(), classes_.end(), [&](const SizeClass& c) { return c.slot_bytes == slot_bytes; });
 }
 
+uint64_t VramPool::class_bytes(uint64_t slot_bytes) const {
+    for (const auto& c : classes_)
+        if (c.slot_bytes == slot_bytes) return c.slot_bytes * c.slots.size();
+    return 0;
+}
+
 uint64_t VramPool::next_random() {
     rng_ ^= rng_ << 13;
     rng_ ^= rng_ >> 7;
@@ -108,7 +114,9 @@ void VramPool::empty_slot(uint32_t id) {
     --stats_.used;
 }
 
-uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat) {
+uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat,
+                         SliceRef* evicted) {
+    if (evicted != nullptr) evicted->model = kNoSlot;
     if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size() || s.expert >= pooled_[s.model].size())
         return 0;
     if (slot_of_[s.model][s.slice] != kNoSlot) return 0;  // pooled, only not readable on this stream
@@ -144,6 +152,7 @@ uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId strea
             ++stats_.declined;
             return 0;
         }
+        if (evicted != nullptr) *evicted = SliceRef{slots_[best].model, slots_[best].slice, slots_[best].expert};
         empty_slot(best);
         ++stats_.evicted;
         id = best;

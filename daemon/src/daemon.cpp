@@ -244,6 +244,7 @@ void Daemon::open_model(ModelEntry& m) {
         return;
     }
     m.res = std::move(*res);
+    m.res->set_keep_ram_copy(config_.keep_ram_copy);
     m.error.clear();
     watch_files(m);
     const auto& map = m.res->model().map();
@@ -446,6 +447,11 @@ void Daemon::place() {
 void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
     SlotState& st = m.res->state(slot);
     if (st.tier == Tier::Locked) return;
+    if (!m.res->wanted_in_ram(slot)) {  // a VRAM pool took it while it was being read
+        st.tier = Tier::Storage;
+        m.res->drop_cached(slot);
+        return;
+    }
     const uint64_t need = m.res->slot_bytes(slot);
     const ByteAmount* ub = uid_budget(m);
     if (total_locked() + need > lock_cap() || m.res->locked_bytes() + need > model_cap(m) ||
@@ -667,6 +673,7 @@ DaemonStatus Daemon::status() const {
     s.page_cache.consume_cpu_seconds = page_cache_cpu_;
     s.socket_path = server_ ? server_->path() : "";
     s.clients_refused = clients_refused_;
+    s.vram_releases = vram_releases_;
     for (const auto& c : clients_) {
         if (c->dead) continue;
         ClientStatus cs;
@@ -720,6 +727,8 @@ DaemonStatus Daemon::status() const {
                 e.cached_bytes = st.cached_bytes;
                 e.locked_bytes = st.locked_bytes;
                 e.telemetry = r.telemetry(slot);
+                e.vram_holders = r.vram_holders(slot);
+                ms.experts_in_vram += e.vram_holders > 0;
                 ms.expert_bytes += e.bytes;
                 ms.expert_cached_bytes += e.cached_bytes;
                 ms.expert_locked_bytes += e.locked_bytes;

@@ -7,7 +7,9 @@
 #include "moecache/daemon/daemon.h"
 
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moecache::daemon {
@@ -32,6 +34,7 @@ struct Daemon::Client {
     std::string name;
     std::vector<uint32_t> models;  // model ids it registered
     std::unique_ptr<telemetry::TelemetryRing> ring;
+    std::set<std::pair<uint32_t, uint32_t>> vram;  // (model id, slot) its VRAM pool holds
     uint64_t events = 0, bad_events = 0;
     bool dead = false;  // dropped this turn; reaped at its end
 };

@@ -106,10 +106,11 @@ protected:
         if (base_ != nullptr && base_ != MAP_FAILED) munmap(const_cast<uint8_t*>(base_), size_);
     }
 
+    // At CUDA 12.0's ABI: CUDA 13 gave cuCtxSynchronize a context argument (cuCtxSynchronize_v2).
     template <class F>
     void get(F& fn, const char* name, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT) {
         void* p = nullptr;
-        ASSERT_EQ(get_proc_(name, &p, CUDA_VERSION, flags, nullptr), CUDA_SUCCESS) << name;
+        ASSERT_EQ(get_proc_(name, &p, 12000, flags, nullptr), CUDA_SUCCESS) << name;
         fn = reinterpret_cast<F>(p);
     }
     moecache_cuda_stats stats() {

@@ -130,6 +130,20 @@ TEST_F(ConfigTest, MissingMainFileIsAnError) {
     expect_mentions(c.error().what(), {path, "cannot open the config file", "No such file"});
 }
 
+TEST_F(ConfigTest, VramPoolIsASizeAndKeepRamCopyABool) {
+    const auto c = load("[vram]\npool = \"8GiB\"\nkeep_ram_copy = true\n");
+    ASSERT_TRUE(c) << c.error().what();
+    ASSERT_TRUE(c->vram_pool);
+    EXPECT_EQ(*c->vram_pool, 8ull << 30);
+    EXPECT_TRUE(c->keep_ram_copy);
+    const auto d = load("");
+    ASSERT_TRUE(d);
+    EXPECT_FALSE(d->vram_pool) << "unset: the hook decides";
+    EXPECT_FALSE(d->keep_ram_copy);
+    expect_rejected("[vram]\npool = \"25%\"\n", {main_ + ":2:", "vram.pool", "not a share of RAM"});
+    expect_rejected("[vram]\nkeep_ram_copy = \"yes\"\n", {"vram.keep_ram_copy", "expected"});
+}
+
 // ---- Names -----------------------------------------------------------------------------------
 
 TEST_F(ConfigTest, UnknownTableSuggestsTheClosest) {

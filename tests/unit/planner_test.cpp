@@ -52,6 +52,25 @@ TEST(Planner, HottestAdmittedExpertsFillTheBudget) {
     EXPECT_EQ(slots(all.lock), (std::vector<uint32_t>{5, 2, 7})) << "expert 1 is not admitted yet";
 }
 
+TEST(Planner, AnExpertInVramIsNotWantedInRamUnlessPinned) {
+    World w;
+    w.use(0, 5, 10);
+    w.use(0, 2, 7);
+    w.use(0, 3, 5);
+    w.view.locked[2] = 1;
+    w.view.in_vram.assign(8, 0);
+    w.view.in_vram[5] = 1;  // hottest, but a VRAM pool holds it
+    w.view.in_vram[2] = 1;  // locked before the pool took it: released
+    w.view.in_vram[3] = 1;
+    w.view.pinned[3] = 1;   // pinned: kept in RAM all the same
+    PlannerSettings s;
+    s.elite_share = 0;
+    const ModelView views[] = {w.view};
+    const auto p = plan_placement(views, 100 * kExpert, s);
+    EXPECT_EQ(slots(p.lock), (std::vector<uint32_t>{3}));
+    EXPECT_EQ(slots(p.release), (std::vector<uint32_t>{2}));
+}
+
 TEST(Planner, PinsAndDenseComeFirst) {
     World w;
     w.use(0, 5, 10);

@@ -25,6 +25,9 @@ std::vector<Message> samples() {
         {3, Failure{EACCES, "the descriptor is not readable"}},
         {4, ModelRegistered{9, 61, 256, 5}},
         {0, Directive{Action::Unlock, 9, 12, 255}},
+        {0, ExpertPlacement{9, 12, 255, 0}},
+        {0, ExpertPlacement{9, 12, 255, kHostTier}},
+        {0, PoolBudget{kAllDevices, 8ull << 30}},
     };
 }
 

@@ -55,6 +55,14 @@ MOECACHE_API int moecache_client_describe_mapping(moecache_client* c, uint32_t h
  * counted as dropped or overflow, -EINVAL for an unknown handle. */
 MOECACHE_API int moecache_client_report(moecache_client* c, uint32_t handle, uint32_t block, const uint32_t* experts, uint32_t n,
                            uint32_t tokens);
+/* Where expert `expert` of MoE block `block` of model `handle` now lives for this process: device
+ * >= 0: every slice of it is in that device's VRAM pool; -1: in no pool any more. The daemon keeps
+ * one copy (it unlocks and drops the expert's RAM pages while it is in VRAM). Sent in the
+ * background; the experts in VRAM are sent again after every reconnection. Returns 0 or -errno. */
+MOECACHE_API int moecache_client_report_placement(moecache_client* c, uint32_t handle, uint32_t block, uint32_t expert,
+                                                  int32_t device);
+/* The VRAM pool the daemon grants this process on `device`: 1 and *bytes when it set one, else 0. */
+MOECACHE_API int moecache_client_pool_budget(const moecache_client* c, uint32_t device, uint64_t* bytes);
 /* Up to max directives received since the last call; never blocks. Returns how many. */
 MOECACHE_API size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max);
 MOECACHE_API void moecache_client_stats_get(const moecache_client* c, moecache_client_stats* out);

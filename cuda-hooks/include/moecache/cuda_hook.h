@@ -10,6 +10,8 @@
  *                            a reserve)
  *   MOECACHE_CUDA_PIN=all    register the expert bytes of mapped models for DMA (read-only page-
  *                            locked host memory; copies that miss the pool then run at pinned speed)
+ *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds (the
+ *                            daemon's [vram] keep_ram_copy is the daemon's side of it)
  *   MOECACHE_CUDA_LOG=1      a summary on stderr at exit
  *   MOECACHE_SOCKET=PATH     the daemon's client socket; MOECACHE_CUDA_CLIENT=off: no daemon */
 #ifndef MOECACHE_CUDA_HOOK_H
@@ -26,9 +28,9 @@ typedef struct moecache_cuda_stats {
     uint64_t expert_copies;   /* of them, whole expert slices out of a mapped model */
     uint64_t served;          /* expert copies the pool took part in */
     uint64_t slice_hits;      /* slices copied device-to-device from the pool */
-    uint64_t slice_misses;    /* slices copied from the host */
+    uint64_t slice_misses;    /* slices copied from the host (on a device with a pool) */
     uint64_t bytes_from_pool;
-    uint64_t bytes_from_host; /* by served copies */
+    uint64_t bytes_from_host; /* by expert copies on a device with a pool */
     uint64_t admitted, evicted, declined;
     uint64_t captured;        /* expert copies passed through during stream capture */
     uint64_t fallbacks;       /* served copies redone by the runtime after a driver error */
@@ -38,6 +40,7 @@ typedef struct moecache_cuda_stats {
     uint64_t reported;        /* router events handed to the client runtime */
     uint64_t experts_in_vram; /* experts with every slice in a pool */
     uint64_t yielded_bytes;   /* pool memory given back to the runtime's allocations */
+    uint64_t dropped_host_bytes; /* of experts in a pool, unmapped here (the one-place rule) */
 } moecache_cuda_stats;
 
 void moecache_cuda_stats_get(moecache_cuda_stats* out);

@@ -105,6 +105,7 @@ EngineConfig config_from_environment() {
     const char* log = getenv("MOECACHE_CUDA_LOG");
     c.log = log != nullptr && *log != '\0' && strcmp(log, "0") != 0;
     c.client = !env_off("MOECACHE_CUDA_CLIENT");
+    c.one_place = !env_off("MOECACHE_CUDA_ONE_PLACE");
     return c;
 }
 
@@ -166,7 +167,17 @@ void Engine::run() {
             if (cfg_.pin) pin_models(d);
             devices_done_.fetch_or(uint64_t{1} << d);
         }
+        // The daemon's budget, when it sets or changes one.
+        for (int d = 0; d < kMaxDevices && client_ != nullptr; ++d) {
+            DevicePool* dp = pools_[d].load();
+            uint64_t b = 0;
+            if (dp == nullptr || moecache_client_pool_budget(client_, static_cast<uint32_t>(d), &b) == 0) continue;
+            if (daemon_budget_[d] == b + 1) continue;
+            daemon_budget_[d] = b + 1;
+            resize_pool(*dp);
+        }
         poll_directives();
+        drain_placements();
         sync_cv_.notify_all();
     }
 }
@@ -217,7 +228,11 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
         std::lock_guard lock(mu_);
         heat_.add_model(m->id, m->n_experts);
         for (auto& p : pools_)
-            if (auto* dp = p.load()) dp->pool.add_model(m->id, m->n_slices, m->n_experts);
+            if (auto* dp = p.load()) {
+                dp->pool.add_model(m->id, m->n_slices, m->n_experts);
+                if (dp->full.size() <= m->id) dp->full.resize(m->id + 1);
+                dp->full[m->id].assign(m->n_experts, 0);
+            }
     }
     models_.push_back(m);
     n_models_.store(models_.size());
@@ -279,13 +294,41 @@ void Engine::scan() {
     snapshot_.store(snap, std::memory_order_release);  // the old one stays: a hooked call may be reading it
 }
 
+uint64_t Engine::pool_target(uint64_t expert_bytes, int device) const {
+    uint64_t budget = expert_bytes;
+    if (cfg_.pool == EngineConfig::PoolSize::Percent)
+        budget = static_cast<uint64_t>(static_cast<double>(expert_bytes) * cfg_.pool_value / 100.0);
+    if (cfg_.pool == EngineConfig::PoolSize::Bytes) budget = static_cast<uint64_t>(cfg_.pool_value);
+    if (daemon_budget_[device] != 0) budget = std::min(budget, daemon_budget_[device] - 1);
+    return budget;
+}
+
 bool Engine::allocate_pool(int device) {
+    if (driver() == nullptr || models_.empty()) return false;
+    auto* dp = new DevicePool;
+    dp->device = device;
+    {
+        std::lock_guard lock(mu_);
+        for (const auto* m : models_) {
+            dp->pool.add_model(m->id, m->n_slices, m->n_experts);
+            if (dp->full.size() <= m->id) dp->full.resize(m->id + 1);
+            dp->full[m->id].assign(m->n_experts, 0);
+        }
+    }
+    resize_pool(*dp);
+    pools_[device].store(dp, std::memory_order_release);
+    return true;
+}
+
+// Grows or shrinks a device's pool to its target: the configured size (or the experts' bytes),
+// within the daemon's budget and the device's free memory less a reserve. Slots of each size get
+// the share of the budget that their expert tensors have of all expert bytes.
+void Engine::resize_pool(DevicePool& dp) {
     const Driver* drv = driver();
-    if (drv == nullptr || models_.empty()) return false;
+    if (drv == nullptr) return;
     CUcontext ctx = nullptr;
-    if (drv->primary_ctx_retain(&ctx, device) != CUDA_SUCCESS || drv->ctx_push_current(ctx) != CUDA_SUCCESS) return true;
-    // Slot sizes and how many bytes of experts each covers.
-    std::vector<std::pair<uint64_t, uint64_t>> classes;
+    if (drv->primary_ctx_retain(&ctx, dp.device) != CUDA_SUCCESS || drv->ctx_push_current(ctx) != CUDA_SUCCESS) return;
+    std::vector<std::pair<uint64_t, uint64_t>> classes;  // slot bytes, expert bytes of that size
     uint64_t expert_bytes = 0;
     for (const auto* m : models_)
         for (const auto& l : m->map.layers)
@@ -296,38 +339,132 @@ bool Engine::allocate_pool(int device) {
                 if (it == classes.end()) classes.emplace_back(t.bytes_per_expert, b);
                 else it->second += b;
             }
+    const uint64_t target = pool_target(expert_bytes, dp.device);
     size_t free_bytes = 0, total_bytes = 0;
     (void)drv->mem_get_info(&free_bytes, &total_bytes);
-    const uint64_t reserve = std::max<uint64_t>(1ull << 30, total_bytes / 20);
-    const uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
-    uint64_t budget = expert_bytes;
-    if (cfg_.pool == EngineConfig::PoolSize::Percent) budget = static_cast<uint64_t>(expert_bytes * cfg_.pool_value / 100.0);
-    if (cfg_.pool == EngineConfig::PoolSize::Bytes) budget = static_cast<uint64_t>(cfg_.pool_value);
-    budget = std::min(budget, room);
-    auto* dp = new DevicePool;
-    for (const auto* m : models_) dp->pool.add_model(m->id, m->n_slices, m->n_experts);
-    for (const auto& [slot, covered] : classes) {
-        uint64_t want = static_cast<uint64_t>(static_cast<double>(budget) * covered / std::max<uint64_t>(expert_bytes, 1));
-        uint64_t slots = want / slot;
-        const uint64_t per_arena = std::max<uint64_t>(1, kArenaBytes / slot);
-        while (slots > 0) {
-            const uint64_t n = std::min(slots, per_arena);
-            CUdeviceptr p = 0;
-            if (drv->mem_alloc(&p, n * slot) != CUDA_SUCCESS) break;
-            dp->arenas.push_back(p);
-            dp->pool.add_arena(slot, p, static_cast<uint32_t>(n));
-            dp->bytes += n * slot;
-            slots -= n;
+    // Whole arenas go; what that gives back beyond the target is allocated again below.
+    if (dp.bytes > target) {
+        std::vector<uint64_t> bases;
+        {
+            std::lock_guard lock(mu_);
+            bases = dp.pool.release(dp.bytes - target, heat_);
+            for (const auto* m : models_)
+                for (uint32_t e = 0; e < m->n_experts; ++e) note_expert(dp, *m, e);
+        }
+        if (!bases.empty()) (void)drv->ctx_synchronize();  // reads from those slots may be queued
+        for (auto b : bases) {
+            (void)drv->mem_free(b);
+            dp.arenas.erase(std::remove(dp.arenas.begin(), dp.arenas.end(), b), dp.arenas.end());
+        }
+        std::lock_guard lock(mu_);
+        dp.bytes = dp.pool.stats().bytes;
+    }
+    (void)drv->mem_get_info(&free_bytes, &total_bytes);
+    if (dp.bytes < target) {
+        const uint64_t reserve = std::max<uint64_t>(1ull << 30, total_bytes / 20);
+        uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
+        for (const auto& [slot, covered] : classes) {
+            const auto want = static_cast<uint64_t>(static_cast<double>(target) * static_cast<double>(covered) /
+                                                    static_cast<double>(std::max<uint64_t>(expert_bytes, 1)));
+            uint64_t have = 0;
+            {
+                std::lock_guard lock(mu_);
+                have = dp.pool.class_bytes(slot);
+            }
+            uint64_t slots = want > have ? (want - have) / slot : 0;
+            const uint64_t per_arena = std::max<uint64_t>(1, kArenaBytes / slot);
+            while (slots > 0) {
+                const uint64_t n = std::min({slots, per_arena, room / slot});
+                CUdeviceptr p = 0;
+                if (n == 0 || drv->mem_alloc(&p, n * slot) != CUDA_SUCCESS) break;
+                std::lock_guard lock(mu_);
+                dp.arenas.push_back(p);
+                dp.pool.add_arena(slot, p, static_cast<uint32_t>(n));
+                dp.bytes += n * slot;
+                room -= n * slot;
+                slots -= n;
+            }
         }
     }
     CUcontext popped = nullptr;
     (void)drv->ctx_pop_current(&popped);
     if (cfg_.log)
-        say("device %d: pool of %.2f GiB for %.2f GiB of experts (%.0f%%), %.2f GiB free before", device,
-            dp->bytes / 1073741824.0, expert_bytes / 1073741824.0, 100.0 * dp->bytes / std::max<uint64_t>(expert_bytes, 1),
-            free_bytes / 1073741824.0);
-    pools_[device].store(dp, std::memory_order_release);
-    return true;
+        say("device %d: pool of %.2f GiB for %.2f GiB of experts (%.0f%%), %.2f GiB free before", dp.device,
+            static_cast<double>(dp.bytes) / 1073741824.0, static_cast<double>(expert_bytes) / 1073741824.0,
+            100.0 * static_cast<double>(dp.bytes) / static_cast<double>(std::max<uint64_t>(expert_bytes, 1)),
+            static_cast<double>(free_bytes) / 1073741824.0);
+}
+
+void Engine::note_expert(DevicePool& dp, const Model& m, uint32_t expert) {
+    if (m.id >= dp.full.size() || expert >= dp.full[m.id].size()) return;
+    const uint32_t ls = expert / m.map.n_experts;
+    const bool now = dp.pool.pooled_slices(m.id, expert) == m.slices_per_expert[ls];
+    auto& f = dp.full[m.id][expert];
+    if ((f != 0) == now) return;
+    f = now ? 1 : 0;
+    if (now) in_vram_.fetch_add(1, std::memory_order_relaxed);
+    else in_vram_.fetch_sub(1, std::memory_order_relaxed);
+    if (n_placements_ == kPlacementQueue) {
+        placements_lost_.fetch_add(1, std::memory_order_relaxed);
+        return;
+    }
+    placements_[n_placements_++] = PlacementEvent{m.id, expert, dp.device, now};
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof one);
+}
+
+// One place: the bytes of an expert the pool holds need not stay in RAM. Its pages are paged out of
+// this process (the mapping is shared and read-only, so they read back the same if ever touched
+// again) and the daemon, told of it, unlocks and drops what is left. The page cache works in
+// folios: a large folio that also holds a neighbour some other process maps stays whole.
+void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    for (const auto& r : m.map.ranges(block, expert)) {
+        for (const auto& mr : mapped_) {
+            if (mr.model != m.id || mr.file != r.file || mr.mapping.perms.size() < 4 || mr.mapping.perms[3] != 's' ||
+                mr.mapping.perms[1] == 'w')
+                continue;
+            const uint64_t lo = std::max(r.offset, mr.mapping.file_offset);
+            const uint64_t hi = std::min(r.offset + r.length, mr.mapping.file_offset + (mr.mapping.end - mr.mapping.start));
+            if (lo >= hi) continue;
+            // Whole pages only: the pages at the ends may hold a neighbour's bytes.
+            const uintptr_t a = (mr.mapping.address_of(lo) + page - 1) & ~(page - 1);
+            const uintptr_t b = mr.mapping.address_of(hi) & ~(page - 1);
+            if (b <= a) continue;
+            // MADV_PAGEOUT reclaims the pages only this process maps, splitting a large folio that
+            // straddles the expert's edge where it can (Linux >= 5.4); MADV_DONTNEED then unmaps
+            // the rest (the daemon maps them too, while it holds them locked), for the daemon to drop.
+            (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_PAGEOUT);
+            if (madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED) == 0)
+                dropped_host_bytes_.fetch_add(b - a, std::memory_order_relaxed);
+        }
+    }
+}
+
+void Engine::drain_placements() {
+    std::array<PlacementEvent, 256> batch;
+    for (;;) {
+        size_t n = 0;
+        {
+            std::lock_guard lock(mu_);
+            n = std::min(n_placements_, batch.size());
+            std::copy(placements_.begin(), placements_.begin() + static_cast<std::ptrdiff_t>(n), batch.begin());
+            std::copy(placements_.begin() + static_cast<std::ptrdiff_t>(n),
+                      placements_.begin() + static_cast<std::ptrdiff_t>(n_placements_), placements_.begin());
+            n_placements_ -= n;
+        }
+        if (n == 0) return;
+        for (size_t i = 0; i < n; ++i) {
+            const auto& ev = batch[i];
+            const Model& m = *models_[ev.model];
+            const uint32_t block = m.map.layers[ev.expert / m.map.n_experts].index;
+            const uint32_t e = ev.expert % m.map.n_experts;
+            if (ev.in_vram && cfg_.one_place && !cfg_.pin) drop_host_copy(m, block, e);
+            if (client_ != nullptr && m.client_handle.load() != UINT32_MAX)
+                (void)moecache_client_report_placement(client_, m.client_handle.load(), block, e,
+                                                       ev.in_vram ? ev.device : -1);
+        }
+    }
 }
 
 void Engine::pin_models(int device) {
@@ -389,7 +526,10 @@ void Engine::poll_directives() {
         } else if (d[i].action == MOECACHE_DEMOTE) {
             heat_.set(m->id, e, 0);
             for (auto& p : pools_)
-                if (auto* dp = p.load()) dp->pool.drop_expert(m->id, e);
+                if (auto* dp = p.load()) {
+                    dp->pool.drop_expert(m->id, e);
+                    note_expert(*dp, *m, e);
+                }
         }
     }
 }
@@ -488,12 +628,20 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
                  off += cls->slice_bytes) {
                 const uint32_t e = cls->first_expert + static_cast<uint32_t>(off / cls->slice_bytes);
                 const SliceRef ref{m.id, m.slice(ls, cls->tensor, e), m.expert(ls, e)};
-                if (const uint64_t a = dp->pool.admit(ref, cls->slice_bytes, sid, heat_); a != 0)
+                SliceRef evicted;
+                if (const uint64_t a = dp->pool.admit(ref, cls->slice_bytes, sid, heat_, &evicted); a != 0) {
                     admits[n_admits++] = {ref.slice, off, a};
+                    if (evicted.model != kNoSlot && evicted.model < snap->models.size())
+                        note_expert(*dp, *snap->models[evicted.model], evicted.expert);
+                }
             }
         }
     }
-    if (hit_slices == 0 && n_admits == 0) return false;
+    if (hit_slices == 0 && n_admits == 0) {
+        misses_.fetch_add(cls->n_experts, std::memory_order_relaxed);
+        bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
+        return false;
+    }
 
     const auto* src = static_cast<const uint8_t*>(c.src);
     CUresult rc = CUDA_SUCCESS;
@@ -515,11 +663,8 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
         fallbacks_.fetch_add(1, std::memory_order_relaxed);
         return false;  // the runtime's own copy, issued after ours, writes every byte again
     }
-    for (uint32_t i = 0; i < n_admits; ++i) {
-        const uint32_t e = cls->first_expert + static_cast<uint32_t>(admits[i].offset / cls->slice_bytes);
-        if (dp->pool.pooled_slices(m.id, m.expert(ls, e)) == m.slices_per_expert[ls])
-            in_vram_.fetch_add(1, std::memory_order_relaxed);
-    }
+    for (uint32_t i = 0; i < n_admits; ++i)
+        note_expert(*dp, m, m.expert(ls, cls->first_expert + static_cast<uint32_t>(admits[i].offset / cls->slice_bytes)));
     served_.fetch_add(1, std::memory_order_relaxed);
     hits_.fetch_add(hit_slices, std::memory_order_relaxed);
     misses_.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
@@ -539,6 +684,8 @@ bool Engine::yield_memory(size_t bytes) {
     {
         std::lock_guard lock(mu_);
         bases = dp->pool.release(bytes + (64ull << 20), heat_);
+        for (const Model* m : snapshot_.load()->models)
+            for (uint32_t e = 0; e < m->n_experts; ++e) note_expert(*dp, *m, e);
     }
     if (bases.empty()) return false;
     // Reads from those slots may still be queued.
@@ -577,6 +724,7 @@ void Engine::stats(moecache_cuda_stats* out) {
     out->reported = reported_.load();
     out->experts_in_vram = in_vram_.load();
     out->yielded_bytes = yielded_.load();
+    out->dropped_host_bytes = dropped_host_bytes_.load();
     std::lock_guard lock(mu_);
     for (auto& p : pools_)
         if (auto* dp = p.load()) {

@@ -45,6 +45,7 @@ struct EngineConfig {
     bool pin = false;
     bool log = false;
     bool client = true;
+    bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
 };
 // From the environment (cuda_hook.h lists it); unknown values are reported on stderr and ignored.
 EngineConfig config_from_environment();
@@ -93,10 +94,18 @@ private:
         FileMapping mapping;
     };
     struct DevicePool {
+        int device = 0;
         VramPool pool;
         std::vector<CUdeviceptr> arenas;
         uint64_t bytes = 0;
+        std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled (under mu_)
     };
+    struct PlacementEvent {
+        uint32_t model = 0, expert = 0;  // model-local expert index
+        int device = 0;
+        bool in_vram = false;
+    };
+    static constexpr size_t kPlacementQueue = 8192;
     static constexpr int kMaxDevices = 64;
 
     explicit Engine(EngineConfig cfg);
@@ -106,6 +115,11 @@ private:
     void scan();
     Model* open_model(const MapsEntry& e);
     bool allocate_pool(int device);  // false: nothing to size it by yet
+    void resize_pool(DevicePool& dp);
+    [[nodiscard]] uint64_t pool_target(uint64_t expert_bytes, int device) const;
+    void note_expert(DevicePool& dp, const Model& m, uint32_t expert);  // under mu_
+    void drain_placements();
+    void drop_host_copy(const Model& m, uint32_t block, uint32_t expert);
     void pin_models(int device);
     void poll_directives();
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
@@ -125,17 +139,20 @@ private:
     std::vector<MappedRange> mapped_;
     std::vector<std::pair<void*, size_t>> pinned_;
     moecache_client* client_ = nullptr;
+    std::array<uint64_t, kMaxDevices> daemon_budget_{};  // applied; 0: none
 
     // Runtime threads, under mu_.
     std::mutex mu_;
     ExpertHeat heat_;
+    std::array<PlacementEvent, kPlacementQueue> placements_{};
+    size_t n_placements_ = 0;
     std::mutex report_mu_;
     std::mutex sync_mu_;
     std::condition_variable sync_cv_;
 
     std::atomic<uint64_t> copies_{0}, expert_copies_{0}, served_{0}, hits_{0}, misses_{0}, bytes_pool_{0},
         bytes_host_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0}, yielded_{0},
-        n_models_{0};
+        n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0};
 };
 
 }  // namespace moecache::cuda::hook

@@ -283,8 +283,13 @@ MOECACHE_CU_HOOKS(X)
 namespace moecache::cuda::hook {
 namespace {
 
+// The newest CUDA whose driver ABI for the hooked functions this code knows. A runtime that asks
+// for a newer one may be given a new signature: it gets the driver's own function.
+constexpr int kNewestKnownCuda = 13999;
+
 // Our own entry point for what the driver hands out as `symbol`, or `real` itself.
 void* redirect_proc(const char* symbol, void* real, int version, cuuint64_t flags) {
+    if (version > kNewestKnownCuda) return real;
     if (strcmp(symbol, "cuGetProcAddress") == 0) {
         if (version >= 12000) {
             remember(real_get_proc_v2, real);

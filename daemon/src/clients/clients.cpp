@@ -154,6 +154,7 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         c.hello = true;
         c.name = h->name;
         reply(c, rq, HelloReply{kVersion, c.id});
+        if (config_.vram_pool) reply(c, 0, PoolBudget{kAllDevices, *config_.vram_pool});
         return true;
     }
     if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);
@@ -183,12 +184,48 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         reply(c, rq, Ok{});
         return true;
     }
+    if (auto* x = std::get_if<ExpertPlacement>(&m->body)) return on_placement(c, *x);
     if (std::holds_alternative<Goodbye>(m->body)) {
         reply(c, rq, Ok{});
         drop_client(c, "it said goodbye");
         return true;
     }
     return refuse(c, rq, EPROTO, fmt::format("{} is a message the daemon sends, not one it takes", to_string(type_of(m->body))));
+}
+
+// One place: an expert in a client's VRAM pool leaves RAM (unlocked, its pages dropped) and is not
+// locked again while any pool holds it. A one-way message: a bad one is answered, nothing else.
+bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
+    if (std::find(c.models.begin(), c.models.end(), x.model) == c.models.end())
+        return cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not one this client registered", x.model));
+    ModelEntry* e = nullptr;
+    for (auto& m : models_)
+        if (m->id == x.model && m->res) e = m.get();
+    if (e == nullptr) return cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not loaded", x.model));
+    const auto layer = e->res->layer_of_block(x.block);
+    if (!layer || x.expert >= e->res->n_experts())
+        return cannot(c, 0, EINVAL,
+                      fmt::format("ExpertPlacement: model {} has no routed expert {} in block {}", x.model, x.expert, x.block));
+    const uint32_t slot = *layer * e->res->n_experts() + x.expert;
+    const auto key = std::make_pair(x.model, slot);
+    if (x.device == kHostTier) {
+        if (c.vram.erase(key) > 0) e->res->remove_vram_holder(slot);
+        return true;
+    }
+    if (!c.vram.insert(key).second) return true;
+    e->res->add_vram_holder(slot);
+    MC_LOG(LOG_DEBUG, "client {}: expert {} of block {} of {} is in its VRAM pool on device {}", c.id, x.expert, x.block,
+           e->path, x.device);
+    if (config_.keep_ram_copy || e->res->vram_holders(slot) != 1) return true;
+    if (e->res->state(slot).tier == Tier::Locked) {
+        if (auto r = e->res->release(slot, /*drop=*/true); !r)
+            MC_LOG(LOG_WARNING, "{}: releasing expert {} of block {} (now in VRAM): {}", e->path, x.expert, x.block,
+                   r.error().what());
+        else
+            ++vram_releases_;
+    }
+    e->res->drop_cached(slot);
+    return true;
 }
 
 bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) {
@@ -330,6 +367,9 @@ void Daemon::reap_clients() {
         MC_LOG(LOG_INFO, "client {} ({}) telemetry: {} events, {} refused, {} overflowed in its ring", c->id,
                c->name.empty() ? "unnamed" : c->name, c->events, c->bad_events, overflow);
         client_by_fd_.erase(c->conn.get());
+        for (const auto& [model, slot] : c->vram)
+            for (auto& m : models_)
+                if (m->id == model && m->res) m->res->remove_vram_holder(slot);
         // The fd is closed with the client, which takes it out of the epoll set.
         released.insert(released.end(), c->models.begin(), c->models.end());
     }

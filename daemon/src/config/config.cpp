@@ -370,6 +370,17 @@ const Key<Config> kClientKeys[] = {
     MC_KEY("uid_budgets", Config, t.uid_budgets = MC_TRY(read_uid_budgets(v))),
 };
 
+Result<uint64_t> read_vram_pool(const Value& v) {
+    const auto amount = MC_TRY(read_byte_amount(v));
+    if (amount.percent) return v.fail("a VRAM pool is a size (\"8GiB\"), not a share of RAM");
+    return amount.bytes;
+}
+
+const Key<Config> kVramKeys[] = {
+    MC_KEY("pool", Config, t.vram_pool = MC_TRY(read_vram_pool(v))),
+    MC_KEY("keep_ram_copy", Config, t.keep_ram_copy = MC_TRY(read_bool(v))),
+};
+
 const Key<ModelConfig> kModelKeys[] = {
     MC_KEY("path", ModelConfig, t.path = MC_TRY(read_absolute_path(v))),
     MC_KEY("budget", ModelConfig, t.budget = MC_TRY(read_byte_amount(v))),
@@ -387,7 +398,7 @@ struct Section {
 const Section kSections[] = {
     {"daemon", kDaemonKeys},     {"budget", kBudgetKeys}, {"prefetch", kPrefetchKeys},
     {"pressure", kPressureKeys}, {"policy", kPolicyKeys}, {"telemetry", kTelemetryKeys},
-    {"clients", kClientKeys},
+    {"clients", kClientKeys},    {"vram", kVramKeys},
 };
 constexpr std::string_view kModelSection = "model";
 

@@ -13,6 +13,7 @@ struct Candidate {
     double score;  // within a class, higher first
     uint64_t bytes;
     bool locked;
+    bool unwanted = false;  // held in VRAM: released if locked, never locked
 };
 
 void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::vector<Candidate>& out) {
@@ -29,6 +30,10 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::v
             const bool locked = m.locked[slot] != 0;
             if (m.pinned[slot]) {
                 out.push_back({{mi, slot}, 0, std::numeric_limits<double>::infinity(), m.slot_bytes[slot], locked});
+                continue;
+            }
+            if (!m.in_vram.empty() && m.in_vram[slot]) {
+                if (locked) out.push_back({{mi, slot}, 3, 0.0, m.slot_bytes[slot], true, true});
                 continue;
             }
             if (m.heat->uses(l, e) < s.admit_after_uses) {
@@ -64,6 +69,10 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
     std::vector<uint64_t> model_used(models.size(), 0);
     std::vector<const Candidate*> not_kept;
     for (const auto& c : cands) {
+        if (c.unwanted) {
+            not_kept.push_back(&c);
+            continue;
+        }
         const auto& m = models[c.ref.model];
         const bool fits = p.planned_bytes + c.bytes <= global_cap && model_used[c.ref.model] + c.bytes <= m.budget;
         if (fits) {

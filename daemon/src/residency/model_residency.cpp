@@ -2,6 +2,9 @@
 
 #include "moecache/log.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+
 namespace moecache::daemon {
 
 namespace {
@@ -118,6 +121,29 @@ Result<void> ModelResidency::refresh_cached() {
     return {};
 }
 
+void ModelResidency::add_vram_holder(uint32_t slot) {
+    if (slot >= slots_.size()) return;
+    if (vram_.empty()) vram_.assign(slots_.size(), 0);
+    ++vram_[slot];
+}
+
+void ModelResidency::remove_vram_holder(uint32_t slot) {
+    if (slot < vram_.size() && vram_[slot] > 0) --vram_[slot];
+}
+
+void ModelResidency::drop_cached(uint32_t slot) {
+    const uint64_t ps = PageLocker::page_size();
+    for (const auto& r : ranges(slot)) {
+        const uint64_t first = (r.offset + ps - 1) / ps, last = (r.offset + r.length) / ps;  // [first, last)
+        if (last <= first) continue;
+        const auto& f = model_->files()[r.file];
+        // Our own mapping may still map them (a lock released without dropping).
+        (void)::madvise(f.mapping.data() + first * ps, (last - first) * ps, MADV_DONTNEED);
+        (void)::posix_fadvise(f.fd.get(), static_cast<off_t>(first * ps), static_cast<off_t>((last - first) * ps),
+                              POSIX_FADV_DONTNEED);
+    }
+}
+
 ModelView ModelResidency::view(uint64_t budget) const {
     ModelView v;
     v.heat = &heat_;
@@ -127,6 +153,10 @@ ModelView ModelResidency::view(uint64_t budget) const {
         v.locked[s] = slots_[s].tier == Tier::Locked;
     }
     v.pinned = pinned_;
+    if (!keep_ram_copy_ && !vram_.empty()) {
+        v.in_vram.resize(slots_.size());
+        for (uint32_t s = 0; s < slots_.size(); ++s) v.in_vram[s] = vram_[s] > 0;
+    }
     v.dense_wanted = config_.lock_dense;
     v.dense_locked = dense_.tier == Tier::Locked;
     v.dense_bytes = dense_bytes_;

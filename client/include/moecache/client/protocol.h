@@ -31,12 +31,14 @@ enum class Type : uint16_t {
     DescribeMapping = 3,
     TelemetrySetup = 4,
     Goodbye = 5,
+    ExpertPlacement = 6,
     // daemon -> client
     HelloReply = 128,
     Ok = 129,
     Failure = 130,
     ModelRegistered = 131,
     Directive = 132,
+    PoolBudget = 133,
 };
 const char* to_string(Type t);
 
@@ -65,6 +67,15 @@ struct TelemetrySetup {
 struct Goodbye {
     bool operator==(const Goodbye&) const = default;
 };
+// Where an expert of a registered model now lives for this client: every slice of it in the VRAM
+// pool of `device`, or (device kHostTier) no longer in any pool. The daemon keeps one copy: it
+// unlocks and drops the RAM pages of an expert in VRAM, unless configured to keep both.
+inline constexpr uint32_t kHostTier = UINT32_MAX;
+struct ExpertPlacement {
+    uint32_t model = 0, block = 0, expert = 0;
+    uint32_t device = kHostTier;
+    bool operator==(const ExpertPlacement&) const = default;
+};
 struct HelloReply {
     uint16_t version = kVersion;
     uint32_t client_id = 0;
@@ -89,8 +100,16 @@ struct Directive {
     bool operator==(const Directive&) const = default;
 };
 
-using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, HelloReply, Ok, Failure,
-                          ModelRegistered, Directive>;
+// The VRAM pool the daemon grants this client on `device` (kAllDevices: on each one), in bytes.
+inline constexpr uint32_t kAllDevices = UINT32_MAX;
+struct PoolBudget {
+    uint32_t device = kAllDevices;
+    uint64_t bytes = 0;
+    bool operator==(const PoolBudget&) const = default;
+};
+
+using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, ExpertPlacement, HelloReply,
+                          Ok, Failure, ModelRegistered, Directive, PoolBudget>;
 
 struct Message {
     uint32_t request = 0;  // chosen by the client; a reply carries the request it answers

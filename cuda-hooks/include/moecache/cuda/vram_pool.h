@@ -55,7 +55,9 @@ public:
     // A slot for a slice that missed, whose bytes the caller copies in on `stream` right after the
     // runtime's own copy; 0 when the policy declines (no slot of that size, or every candidate
     // victim is as hot as the slice or busy on another stream).
-    [[nodiscard]] uint64_t admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat);
+    // `evicted`, when given, learns which slice made room (model kNoSlot: none did).
+    [[nodiscard]] uint64_t admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat,
+                                 SliceRef* evicted = nullptr);
     // Empties the slice's slot (an admission whose copy failed, or a demotion).
     void drop(uint32_t model, uint32_t slice);
     // Empties every slot of the expert; returns how many.
@@ -66,6 +68,8 @@ public:
     // addresses, to be freed once the device has finished what it queued.
     std::vector<uint64_t> release(uint64_t bytes, const ExpertHeat& heat);
     [[nodiscard]] bool has_class(uint64_t slot_bytes) const;
+    // Bytes of live slots of this size.
+    [[nodiscard]] uint64_t class_bytes(uint64_t slot_bytes) const;
     [[nodiscard]] VramPoolStats stats() const;
 
 private:

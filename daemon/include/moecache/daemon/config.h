@@ -76,6 +76,14 @@ struct Config {
     // uid. A uid not listed is held to the global budget only.
     std::map<uint32_t, ByteAmount> uid_budgets;
 
+    // [vram]
+    // The VRAM pool each CUDA hook may hold per device; unset: the hook decides (its own
+    // MOECACHE_CUDA_POOL, default as much as its experts need within free memory).
+    std::optional<uint64_t> vram_pool;
+    // Keep the RAM copy of an expert that sits in a VRAM pool (the one-place rule off): for runtimes
+    // that also compute experts on the CPU, e.g. llama.cpp below its offload batch threshold.
+    bool keep_ram_copy = false;
+
     // [[model]]
     std::vector<ModelConfig> models;
 

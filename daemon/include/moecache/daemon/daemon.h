@@ -36,6 +36,7 @@ struct ExpertStatus {
     bool pinned = false;
     uint64_t bytes = 0, cached_bytes = 0, locked_bytes = 0;
     SlotTelemetry telemetry;
+    uint32_t vram_holders = 0;  // CUDA hooks whose VRAM pool holds all of it
 };
 
 struct ModelStatus {
@@ -48,6 +49,7 @@ struct ModelStatus {
     uint32_t owner_uid = 0;   // of that client
     uint64_t locked_bytes = 0;
     uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
+    uint32_t experts_in_vram = 0;  // held by at least one VRAM pool
     Tier dense_tier = Tier::Storage;
     uint64_t dense_bytes = 0;
     SlotTelemetry dense_telemetry;
@@ -88,6 +90,7 @@ struct DaemonStatus {
     PageCacheStatus page_cache;
     std::string socket_path;       // where clients connect ("" when not listening)
     uint64_t clients_refused = 0;  // connections turned away (not allowed, too many)
+    uint64_t vram_releases = 0;    // experts unlocked and dropped because a VRAM pool took them
     std::vector<ClientStatus> clients;
     std::vector<ModelStatus> models;
 };
@@ -147,6 +150,7 @@ private:
     // Handles one packet; false when the client must be dropped (after a Failure was sent).
     bool on_client_packet(Client& c, struct Packet& p);
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
+    bool on_placement(Client& c, const protocol::ExpertPlacement& x);
     void reply(Client& c, uint32_t request, const protocol::Body& body);
     bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
     // A request that cannot be met: a Failure, and the client stays connected (true).
@@ -168,6 +172,7 @@ private:
     std::unordered_map<int, Client*> client_by_fd_;
     uint32_t next_client_id_ = 1;
     uint64_t clients_refused_ = 0;
+    uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
     bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
     [[nodiscard]] int loop_timeout() const;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;

@@ -85,6 +85,20 @@ public:
     // Page-cache residency of every slot, by cachestat (mincore where the kernel lacks it).
     Result<void> refresh_cached();
 
+    // CUDA hooks holding an expert in their VRAM pool (the one-place rule): while any does, the
+    // policy does not lock it in RAM, unless the model keeps both copies.
+    void add_vram_holder(uint32_t slot);
+    void remove_vram_holder(uint32_t slot);
+    [[nodiscard]] uint32_t vram_holders(uint32_t slot) const { return slot < vram_.size() ? vram_[slot] : 0; }
+    // False for an expert a VRAM pool holds (one place), unless pinned or the model keeps both.
+    [[nodiscard]] bool wanted_in_ram(uint32_t slot) const {
+        return keep_ram_copy_ || slot == kDenseSlot || vram_holders(slot) == 0 || (slot < pinned_.size() && pinned_[slot]);
+    }
+    void set_keep_ram_copy(bool keep) { keep_ram_copy_ = keep; }
+    // Asks the page cache to drop a slot's pages (the whole pages of its ranges: an edge page may
+    // hold a neighbour's bytes). Locked pages, and pages another process maps, stay.
+    void drop_cached(uint32_t slot);
+
     [[nodiscard]] ModelView view(uint64_t budget) const;
 
 private:
@@ -98,6 +112,8 @@ private:
     SlotTelemetry dense_telemetry_;
     std::vector<uint32_t> layer_index_;  // block -> MoE layer index, UINT32_MAX for other blocks
     std::vector<uint8_t> pinned_;
+    std::vector<uint32_t> vram_;  // per slot: hooks holding it in VRAM
+    bool keep_ram_copy_ = false;
     std::vector<uint64_t> slot_bytes_, slot_length_;
     uint64_t dense_bytes_ = 0, dense_length_ = 0;
     std::vector<PageCacheProbe> probes_;

@@ -5,7 +5,8 @@
 //   2. the elite: the hottest `elite_share` of each layer (among admitted experts);
 //   3. everything admitted (used at least `admit_after_uses` times), hottest first, where a
 //      locked expert counts `1 + hysteresis` times its heat so placements do not churn.
-// Budgets (the global cap and each model's) are filled greedily in that order.
+// Budgets (the global cap and each model's) are filled greedily in that order. An expert a VRAM
+// pool holds is not wanted in RAM (one place), unless pinned.
 #pragma once
 
 #include "moecache/daemon/heat.h"
@@ -29,6 +30,7 @@ struct ModelView {
     const HeatTable* heat = nullptr;   // n_layers x n_experts
     std::vector<uint8_t> locked;       // per slot (layer * n_experts + expert): 1 if locked
     std::vector<uint8_t> pinned;       // per slot
+    std::vector<uint8_t> in_vram;      // per slot, or empty: 1 if a VRAM pool holds it (not wanted in RAM)
     std::vector<uint64_t> slot_bytes;  // per slot: bytes locking it costs
     bool dense_wanted = false;
     bool dense_locked = false;

@@ -1,0 +1,204 @@
+// The one-place rule end to end, with the real moecached (a separate process) and the CUDA hook in
+// this process over tests' fake libcuda.so.1 (label root: the daemon mlocks). The daemon grants a
+// VRAM pool of one expert. The hot expert the pool holds leaves RAM: the hook unmaps it here, the
+// daemon does not lock it and drops its pages. Another hot expert, copied from the host each time,
+// is locked in RAM. When the second grows hotter and takes the pool, the first comes back to RAM
+// (read on use and locked) and the second leaves it.
+#include "model_fixture.h"
+#include "moecache/cuda_hook.h"
+#include "moecache/model.h"
+#include "run.h"
+#include "temp_dir.h"
+
+#include <cuda.h>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#undef cuGetProcAddress
+
+namespace moecache::test {
+namespace {
+
+using GetProc = CUresult(CUDAAPI*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+
+class HookDaemon : public ::testing::Test {
+protected:
+    void SetUp() override {
+        if (::geteuid() != 0) GTEST_SKIP() << "needs root: moecached mlocks";
+        stats_get_ = reinterpret_cast<decltype(stats_get_)>(dlsym(RTLD_DEFAULT, "moecache_cuda_stats_get"));
+        ASSERT_NE(stats_get_, nullptr) << "libmoecache-cuda.so is not preloaded";
+        void* lib = dlopen("libcuda.so.1", RTLD_NOW);
+        if (lib == nullptr || dlsym(lib, "fake_cuda_counts") == nullptr)
+            GTEST_SKIP() << "runs over tests' fake libcuda.so.1 (the GPU tests cover the real driver)";
+        auto get_proc = reinterpret_cast<GetProc>(dlsym(lib, "cuGetProcAddress_v2"));
+        auto get = [&](auto& fn, const char* name) {
+            void* p = nullptr;
+            ASSERT_EQ(get_proc(name, &p, 12000, 0, nullptr), CUDA_SUCCESS) << name;
+            fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+        };
+        get(init_, "cuInit");
+        get(alloc_, "cuMemAlloc");
+        get(htod_async_, "cuMemcpyHtoDAsync");
+        ASSERT_EQ(init_(0), CUDA_SUCCESS);
+
+        auto spec = small_spec();
+        spec.n_experts = 16;
+        spec.n_ff_exp = 256;
+        spec.n_embd = 256;
+        model_ = dir_.file("model.gguf");
+        write_model(spec, model_, 1, 4096);
+        auto parts = open_gguf_model(model_);
+        ASSERT_TRUE(parts);
+        auto map = ExpertMap::build(*parts);
+        ASSERT_TRUE(map);
+        map_ = std::move(*map);
+        slice_ = map_.layers[0].tensors[0].bytes_per_expert;
+        for (const auto& t : map_.layers[0].tensors) ASSERT_EQ(t.bytes_per_expert, slice_) << "one slot size";
+        // A pool of exactly one expert of layer 0 (its three slices).
+        write_file(dir_.file("moecached.toml"),
+                   "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\nsocket = \"" + dir_.file("moecached.sock") +
+                       "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
+                       "[telemetry]\npage_cache = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = 0\n[vram]\npool = " +
+                       std::to_string(3 * slice_) + "\n");
+        // The daemon runs without the hook or the fake driver.
+        const std::string preload = getenv("LD_PRELOAD"), libpath = getenv("LD_LIBRARY_PATH");
+        unsetenv("LD_PRELOAD");
+        unsetenv("LD_LIBRARY_PATH");
+        daemon_ = std::make_unique<Background>(std::vector<std::string>{MOECACHE_DAEMON_BIN, "--config", dir_.file("moecached.toml")});
+        setenv("LD_PRELOAD", preload.c_str(), 1);
+        setenv("LD_LIBRARY_PATH", libpath.c_str(), 1);
+        ASSERT_TRUE(daemon_->wait_for("moecached running", 20)) << daemon_->output();
+        setenv("MOECACHE_SOCKET", dir_.file("moecached.sock").c_str(), 1);
+
+        // The page cache keeps a file in folios, and a folio that also holds a neighbour someone maps
+        // cannot leave: start cold and read page by page, so that each expert's pages are its own.
+        const int fd = open(model_.c_str(), O_RDONLY | O_CLOEXEC);
+        size_ = static_cast<size_t>(lseek(fd, 0, SEEK_END));
+        ASSERT_EQ(fdatasync(fd), 0);
+        ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+        base_ = static_cast<uint8_t*>(mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0));
+        close(fd);
+        ASSERT_NE(base_, MAP_FAILED);
+        ASSERT_EQ(madvise(base_, size_, MADV_RANDOM), 0);
+        for (size_t t = 0; t < 3; ++t) ASSERT_EQ(alloc_(&dst_[t], slice_ * map_.n_experts + 512), CUDA_SUCCESS);
+    }
+    void TearDown() override {
+        if (base_ != nullptr && base_ != MAP_FAILED) munmap(base_, size_);
+        if (daemon_) {
+            daemon_->signal(SIGTERM);
+            daemon_->wait(20);
+        }
+    }
+    // Copies expert e of layer 0 (its three slices, with llama.cpp's padding) `times` times.
+    void use(uint32_t e, int times) {
+        for (int i = 0; i < times; ++i)
+            for (size_t t = 0; t < 3; ++t) {
+                const uint64_t off = e * slice_;
+                ASSERT_EQ(htod_async_(dst_[t] + off, base_ + map_.layers[0].tensors[t].offset + off, slice_ + 512, nullptr),
+                          CUDA_SUCCESS);
+            }
+    }
+    // Share of the expert's whole pages in the page cache (mincore reports the page cache, mapped or not).
+    double cached(uint32_t e) {
+        const uint64_t ps = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+        uint64_t in = 0, all = 0;
+        for (const auto& r : map_.ranges(map_.layers[0].index, e)) {
+            const uint64_t first = (r.offset + ps - 1) / ps, last = (r.offset + r.length) / ps;
+            std::vector<unsigned char> v(last - first);
+            if (last <= first || mincore(base_ + first * ps, (last - first) * ps, v.data()) != 0) continue;
+            for (auto b : v) in += b & 1;
+            all += v.size();
+        }
+        return all ? static_cast<double>(in) / static_cast<double>(all) : -1;
+    }
+    std::string log() {
+        daemon_->wait_for("\x01", 0.2);  // reads what it wrote so far
+        return daemon_->output();
+    }
+    moecache_cuda_stats stats() {
+        moecache_cuda_stats s{};
+        stats_get_(&s);
+        return s;
+    }
+    // Keeps using the experts (as decoding would) until `done` holds or 15 s pass.
+    bool until(const std::function<bool()>& done, uint32_t hot, int hot_times, uint32_t warm, int warm_times) {
+        const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+        while (std::chrono::steady_clock::now() < end) {
+            use(hot, hot_times);
+            use(warm, warm_times);
+            if (done()) return true;
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        return false;
+    }
+
+    TempDir dir_;
+    std::unique_ptr<Background> daemon_;
+    std::string model_;
+    ExpertMap map_;
+    uint64_t slice_ = 0;
+    uint8_t* base_ = nullptr;
+    size_t size_ = 0;
+    CUdeviceptr dst_[3] = {};
+    void (*stats_get_)(moecache_cuda_stats*) = nullptr;
+    CUresult(CUDAAPI* init_)(unsigned) = nullptr;
+    CUresult(CUDAAPI* alloc_)(CUdeviceptr*, size_t) = nullptr;
+    CUresult(CUDAAPI* htod_async_)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+};
+
+TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
+    constexpr uint32_t kA = 3, kB = 9;
+    use(kA, 1);
+    using SyncFn = int (*)(int);
+    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
+    ASSERT_GE(sync(10000), 1);
+    // A is hotter than B: the pool (one expert) holds A; B is copied from the host and locked.
+    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * slice_; }, kA, 4, kB, 2))
+        << "pool " << stats().pool_bytes << " bytes, " << stats().experts_in_vram << " experts in VRAM\n"
+        << log();
+    ASSERT_TRUE(until([&] { return cached(kA) == 0.0 && cached(kB) == 1.0; }, kA, 4, kB, 2))
+        << "A (in VRAM) cached " << cached(kA) << ", B (from the host) cached " << cached(kB) << ", unmapped here "
+        << stats().dropped_host_bytes << " bytes\n"
+        << log();
+    EXPECT_GT(stats().dropped_host_bytes, 0u);
+    // B grows hotter and takes the pool: A leaves VRAM, is read on use and locked again; B leaves RAM.
+    ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) == 0.0; }, kB, 12, kA, 1))
+        << "A cached " << cached(kA) << ", B cached " << cached(kB) << ", in VRAM " << stats().experts_in_vram << "\n"
+        << log();
+}
+
+}  // namespace
+}  // namespace moecache::test
+
+int main(int argc, char** argv) {
+    std::string preload, driver_dir;
+    std::vector<char*> args;
+    for (int i = 0; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a.rfind("--preload=", 0) == 0) preload = a.substr(10);
+        else if (a.rfind("--driver-dir=", 0) == 0) driver_dir = a.substr(13);
+        else args.push_back(argv[i]);
+    }
+    const char* current = getenv("LD_PRELOAD");
+    if (!preload.empty() && (current == nullptr || preload != current)) {
+        setenv("LD_PRELOAD", preload.c_str(), 1);
+        setenv("LD_LIBRARY_PATH", driver_dir.c_str(), 1);
+        args.push_back(nullptr);
+        execv("/proc/self/exe", args.data());
+        perror("execv /proc/self/exe");
+        return 2;
+    }
+    args.push_back(nullptr);
+    int n = static_cast<int>(args.size()) - 1;
+    ::testing::InitGoogleTest(&n, args.data());
+    return RUN_ALL_TESTS();
+}
