@@ -61,6 +61,8 @@ std::string describe(const Config& c) {
       << "clients.allow_gids = " << fmt::format("{}", fmt::join(c.client_allow_gids, ",")) << "\n"
       << "clients.max = " << c.max_clients << "\n";
     for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
+    s << "vram.pool = " << (c.vram_pool ? std::to_string(*c.vram_pool) : "unset") << "\n"
+      << "vram.keep_ram_copy = " << c.keep_ram_copy << "\n";
     for (const auto& m : c.models) {
         s << "model " << m.path << " budget " << (m.budget ? size(*m.budget) : "none")
           << " lock_dense " << m.lock_dense << " pins";
@@ -561,7 +563,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 25u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 26u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();
