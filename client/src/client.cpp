@@ -81,7 +81,8 @@ struct moecache_client {
     std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t> placements;
     std::deque<std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>> placements_unsent;
     static constexpr uint32_t kMaxBudgetDevices = 64;
-    std::array<std::atomic<uint64_t>, kMaxBudgetDevices> budgets{};  // 0: none set
+    std::array<std::atomic<uint64_t>, kMaxBudgetDevices> budgets{};  // pool bytes + 1; 0: none set
+    std::array<std::atomic<int>, kMaxBudgetDevices> one_place{};     // 1 yes, 2 no, 0: not said
 
     std::atomic<telemetry::TelemetryRing*> ring{nullptr};
     std::vector<std::unique_ptr<telemetry::TelemetryRing>> rings;  // every ring made, alive until close
@@ -139,11 +140,14 @@ void moecache_client::take_directive(const Directive& d) {
 // What the daemon sends unasked: directives and pool budgets.
 void moecache_client::take_push(const Message& m) {
     if (const auto* d = std::get_if<Directive>(&m.body)) take_directive(*d);
-    if (const auto* b = std::get_if<PoolBudget>(&m.body)) {
-        // Stored as bytes + 1, so that a budget of 0 (no pool) differs from none set.
-        const uint64_t v = b->bytes == UINT64_MAX ? UINT64_MAX : b->bytes + 1;
+    if (const auto* b = std::get_if<VramPolicy>(&m.body)) {
+        // Stored as bytes + 1, so that a pool of 0 bytes differs from nothing said.
+        const uint64_t v = b->pool_bytes == kNoPoolLimit ? UINT64_MAX : b->pool_bytes + 1;
         for (uint32_t d = 0; d < kMaxBudgetDevices; ++d)
-            if (b->device == kAllDevices || b->device == d) budgets[d].store(v);
+            if (b->device == kAllDevices || b->device == d) {
+                budgets[d].store(v);
+                one_place[d].store(b->one_place ? 1 : 2);
+            }
     }
 }
 
@@ -176,7 +180,7 @@ bool moecache_client::request(int fd, const Message& m, const std::vector<int>& 
             if (hung_up) return false;
             continue;
         }
-        if (std::holds_alternative<Directive>(r.body) || std::holds_alternative<PoolBudget>(r.body)) {
+        if (std::holds_alternative<Directive>(r.body) || std::holds_alternative<VramPolicy>(r.body)) {
             take_push(r);
             continue;
         }
@@ -427,11 +431,13 @@ int moecache_client_report_placement(moecache_client* c, uint32_t handle, uint32
     return 0;
 }
 
-int moecache_client_pool_budget(const moecache_client* c, uint32_t device, uint64_t* bytes) {
-    if (!c || !bytes || device >= moecache_client::kMaxBudgetDevices) return 0;
+int moecache_client_vram_policy(const moecache_client* c, uint32_t device, uint64_t* pool_bytes, int* one_place) {
+    if (!c || device >= moecache_client::kMaxBudgetDevices || !c->connected.load()) return 0;
     const uint64_t v = c->budgets[device].load();
-    if (v == 0) return 0;
-    *bytes = v == UINT64_MAX ? UINT64_MAX : v - 1;
+    const int o = c->one_place[device].load();
+    if (v == 0 || o == 0) return 0;
+    if (pool_bytes) *pool_bytes = v == UINT64_MAX ? UINT64_MAX : v - 1;
+    if (one_place) *one_place = o == 1 ? 1 : 0;
     return 1;
 }
 

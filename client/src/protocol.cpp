@@ -97,7 +97,7 @@ const char* to_string(Type t) {
         case Type::Failure: return "Failure";
         case Type::ModelRegistered: return "ModelRegistered";
         case Type::Directive: return "Directive";
-        case Type::PoolBudget: return "PoolBudget";
+        case Type::VramPolicy: return "VramPolicy";
     }
     return "unknown";
 }
@@ -115,7 +115,7 @@ Type type_of(const Body& b) {
         Type operator()(const ModelRegistered&) const { return Type::ModelRegistered; }
         Type operator()(const Directive&) const { return Type::Directive; }
         Type operator()(const ExpertPlacement&) const { return Type::ExpertPlacement; }
-        Type operator()(const PoolBudget&) const { return Type::PoolBudget; }
+        Type operator()(const VramPolicy&) const { return Type::VramPolicy; }
     };
     return std::visit(V{}, b);
 }
@@ -169,9 +169,10 @@ std::vector<uint8_t> encode(const Message& m) {
                 body.u32(x.block);
                 body.u32(x.expert);
                 body.u32(x.device);
-            } else if constexpr (std::is_same_v<T, PoolBudget>) {
+            } else if constexpr (std::is_same_v<T, VramPolicy>) {
                 body.u32(x.device);
-                body.u64(x.bytes);
+                body.u64(x.pool_bytes);
+                body.u8(x.one_place ? 1 : 0);
             }
         },
         m.body);
@@ -341,11 +342,15 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             m.body = x;
             break;
         }
-        case Type::PoolBudget: {
-            PoolBudget x;
-            x.device = r.u32("PoolBudget.device");
-            x.bytes = r.u64("PoolBudget.bytes");
-            MC_TRY_VOID(expect_fds(0, "PoolBudget"));
+        case Type::VramPolicy: {
+            VramPolicy x;
+            x.device = r.u32("VramPolicy.device");
+            x.pool_bytes = r.u64("VramPolicy.pool_bytes");
+            const uint8_t one = r.u8("VramPolicy.one_place");
+            if (r.error().empty() && one > 1)
+                r.fail(fmt::format("at byte {}: VramPolicy one_place is {}, not 0 or 1", kHeaderBytes + 12, one));
+            x.one_place = one == 1;
+            MC_TRY_VOID(expect_fds(0, "VramPolicy"));
             m.body = x;
             break;
         }

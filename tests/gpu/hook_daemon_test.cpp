@@ -68,7 +68,7 @@ protected:
                    "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\nsocket = \"" + dir_.file("moecached.sock") +
                        "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
                        "[telemetry]\npage_cache = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = 0\n[vram]\npool = " +
-                       std::to_string(3 * slice_) + "\n");
+                       std::to_string(3 * slice_) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") + "\n");
         // The daemon runs without the hook or the fake driver.
         const std::string preload = getenv("LD_PRELOAD"), libpath = getenv("LD_LIBRARY_PATH");
         unsetenv("LD_PRELOAD");
@@ -91,6 +91,7 @@ protected:
         ASSERT_EQ(madvise(base_, size_, MADV_RANDOM), 0);
         for (size_t t = 0; t < 3; ++t) ASSERT_EQ(alloc_(&dst_[t], slice_ * map_.n_experts + 512), CUDA_SUCCESS);
     }
+    [[nodiscard]] virtual bool keep_both() const { return false; }
     void TearDown() override {
         if (base_ != nullptr && base_ != MAP_FAILED) munmap(base_, size_);
         if (daemon_) {
@@ -174,6 +175,28 @@ TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
     ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) == 0.0; }, kB, 12, kA, 1))
         << "A cached " << cached(kA) << ", B cached " << cached(kB) << ", in VRAM " << stats().experts_in_vram << "\n"
         << log();
+}
+
+// With [vram] keep_ram_copy the expert in VRAM keeps its RAM copy: the hook leaves its mapping alone
+// and the daemon locks it like any hot expert.
+class HookDaemonKeepBoth : public HookDaemon {
+    [[nodiscard]] bool keep_both() const override { return true; }
+};
+
+TEST_F(HookDaemonKeepBoth, AnExpertInVramKeepsItsRamCopy) {
+    constexpr uint32_t kA = 3, kB = 9;
+    use(kA, 1);
+    using SyncFn = int (*)(int);
+    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
+    ASSERT_GE(sync(10000), 1);
+    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * slice_; }, kA, 4, kB, 2))
+        << log();
+    // Both stay in RAM (B from the host, A as well), for as long as decoding goes on.
+    ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) == 1.0; }, kA, 4, kB, 2)) << log();
+    for (int i = 0; i < 10; ++i) until([] { return true; }, kA, 4, kB, 2);
+    EXPECT_EQ(cached(kA), 1.0);
+    EXPECT_EQ(stats().dropped_host_bytes, 0u);
+    EXPECT_GT(stats().slice_hits, 0u);
 }
 
 }  // namespace

@@ -27,7 +27,8 @@ std::vector<Message> samples() {
         {0, Directive{Action::Unlock, 9, 12, 255}},
         {0, ExpertPlacement{9, 12, 255, 0}},
         {0, ExpertPlacement{9, 12, 255, kHostTier}},
-        {0, PoolBudget{kAllDevices, 8ull << 30}},
+        {0, VramPolicy{kAllDevices, 8ull << 30, true}},
+        {0, VramPolicy{3, kNoPoolLimit, false}},
     };
 }
 

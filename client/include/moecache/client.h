@@ -61,8 +61,11 @@ MOECACHE_API int moecache_client_report(moecache_client* c, uint32_t handle, uin
  * background; the experts in VRAM are sent again after every reconnection. Returns 0 or -errno. */
 MOECACHE_API int moecache_client_report_placement(moecache_client* c, uint32_t handle, uint32_t block, uint32_t expert,
                                                   int32_t device);
-/* The VRAM pool the daemon grants this process on `device`: 1 and *bytes when it set one, else 0. */
-MOECACHE_API int moecache_client_pool_budget(const moecache_client* c, uint32_t device, uint64_t* bytes);
+/* What the connected daemon asks of this process's VRAM pool on `device`: returns 1 and sets
+ * *pool_bytes (UINT64_MAX: no limit of its own) and *one_place (1: experts in the pool leave RAM;
+ * 0: keep both copies); 0 when no daemon is connected or it said nothing yet. */
+MOECACHE_API int moecache_client_vram_policy(const moecache_client* c, uint32_t device, uint64_t* pool_bytes,
+                                             int* one_place);
 /* Up to max directives received since the last call; never blocks. Returns how many. */
 MOECACHE_API size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max);
 MOECACHE_API void moecache_client_stats_get(const moecache_client* c, moecache_client_stats* out);

@@ -10,8 +10,9 @@
  *                            a reserve)
  *   MOECACHE_CUDA_PIN=all    register the expert bytes of mapped models for DMA (read-only page-
  *                            locked host memory; copies that miss the pool then run at pinned speed)
- *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds (the
- *                            daemon's [vram] keep_ram_copy is the daemon's side of it)
+ *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even
+ *                            when the daemon asks for one place (its [vram] keep_ram_copy unset);
+ *                            without a daemon the mapping is never touched
  *   MOECACHE_CUDA_LOG=1      a summary on stderr at exit
  *   MOECACHE_SOCKET=PATH     the daemon's client socket; MOECACHE_CUDA_CLIENT=off: no daemon */
 #ifndef MOECACHE_CUDA_HOOK_H

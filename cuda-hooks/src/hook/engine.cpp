@@ -171,9 +171,12 @@ void Engine::run() {
         for (int d = 0; d < kMaxDevices && client_ != nullptr; ++d) {
             DevicePool* dp = pools_[d].load();
             uint64_t b = 0;
-            if (dp == nullptr || moecache_client_pool_budget(client_, static_cast<uint32_t>(d), &b) == 0) continue;
-            if (daemon_budget_[d] == b + 1) continue;
-            daemon_budget_[d] = b + 1;
+            int one_place = 0;
+            if (dp == nullptr || moecache_client_vram_policy(client_, static_cast<uint32_t>(d), &b, &one_place) == 0)
+                continue;
+            const uint64_t applied = b == UINT64_MAX ? 0 : b + 1;
+            if (daemon_budget_[d] == applied) continue;
+            daemon_budget_[d] = applied;
             resize_pool(*dp);
         }
         poll_directives();
@@ -459,7 +462,12 @@ void Engine::drain_placements() {
             const Model& m = *models_[ev.model];
             const uint32_t block = m.map.layers[ev.expert / m.map.n_experts].index;
             const uint32_t e = ev.expert % m.map.n_experts;
-            if (ev.in_vram && cfg_.one_place && !cfg_.pin) drop_host_copy(m, block, e);
+            // Only with a daemon that asked for one place: it also decides when the expert comes back.
+            int one_place = 0;
+            if (ev.in_vram && cfg_.one_place && !cfg_.pin && client_ != nullptr &&
+                moecache_client_vram_policy(client_, static_cast<uint32_t>(ev.device), nullptr, &one_place) == 1 &&
+                one_place == 1)
+                drop_host_copy(m, block, e);
             if (client_ != nullptr && m.client_handle.load() != UINT32_MAX)
                 (void)moecache_client_report_placement(client_, m.client_handle.load(), block, e,
                                                        ev.in_vram ? ev.device : -1);

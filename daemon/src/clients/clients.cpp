@@ -154,7 +154,7 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         c.hello = true;
         c.name = h->name;
         reply(c, rq, HelloReply{kVersion, c.id});
-        if (config_.vram_pool) reply(c, 0, PoolBudget{kAllDevices, *config_.vram_pool});
+        reply(c, 0, VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), !config_.keep_ram_copy});
         return true;
     }
     if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);

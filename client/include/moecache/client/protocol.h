@@ -38,7 +38,7 @@ enum class Type : uint16_t {
     Failure = 130,
     ModelRegistered = 131,
     Directive = 132,
-    PoolBudget = 133,
+    VramPolicy = 133,
 };
 const char* to_string(Type t);
 
@@ -100,16 +100,20 @@ struct Directive {
     bool operator==(const Directive&) const = default;
 };
 
-// The VRAM pool the daemon grants this client on `device` (kAllDevices: on each one), in bytes.
+// What the daemon asks of a client's VRAM pool on `device` (kAllDevices: on each one): at most
+// pool_bytes (kNoPoolLimit: the client decides), and whether an expert in the pool should leave RAM
+// (one place) or keep its RAM copy too.
 inline constexpr uint32_t kAllDevices = UINT32_MAX;
-struct PoolBudget {
+inline constexpr uint64_t kNoPoolLimit = UINT64_MAX;
+struct VramPolicy {
     uint32_t device = kAllDevices;
-    uint64_t bytes = 0;
-    bool operator==(const PoolBudget&) const = default;
+    uint64_t pool_bytes = kNoPoolLimit;
+    bool one_place = true;
+    bool operator==(const VramPolicy&) const = default;
 };
 
 using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, ExpertPlacement, HelloReply,
-                          Ok, Failure, ModelRegistered, Directive, PoolBudget>;
+                          Ok, Failure, ModelRegistered, Directive, VramPolicy>;
 
 struct Message {
     uint32_t request = 0;  // chosen by the client; a reply carries the request it answers
