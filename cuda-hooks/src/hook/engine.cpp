@@ -127,7 +127,15 @@ Engine::Engine(EngineConfig cfg) : cfg_(cfg) {}
 
 void Engine::start() {
     wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    std::thread([this] { run(); }).detach();
+    std::thread([this] {
+        try {
+            run();
+        } catch (const std::exception& e) {
+            say("background thread stopped (%s): the pools stay as they are, nothing new is found", e.what());
+        } catch (...) {
+            say("background thread stopped: the pools stay as they are, nothing new is found");
+        }
+    }).detach();
 }
 
 void Engine::request_scan() {

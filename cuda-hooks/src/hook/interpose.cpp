@@ -100,18 +100,46 @@ void remember(std::atomic<F>& slot, void* real) {
 #define MISSING_RT cudaErrorSharedObjectSymbolNotFound
 #define MISSING_CU CUDA_ERROR_NOT_FOUND
 
+// The engine's part of a hooked call, which never lets an exception (out of memory in a first
+// call's set-up, say) reach the runtime: on one, the call passes through.
+bool serve(const HostToDeviceCopy& c, CUresult* r) noexcept {
+    try {
+        Engine* e = Engine::get();
+        if (e == nullptr) return false;
+        e->count_copy();
+        return e->serve(c, r);
+    } catch (...) {
+        return false;
+    }
+}
+
+bool yield_memory(size_t bytes) noexcept {
+    try {
+        Engine* e = Engine::peek();
+        return e != nullptr && e->yield_memory(bytes);
+    } catch (...) {
+        return false;
+    }
+}
+
+size_t pool_bytes() noexcept {
+    try {
+        Engine* e = Engine::peek();
+        return e != nullptr ? e->pool_bytes_current_device() : 0;
+    } catch (...) {
+        return 0;
+    }
+}
+
 template <class Call>
 cudaError_t runtime_copy(Call real, void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s, bool async,
                          bool per_thread) {
     Nest nest;
     if (Nest::outer() && (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDefault)) {
-        if (Engine* e = Engine::get()) {
-            e->count_copy();
-            const HostToDeviceCopy c{reinterpret_cast<CUdeviceptr>(dst), src, n, reinterpret_cast<CUstream>(s), async,
-                                     per_thread, kind == cudaMemcpyHostToDevice};
-            CUresult r = CUDA_SUCCESS;
-            if (e->serve(c, &r) && r == CUDA_SUCCESS) return cudaSuccess;
-        }
+        const HostToDeviceCopy c{reinterpret_cast<CUdeviceptr>(dst), src, n, reinterpret_cast<CUstream>(s), async,
+                                 per_thread, kind == cudaMemcpyHostToDevice};
+        CUresult r = CUDA_SUCCESS;
+        if (serve(c, &r) && r == CUDA_SUCCESS) return cudaSuccess;
     }
     return real();
 }
@@ -121,12 +149,9 @@ CUresult driver_copy(Call real, CUdeviceptr dst, const void* src, size_t n, CUst
                      bool dst_is_device) {
     Nest nest;
     if (Nest::outer()) {
-        if (Engine* e = Engine::get()) {
-            e->count_copy();
-            const HostToDeviceCopy c{dst, src, n, s, async, per_thread, dst_is_device};
-            CUresult r = CUDA_SUCCESS;
-            if (e->serve(c, &r)) return r;
-        }
+        const HostToDeviceCopy c{dst, src, n, s, async, per_thread, dst_is_device};
+        CUresult r = CUDA_SUCCESS;
+        if (serve(c, &r)) return r;
     }
     return real();
 }
@@ -182,11 +207,9 @@ cudaError_t on_cudaMalloc(void** p, size_t n) {
     auto real = REAL_RT(cudaMalloc);
     if (real == nullptr) return MISSING_RT;
     cudaError_t r = real(p, n);
-    if (r == cudaErrorMemoryAllocation && Nest::outer()) {
-        if (Engine* e = Engine::peek(); e != nullptr && e->yield_memory(n)) {
-            if (auto gle = resolve(real_get_last_error, "cudaGetLastError", true)) (void)gle();
-            r = real(p, n);
-        }
+    if (r == cudaErrorMemoryAllocation && Nest::outer() && yield_memory(n)) {
+        if (auto gle = resolve(real_get_last_error, "cudaGetLastError", true)) (void)gle();
+        r = real(p, n);
     }
     return r;
 }
@@ -197,8 +220,7 @@ cudaError_t on_cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
     auto real = REAL_RT(cudaMemGetInfo);
     if (real == nullptr) return MISSING_RT;
     const cudaError_t r = real(free_bytes, total_bytes);
-    if (r == cudaSuccess && Nest::outer() && free_bytes != nullptr)
-        if (Engine* e = Engine::peek()) *free_bytes += e->pool_bytes_current_device();
+    if (r == cudaSuccess && Nest::outer() && free_bytes != nullptr) *free_bytes += pool_bytes();
     return r;
 }
 
@@ -251,8 +273,7 @@ CUresult on_cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     auto real = REAL_CU(cuMemAlloc_v2);
     if (real == nullptr) return MISSING_CU;
     CUresult r = real(p, n);
-    if (r == CUDA_ERROR_OUT_OF_MEMORY && Nest::outer())
-        if (Engine* e = Engine::peek(); e != nullptr && e->yield_memory(n)) r = real(p, n);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY && Nest::outer() && yield_memory(n)) r = real(p, n);
     return r;
 }
 CUresult on_cuMemFree_v2(CUdeviceptr p) { PASS_CU(cuMemFree_v2, (p)); }
@@ -261,8 +282,7 @@ CUresult on_cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
     auto real = REAL_CU(cuMemGetInfo_v2);
     if (real == nullptr) return MISSING_CU;
     const CUresult r = real(free_bytes, total_bytes);
-    if (r == CUDA_SUCCESS && Nest::outer() && free_bytes != nullptr)
-        if (Engine* e = Engine::peek()) *free_bytes += e->pool_bytes_current_device();
+    if (r == CUDA_SUCCESS && Nest::outer() && free_bytes != nullptr) *free_bytes += pool_bytes();
     return r;
 }
 
@@ -355,13 +375,20 @@ MOECACHE_EXPORT CUresult CUDAAPI cuGetProcAddress_v2(const char* symbol, void** 
 
 MOECACHE_EXPORT void moecache_cuda_stats_get(moecache_cuda_stats* out) {
     if (out == nullptr) return;
-    if (auto* e = moecache::cuda::hook::Engine::peek()) e->stats(out);
-    else *out = {};
+    *out = {};
+    try {
+        if (auto* e = moecache::cuda::hook::Engine::peek()) e->stats(out);
+    } catch (...) {
+    }
 }
 
 MOECACHE_EXPORT int moecache_cuda_sync(int timeout_ms) {
-    auto* e = moecache::cuda::hook::Engine::get();
-    return e == nullptr ? 0 : e->sync(timeout_ms);
+    try {
+        auto* e = moecache::cuda::hook::Engine::get();
+        return e == nullptr ? 0 : e->sync(timeout_ms);
+    } catch (...) {
+        return 0;
+    }
 }
 
 // --- dlsym ----------------------------------------------------------------------------------------
