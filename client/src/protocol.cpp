@@ -321,8 +321,8 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
         case Type::Directive: {
             Directive x;
             const uint8_t a = r.u8("Directive.action");
-            if (r.error().empty() && (a < 1 || a > 4))
-                r.fail(fmt::format("at byte {}: Directive action {} is not one of 1 (promote) .. 4 (unlock)",
+            if (r.error().empty() && (a < 1 || a > 5))
+                r.fail(fmt::format("at byte {}: Directive action {} is not one of 1 (promote) .. 5 (unpromote)",
                                    kHeaderBytes, a));
             x.action = static_cast<Action>(a);
             x.model = r.u32("Directive.model");

@@ -8,14 +8,16 @@ namespace moecache::cuda {
 
 void ExpertHeat::add_model(uint32_t model, uint32_t n_experts) {
     if (heat_.size() <= model) heat_.resize(model + 1);
+    if (promoted_.size() <= model) promoted_.resize(model + 1);
     experts_ += n_experts - heat_[model].size();
     heat_[model].resize(n_experts, 0);
+    promoted_[model].resize(n_experts, 0);
 }
 
 void ExpertHeat::touch(uint32_t model, uint32_t expert, uint32_t amount) {
     if (model >= heat_.size() || expert >= heat_[model].size()) return;
     auto& h = heat_[model][expert];
-    h = h > UINT32_MAX - amount ? UINT32_MAX : h + amount;
+    h = h >= kPromoted - 1 - amount ? kPromoted - 1 : h + amount;
     touches_ += amount;
     if (touches_ >= 16 * std::max<uint64_t>(experts_, 1)) {
         for (auto& m : heat_)
@@ -25,17 +27,22 @@ void ExpertHeat::touch(uint32_t model, uint32_t expert, uint32_t amount) {
 }
 
 void ExpertHeat::set(uint32_t model, uint32_t expert, uint32_t value) {
-    if (model < heat_.size() && expert < heat_[model].size()) heat_[model][expert] = value;
+    if (model < heat_.size() && expert < heat_[model].size()) heat_[model][expert] = std::min(value, kPromoted - 1);
+}
+
+void ExpertHeat::set_promoted(uint32_t model, uint32_t expert, bool promoted) {
+    if (model < promoted_.size() && expert < promoted_[model].size()) promoted_[model][expert] = promoted ? 1 : 0;
 }
 
 uint32_t ExpertHeat::heat(uint32_t model, uint32_t expert) const {
-    return model < heat_.size() && expert < heat_[model].size() ? heat_[model][expert] : 0;
+    if (model >= heat_.size() || expert >= heat_[model].size()) return 0;
+    return heat_[model][expert] + (promoted_[model][expert] ? kPromoted : 0);
 }
 
 uint32_t ExpertHeat::hottest() const {
     uint32_t h = 0;
-    for (const auto& m : heat_)
-        for (auto v : m) h = std::max(h, v);
+    for (uint32_t m = 0; m < heat_.size(); ++m)
+        for (uint32_t e = 0; e < heat_[m].size(); ++e) h = std::max(h, heat(m, e));
     return h;
 }
 

@@ -442,6 +442,7 @@ void Daemon::place() {
             budget -= std::min(budget, bytes);
         }
     }
+    direct_pools();
 }
 
 void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
@@ -488,7 +489,14 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
 void Daemon::tick() {
     refresh_models();
     for (auto& m : models_)
-        if (m->res) (void)m->res->refresh_cached();
+        if (m->res) {
+            (void)m->res->refresh_cached();
+            // One place, again each tick: a runtime's read of a neighbour can map an expert's pages
+            // back (fault-around) before they were dropped.
+            for (uint32_t s = 0; s < m->res->n_slots(); ++s)
+                if (!m->res->wanted_in_ram(s) && m->res->state(s).cached_bytes > 0 && m->res->state(s).tier == Tier::Storage)
+                    m->res->drop_cached(s);
+        }
     const auto now = std::chrono::steady_clock::now();
     // Quiet means longer than the trigger's window: a trigger fires at most once per window, so a
     // shorter wait would lift the cap in the middle of a long squeeze.

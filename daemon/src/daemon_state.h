@@ -35,6 +35,8 @@ struct Daemon::Client {
     std::vector<uint32_t> models;  // model ids it registered
     std::unique_ptr<telemetry::TelemetryRing> ring;
     std::set<std::pair<uint32_t, uint32_t>> vram;  // (model id, slot) its VRAM pool holds
+    bool has_pool = false;                          // it sent an ExpertPlacement: a CUDA hook
+    std::set<std::pair<uint32_t, uint32_t>> promoted;  // (model id, slot) it was told to keep in VRAM
     uint64_t events = 0, bad_events = 0;
     bool dead = false;  // dropped this turn; reaped at its end
 };

@@ -5,6 +5,7 @@
 // is locked in RAM. When the second grows hotter and takes the pool, the first comes back to RAM
 // (read on use and locked) and the second leaves it.
 #include "model_fixture.h"
+#include "moecache/client.h"
 #include "moecache/cuda_hook.h"
 #include "moecache/model.h"
 #include "run.h"
@@ -67,7 +68,8 @@ protected:
         write_file(dir_.file("moecached.toml"),
                    "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\nsocket = \"" + dir_.file("moecached.sock") +
                        "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
-                       "[telemetry]\npage_cache = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = 0\n[vram]\npool = " +
+                       "[telemetry]\npage_cache = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = " + elite_share() +
+                       "\n[vram]\npool = " +
                        std::to_string(3 * slice_) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") + "\n");
         // The daemon runs without the hook or the fake driver.
         const std::string preload = getenv("LD_PRELOAD"), libpath = getenv("LD_LIBRARY_PATH");
@@ -92,6 +94,7 @@ protected:
         for (size_t t = 0; t < 3; ++t) ASSERT_EQ(alloc_(&dst_[t], slice_ * map_.n_experts + 512), CUDA_SUCCESS);
     }
     [[nodiscard]] virtual bool keep_both() const { return false; }
+    [[nodiscard]] virtual std::string elite_share() const { return "0"; }
     void TearDown() override {
         if (base_ != nullptr && base_ != MAP_FAILED) munmap(base_, size_);
         if (daemon_) {
@@ -120,6 +123,33 @@ protected:
             all += v.size();
         }
         return all ? static_cast<double>(in) / static_cast<double>(all) : -1;
+    }
+    // How many of the expert's whole pages this process maps right now.
+    int mapped_here(uint32_t e) {
+        const uint64_t ps = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+        const int pm = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+        int n = 0;
+        for (const auto& r : map_.ranges(map_.layers[0].index, e))
+            for (uint64_t pg = (r.offset + ps - 1) / ps; pg < (r.offset + r.length) / ps; ++pg) {
+                uint64_t v = 0;
+                if (pread(pm, &v, 8, static_cast<off_t>((reinterpret_cast<uintptr_t>(base_) / ps + pg) * 8)) == 8)
+                    n += static_cast<int>((v >> 63) & 1);
+            }
+        close(pm);
+        return n;
+    }
+    // The expert's pages in the page cache, one character each: '#' cached, '.' not.
+    std::string pages(uint32_t e) {
+        const uint64_t ps = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+        std::string out;
+        for (const auto& r : map_.ranges(map_.layers[0].index, e)) {
+            const uint64_t first = (r.offset + ps - 1) / ps, last = (r.offset + r.length) / ps;
+            std::vector<unsigned char> v(last - first);
+            if (last > first && mincore(base_ + first * ps, (last - first) * ps, v.data()) == 0)
+                for (auto b : v) out += (b & 1) ? '#' : '.';
+            out += ' ';
+        }
+        return out;
     }
     std::string log() {
         daemon_->wait_for("\x01", 0.2);  // reads what it wrote so far
@@ -167,13 +197,15 @@ TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
         << "pool " << stats().pool_bytes << " bytes, " << stats().experts_in_vram << " experts in VRAM\n"
         << log();
     ASSERT_TRUE(until([&] { return cached(kA) == 0.0 && cached(kB) == 1.0; }, kA, 4, kB, 2))
-        << "A (in VRAM) cached " << cached(kA) << ", B (from the host) cached " << cached(kB) << ", unmapped here "
+        << "A (in VRAM) cached " << cached(kA) << " (mapped here: " << mapped_here(kA) << " pages), B (from the host) cached "
+        << cached(kB) << ", unmapped here "
         << stats().dropped_host_bytes << " bytes\n"
         << log();
     EXPECT_GT(stats().dropped_host_bytes, 0u);
     // B grows hotter and takes the pool: A leaves VRAM, is read on use and locked again; B leaves RAM.
     ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) == 0.0; }, kB, 12, kA, 1))
-        << "A cached " << cached(kA) << ", B cached " << cached(kB) << ", in VRAM " << stats().experts_in_vram << "\n"
+        << "A cached " << cached(kA) << ", B cached " << cached(kB) << " (mapped here: " << mapped_here(kB)
+        << " pages; " << pages(kB) << "), in VRAM " << stats().experts_in_vram << "\n"
         << log();
 }
 
@@ -197,6 +229,41 @@ TEST_F(HookDaemonKeepBoth, AnExpertInVramKeepsItsRamCopy) {
     EXPECT_EQ(cached(kA), 1.0);
     EXPECT_EQ(stats().dropped_host_bytes, 0u);
     EXPECT_GT(stats().slice_hits, 0u);
+}
+
+// The daemon's view wins: another client's router says C and D are the hot experts of layer 0, so
+// the daemon (elite: 2 of 16 per layer) promotes them to the hook, whose pool (one expert) then
+// holds C although this process uses A more.
+class HookDaemonElite : public HookDaemon {
+    [[nodiscard]] std::string elite_share() const override { return "0.125"; }
+};
+
+TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
+    constexpr uint32_t kA = 3, kC = 12, kD = 13;
+    moecache_client* other = moecache_client_open(dir_.file("moecached.sock").c_str(), "other-runtime");
+    ASSERT_NE(other, nullptr);
+    uint32_t h = 0;
+    ASSERT_EQ(moecache_client_register_model(other, model_.c_str(), &h), 0);
+    ASSERT_EQ(moecache_client_wait_ready(other, 10000), 1);
+    auto report = [&] {
+        const uint32_t hot[] = {kC, kD};
+        for (int i = 0; i < 200; ++i) (void)moecache_client_report(other, h, map_.layers[0].index, hot, 2, 1);
+    };
+    use(kA, 1);
+    using SyncFn = int (*)(int);
+    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
+    ASSERT_GE(sync(10000), 1);
+    // Here A is used 4 times for each use of C; elsewhere C and D are used far more.
+    ASSERT_TRUE(until(
+        [&] {
+            report();
+            return stats().directives >= 2 && stats().experts_in_vram == 1 && cached(kC) == 0.0 && cached(kA) == 1.0;
+        },
+        kA, 4, kC, 1))
+        << "directives " << stats().directives << ", in VRAM " << stats().experts_in_vram << ", A cached " << cached(kA)
+        << ", C cached " << cached(kC) << " (mapped here: " << mapped_here(kC) << " pages)\n"
+        << log();
+    moecache_client_close(other);
 }
 
 }  // namespace

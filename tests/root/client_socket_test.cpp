@@ -114,6 +114,15 @@ protected:
         send_raw(s.get(), encode({1, Hello{1, 1, name}}));
         auto r = reply(s.get());
         EXPECT_TRUE(r && std::holds_alternative<HelloReply>(r->body)) << failure_text(r);
+        // Then, unasked, what the daemon wants of a VRAM pool (here: no limit, one place).
+        auto v = reply(s.get());
+        const auto* policy = v ? std::get_if<VramPolicy>(&v->body) : nullptr;
+        EXPECT_TRUE(policy != nullptr) << failure_text(v);
+        if (policy) {
+            EXPECT_EQ(v->request, 0u);
+            EXPECT_EQ(policy->pool_bytes, kNoPoolLimit);
+            EXPECT_TRUE(policy->one_place);
+        }
         return s;
     }
 
@@ -161,6 +170,19 @@ TEST_F(ClientSocketTest, MappingsAreCheckedAgainstTheModelsOfThatClient) {
     EXPECT_NE(failure_text(ask({id, 0, 0x7f0000000000, size, 4096})).find("runs past the end"), std::string::npos);
     r = ask({id, 0, 0x7f0000000000, size, 0});
     EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+
+    // Placements name an expert of one of its models; a bad one is answered and the client stays.
+    const auto place = [&](const ExpertPlacement& p) {
+        send_raw(s.get(), encode({0, p}));
+        return reply(s.get());
+    };
+    EXPECT_NE(failure_text(place({999, 0, 0, 0})).find("not one this client registered"), std::string::npos);
+    EXPECT_NE(failure_text(place({id, 999, 0, 0})).find("no routed expert 0 in block 999"), std::string::npos);
+    EXPECT_NE(failure_text(place({id, 0, 9999, 0})).find("no routed expert 9999"), std::string::npos);
+    send_raw(s.get(), encode({0, ExpertPlacement{id, 0, 1, 0}}));  // a good one has no reply
+    r = ask({id, 0, 0x7f0000000000, size, 0});
+    EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    EXPECT_EQ(d_->status().models.front().experts_in_vram, 1u);
 }
 
 TEST_F(ClientSocketTest, AnUnconfiguredSplitModelLivesAsLongAsItsClient) {

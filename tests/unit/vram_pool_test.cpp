@@ -94,6 +94,30 @@ TEST_F(Pool, ReleasesColdestArenasFirst) {
     for (uint32_t e = 4; e < 8; ++e) EXPECT_NE(pool.lookup(ref(e), 7), 0u);
 }
 
+TEST_F(Pool, APromotedExpertTakesTheSlotOfAHotterOneAndKeepsIt) {
+    for (uint32_t e = 0; e < 4; ++e) {
+        ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+        heat.touch(0, e, 50);
+    }
+    heat.set_promoted(0, 20, true);  // the daemon wants 20 in VRAM; used once here
+    heat.touch(0, 20);
+    uint64_t a = 0;
+    for (int i = 0; i < 50 && a == 0; ++i) a = pool.admit(ref(20), kSlice, 7, heat);
+    ASSERT_NE(a, 0u) << "promoted ranks above any unpromoted expert";
+    // Now the hottest unpromoted expert cannot displace it.
+    heat.touch(0, 30, 500);
+    for (int i = 0; i < 200; ++i) (void)pool.admit(ref(30), kSlice, 7, heat);
+    EXPECT_NE(pool.lookup(ref(20), 7), 0u);
+    // Unpromoted, it is one of the crowd again, and the coldest: hot newcomers displace it.
+    heat.set_promoted(0, 20, false);
+    EXPECT_EQ(heat.heat(0, 20), 1u);
+    for (uint32_t e = 31; e < 35; ++e) {
+        heat.touch(0, e, 500);
+        for (int i = 0; i < 50; ++i) (void)pool.admit(ref(e), kSlice, 7, heat);
+    }
+    EXPECT_EQ(pool.lookup(ref(20), 7), 0u);
+}
+
 TEST(ExpertHeat, HalvesAfterSixteenUsesPerExpert) {
     ExpertHeat h;
     h.add_model(0, 4);

@@ -21,7 +21,13 @@ extern "C" {
 
 typedef struct moecache_client moecache_client;
 
-enum moecache_action { MOECACHE_PROMOTE = 1, MOECACHE_DEMOTE = 2, MOECACHE_LOCK = 3, MOECACHE_UNLOCK = 4 };
+enum moecache_action {
+    MOECACHE_PROMOTE = 1,   /* keep it in the VRAM pool */
+    MOECACHE_DEMOTE = 2,    /* take it out of the VRAM pool */
+    MOECACHE_LOCK = 3,      /* the daemon locked it in RAM */
+    MOECACHE_UNLOCK = 4,    /* the daemon let it go from RAM */
+    MOECACHE_UNPROMOTE = 5  /* the pool's own policy decides again */
+};
 
 typedef struct moecache_directive {
     uint32_t model; /* a handle from moecache_client_register_model */

@@ -42,6 +42,7 @@ typedef struct moecache_cuda_stats {
     uint64_t experts_in_vram; /* experts with every slice in a pool */
     uint64_t yielded_bytes;   /* pool memory given back to the runtime's allocations */
     uint64_t dropped_host_bytes; /* of experts in a pool, unmapped here (the one-place rule) */
+    uint64_t directives;      /* VRAM directives from the daemon (promote, unpromote, demote) */
 } moecache_cuda_stats;
 
 void moecache_cuda_stats_get(moecache_cuda_stats* out);

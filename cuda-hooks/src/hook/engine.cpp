@@ -153,6 +153,7 @@ void Engine::run() {
         client_ = moecache_client_open(nullptr, name);
     }
     auto last_scan = std::chrono::steady_clock::now() - kRescanInterval;
+    auto last_rezap = std::chrono::steady_clock::now();
     while (!stopping_.load()) {
         pollfd p{wake_fd_, POLLIN, 0};
         (void)poll(&p, 1, 50);
@@ -189,6 +190,12 @@ void Engine::run() {
         }
         poll_directives();
         drain_placements();
+        // One place, again now and then: a read of a neighbour maps an expert's pages back in
+        // (fault-around) whenever it faults.
+        if (std::chrono::steady_clock::now() - last_rezap > std::chrono::seconds(2)) {
+            rezap_pooled();
+            last_rezap = std::chrono::steady_clock::now();
+        }
         sync_cv_.notify_all();
     }
 }
@@ -452,6 +459,26 @@ void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
     }
 }
 
+void Engine::rezap_pooled() {
+    if (!cfg_.one_place || cfg_.pin || client_ == nullptr) return;
+    std::vector<std::pair<uint32_t, uint32_t>> pooled;  // (model, model-local expert)
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        int one_place = 0;
+        if (dp == nullptr || moecache_client_vram_policy(client_, static_cast<uint32_t>(d), nullptr, &one_place) != 1 ||
+            one_place != 1)
+            continue;
+        std::lock_guard lock(mu_);
+        for (uint32_t m = 0; m < dp->full.size(); ++m)
+            for (uint32_t e = 0; e < dp->full[m].size(); ++e)
+                if (dp->full[m][e]) pooled.emplace_back(m, e);
+    }
+    for (const auto& [mi, e] : pooled) {
+        const Model& m = *models_[mi];
+        drop_host_copy(m, m.map.layers[e / m.map.n_experts].index, e % m.map.n_experts);
+    }
+}
+
 void Engine::drain_placements() {
     std::array<PlacementEvent, 256> batch;
     for (;;) {
@@ -537,9 +564,14 @@ void Engine::poll_directives() {
             d[i].expert >= m->map.n_experts)
             continue;
         const uint32_t e = m->expert(m->layer_slot[d[i].block], d[i].expert);
+        if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) continue;  // about RAM
+        directives_.fetch_add(1, std::memory_order_relaxed);
         if (d[i].action == MOECACHE_PROMOTE) {
-            heat_.set(m->id, e, heat_.hottest() + 1);
+            heat_.set_promoted(m->id, e, true);
+        } else if (d[i].action == MOECACHE_UNPROMOTE) {
+            heat_.set_promoted(m->id, e, false);
         } else if (d[i].action == MOECACHE_DEMOTE) {
+            heat_.set_promoted(m->id, e, false);
             heat_.set(m->id, e, 0);
             for (auto& p : pools_)
                 if (auto* dp = p.load()) {
@@ -741,6 +773,7 @@ void Engine::stats(moecache_cuda_stats* out) {
     out->experts_in_vram = in_vram_.load();
     out->yielded_bytes = yielded_.load();
     out->dropped_host_bytes = dropped_host_bytes_.load();
+    out->directives = directives_.load();
     std::lock_guard lock(mu_);
     for (auto& p : pools_)
         if (auto* dp = p.load()) {

@@ -119,6 +119,7 @@ private:
     [[nodiscard]] uint64_t pool_target(uint64_t expert_bytes, int device) const;
     void note_expert(DevicePool& dp, const Model& m, uint32_t expert);  // under mu_
     void drain_placements();
+    void rezap_pooled();
     void drop_host_copy(const Model& m, uint32_t block, uint32_t expert);
     void pin_models(int device);
     void poll_directives();
@@ -152,7 +153,7 @@ private:
 
     std::atomic<uint64_t> copies_{0}, expert_copies_{0}, served_{0}, hits_{0}, misses_{0}, bytes_pool_{0},
         bytes_host_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0}, yielded_{0},
-        n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0};
+        n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0};
 };
 
 }  // namespace moecache::cuda::hook

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace moecache::daemon {
@@ -208,6 +209,10 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
                       fmt::format("ExpertPlacement: model {} has no routed expert {} in block {}", x.model, x.expert, x.block));
     const uint32_t slot = *layer * e->res->n_experts() + x.expert;
     const auto key = std::make_pair(x.model, slot);
+    if (!c.has_pool) {
+        c.has_pool = true;
+        direct_pools();
+    }
     if (x.device == kHostTier) {
         if (c.vram.erase(key) > 0) e->res->remove_vram_holder(slot);
         return true;
@@ -311,6 +316,52 @@ void Daemon::tell_clients(const ModelEntry& m, uint32_t slot, Action action) {
     const Directive d{action, m.id, map.layers[layer].index, slot % map.n_experts};
     for (auto& c : clients_)
         if (!c->dead && std::find(c->models.begin(), c->models.end(), m.id) != c->models.end()) reply(*c, 0, d);
+}
+
+// The daemon's view of what belongs in VRAM, for each client with a pool: the elite of each layer
+// by heat (all clients' telemetry, and the profile saved before a restart), among admitted experts.
+// Promote what joins it, Unpromote what leaves; the hook's own policy fills the rest of its pool.
+void Daemon::direct_pools() {
+    for (auto& cp : clients_) {
+        Client& c = *cp;
+        if (c.dead || !c.has_pool) continue;
+        std::set<std::pair<uint32_t, uint32_t>> want;
+        for (auto& m : models_) {
+            if (!m->res || std::find(c.models.begin(), c.models.end(), m->id) == c.models.end()) continue;
+            const auto& heat = m->res->heat();
+            const uint32_t ne = heat.n_experts();
+            const auto elite = static_cast<size_t>(std::ceil(config_.elite_share * ne));
+            if (elite == 0) continue;
+            std::vector<std::pair<double, uint32_t>> layer;
+            for (uint32_t l = 0; l < heat.n_layers(); ++l) {
+                layer.clear();
+                for (uint32_t e = 0; e < ne; ++e)
+                    if (heat.uses(l, e) >= config_.admit_after_uses) layer.emplace_back(heat.heat(l, e), e);
+                const size_t k = std::min(elite, layer.size());
+                std::partial_sort(layer.begin(), layer.begin() + static_cast<std::ptrdiff_t>(k), layer.end(),
+                                  [](const auto& a, const auto& b) { return a.first > b.first; });
+                for (size_t i = 0; i < k; ++i) want.emplace(m->id, l * ne + layer[i].second);
+            }
+        }
+        auto send = [&](std::pair<uint32_t, uint32_t> key, Action a) {
+            for (auto& m : models_)
+                if (m->id == key.first && m->res) {
+                    const auto& map = m->res->model().map();
+                    const uint32_t l = key.second / map.n_experts;
+                    reply(c, 0, Directive{a, m->id, map.layers[l].index, key.second % map.n_experts});
+                }
+        };
+        for (const auto& key : want)
+            if (c.promoted.insert(key).second) send(key, Action::Promote);
+        for (auto it = c.promoted.begin(); it != c.promoted.end();) {
+            if (want.count(*it) == 0) {
+                send(*it, Action::Unpromote);
+                it = c.promoted.erase(it);
+            } else {
+                ++it;
+            }
+        }
+    }
 }
 
 void Daemon::consume_client_telemetry() {

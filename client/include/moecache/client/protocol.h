@@ -93,7 +93,10 @@ struct ModelRegistered {
     uint32_t model = 0, layers = 0, experts = 0, files = 0;
     bool operator==(const ModelRegistered&) const = default;
 };
-enum class Action : uint8_t { Promote = 1, Demote = 2, Lock = 3, Unlock = 4 };
+// Lock/Unlock: the daemon locked or let go of an expert in RAM. Promote: keep the expert in the VRAM
+// pool (admit it at its next miss, over anything not promoted); Unpromote: the pool's own policy
+// decides again; Demote: take it out of the pool now.
+enum class Action : uint8_t { Promote = 1, Demote = 2, Lock = 3, Unlock = 4, Unpromote = 5 };
 struct Directive {
     Action action = Action::Lock;
     uint32_t model = 0, block = 0, expert = 0;

@@ -17,16 +17,21 @@ inline constexpr uint32_t kNoSlot = UINT32_MAX;
 
 // Decayed use counts per expert: what the local policy knows. Counts halve after 16 uses per
 // expert in total, so an expert that went cold loses its place within a few hundred tokens.
+// An expert the daemon promoted ranks above every expert it did not, and by its count among those
+// it did.
 class ExpertHeat {
 public:
+    static constexpr uint32_t kPromoted = 1u << 30;
     void add_model(uint32_t model, uint32_t n_experts);
     void touch(uint32_t model, uint32_t expert, uint32_t amount = 1);
     void set(uint32_t model, uint32_t expert, uint32_t value);
-    [[nodiscard]] uint32_t heat(uint32_t model, uint32_t expert) const;
+    void set_promoted(uint32_t model, uint32_t expert, bool promoted);
+    [[nodiscard]] uint32_t heat(uint32_t model, uint32_t expert) const;  // with the promotion
     [[nodiscard]] uint32_t hottest() const;
 
 private:
-    std::vector<std::vector<uint32_t>> heat_;  // [model][expert]
+    std::vector<std::vector<uint32_t>> heat_;  // [model][expert], below kPromoted
+    std::vector<std::vector<uint8_t>> promoted_;
     uint64_t experts_ = 0, touches_ = 0;
 };
 

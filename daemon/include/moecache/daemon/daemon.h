@@ -151,6 +151,7 @@ private:
     bool on_client_packet(Client& c, struct Packet& p);
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
     bool on_placement(Client& c, const protocol::ExpertPlacement& x);
+    void direct_pools();
     void reply(Client& c, uint32_t request, const protocol::Body& body);
     bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
     // A request that cannot be met: a Failure, and the client stays connected (true).
