@@ -370,12 +370,10 @@ void Engine::resize_pool(DevicePool& dp) {
                 for (uint32_t e = 0; e < m->n_experts; ++e) note_expert(dp, *m, e);
         }
         if (!bases.empty()) (void)drv->ctx_synchronize();  // reads from those slots may be queued
-        for (auto b : bases) {
-            (void)drv->mem_free(b);
-            dp.arenas.erase(std::remove(dp.arenas.begin(), dp.arenas.end(), b), dp.arenas.end());
-        }
+        for (auto b : bases) (void)drv->mem_free(b);
         std::lock_guard lock(mu_);
-        dp.bytes = dp.pool.stats().bytes;
+        for (auto b : bases) dp.arenas.erase(std::remove(dp.arenas.begin(), dp.arenas.end(), b), dp.arenas.end());
+        dp.bytes.store(dp.pool.stats().bytes);
     }
     (void)drv->mem_get_info(&free_bytes, &total_bytes);
     if (dp.bytes < target) {
@@ -738,13 +736,12 @@ bool Engine::yield_memory(size_t bytes) {
     if (bases.empty()) return false;
     // Reads from those slots may still be queued.
     (void)drv->ctx_synchronize();
-    for (auto b : bases) {
-        (void)drv->mem_free(b);
-        dp->arenas.erase(std::remove(dp->arenas.begin(), dp->arenas.end(), b), dp->arenas.end());
-    }
+    for (auto b : bases) (void)drv->mem_free(b);
+    std::lock_guard lock(mu_);
+    for (auto b : bases) dp->arenas.erase(std::remove(dp->arenas.begin(), dp->arenas.end(), b), dp->arenas.end());
     const uint64_t left = dp->pool.stats().bytes;
-    yielded_.fetch_add(dp->bytes - left);
-    dp->bytes = left;
+    yielded_.fetch_add(dp->bytes.load() - left);
+    dp->bytes.store(left);
     return true;
 }
 
@@ -753,7 +750,7 @@ size_t Engine::pool_bytes_current_device() {
     CUdevice device = 0;
     if (drv == nullptr || drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices) return 0;
     DevicePool* dp = pools_[device].load();
-    return dp == nullptr ? 0 : dp->bytes;
+    return dp == nullptr ? 0 : dp->bytes.load();
 }
 
 void Engine::stats(moecache_cuda_stats* out) {

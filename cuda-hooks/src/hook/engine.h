@@ -96,8 +96,8 @@ private:
     struct DevicePool {
         int device = 0;
         VramPool pool;
-        std::vector<CUdeviceptr> arenas;
-        uint64_t bytes = 0;
+        std::vector<CUdeviceptr> arenas;  // under mu_
+        std::atomic<uint64_t> bytes{0};   // written under mu_, read anywhere
         std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled (under mu_)
     };
     struct PlacementEvent {
