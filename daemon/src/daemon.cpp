@@ -1,6 +1,8 @@
 #include "moecache/daemon/daemon.h"
 
 #include "daemon_state.h"
+#include "metrics/metrics_server.h"
+#include "moecache/daemon/metrics.h"
 
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/daemon/pressure.h"
@@ -159,6 +161,13 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         if (!server) return tl::unexpected(with_context(server.error(), "the client socket ([daemon] socket)"));
         d->server_ = std::make_unique<SocketServer>(std::move(*server));
         MC_TRY_VOID(watch(d->server_->fd(), EPOLLIN));
+    }
+
+    if (!d->config_.metrics_listen.empty()) {
+        // A busy port is no reason not to manage memory: say so and run without metrics.
+        auto m = MetricsServer::start(d->config_.metrics_listen);
+        if (m) d->metrics_ = std::move(*m);
+        else MC_LOG(LOG_WARNING, "no /metrics ([metrics] listen): {}", m.error().what());
     }
 
     d->add_plain_models();
@@ -511,6 +520,7 @@ void Daemon::tick() {
         last_save_ = now;
     }
     place();
+    if (metrics_) metrics_->publish(render_metrics(status()));
 }
 
 void Daemon::on_pressure(const std::string& source) {
@@ -680,6 +690,11 @@ DaemonStatus Daemon::status() const {
     s.page_cache.unattributed = page_cache_unattributed_;
     s.page_cache.consume_cpu_seconds = page_cache_cpu_;
     s.socket_path = server_ ? server_->path() : "";
+    if (metrics_) {
+        const bool v6 = metrics_->host().find(':') != std::string::npos;
+        s.metrics_address = v6 ? fmt::format("[{}]:{}", metrics_->host(), metrics_->port())
+                               : fmt::format("{}:{}", metrics_->host(), metrics_->port());
+    }
     s.clients_refused = clients_refused_;
     s.vram_releases = vram_releases_;
     for (const auto& c : clients_) {

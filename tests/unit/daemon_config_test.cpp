@@ -61,6 +61,7 @@ std::string describe(const Config& c) {
       << "clients.allow_gids = " << fmt::format("{}", fmt::join(c.client_allow_gids, ",")) << "\n"
       << "clients.max = " << c.max_clients << "\n";
     for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
+    s << "metrics.listen = " << c.metrics_listen << "\n";
     s << "vram.pool = " << (c.vram_pool ? std::to_string(*c.vram_pool) : "unset") << "\n"
       << "vram.keep_ram_copy = " << c.keep_ram_copy << "\n";
     for (const auto& m : c.models) {
@@ -130,6 +131,18 @@ TEST_F(ConfigTest, MissingMainFileIsAnError) {
     const auto c = load_config(path);
     ASSERT_FALSE(c);
     expect_mentions(c.error().what(), {path, "cannot open the config file", "No such file"});
+}
+
+TEST_F(ConfigTest, MetricsListenIsAnIpAddressAndAPort) {
+    for (const char* ok : {"127.0.0.1:8474", "0.0.0.0:0", "[::1]:8474", ""}) {
+        const auto c = load(std::string("[metrics]\nlisten = \"") + ok + "\"\n");
+        ASSERT_TRUE(c) << ok << ": " << c.error().what();
+        EXPECT_EQ(c->metrics_listen, ok);
+    }
+    expect_rejected("[metrics]\nlisten = \"localhost:8474\"\n", {main_ + ":2:", "metrics.listen", "an IP address"});
+    expect_rejected("[metrics]\nlisten = \"127.0.0.1:99999\"\n", {"metrics.listen", "0 to 65535"});
+    expect_rejected("[metrics]\nlisten = \"127.0.0.1\"\n", {"metrics.listen", "HOST:PORT"});
+    expect_rejected("[metrics]\nlisten = 8474\n", {"metrics.listen", "a string"});
 }
 
 TEST_F(ConfigTest, VramPoolIsASizeAndKeepRamCopyABool) {
@@ -563,7 +576,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 26u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 27u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

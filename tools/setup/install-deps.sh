@@ -15,6 +15,7 @@ debs=(
   libgtest-dev libgmock-dev
   nodejs npm
   fio vmtouch bc
+  prometheus
 )
 
 missing=()

@@ -376,6 +376,19 @@ Result<uint64_t> read_vram_pool(const Value& v) {
     return amount.bytes;
 }
 
+Result<std::string> read_listen(const Value& v) {
+    const auto* s = v.node.as_string();
+    if (!s) return wrong_type(v, "a string");
+    const std::string text = s->get();
+    if (text.empty()) return text;
+    if (auto r = parse_listen_address(text); !r) return v.fail("{}", r.error().what());
+    return text;
+}
+
+const Key<Config> kMetricsKeys[] = {
+    MC_KEY("listen", Config, t.metrics_listen = MC_TRY(read_listen(v))),
+};
+
 const Key<Config> kVramKeys[] = {
     MC_KEY("pool", Config, t.vram_pool = MC_TRY(read_vram_pool(v))),
     MC_KEY("keep_ram_copy", Config, t.keep_ram_copy = MC_TRY(read_bool(v))),
@@ -398,7 +411,7 @@ struct Section {
 const Section kSections[] = {
     {"daemon", kDaemonKeys},     {"budget", kBudgetKeys}, {"prefetch", kPrefetchKeys},
     {"pressure", kPressureKeys}, {"policy", kPolicyKeys}, {"telemetry", kTelemetryKeys},
-    {"clients", kClientKeys},    {"vram", kVramKeys},
+    {"clients", kClientKeys},    {"metrics", kMetricsKeys}, {"vram", kVramKeys},
 };
 constexpr std::string_view kModelSection = "model";
 

@@ -27,6 +27,7 @@ namespace moecache::daemon {
 class Prefetcher;
 class PressureMonitor;
 class SocketServer;
+class MetricsServer;
 
 struct ExpertStatus {
     uint32_t block = 0, expert = 0;
@@ -89,6 +90,7 @@ struct DaemonStatus {
     uint64_t prefetch_done_bytes = 0, prefetch_queued_bytes = 0;
     PageCacheStatus page_cache;
     std::string socket_path;       // where clients connect ("" when not listening)
+    std::string metrics_address;   // where GET /metrics answers, "HOST:PORT" ("" when it does not)
     uint64_t clients_refused = 0;  // connections turned away (not allowed, too many)
     uint64_t vram_releases = 0;    // experts unlocked and dropped because a VRAM pool took them
     std::vector<ClientStatus> clients;
@@ -169,6 +171,7 @@ private:
     std::unique_ptr<Prefetcher> prefetcher_;
     std::unique_ptr<PressureMonitor> pressure_;
     std::unique_ptr<SocketServer> server_;
+    std::unique_ptr<MetricsServer> metrics_;
     std::vector<std::unique_ptr<Client>> clients_;
     std::unordered_map<int, Client*> client_by_fd_;
     uint32_t next_client_id_ = 1;

@@ -1,0 +1,19 @@
+// The daemon's Prometheus metrics: what DaemonStatus holds, in the text exposition format (base
+// units, `_total` for counters, HELP and TYPE for each family). Labels stay bounded: a model is its
+// id and its file name, never an expert; kinds and tiers are fixed sets.
+#pragma once
+
+#include "moecache/daemon/daemon.h"
+
+#include <string>
+#include <string_view>
+
+namespace moecache::daemon {
+
+std::string render_metrics(const DaemonStatus& s);
+
+// A label value as the format wants it: backslash, double quote and newline escaped, and bytes that
+// are not UTF-8 replaced by U+FFFD (Prometheus rejects them).
+std::string escape_label_value(std::string_view v);
+
+}  // namespace moecache::daemon

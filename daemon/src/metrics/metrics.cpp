@@ -1,0 +1,176 @@
+#include "moecache/daemon/metrics.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <map>
+
+namespace moecache::daemon {
+namespace {
+
+// Length of the valid UTF-8 sequence at the start of s, or 0 (overlongs, surrogates and code
+// points past U+10FFFF are invalid).
+size_t utf8_length(std::string_view s) {
+    const auto b = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+    const unsigned char c = b(0);
+    if (c < 0x80) return 1;
+    size_t n = 0;
+    uint32_t cp = 0, min = 0;
+    if ((c & 0xe0) == 0xc0) n = 2, cp = c & 0x1f, min = 0x80;
+    else if ((c & 0xf0) == 0xe0) n = 3, cp = c & 0x0f, min = 0x800;
+    else if ((c & 0xf8) == 0xf0) n = 4, cp = c & 0x07, min = 0x10000;
+    else return 0;
+    if (s.size() < n) return 0;
+    for (size_t i = 1; i < n; ++i) {
+        if ((b(i) & 0xc0) != 0x80) return 0;
+        cp = (cp << 6) | (b(i) & 0x3f);
+    }
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+    return n;
+}
+
+class Writer {
+public:
+    void family(std::string_view name, std::string_view type, std::string_view help) {
+        out_ += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+    }
+    void sample(std::string_view name, std::string_view labels, double v) {
+        out_ += labels.empty() ? fmt::format("{} {}\n", name, v) : fmt::format("{}{{{}}} {}\n", name, labels, v);
+    }
+    void sample(std::string_view name, std::string_view labels, uint64_t v) {
+        out_ += labels.empty() ? fmt::format("{} {}\n", name, v) : fmt::format("{}{{{}}} {}\n", name, labels, v);
+    }
+    std::string take() { return std::move(out_); }
+
+private:
+    std::string out_;
+};
+
+std::string base_name(const std::string& path) {
+    const auto slash = path.rfind('/');
+    return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+std::string model_labels(const ModelStatus& m) {
+    return fmt::format("model=\"{}\",id=\"{}\"", escape_label_value(base_name(m.path)), m.id);
+}
+
+}  // namespace
+
+std::string escape_label_value(std::string_view v) {
+    std::string out;
+    out.reserve(v.size());
+    while (!v.empty()) {
+        const size_t n = utf8_length(v);
+        if (n == 0) {
+            out += "\xef\xbf\xbd";  // U+FFFD
+            v.remove_prefix(1);
+            continue;
+        }
+        if (n == 1) {
+            switch (v[0]) {
+                case '\\': out += "\\\\"; break;
+                case '"': out += "\\\""; break;
+                case '\n': out += "\\n"; break;
+                default: out += v[0];
+            }
+        } else {
+            out.append(v.substr(0, n));
+        }
+        v.remove_prefix(n);
+    }
+    return out;
+}
+
+std::string render_metrics(const DaemonStatus& s) {
+    Writer w;
+    w.family("moecache_memory_bytes", "gauge", "RAM of the machine (MemTotal).");
+    w.sample("moecache_memory_bytes", "", s.mem_total);
+    w.family("moecache_lock_budget_bytes", "gauge",
+             "What the daemon may lock now: the lock budget within RAM less the reserve and any pressure cap.");
+    w.sample("moecache_lock_budget_bytes", "", s.lock_cap);
+    w.family("moecache_locked_bytes", "gauge", "Bytes of model files the daemon holds locked in RAM, per model.");
+    for (const auto& m : s.models) w.sample("moecache_locked_bytes", model_labels(m), m.locked_bytes);
+    w.family("moecache_process_locked_bytes", "gauge", "What the kernel counts as locked by the daemon (VmLck).");
+    w.sample("moecache_process_locked_bytes", "", s.vmlck_bytes);
+    w.family("moecache_under_pressure", "gauge", "1 while the daemon holds back because of memory pressure.");
+    w.sample("moecache_under_pressure", "", uint64_t{s.under_pressure ? 1u : 0u});
+    w.family("moecache_pressure_backoffs_total", "counter", "Memory pressure events (PSI) the daemon backed off for.");
+    w.sample("moecache_pressure_backoffs_total", "", s.pressure_events);
+    w.family("moecache_prefetched_bytes_total", "counter", "Bytes read ahead of use by the daemon's prefetcher.");
+    w.sample("moecache_prefetched_bytes_total", "", s.prefetch_done_bytes);
+    w.family("moecache_prefetch_queued_bytes", "gauge", "Bytes waiting in the prefetcher's queue.");
+    w.sample("moecache_prefetch_queued_bytes", "", s.prefetch_queued_bytes);
+
+    w.family("moecache_model_loaded", "gauge", "1 when the model is open and managed, 0 when it cannot be (see the log).");
+    for (const auto& m : s.models) w.sample("moecache_model_loaded", model_labels(m), uint64_t{m.loaded ? 1u : 0u});
+    w.family("moecache_experts", "gauge", "Routed experts per tier: ssd (storage only), fetching, ram (locked), vram (in a pool).");
+    for (const auto& m : s.models) {
+        std::map<std::string, uint64_t> tiers{{"ssd", 0}, {"fetching", 0}, {"ram", 0}, {"vram", 0}};
+        for (const auto& e : m.experts) {
+            if (e.vram_holders > 0) ++tiers["vram"];
+            else ++tiers[to_string(e.tier)];
+        }
+        for (const auto& [tier, n] : tiers)
+            w.sample("moecache_experts", fmt::format("{},tier=\"{}\"", model_labels(m), tier), n);
+    }
+    w.family("moecache_expert_bytes", "gauge", "Bytes of routed experts, per model.");
+    for (const auto& m : s.models) w.sample("moecache_expert_bytes", model_labels(m), m.expert_bytes);
+    w.family("moecache_expert_cached_bytes", "gauge", "Bytes of routed experts in the page cache at the last look.");
+    for (const auto& m : s.models) w.sample("moecache_expert_cached_bytes", model_labels(m), m.expert_cached_bytes);
+
+    struct Sum {
+        uint64_t read = 0, prefetch = 0, evicted = 0, faults = 0;
+    };
+    const auto sum = [](const ModelStatus& m) {
+        Sum t;
+        auto add = [&](const SlotTelemetry& x) {
+            t.read += x.read_bytes;
+            t.prefetch += x.prefetch_bytes;
+            t.evicted += x.evicted_bytes;
+            t.faults += x.faults;
+        };
+        for (const auto& e : m.experts) add(e.telemetry);
+        add(m.dense_telemetry);
+        return t;
+    };
+    w.family("moecache_storage_read_bytes_total", "counter",
+             "Bytes of the model read from storage by other processes (page-cache misses of a runtime), from eBPF.");
+    for (const auto& m : s.models) w.sample("moecache_storage_read_bytes_total", model_labels(m), sum(m).read);
+    w.family("moecache_evicted_bytes_total", "counter", "Bytes of the model that left the page cache, from eBPF.");
+    for (const auto& m : s.models) w.sample("moecache_evicted_bytes_total", model_labels(m), sum(m).evicted);
+    w.family("moecache_page_faults_total", "counter", "Page faults of other processes on the model, from eBPF.");
+    for (const auto& m : s.models) w.sample("moecache_page_faults_total", model_labels(m), sum(m).faults);
+    w.family("moecache_vram_releases_total", "counter", "Experts unlocked and dropped from RAM because a VRAM pool took them.");
+    w.sample("moecache_vram_releases_total", "", s.vram_releases);
+
+    static constexpr std::array<const char*, 4> kKinds = {"added", "deleted", "fault", "mapped"};
+    w.family("moecache_page_cache_events_total", "counter", "Page-cache events the kernel sent, per kind.");
+    for (size_t k = 0; k < kKinds.size(); ++k)
+        w.sample("moecache_page_cache_events_total", fmt::format("kind=\"{}\"", kKinds[k]), s.page_cache.sent[k]);
+    w.family("moecache_page_cache_events_dropped_total", "counter", "Page-cache events lost because the ring was full, per kind.");
+    for (size_t k = 0; k < kKinds.size(); ++k)
+        w.sample("moecache_page_cache_events_dropped_total", fmt::format("kind=\"{}\"", kKinds[k]), s.page_cache.dropped[k]);
+    w.family("moecache_page_cache_telemetry", "gauge", "1 while the eBPF page-cache telemetry runs.");
+    w.sample("moecache_page_cache_telemetry", "", uint64_t{s.page_cache.enabled ? 1u : 0u});
+
+    uint64_t events = 0, bad = 0, overflow = 0;
+    for (const auto& c : s.clients) {
+        events += c.events;
+        bad += c.bad_events;
+        overflow += c.overflow;
+    }
+    w.family("moecache_clients", "gauge", "Clients connected to the socket.");
+    w.sample("moecache_clients", "", static_cast<uint64_t>(s.clients.size()));
+    w.family("moecache_clients_refused_total", "counter", "Connections turned away (not allowed, too many).");
+    w.sample("moecache_clients_refused_total", "", s.clients_refused);
+    w.family("moecache_router_events_total", "counter", "Router decisions received from the clients now connected.");
+    w.sample("moecache_router_events_total", "", events);
+    w.family("moecache_router_events_refused_total", "counter", "Router records naming a model, block or expert the client may not.");
+    w.sample("moecache_router_events_refused_total", "", bad);
+    w.family("moecache_router_events_dropped_total", "counter", "Router records the clients' rings had no room for.");
+    w.sample("moecache_router_events_dropped_total", "", overflow);
+    return w.take();
+}
+
+}  // namespace moecache::daemon

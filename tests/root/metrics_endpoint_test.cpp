@@ -1,0 +1,73 @@
+// GET /metrics of the real moecached: a model registered by a client under a file name with a
+// quote, a newline and a byte that is not UTF-8; telemetry flowing from that client; 40 parallel
+// scrapers all answered; promtool accepts a live scrape.
+#include "model_fixture.h"
+#include "run.h"
+#include "temp_dir.h"
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <regex>
+#include <thread>
+
+namespace moecache {
+namespace {
+
+TEST(MetricsEndpoint, LiveScrapesOfAHostileModelNameWhileTelemetryFlows) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root: moecached mlocks";
+    test::TempDir dir;
+    const std::string model = dir.file("we\"ird\nna\xffme.gguf");
+    test::write_model(test::small_spec(), model);
+    test::write_file(dir.file("moecached.toml"),
+                     "[daemon]\nstate_dir = \"" + dir.file("state") + "\"\nsocket = \"" + dir.file("moecached.sock") +
+                         "\"\ntick_seconds = 0.1\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = "
+                         "false\n[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    std::smatch port_match;
+    const std::string out = d.output();
+    ASSERT_TRUE(std::regex_search(out, port_match, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics")))
+        << out;
+    const int port = std::stoi(port_match[1]);
+
+    test::Background client({MOECACHE_CLIENT_DEMO_BIN, model, "--socket", dir.file("moecached.sock"), "--seconds", "6",
+                             "--rate", "0", "--name", "load", "--wait-ready", "10"});
+    const std::string label = "model=\"we\\\"ird\\nna\xef\xbf\xbdme.gguf\"";
+    std::string body;
+    for (int i = 0; i < 100 && body.find(label) == std::string::npos; ++i) {
+        httplib::Client c("127.0.0.1", port);
+        if (auto r = c.Get("/metrics"); r && r->status == 200) body = r->body;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_NE(body.find(label), std::string::npos) << "the registered model never showed up:\n" << body;
+
+    std::atomic<int> ok{0}, bad{0};
+    std::vector<std::thread> scrapers;
+    for (int t = 0; t < 40; ++t)
+        scrapers.emplace_back([&] {
+            for (int i = 0; i < 5; ++i) {
+                httplib::Client c("127.0.0.1", port);
+                auto r = c.Get("/metrics");
+                if (r && r->status == 200 && r->body.find("moecache_clients ") != std::string::npos) ++ok;
+                else ++bad;
+            }
+        });
+    for (auto& t : scrapers) t.join();
+    EXPECT_EQ(ok.load(), 200);
+    EXPECT_EQ(bad.load(), 0);
+
+    test::write_file(dir.file("scrape.txt"), body);
+    const auto check = test::run({"/bin/sh", "-c", "promtool check metrics < '" + dir.file("scrape.txt") + "'"});
+    EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
+    EXPECT_EQ(client.wait(30), 0) << client.output();
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0);
+}
+
+}  // namespace
+}  // namespace moecache
