@@ -31,6 +31,9 @@ namespace {
 
 using GetProc = CUresult(CUDAAPI*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 
+// What may stay cached of an expert that left RAM: pages in folios shared with a neighbour.
+constexpr double kLeft = 0.25;
+
 class HookDaemon : public ::testing::Test {
 protected:
     void SetUp() override {
@@ -196,14 +199,17 @@ TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
     ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * slice_; }, kA, 4, kB, 2))
         << "pool " << stats().pool_bytes << " bytes, " << stats().experts_in_vram << " experts in VRAM\n"
         << log();
-    ASSERT_TRUE(until([&] { return cached(kA) == 0.0 && cached(kB) == 1.0; }, kA, 4, kB, 2))
+    // The page cache holds a file in folios; a page that shares one with a neighbour some process
+    // maps cannot leave alone. So: most of the expert leaves RAM (without one place all of it stays:
+    // see HookDaemonKeepBoth), the expert from the host stays whole.
+    ASSERT_TRUE(until([&] { return cached(kA) <= kLeft && cached(kB) == 1.0; }, kA, 4, kB, 2))
         << "A (in VRAM) cached " << cached(kA) << " (mapped here: " << mapped_here(kA) << " pages), B (from the host) cached "
         << cached(kB) << ", unmapped here "
         << stats().dropped_host_bytes << " bytes\n"
         << log();
     EXPECT_GT(stats().dropped_host_bytes, 0u);
     // B grows hotter and takes the pool: A leaves VRAM, is read on use and locked again; B leaves RAM.
-    ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) == 0.0; }, kB, 12, kA, 1))
+    ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) <= kLeft; }, kB, 12, kA, 1))
         << "A cached " << cached(kA) << ", B cached " << cached(kB) << " (mapped here: " << mapped_here(kB)
         << " pages; " << pages(kB) << "), in VRAM " << stats().experts_in_vram << "\n"
         << log();
@@ -257,7 +263,7 @@ TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
     ASSERT_TRUE(until(
         [&] {
             report();
-            return stats().directives >= 2 && stats().experts_in_vram == 1 && cached(kC) == 0.0 && cached(kA) == 1.0;
+            return stats().directives >= 2 && stats().experts_in_vram == 1 && cached(kC) <= kLeft && cached(kA) == 1.0;
         },
         kA, 4, kC, 1))
         << "directives " << stats().directives << ", in VRAM " << stats().experts_in_vram << ", A cached " << cached(kA)

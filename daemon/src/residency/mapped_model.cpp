@@ -81,6 +81,10 @@ Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path) 
         f.fd.reset(::open(part.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOATIME));
         if (!f.fd && errno == EPERM) f.fd.reset(::open(part.path.c_str(), O_RDONLY | O_CLOEXEC));
         if (!f.fd) return fail_errno("{}: cannot open", part.path);
+        // Its reads (the prefetcher's, on this descriptor) bring in what it asked for and no
+        // neighbours: read-ahead would drag cold experts in and build page-cache folios across
+        // expert edges, which then cannot leave one expert at a time.
+        (void)::posix_fadvise(f.fd.get(), 0, 0, POSIX_FADV_RANDOM);
         f.identity = MC_TRY(identity_of(f.fd.get(), part.path));
         if (f.identity.size != part.file_size)
             return failf("{}: changed while it was being opened ({} bytes, now {})", part.path, part.file_size,
