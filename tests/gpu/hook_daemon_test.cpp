@@ -5,6 +5,7 @@
 // is locked in RAM. When the second grows hotter and takes the pool, the first comes back to RAM
 // (read on use and locked) and the second leaves it.
 #include "model_fixture.h"
+#include "preload_main.h"
 #include "moecache/client.h"
 #include "moecache/cuda_hook.h"
 #include "moecache/model.h"
@@ -275,26 +276,4 @@ TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
 }  // namespace
 }  // namespace moecache::test
 
-int main(int argc, char** argv) {
-    std::string preload, driver_dir;
-    std::vector<char*> args;
-    for (int i = 0; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a.rfind("--preload=", 0) == 0) preload = a.substr(10);
-        else if (a.rfind("--driver-dir=", 0) == 0) driver_dir = a.substr(13);
-        else args.push_back(argv[i]);
-    }
-    const char* current = getenv("LD_PRELOAD");
-    if (!preload.empty() && (current == nullptr || preload != current)) {
-        setenv("LD_PRELOAD", preload.c_str(), 1);
-        setenv("LD_LIBRARY_PATH", driver_dir.c_str(), 1);
-        args.push_back(nullptr);
-        execv("/proc/self/exe", args.data());
-        perror("execv /proc/self/exe");
-        return 2;
-    }
-    args.push_back(nullptr);
-    int n = static_cast<int>(args.size()) - 1;
-    ::testing::InitGoogleTest(&n, args.data());
-    return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return moecache::test::preloaded_test_main(argc, argv); }

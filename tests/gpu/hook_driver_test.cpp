@@ -3,6 +3,7 @@
 // against tests' fake libcuda (label unit: CI has no GPU) and against the real driver (label gpu).
 // The destination of every expert copy is read back and compared with the model's bytes.
 #include "model_fixture.h"
+#include "preload_main.h"
 #include "moecache/cuda_hook.h"
 #include "moecache/model.h"
 #include "temp_dir.h"
@@ -315,29 +316,6 @@ TEST_F(HookDriver, PoolYieldsToAnAllocationThatWouldFail) {
 }  // namespace
 }  // namespace moecache::test
 
-// --preload=LIB: run again with LIB preloaded (ctest cannot pass several environment variables
-// through test discovery); --driver-dir=DIR: with DIR first on the library path (the fake driver).
 int main(int argc, char** argv) {
-    std::string preload, driver_dir;
-    std::vector<char*> args;
-    for (int i = 0; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a.rfind("--preload=", 0) == 0) preload = a.substr(10);
-        else if (a.rfind("--driver-dir=", 0) == 0) driver_dir = a.substr(13);
-        else args.push_back(argv[i]);
-    }
-    const char* current = getenv("LD_PRELOAD");
-    if (!preload.empty() && (current == nullptr || preload != current)) {
-        setenv("LD_PRELOAD", preload.c_str(), 1);
-        setenv("MOECACHE_CUDA_CLIENT", "off", 1);
-        if (!driver_dir.empty()) setenv("LD_LIBRARY_PATH", driver_dir.c_str(), 1);
-        args.push_back(nullptr);
-        execv("/proc/self/exe", args.data());
-        perror("execv /proc/self/exe");
-        return 2;
-    }
-    args.push_back(nullptr);
-    int n = static_cast<int>(args.size()) - 1;
-    ::testing::InitGoogleTest(&n, args.data());
-    return RUN_ALL_TESTS();
+    return moecache::test::preloaded_test_main(argc, argv, {{"MOECACHE_CUDA_CLIENT", "off"}});
 }

@@ -4,6 +4,7 @@
 // libcudart (the hook interposes cudaMemcpyAsync) and against cudart_static (the hook is reached
 // through dlsym and cuGetProcAddress). Label gpu: it needs a real GPU and skips without one.
 #include "model_fixture.h"
+#include "preload_main.h"
 #include "moecache/cuda_hook.h"
 #include "moecache/model.h"
 #include "temp_dir.h"
@@ -139,25 +140,5 @@ TEST_F(HookRuntime, ThousandsOfExpertCopiesAreByteIdentical) {
 }  // namespace moecache::test
 
 int main(int argc, char** argv) {
-    std::string preload;
-    std::vector<char*> args;
-    for (int i = 0; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a.rfind("--preload=", 0) == 0) preload = a.substr(10);
-        else args.push_back(argv[i]);
-    }
-    const char* current = getenv("LD_PRELOAD");
-    if (!preload.empty() && (current == nullptr || preload != current)) {
-        setenv("LD_PRELOAD", preload.c_str(), 1);
-        setenv("MOECACHE_CUDA_CLIENT", "off", 1);
-        setenv("MOECACHE_CUDA_POOL", "20%", 1);
-        args.push_back(nullptr);
-        execv("/proc/self/exe", args.data());
-        perror("execv /proc/self/exe");
-        return 2;
-    }
-    args.push_back(nullptr);
-    int n = static_cast<int>(args.size()) - 1;
-    ::testing::InitGoogleTest(&n, args.data());
-    return RUN_ALL_TESTS();
+    return moecache::test::preloaded_test_main(argc, argv, {{"MOECACHE_CUDA_CLIENT", "off"}, {"MOECACHE_CUDA_POOL", "20%"}});
 }
