@@ -521,6 +521,8 @@ void Daemon::tick() {
     }
     place();
     if (metrics_) metrics_->publish(render_metrics(status()));
+    // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
+    if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
 }
 
 void Daemon::on_pressure(const std::string& source) {
@@ -582,12 +584,19 @@ Result<void> Daemon::handle_signal() {
     while (::read(signal_fd_.get(), &si, sizeof si) == sizeof si) {
         if (si.ssi_signo == SIGHUP) {
             if (config_.sources.empty()) continue;
+            if (auto n = systemd::notify("RELOADING=1\n" + systemd::monotonic_usec()); !n)
+                MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
+            std::string outcome = "configuration reloaded";
             auto c = load_config(config_.sources.front());
             if (!c) {
                 MC_LOG(LOG_ERR, "reload refused, the running configuration stays: {}", c.error().what());
-                continue;
+                outcome = "reload refused, the running configuration stays (see the journal)";
+            } else if (auto r = reload(std::move(*c)); !r) {
+                MC_LOG(LOG_ERR, "reload refused: {}", r.error().what());
+                outcome = "reload refused, the running configuration stays (see the journal)";
             }
-            if (auto r = reload(std::move(*c)); !r) MC_LOG(LOG_ERR, "reload refused: {}", r.error().what());
+            const std::string ready = fmt::format("READY=1\nSTATUS={}: lock cap {} MiB", outcome, lock_cap() >> 20);
+            if (auto n = systemd::notify(ready); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
         } else {
             MC_LOG(LOG_INFO, "signal {}: stopping", si.ssi_signo);
             stopping_ = true;
@@ -638,7 +647,23 @@ Result<void> Daemon::step(int timeout_ms) {
 Result<void> Daemon::run() {
     MC_LOG(LOG_INFO, "moecached running: lock cap {} MiB of {} MiB RAM, {} model(s) configured", lock_cap() >> 20,
            mem_total_ >> 20, config_.models.size());
-    while (!stopping_) MC_TRY_VOID(step(loop_timeout()));
+    if (auto w = systemd::Watchdog::from_environment(); w) watchdog_ = *w;
+    else MC_LOG(LOG_WARNING, "systemd watchdog off: {}", w.error().what());
+    const std::string ready =
+        fmt::format("READY=1\nSTATUS=running: lock cap {} MiB of {} MiB RAM, {} model(s) configured", lock_cap() >> 20,
+                    mem_total_ >> 20, config_.models.size());
+    if (auto n = systemd::notify(ready); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
+    while (!stopping_) {
+        // Ticks further apart than half the watchdog's interval cannot keep it fed: the loop does.
+        const bool slow_ticks =
+            watchdog_.enabled() && config_.tick_seconds * 2e6 > static_cast<double>(watchdog_.interval().count());
+        int timeout = loop_timeout();
+        if (slow_ticks && (timeout < 0 || watchdog_.due_in_ms() < timeout)) timeout = watchdog_.due_in_ms();
+        MC_TRY_VOID(step(timeout));
+        if (!slow_ticks) continue;
+        if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
+    }
+    if (auto n = systemd::notify("STOPPING=1"); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_)
         if (m->res) close_model(*m, "the daemon stops");

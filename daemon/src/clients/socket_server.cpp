@@ -1,5 +1,8 @@
 #include "socket_server.h"
 
+#include "moecache/log.h"
+#include "moecache/systemd.h"
+
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -8,17 +11,74 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 
 namespace moecache::daemon {
 
 SocketServer::~SocketServer() {
-    // Only the file this server bound: a successor may have replaced it already.
-    if (fd_ && !path_.empty()) {
+    // Only the file this server bound: a successor may have replaced it already, and a socket
+    // systemd passed stays for the next start.
+    if (fd_ && !path_.empty() && !activated_) {
         struct stat st {};
         if (::lstat(path_.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path_.c_str());
     }
+}
+
+namespace {
+
+// The path a Unix socket is bound to; "" for anything else (another family, unnamed, abstract).
+std::string bound_path(int fd) {
+    sockaddr_un a{};
+    socklen_t len = sizeof a;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0 || a.sun_family != AF_UNIX) return {};
+    const size_t max = len > offsetof(sockaddr_un, sun_path) ? len - offsetof(sockaddr_un, sun_path) : 0;
+    return std::string(a.sun_path, ::strnlen(a.sun_path, max));
+}
+
+// The same file, however the two paths are spelt (/var/run is /run on most systems).
+bool same_file(const std::string& a, const std::string& b) {
+    if (a == b) return true;
+    struct stat sa {}, sb {};
+    return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
+}
+
+int socket_option(int fd, int option) {
+    int v = -1;
+    socklen_t len = sizeof v;
+    return ::getsockopt(fd, SOL_SOCKET, option, &v, &len) == 0 ? v : -1;
+}
+
+}  // namespace
+
+Result<std::optional<SocketServer>> SocketServer::adopt(const std::string& path) {
+    auto passed = MC_TRY(systemd::listen_fds());
+    std::optional<SocketServer> found;
+    for (auto& p : passed) {
+        const std::string bound = bound_path(p.fd.get());
+        if (bound.empty() || bound[0] != '/' || !same_file(bound, path)) {
+            MC_LOG(LOG_WARNING, "descriptor {} ('{}') passed by systemd is not the client socket {}{}: closed",
+                   p.fd.get(), p.name, path, bound.empty() ? "" : fmt::format(" but {}", bound));
+            continue;
+        }
+        if (socket_option(p.fd.get(), SO_TYPE) != SOCK_SEQPACKET)
+            return failf("{}: systemd passed it as a socket of another type; clients speak SOCK_SEQPACKET there "
+                         "(ListenSequentialPacket= in moecached.socket)",
+                         path);
+        if (socket_option(p.fd.get(), SO_ACCEPTCONN) != 1)
+            return failf("{}: the socket systemd passed is not listening (moecached.socket needs Accept=no)", path);
+        const int flags = ::fcntl(p.fd.get(), F_GETFL);
+        if (flags < 0 || ::fcntl(p.fd.get(), F_SETFL, flags | O_NONBLOCK) != 0)
+            return fail_errno("{}: O_NONBLOCK on the socket systemd passed", path);
+        SocketServer s;
+        s.fd_ = std::move(p.fd);
+        s.path_ = path;
+        s.activated_ = true;
+        found = std::move(s);
+    }
+    return found;
 }
 
 Result<SocketServer> SocketServer::listen(const std::string& path) {
@@ -26,6 +86,10 @@ Result<SocketServer> SocketServer::listen(const std::string& path) {
     if (path.empty() || path.size() >= sizeof addr.sun_path)
         return failf("socket path '{}' is empty or longer than the {} bytes a Unix socket path may have", path,
                      sizeof addr.sun_path - 1);
+    if (auto passed = MC_TRY(adopt(path))) {
+        MC_LOG(LOG_INFO, "client socket {}: passed by systemd (socket activation)", path);
+        return std::move(*passed);
+    }
     std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
     addr.sun_family = AF_UNIX;
     const std::string dir = std::filesystem::path(path).parent_path().string();

@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,9 @@ public:
     // Binds `path` (its directory is made 0755 if missing; a stale socket file is replaced, a live
     // one or any other file is an error naming it) with mode 0666: who may talk is decided per
     // connection from the peer's credentials, not by the file's mode.
+    // Under socket activation (moecached.socket) the listening socket systemd passed for `path` is
+    // taken over instead, with the connections already waiting on it; it stays where it is when the
+    // server goes (systemd owns the file). Passed descriptors that are not for `path` are closed.
     static Result<SocketServer> listen(const std::string& path);
     SocketServer(SocketServer&&) noexcept = default;
     SocketServer& operator=(SocketServer&&) noexcept = default;
@@ -42,14 +46,17 @@ public:
 
     [[nodiscard]] int fd() const { return fd_.get(); }
     [[nodiscard]] const std::string& path() const { return path_; }
+    [[nodiscard]] bool activated() const { return activated_; }  // passed by systemd, not bound here
 
     // A pending connection, or an empty fd when none waits (EAGAIN). Non-blocking, close-on-exec.
     Result<UniqueFd> accept();
 
 private:
     SocketServer() = default;
+    static Result<std::optional<SocketServer>> adopt(const std::string& path);
     UniqueFd fd_;
     std::string path_;
+    bool activated_ = false;
 };
 
 Result<PeerIdentity> peer_identity(int conn);

@@ -11,6 +11,7 @@
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
 #include "moecache/error.h"
+#include "moecache/systemd.h"
 #include "moecache/unique_fd.h"
 
 #include <signal.h>
@@ -198,6 +199,7 @@ private:
     uint64_t pressure_events_ = 0;
     std::chrono::steady_clock::time_point last_pressure_{}, last_save_{};
     bool stopping_ = false;
+    systemd::Watchdog watchdog_;  // systemd's (WatchdogSec=), pinged from tick() and, between slow ticks, run()
     sigset_t saved_sigmask_{};
     bool sigmask_saved_ = false;
 };
