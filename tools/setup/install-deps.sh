@@ -16,6 +16,7 @@ debs=(
   nodejs npm
   fio vmtouch bc
   prometheus
+  systemd
 )
 
 missing=()
