@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -80,6 +81,9 @@ struct moecache_client {
     // Experts in a VRAM pool (handle, block, expert) -> device: re-sent after every connection.
     std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t> placements;
     std::deque<std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>> placements_unsent;
+    // The latest pool statistics per device, and which are not sent yet (under mu).
+    std::array<std::optional<PoolStats>, kMaxPoolDevices> pool_stats{};
+    std::array<bool, kMaxPoolDevices> pool_stats_unsent{};
     static constexpr uint32_t kMaxBudgetDevices = 64;
     std::array<std::atomic<uint64_t>, kMaxBudgetDevices> budgets{};  // pool bytes + 1; 0: none set
     std::array<std::atomic<int>, kMaxBudgetDevices> one_place{};     // 1 yes, 2 no, 0: not said
@@ -100,6 +104,7 @@ struct moecache_client {
     void take_directive(const Directive& d);
     void take_push(const Message& m);
     bool send_placements(int fd);
+    bool send_pool_stats(int fd);
     bool register_model(int fd, Model& m);
     bool send_mappings(int fd, Model& m);
 };
@@ -167,6 +172,21 @@ bool moecache_client::send_placements(int fd) {
         std::lock_guard lock(mu);
         placements_unsent.pop_front();
     }
+}
+
+bool moecache_client::send_pool_stats(int fd) {
+    for (uint32_t d = 0; d < kMaxPoolDevices; ++d) {
+        PoolStats s;
+        {
+            std::lock_guard lock(mu);
+            if (!pool_stats_unsent[d] || !pool_stats[d]) continue;
+            s = *pool_stats[d];
+        }
+        if (!send_packet(fd, encode({0, s}))) return false;
+        std::lock_guard lock(mu);
+        if (pool_stats[d] == s) pool_stats_unsent[d] = false;
+    }
+    return true;
 }
 
 // Sends a request and waits for its reply; directives that arrive meanwhile are queued.
@@ -247,6 +267,7 @@ bool moecache_client::session(int fd) {
     {
         std::lock_guard lock(mu);
         placements_unsent.clear();
+        for (uint32_t d = 0; d < kMaxPoolDevices; ++d) pool_stats_unsent[d] = pool_stats[d].has_value();
         for (const auto& [k, device] : placements)
             placements_unsent.emplace_back(std::get<0>(k), std::get<1>(k), std::get<2>(k), device);
     }
@@ -290,6 +311,7 @@ bool moecache_client::session(int fd) {
         for (uint32_t h = 0; h < registered; ++h)
             if (!send_mappings(fd, *models[h].load())) return false;
         if (!send_placements(fd)) return false;
+        if (!send_pool_stats(fd)) return false;
     }
 }
 
@@ -425,6 +447,18 @@ int moecache_client_report_placement(moecache_client* c, uint32_t handle, uint32
         }
         if (c->placements_unsent.size() >= 1u << 20) return -ENOBUFS;
         c->placements_unsent.emplace_back(handle, block, expert, dev);
+    }
+    const uint64_t one = 1;
+    (void)!::write(c->wake.get(), &one, sizeof one);
+    return 0;
+}
+
+int moecache_client_report_pool(moecache_client* c, uint32_t device, const moecache_pool_stats* stats) {
+    if (!c || !stats || device >= kMaxPoolDevices) return -EINVAL;
+    {
+        std::lock_guard lock(c->mu);
+        c->pool_stats[device] = PoolStats{device, stats->hits, stats->misses, stats->hit_bytes, stats->miss_bytes, stats->pool_bytes};
+        c->pool_stats_unsent[device] = true;
     }
     const uint64_t one = 1;
     (void)!::write(c->wake.get(), &one, sizeof one);

@@ -92,6 +92,7 @@ const char* to_string(Type t) {
         case Type::TelemetrySetup: return "TelemetrySetup";
         case Type::Goodbye: return "Goodbye";
         case Type::ExpertPlacement: return "ExpertPlacement";
+        case Type::PoolStats: return "PoolStats";
         case Type::HelloReply: return "HelloReply";
         case Type::Ok: return "Ok";
         case Type::Failure: return "Failure";
@@ -115,6 +116,7 @@ Type type_of(const Body& b) {
         Type operator()(const ModelRegistered&) const { return Type::ModelRegistered; }
         Type operator()(const Directive&) const { return Type::Directive; }
         Type operator()(const ExpertPlacement&) const { return Type::ExpertPlacement; }
+        Type operator()(const PoolStats&) const { return Type::PoolStats; }
         Type operator()(const VramPolicy&) const { return Type::VramPolicy; }
     };
     return std::visit(V{}, b);
@@ -169,6 +171,13 @@ std::vector<uint8_t> encode(const Message& m) {
                 body.u32(x.block);
                 body.u32(x.expert);
                 body.u32(x.device);
+            } else if constexpr (std::is_same_v<T, PoolStats>) {
+                body.u32(x.device);
+                body.u64(x.hits);
+                body.u64(x.misses);
+                body.u64(x.hit_bytes);
+                body.u64(x.miss_bytes);
+                body.u64(x.pool_bytes);
             } else if constexpr (std::is_same_v<T, VramPolicy>) {
                 body.u32(x.device);
                 body.u64(x.pool_bytes);
@@ -339,6 +348,20 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             x.expert = r.u32("ExpertPlacement.expert");
             x.device = r.u32("ExpertPlacement.device");
             MC_TRY_VOID(expect_fds(0, "ExpertPlacement"));
+            m.body = x;
+            break;
+        }
+        case Type::PoolStats: {
+            PoolStats x;
+            x.device = r.u32("PoolStats.device");
+            if (r.error().empty() && x.device >= kMaxPoolDevices)
+                r.fail(fmt::format("at byte {}: PoolStats device {} is not below {}", kHeaderBytes, x.device, kMaxPoolDevices));
+            x.hits = r.u64("PoolStats.hits");
+            x.misses = r.u64("PoolStats.misses");
+            x.hit_bytes = r.u64("PoolStats.hit_bytes");
+            x.miss_bytes = r.u64("PoolStats.miss_bytes");
+            x.pool_bytes = r.u64("PoolStats.pool_bytes");
+            MC_TRY_VOID(expect_fds(0, "PoolStats"));
             m.body = x;
             break;
         }

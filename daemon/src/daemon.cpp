@@ -1,6 +1,7 @@
 #include "moecache/daemon/daemon.h"
 
 #include "daemon_state.h"
+#include "dbus/dbus_service.h"
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/metrics.h"
 
@@ -172,6 +173,19 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
 
     d->add_plain_models();
     d->refresh_models();
+
+    if (d->config_.dbus_bus != "off") {
+        // As for metrics: without a bus the daemon still manages memory; say so and go on.
+        auto b = DbusService::open(*d, d->config_.dbus_bus, d->config_.dbus_admin_group);
+        if (b) {
+            d->dbus_ = std::move(*b);
+            d->bus_events_ = d->dbus_->epoll_events();
+            MC_TRY_VOID(watch(d->dbus_->fd(), d->bus_events_));
+            MC_LOG(LOG_INFO, "D-Bus: org.moecache1 on the {} bus", d->dbus_->bus());
+        } else {
+            MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus): {}", b.error().what());
+        }
+    }
     d->last_save_ = std::chrono::steady_clock::now();
     d->place();
     return d;
@@ -272,6 +286,8 @@ void Daemon::open_model(ModelEntry& m) {
 
 void Daemon::close_model(ModelEntry& m, const std::string& why) {
     if (!m.res) return;
+    for (const auto& [s, reads] : m.prefetching) prefetcher_->cancel(tag_of(m.id, s) | (uint64_t{1} << 31));
+    m.prefetching.clear();
     MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
     const std::string key = m.res->model().profile_key();
     if (auto r = write_file_atomic(profile_path(key), m.res->heat().to_profile(key)); !r)
@@ -486,6 +502,10 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
 void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
     const auto id = static_cast<uint32_t>(tag >> 32);
     const auto slot = static_cast<uint32_t>(tag & 0xffffffffu);
+    if (is_operator_fetch(slot)) {
+        operator_fetched(id, slot);
+        return;
+    }
     for (auto& m : models_) {
         if (m->id != id || !m->res) continue;
         SlotState& st = m->res->state(slot);
@@ -520,6 +540,7 @@ void Daemon::tick() {
         last_save_ = now;
     }
     place();
+    flush_trace();
     if (metrics_) metrics_->publish(render_metrics(status()));
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
     if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
@@ -533,6 +554,7 @@ void Daemon::on_pressure(const std::string& source) {
     pressure_cap_ = std::min(pressure_cap_, keep);
     MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source,
            pressure_cap_ >> 20);
+    if (dbus_) dbus_->pressure_backoff(source, pressure_cap_);
     place();
 }
 
@@ -542,6 +564,7 @@ void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint
 }
 
 void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
+    trace_routing(m, block, experts, tokens);
     if (const auto layer = m.res->layer_of_block(block)) {
         // The clock advances once per batch: on the first MoE layer's report.
         if (*layer == 0) m.res->heat().advance_clock(tokens);
@@ -563,13 +586,16 @@ Result<void> Daemon::reload(Config config) {
     // Models no longer configured are closed; new ones are opened.
     std::vector<std::unique_ptr<ModelEntry>> kept;
     for (auto& m : models_) {
-        const bool still = m->registered || std::any_of(config.models.begin(), config.models.end(),
+        const bool still = m->registered || m->operator_added || std::any_of(config.models.begin(), config.models.end(),
                                                           [&](const ModelConfig& mc) { return mc.path == m->config.path; });
         if (still) kept.push_back(std::move(m));
         else close_model(*m, "removed from the configuration");
     }
     models_ = std::move(kept);
+    const uint64_t old_budget = config_.lock_budget.resolve(mem_total_), old_reserve = config_.reserve.resolve(mem_total_);
     config_ = std::move(config);
+    if (config_.lock_budget.resolve(mem_total_) != old_budget) announce_budget("lock", config_.lock_budget.resolve(mem_total_));
+    if (config_.reserve.resolve(mem_total_) != old_reserve) announce_budget("reserve", config_.reserve.resolve(mem_total_));
     add_plain_models();
     for (auto& m : models_)
         if (m->res) m->res->heat().set_half_life(config_.decay_half_life_tokens);
@@ -612,7 +638,7 @@ Result<void> Daemon::step(int timeout_ms) {
         if (errno == EINTR) return {};
         return fail_errno("epoll_wait");
     }
-    bool want_place = false;
+    bool want_place = false, bus_ready = false;
     for (int i = 0; i < n; ++i) {
         const int fd = events[i].data.fd;
         if (fd == signal_fd_.get()) {
@@ -627,6 +653,8 @@ Result<void> Daemon::step(int timeout_ms) {
             on_client_readable(*it->second);
         } else if (page_cache_ && fd == page_cache_->event_fd()) {
             // read below
+        } else if (dbus_ && fd == dbus_->fd()) {
+            bus_ready = true;
         } else if (fd == prefetcher_->event_fd()) {
             MC_TRY_VOID(prefetcher_->on_ready());
             want_place = true;
@@ -641,6 +669,10 @@ Result<void> Daemon::step(int timeout_ms) {
     consume_client_telemetry();
     reap_clients();
     if (want_place) place();
+    if (dbus_) {
+        if (bus_ready || dbus_->timeout_ms() == 0) dbus_->process();
+        sync_bus();
+    }
     return {};
 }
 
@@ -664,6 +696,7 @@ Result<void> Daemon::run() {
         if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
     }
     if (auto n = systemd::notify("STOPPING=1"); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
+    if (tracing()) (void)stop_trace();
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_)
         if (m->res) close_model(*m, "the daemon stops");
@@ -675,10 +708,41 @@ Result<void> Daemon::run() {
 // round to read them: every 1 ms while a client's ring fills fast, 20 ms while rings exist,
 // 100 ms for page-cache events alone, else only when an event arrives.
 int Daemon::loop_timeout() const {
-    if (busy_rings_) return 1;
-    if (any_rings_) return 20;
-    if (page_cache_) return bpf::PageCacheTelemetry::kPollIntervalMs;
-    return -1;
+    int t = -1;
+    if (busy_rings_) t = 1;
+    else if (any_rings_) t = 20;
+    else if (page_cache_) t = bpf::PageCacheTelemetry::kPollIntervalMs;
+    if (dbus_) {
+        const int b = dbus_->timeout_ms();
+        if (b >= 0 && (t < 0 || b < t)) t = b;
+    }
+    return t;
+}
+
+void Daemon::sync_bus() {
+    if (!dbus_) return;
+    dbus_->sync_models();
+    update_bus_watch();
+}
+
+void Daemon::update_bus_watch() {
+    const uint32_t want = dbus_->epoll_events();
+    if (want == bus_events_) return;
+    epoll_event ev{};
+    ev.events = want;
+    ev.data.fd = dbus_->fd();
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, ev.data.fd, &ev) == 0) bus_events_ = want;
+    else MC_LOG(LOG_WARNING, "D-Bus: epoll_ctl: {}", std::strerror(errno));
+}
+
+void Daemon::announce_budget(const std::string& name, uint64_t bytes) {
+    if (dbus_) dbus_->budget_changed(name, bytes);
+}
+
+std::vector<uint32_t> Daemon::model_ids() const {
+    std::vector<uint32_t> ids;
+    for (const auto& m : models_) ids.push_back(m->id);
+    return ids;
 }
 
 bool Daemon::idle() const {
@@ -698,10 +762,15 @@ std::optional<uint32_t> Daemon::model_id(const std::string& path) const {
     return std::nullopt;
 }
 
-DaemonStatus Daemon::status() const {
+DaemonStatus Daemon::status(bool experts) const {
     DaemonStatus s;
     s.mem_total = mem_total_;
     s.lock_cap = lock_cap();
+    s.lock_budget = config_.lock_budget.resolve(mem_total_);
+    s.reserve = config_.reserve.resolve(mem_total_);
+    s.bus = dbus_ ? dbus_->bus() : "";
+    s.tracing = tracing();
+    s.trace_records = trace_records_;
     s.locked_bytes = total_locked();
     s.vmlck_bytes = vmlck_bytes();
     s.pressure_events = pressure_events_;
@@ -721,6 +790,17 @@ DaemonStatus Daemon::status() const {
                                : fmt::format("{}:{}", metrics_->host(), metrics_->port());
     }
     s.clients_refused = clients_refused_;
+    for (const auto& [device, totals] : pool_totals_) {
+        PoolDeviceStatus pool = totals;
+        for (const auto& c : clients_) {
+            if (c->dead) continue;
+            if (const auto it = c->pools.find(device); it != c->pools.end()) {
+                pool.pool_bytes += it->second.pool_bytes;
+                ++pool.clients;
+            }
+        }
+        s.vram_pools.push_back(pool);
+    }
     s.vram_releases = vram_releases_;
     for (const auto& c : clients_) {
         if (c->dead) continue;
@@ -744,48 +824,66 @@ DaemonStatus Daemon::status() const {
         std::copy(std::begin(c.sent), std::end(c.sent), s.page_cache.sent);
         std::copy(std::begin(c.dropped), std::end(c.dropped), s.page_cache.dropped);
     }
-    for (const auto& m : models_) {
-        ModelStatus ms;
-        ms.id = m->id;
-        ms.path = m->path;
-        ms.error = m->error;
-        ms.loaded = m->res != nullptr;
-        ms.registered = m->registered;
-        ms.owner_uid = m->owner_uid;
-        if (m->res) {
-            const auto& r = *m->res;
-            ms.key = r.model().profile_key();
-            ms.locked_bytes = r.locked_bytes();
-            ms.dense_tier = r.state(kDenseSlot).tier;
-            ms.dense_bytes = r.slot_bytes(kDenseSlot);
-            ms.dense_telemetry = r.telemetry(kDenseSlot);
-            const auto& map = r.model().map();
-            const auto view = r.view(0);
-            for (uint32_t slot = 0; slot < r.n_slots(); ++slot) {
-                ExpertStatus e;
-                const uint32_t layer = slot / map.n_experts;
-                e.block = map.layers[layer].index;
-                e.expert = slot % map.n_experts;
-                const auto& st = r.state(slot);
-                e.tier = st.tier;
-                e.heat = r.heat().heat(layer, e.expert);
-                e.uses = r.heat().uses(layer, e.expert);
-                e.pinned = view.pinned[slot] != 0;
-                e.bytes = map.layers[layer].bytes_per_expert;
-                e.cached_bytes = st.cached_bytes;
-                e.locked_bytes = st.locked_bytes;
-                e.telemetry = r.telemetry(slot);
-                e.vram_holders = r.vram_holders(slot);
-                ms.experts_in_vram += e.vram_holders > 0;
-                ms.expert_bytes += e.bytes;
-                ms.expert_cached_bytes += e.cached_bytes;
-                ms.expert_locked_bytes += e.locked_bytes;
-                ms.experts.push_back(e);
-            }
-        }
-        s.models.push_back(std::move(ms));
-    }
+    for (const auto& m : models_) s.models.push_back(model_status(*m, experts));
     return s;
+}
+
+std::optional<ModelStatus> Daemon::model_status(uint32_t id, bool experts) const {
+    const ModelEntry* m = find_model(id);
+    if (!m) return std::nullopt;
+    return model_status(*m, experts);
+}
+
+ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
+    const ModelEntry* m = &me;
+    ModelStatus ms;
+    ms.id = m->id;
+    ms.path = m->path;
+    ms.error = m->error;
+    ms.loaded = m->res != nullptr;
+    ms.registered = m->registered;
+    ms.owner_uid = m->owner_uid;
+    ms.budget_bytes = m->config.budget ? m->config.budget->resolve(mem_total_) : 0;
+    ms.prefetching_experts = static_cast<uint32_t>(m->prefetching.size());
+    if (m->res) {
+        const auto& r = *m->res;
+        ms.key = r.model().profile_key();
+        ms.locked_bytes = r.locked_bytes();
+        ms.dropped_bytes = r.dropped_bytes();
+        ms.dense_tier = r.state(kDenseSlot).tier;
+        ms.dense_bytes = r.slot_bytes(kDenseSlot);
+        ms.dense_telemetry = r.telemetry(kDenseSlot);
+        const auto& map = r.model().map();
+        ms.n_experts_total = r.n_slots();
+        if (experts) ms.experts.reserve(r.n_slots());
+        for (uint32_t slot = 0; slot < r.n_slots(); ++slot) {
+            ExpertStatus e;
+            const uint32_t layer = slot / map.n_experts;
+            e.block = map.layers[layer].index;
+            e.expert = slot % map.n_experts;
+            const auto& st = r.state(slot);
+            e.tier = st.tier;
+            e.heat = r.heat().heat(layer, e.expert);
+            e.uses = r.heat().uses(layer, e.expert);
+            e.pinned = r.pinned(slot);
+            e.bytes = map.layers[layer].bytes_per_expert;
+            e.cached_bytes = st.cached_bytes;
+            e.locked_bytes = st.locked_bytes;
+            e.telemetry = r.telemetry(slot);
+            e.vram_holders = r.vram_holders(slot);
+            ms.experts_in_vram += e.vram_holders > 0;
+            ms.experts_locked += e.tier == Tier::Locked;
+            ms.experts_pinned += e.pinned;
+            ms.expert_bytes += e.bytes;
+            ms.expert_cached_bytes += e.cached_bytes;
+            ms.expert_locked_bytes += e.locked_bytes;
+            ms.read_bytes += e.telemetry.read_bytes;
+            ms.evicted_bytes += e.telemetry.evicted_bytes;
+            if (m->prefetching.count(slot)) ms.prefetch_pending_bytes += r.slot_length(slot);
+            if (experts) ms.experts.push_back(e);
+        }
+    }
+    return ms;
 }
 
 }  // namespace moecache::daemon

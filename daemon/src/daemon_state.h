@@ -6,6 +6,7 @@
 #include "moecache/client/telemetry_ring.h"
 #include "moecache/daemon/daemon.h"
 
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -24,6 +25,8 @@ struct Daemon::ModelEntry {
     std::vector<uint32_t> file_ids;  // page-cache telemetry ids of its files, while watched
     bool registered = false;  // added by a client at run time (not configured): closed with its last client
     uint32_t owner_uid = 0;   // of the client that registered it (registered models only)
+    bool operator_added = false;  // registered over D-Bus: stays until unregistered or restart
+    std::map<uint32_t, uint32_t> prefetching;  // slots an operator's prefetch is reading -> reads pending
 };
 
 struct Daemon::Client {
@@ -37,6 +40,7 @@ struct Daemon::Client {
     std::set<std::pair<uint32_t, uint32_t>> vram;  // (model id, slot) its VRAM pool holds
     bool has_pool = false;                          // it sent an ExpertPlacement: a CUDA hook
     std::set<std::pair<uint32_t, uint32_t>> promoted;  // (model id, slot) it was told to keep in VRAM
+    std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
     uint64_t events = 0, bad_events = 0;
     bool dead = false;  // dropped this turn; reaped at its end
 };

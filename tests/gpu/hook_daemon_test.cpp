@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -23,6 +24,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <regex>
 #include <thread>
 
 #undef cuGetProcAddress
@@ -72,7 +74,7 @@ protected:
         write_file(dir_.file("moecached.toml"),
                    "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\nsocket = \"" + dir_.file("moecached.sock") +
                        "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
-                       "[telemetry]\npage_cache = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = " + elite_share() +
+                       "[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[dbus]\nbus = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = " + elite_share() +
                        "\n[vram]\npool = " +
                        std::to_string(3 * slice_) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") + "\n");
         // The daemon runs without the hook or the fake driver.
@@ -214,6 +216,26 @@ TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
         << "A cached " << cached(kA) << ", B cached " << cached(kB) << " (mapped here: " << mapped_here(kB)
         << " pages; " << pages(kB) << "), in VRAM " << stats().experts_in_vram << "\n"
         << log();
+    // The pool's counters reach the daemon's metrics, per device.
+    std::smatch port;
+    const std::string out = log();
+    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    const auto hook = stats();
+    std::string metrics;
+    const std::regex hits("moecache_vram_pool_hits_total\\{device=\"0\"\\} (\\d+)");
+    std::smatch m;
+    for (int i = 0; i < 60; ++i) {
+        httplib::Client c("127.0.0.1", std::stoi(port[1]));
+        auto r = c.Get("/metrics");
+        if (r && r->status == 200) metrics = r->body;
+        if (std::regex_search(metrics, m, hits) && std::stoull(m[1]) > 0) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_TRUE(std::regex_search(metrics, m, hits)) << metrics;
+    EXPECT_GT(std::stoull(m[1]), 0u);
+    EXPECT_LE(std::stoull(m[1]), stats().slice_hits) << "the daemon counts no more than the hook served";
+    EXPECT_GE(std::stoull(m[1]), hook.slice_hits / 2) << "reported every 2 s";
+    EXPECT_NE(metrics.find("moecache_vram_pool_bytes{device=\"0\"} " + std::to_string(3 * slice_) + "\n"), std::string::npos) << metrics;
 }
 
 // With [vram] keep_ram_copy the expert in VRAM keeps its RAM copy: the hook leaves its mapping alone

@@ -62,6 +62,8 @@ std::string describe(const Config& c) {
       << "clients.max = " << c.max_clients << "\n";
     for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
     s << "metrics.listen = " << c.metrics_listen << "\n";
+    s << "dbus.bus = " << c.dbus_bus << "\n";
+    s << "dbus.admin_group = " << c.dbus_admin_group << "\n";
     s << "vram.pool = " << (c.vram_pool ? std::to_string(*c.vram_pool) : "unset") << "\n"
       << "vram.keep_ram_copy = " << c.keep_ram_copy << "\n";
     for (const auto& m : c.models) {
@@ -143,6 +145,21 @@ TEST_F(ConfigTest, MetricsListenIsAnIpAddressAndAPort) {
     expect_rejected("[metrics]\nlisten = \"127.0.0.1:99999\"\n", {"metrics.listen", "0 to 65535"});
     expect_rejected("[metrics]\nlisten = \"127.0.0.1\"\n", {"metrics.listen", "HOST:PORT"});
     expect_rejected("[metrics]\nlisten = 8474\n", {"metrics.listen", "a string"});
+}
+
+TEST_F(ConfigTest, DbusBusAndAdminGroup) {
+    for (const char* ok : {"system", "session", "off", "unix:path=/run/test/bus"}) {
+        const auto c = load(std::string("[dbus]\nbus = \"") + ok + "\"\nadmin_group = \"ops-team\"\n");
+        ASSERT_TRUE(c) << ok << ": " << c.error().what();
+        EXPECT_EQ(c->dbus_bus, ok);
+        EXPECT_EQ(c->dbus_admin_group, "ops-team");
+    }
+    EXPECT_EQ(load("[dbus]\nadmin_group = \"\"\n")->dbus_admin_group, "");
+    expect_rejected("[dbus]\nbus = \"tcp:host=example.org,port=1\"\n", {main_ + ":2:", "dbus.bus", "not a bus"});
+    expect_rejected("[dbus]\nbus = \"System\"\n", {"dbus.bus", "not a bus"});
+    expect_rejected("[dbus]\nbus = 1\n", {"dbus.bus", "a string"});
+    expect_rejected("[dbus]\nadmin_group = \"wheel; rm -rf /\"\n", {"dbus.admin_group", "not a group name"});
+    expect_rejected("[dbus]\nadmin_grup = \"x\"\n", {"admin_grup"});
 }
 
 TEST_F(ConfigTest, VramPoolIsASizeAndKeepRamCopyABool) {
@@ -576,7 +593,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 27u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 29u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

@@ -134,7 +134,10 @@ TEST(Inspect, ErrorsAndExitCodes) {
     EXPECT_EQ(test::run({MOECACHE_CTL_BIN, "frobnicate"}).exit_code, 2);
     const auto help = test::run({MOECACHE_CTL_BIN, "help"});
     EXPECT_EQ(help.exit_code, 0);
-    EXPECT_NE(help.out.find("inspect MODEL"), std::string::npos);
+    EXPECT_NE(help.out.find("inspect"), std::string::npos);
+    const auto inspect_help = test::run({MOECACHE_CTL_BIN, "help", "inspect"});
+    EXPECT_EQ(inspect_help.exit_code, 0);
+    EXPECT_NE(inspect_help.out.find("usage: moecachectl inspect MODEL"), std::string::npos) << inspect_help.out;
 }
 
 }  // namespace

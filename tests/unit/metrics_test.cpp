@@ -4,9 +4,12 @@
 #include "run.h"
 #include "temp_dir.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdlib>
+#include <regex>
 #include <string>
 
 namespace moecache::daemon {
@@ -49,6 +52,16 @@ DaemonStatus sample() {
     ClientStatus c;
     c.events = 7;
     s.clients.push_back(c);
+    PoolDeviceStatus p;
+    p.device = 1;
+    p.hits = 90;
+    p.misses = 10;
+    p.hit_bytes = 9000;
+    p.miss_bytes = 1000;
+    p.pool_bytes = 1ull << 30;
+    s.vram_pools.push_back(p);
+    s.lock_budget = 16ull << 30;
+    s.reserve = 2ull << 30;
     return s;
 }
 
@@ -65,6 +78,12 @@ TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
               std::string::npos);
     EXPECT_NE(text.find("moecache_page_cache_events_dropped_total{kind=\"fault\"} 1\n"), std::string::npos);
     EXPECT_NE(text.find("moecache_router_events_total 7\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_vram_pool_hits_total{device=\"1\"} 90\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_vram_pool_misses_total{device=\"1\"} 10\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_vram_pool_bytes{device=\"1\"} 1073741824\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_lock_budget_bytes 17179869184\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_lock_cap_bytes 12884901888\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_reserve_bytes 2147483648\n"), std::string::npos);
     for (size_t at = 0; (at = text.find('\n', at)) != std::string::npos; ++at)
         ASSERT_TRUE(at + 1 == text.size() || text[at + 1] == '#' || text.compare(at + 1, 9, "moecache_") == 0)
             << "a raw newline inside a sample at byte " << at;
@@ -77,6 +96,33 @@ TEST(Metrics, PromtoolAcceptsThem) {
     test::write_file(dir.file("m.txt"), render_metrics(sample()));
     const auto r = test::run({"/bin/sh", "-c", "promtool check metrics < " + dir.file("m.txt")});
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+}
+
+// Every panel of config/grafana-dashboard.json: its PromQL parses (promtool checks it as a recording
+// rule) and every moecache_ metric it names is one the daemon serves.
+TEST(Metrics, TheDashboardAsksOnlyForWhatIsServedInValidPromQL) {
+    const auto dash = nlohmann::json::parse(test::read_file(std::string(MOECACHE_SOURCE_DIR) + "/config/grafana-dashboard.json"));
+    const std::string served = render_metrics(sample());
+    std::vector<std::string> exprs;
+    for (const auto& p : dash.at("panels"))
+        for (const auto& t : p.value("targets", nlohmann::json::array())) exprs.push_back(t.at("expr").get<std::string>());
+    ASSERT_GT(exprs.size(), 10u);
+    const std::regex name("moecache_[a-z_]+");
+    for (const auto& e : exprs)
+        for (auto it = std::sregex_iterator(e.begin(), e.end(), name); it != std::sregex_iterator(); ++it)
+            EXPECT_NE(served.find("# TYPE " + it->str() + " "), std::string::npos) << it->str() << " in " << e;
+    if (std::system("command -v promtool >/dev/null 2>&1") != 0)
+        GTEST_SKIP() << "promtool is not installed (Debian's prometheus package; tools/setup/install-deps.sh installs it)";
+    // Dashboard variables become a plain regex for the parser.
+    std::string rules = "groups:\n- name: dashboard\n  rules:\n";
+    for (size_t i = 0; i < exprs.size(); ++i) {
+        const std::string e = std::regex_replace(exprs[i], std::regex("\\$[a-z_]+"), ".*");
+        rules += fmt::format("  - record: dashboard:expr{}\n    expr: {}\n", i, nlohmann::json(e).dump());
+    }
+    test::TempDir dir;
+    test::write_file(dir.file("rules.yml"), rules);
+    const auto r = test::run({"promtool", "check", "rules", dir.file("rules.yml")});
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err << rules;
 }
 
 }  // namespace

@@ -27,6 +27,8 @@ std::vector<Message> samples() {
         {0, Directive{Action::Unlock, 9, 12, 255}},
         {0, ExpertPlacement{9, 12, 255, 0}},
         {0, ExpertPlacement{9, 12, 255, kHostTier}},
+        {0, PoolStats{0, 90, 10, 9000, 1000, 1ull << 30}},
+        {0, PoolStats{kMaxPoolDevices - 1, ~0ull, 0, ~0ull, 0, 0}},
         {0, VramPolicy{kAllDevices, 8ull << 30, true}},
         {0, VramPolicy{3, kNoPoolLimit, false}},
     };
@@ -89,6 +91,8 @@ TEST(Protocol, BodiesAreCheckedFieldByField) {
     auto action = encode({0, Directive{Action::Lock, 1, 2, 3}});
     action[16] = 9;
     expect_refused(action, 0, {"Directive action 9"});
+    // Devices bound the daemon's metrics labels.
+    expect_refused(encode({0, PoolStats{kMaxPoolDevices, 1, 1, 1, 1, 1}}), 0, {"PoolStats device 64", "below 64"});
 }
 
 TEST(Protocol, DescriptorCountsMustMatchTheMessage) {

@@ -72,6 +72,15 @@ MOECACHE_API int moecache_client_report_placement(moecache_client* c, uint32_t h
  * 0: keep both copies); 0 when no daemon is connected or it said nothing yet. */
 MOECACHE_API int moecache_client_vram_policy(const moecache_client* c, uint32_t device, uint64_t* pool_bytes,
                                              int* one_place);
+/* How this process's VRAM pool on `device` (< 64) has served expert copies since it started:
+ * cumulative counts, for the daemon's metrics. Sent in the background (the latest per device,
+ * again after every reconnection). Returns 0 or -errno. */
+typedef struct moecache_pool_stats {
+    uint64_t hits, misses;           /* slices copied from the pool / from the host */
+    uint64_t hit_bytes, miss_bytes;
+    uint64_t pool_bytes;             /* allocated now */
+} moecache_pool_stats;
+MOECACHE_API int moecache_client_report_pool(moecache_client* c, uint32_t device, const moecache_pool_stats* stats);
 /* Up to max directives received since the last call; never blocks. Returns how many. */
 MOECACHE_API size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max);
 MOECACHE_API void moecache_client_stats_get(const moecache_client* c, moecache_client_stats* out);

@@ -194,6 +194,7 @@ void Engine::run() {
         // (fault-around) whenever it faults.
         if (std::chrono::steady_clock::now() - last_rezap > std::chrono::seconds(2)) {
             rezap_pooled();
+            report_pools();
             last_rezap = std::chrono::steady_clock::now();
         }
         sync_cv_.notify_all();
@@ -457,6 +458,23 @@ void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
     }
 }
 
+// Each pool's counters to the daemon (its metrics), when they moved or the pool's size did.
+void Engine::report_pools() {
+    if (client_ == nullptr) return;
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        if (dp == nullptr) continue;
+        moecache_pool_stats s{dp->hits.load(), dp->misses.load(), dp->hit_bytes.load(), dp->miss_bytes.load(),
+                              dp->bytes.load()};
+        if (s.hits == dp->reported_hits && s.misses == dp->reported_misses && s.pool_bytes == dp->reported_bytes) continue;
+        if (moecache_client_report_pool(client_, static_cast<uint32_t>(d), &s) == 0) {
+            dp->reported_hits = s.hits;
+            dp->reported_misses = s.misses;
+            dp->reported_bytes = s.pool_bytes;
+        }
+    }
+}
+
 void Engine::rezap_pooled() {
     if (!cfg_.one_place || cfg_.pin || client_ == nullptr) return;
     std::vector<std::pair<uint32_t, uint32_t>> pooled;  // (model, model-local expert)
@@ -686,6 +704,8 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
     if (hit_slices == 0 && n_admits == 0) {
         misses_.fetch_add(cls->n_experts, std::memory_order_relaxed);
         bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
+        dp->misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
+        dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
         return false;
     }
 
@@ -716,6 +736,10 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
     misses_.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
     bytes_pool_.fetch_add(from_pool, std::memory_order_relaxed);
     bytes_host_.fetch_add(from_host, std::memory_order_relaxed);
+    dp->hits.fetch_add(hit_slices, std::memory_order_relaxed);
+    dp->misses.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
+    dp->hit_bytes.fetch_add(from_pool, std::memory_order_relaxed);
+    dp->miss_bytes.fetch_add(from_host, std::memory_order_relaxed);
     *result = c.async ? CUDA_SUCCESS : drv->stream_synchronize(stream);
     return true;
 }

@@ -99,6 +99,9 @@ private:
         std::vector<CUdeviceptr> arenas;  // under mu_
         std::atomic<uint64_t> bytes{0};   // written under mu_, read anywhere
         std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled (under mu_)
+        // How it served expert copies (slices; bytes), for the daemon's metrics.
+        std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
+        uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;  // background thread
     };
     struct PlacementEvent {
         uint32_t model = 0, expert = 0;  // model-local expert index
@@ -124,6 +127,7 @@ private:
     void pin_models(int device);
     void poll_directives();
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
+    void report_pools();
 
     EngineConfig cfg_;
     int wake_fd_ = -1;

@@ -186,6 +186,7 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         return true;
     }
     if (auto* x = std::get_if<ExpertPlacement>(&m->body)) return on_placement(c, *x);
+    if (auto* x = std::get_if<PoolStats>(&m->body)) return on_pool_stats(c, *x);
     if (std::holds_alternative<Goodbye>(m->body)) {
         reply(c, rq, Ok{});
         drop_client(c, "it said goodbye");
@@ -230,6 +231,22 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
             ++vram_releases_;
     }
     e->res->drop_cached(slot);
+    return true;
+}
+
+// A hook's pool counters are cumulative for its life: the daemon adds what grew since the last
+// report, so that its totals survive clients that come and go (a counter that went back is a
+// restarted count: all of it is new).
+bool Daemon::on_pool_stats(Client& c, const PoolStats& x) {
+    auto& last = c.pools[x.device];
+    auto& t = pool_totals_[x.device];
+    t.device = x.device;
+    auto grow = [](uint64_t now, uint64_t before) { return now >= before ? now - before : now; };
+    t.hits += grow(x.hits, last.hits);
+    t.misses += grow(x.misses, last.misses);
+    t.hit_bytes += grow(x.hit_bytes, last.hit_bytes);
+    t.miss_bytes += grow(x.miss_bytes, last.miss_bytes);
+    last = x;
     return true;
 }
 

@@ -389,6 +389,31 @@ const Key<Config> kMetricsKeys[] = {
     MC_KEY("listen", Config, t.metrics_listen = MC_TRY(read_listen(v))),
 };
 
+Result<std::string> read_bus(const Value& v) {
+    const auto* s = v.node.as_string();
+    if (!s) return wrong_type(v, "a string");
+    const std::string text = s->get();
+    if (text == "system" || text == "session" || text == "off") return text;
+    if (text.rfind("unix:", 0) == 0 && text.size() <= 1024 && text.find('\0') == std::string::npos) return text;
+    return v.fail("'{}' is not a bus: \"system\", \"session\", \"off\" or a D-Bus address (\"unix:path=...\")", text);
+}
+
+Result<std::string> read_group_name(const Value& v) {
+    const auto* s = v.node.as_string();
+    if (!s) return wrong_type(v, "a string");
+    const std::string text = s->get();
+    const bool ok = text.size() <= 32 && std::all_of(text.begin(), text.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.';
+    });
+    if (!ok) return v.fail("'{}' is not a group name (letters, digits, '_', '-', '.'; at most 32)", text);
+    return text;
+}
+
+const Key<Config> kDbusKeys[] = {
+    MC_KEY("bus", Config, t.dbus_bus = MC_TRY(read_bus(v))),
+    MC_KEY("admin_group", Config, t.dbus_admin_group = MC_TRY(read_group_name(v))),
+};
+
 const Key<Config> kVramKeys[] = {
     MC_KEY("pool", Config, t.vram_pool = MC_TRY(read_vram_pool(v))),
     MC_KEY("keep_ram_copy", Config, t.keep_ram_copy = MC_TRY(read_bool(v))),
@@ -412,6 +437,7 @@ const Section kSections[] = {
     {"daemon", kDaemonKeys},     {"budget", kBudgetKeys}, {"prefetch", kPrefetchKeys},
     {"pressure", kPressureKeys}, {"policy", kPolicyKeys}, {"telemetry", kTelemetryKeys},
     {"clients", kClientKeys},    {"metrics", kMetricsKeys}, {"vram", kVramKeys},
+    {"dbus", kDbusKeys},
 };
 constexpr std::string_view kModelSection = "model";
 

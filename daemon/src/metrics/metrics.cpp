@@ -86,9 +86,13 @@ std::string render_metrics(const DaemonStatus& s) {
     Writer w;
     w.family("moecache_memory_bytes", "gauge", "RAM of the machine (MemTotal).");
     w.sample("moecache_memory_bytes", "", s.mem_total);
-    w.family("moecache_lock_budget_bytes", "gauge",
+    w.family("moecache_lock_budget_bytes", "gauge", "The lock budget as configured (or set over D-Bus): all locked bytes together.");
+    w.sample("moecache_lock_budget_bytes", "", s.lock_budget);
+    w.family("moecache_reserve_bytes", "gauge", "RAM the daemon never locks into.");
+    w.sample("moecache_reserve_bytes", "", s.reserve);
+    w.family("moecache_lock_cap_bytes", "gauge",
              "What the daemon may lock now: the lock budget within RAM less the reserve and any pressure cap.");
-    w.sample("moecache_lock_budget_bytes", "", s.lock_cap);
+    w.sample("moecache_lock_cap_bytes", "", s.lock_cap);
     w.family("moecache_locked_bytes", "gauge", "Bytes of model files the daemon holds locked in RAM, per model.");
     for (const auto& m : s.models) w.sample("moecache_locked_bytes", model_labels(m), m.locked_bytes);
     w.family("moecache_process_locked_bytes", "gauge", "What the kernel counts as locked by the daemon (VmLck).");
@@ -141,6 +145,21 @@ std::string render_metrics(const DaemonStatus& s) {
     for (const auto& m : s.models) w.sample("moecache_evicted_bytes_total", model_labels(m), sum(m).evicted);
     w.family("moecache_page_faults_total", "counter", "Page faults of other processes on the model, from eBPF.");
     for (const auto& m : s.models) w.sample("moecache_page_faults_total", model_labels(m), sum(m).faults);
+    w.family("moecache_dropped_bytes_total", "counter",
+             "Cached bytes of the model the daemon asked the kernel to drop (evictions, one place, releases under pressure).");
+    for (const auto& m : s.models) w.sample("moecache_dropped_bytes_total", model_labels(m), m.dropped_bytes);
+    w.family("moecache_vram_pool_hits_total", "counter", "Expert slices the CUDA hooks' VRAM pools served, per device.");
+    for (const auto& p : s.vram_pools) w.sample("moecache_vram_pool_hits_total", fmt::format("device=\"{}\"", p.device), p.hits);
+    w.family("moecache_vram_pool_misses_total", "counter", "Expert slices copied from the host on a device with a pool.");
+    for (const auto& p : s.vram_pools) w.sample("moecache_vram_pool_misses_total", fmt::format("device=\"{}\"", p.device), p.misses);
+    w.family("moecache_vram_pool_hit_bytes_total", "counter", "Bytes copied device-to-device from the VRAM pools, per device.");
+    for (const auto& p : s.vram_pools)
+        w.sample("moecache_vram_pool_hit_bytes_total", fmt::format("device=\"{}\"", p.device), p.hit_bytes);
+    w.family("moecache_vram_pool_miss_bytes_total", "counter", "Expert bytes copied from the host on a device with a pool.");
+    for (const auto& p : s.vram_pools)
+        w.sample("moecache_vram_pool_miss_bytes_total", fmt::format("device=\"{}\"", p.device), p.miss_bytes);
+    w.family("moecache_vram_pool_bytes", "gauge", "VRAM the connected CUDA hooks hold as expert pools, per device.");
+    for (const auto& p : s.vram_pools) w.sample("moecache_vram_pool_bytes", fmt::format("device=\"{}\"", p.device), p.pool_bytes);
     w.family("moecache_vram_releases_total", "counter", "Experts unlocked and dropped from RAM because a VRAM pool took them.");
     w.sample("moecache_vram_releases_total", "", s.vram_releases);
 

@@ -105,6 +105,10 @@ Result<uint64_t> ModelResidency::release(uint32_t slot, bool drop) {
     if (st.tier != Tier::Locked) return uint64_t{0};
     uint64_t freed = 0;
     for (const auto& r : ranges(slot)) freed += MC_TRY(locker_->unlock(r, drop));
+    if (drop) {
+        dropped_bytes_ += std::max(st.cached_bytes, freed);
+        st.cached_bytes = 0;
+    }
     st.tier = Tier::Storage;
     st.locked_bytes = 0;
     return freed;
@@ -132,8 +136,34 @@ void ModelResidency::remove_vram_holder(uint32_t slot) {
 }
 
 void ModelResidency::drop_cached(uint32_t slot) {
+    dropped_bytes_ += state(slot).cached_bytes;
+    state(slot).cached_bytes = 0;
+    drop_ranges(ranges(slot));
+}
+
+void ModelResidency::drop_cached(std::span<const uint32_t> slots) {
+    std::vector<ByteRange> all;
+    for (uint32_t s : slots) {
+        dropped_bytes_ += state(s).cached_bytes;
+        state(s).cached_bytes = 0;
+        for (const auto& r : ranges(s)) all.push_back(r);
+    }
+    std::sort(all.begin(), all.end(), [](const ByteRange& a, const ByteRange& b) {
+        return std::tie(a.file, a.offset) < std::tie(b.file, b.offset);
+    });
+    std::vector<ByteRange> merged;
+    for (const auto& r : all) {
+        if (!merged.empty() && merged.back().file == r.file && merged.back().offset + merged.back().length >= r.offset)
+            merged.back().length = std::max(merged.back().offset + merged.back().length, r.offset + r.length) - merged.back().offset;
+        else
+            merged.push_back(r);
+    }
+    drop_ranges(merged);
+}
+
+void ModelResidency::drop_ranges(const std::vector<ByteRange>& rs) {
     const uint64_t ps = PageLocker::page_size();
-    for (const auto& r : ranges(slot)) {
+    for (const auto& r : rs) {
         const uint64_t first = (r.offset + ps - 1) / ps, last = (r.offset + r.length) / ps;  // [first, last)
         if (last <= first) continue;
         const auto& f = model_->files()[r.file];

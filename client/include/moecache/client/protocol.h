@@ -32,6 +32,7 @@ enum class Type : uint16_t {
     TelemetrySetup = 4,
     Goodbye = 5,
     ExpertPlacement = 6,
+    PoolStats = 7,
     // daemon -> client
     HelloReply = 128,
     Ok = 129,
@@ -76,6 +77,17 @@ struct ExpertPlacement {
     uint32_t device = kHostTier;
     bool operator==(const ExpertPlacement&) const = default;
 };
+// How a client's VRAM pool on `device` has served expert copies since the client started
+// (cumulative: the daemon takes differences): slices copied from the pool and from the host, and
+// the pool's size now. One-way, resent as it changes.
+inline constexpr uint32_t kMaxPoolDevices = 64;
+struct PoolStats {
+    uint32_t device = 0;  // < kMaxPoolDevices
+    uint64_t hits = 0, misses = 0;            // slices
+    uint64_t hit_bytes = 0, miss_bytes = 0;   // bytes copied from the pool / from the host
+    uint64_t pool_bytes = 0;                  // allocated now
+    bool operator==(const PoolStats&) const = default;
+};
 struct HelloReply {
     uint16_t version = kVersion;
     uint32_t client_id = 0;
@@ -115,7 +127,7 @@ struct VramPolicy {
     bool operator==(const VramPolicy&) const = default;
 };
 
-using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, ExpertPlacement, HelloReply,
+using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, ExpertPlacement, PoolStats, HelloReply,
                           Ok, Failure, ModelRegistered, Directive, VramPolicy>;
 
 struct Message {

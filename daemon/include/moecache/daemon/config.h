@@ -81,6 +81,14 @@ struct Config {
     // default; a busy port is reported and the daemon runs without metrics.
     std::string metrics_listen = "127.0.0.1:8474";
 
+    // [dbus]
+    // The bus moecached takes the name org.moecache1 on: "system", "session", "off", or an address
+    // ("unix:path=/run/x/bus"). A bus that cannot be reached is reported; the daemon runs without.
+    std::string dbus_bus = "system";
+    // Members of this group may change state over D-Bus, as root may ("" or a missing group: root
+    // only). The bus policy (org.moecache1.conf) must say the same.
+    std::string dbus_admin_group = "moecache";
+
     // [vram]
     // The VRAM pool each CUDA hook may hold per device; unset: the hook decides (its own
     // MOECACHE_CUDA_POOL, default as much as its experts need within free memory).

@@ -17,7 +17,9 @@
 #include <signal.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -29,6 +31,7 @@ class Prefetcher;
 class PressureMonitor;
 class SocketServer;
 class MetricsServer;
+class DbusService;
 
 struct ExpertStatus {
     uint32_t block = 0, expert = 0;
@@ -52,6 +55,12 @@ struct ModelStatus {
     uint64_t locked_bytes = 0;
     uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
     uint32_t experts_in_vram = 0;  // held by at least one VRAM pool
+    uint32_t n_experts_total = 0, experts_locked = 0, experts_pinned = 0;
+    uint64_t budget_bytes = 0;     // its own lock budget (0: none, the global one only)
+    uint64_t read_bytes = 0, evicted_bytes = 0;  // of its experts, by page-cache telemetry
+    uint64_t dropped_bytes = 0;    // the daemon asked the kernel to drop (evict, one place, releases)
+    uint32_t prefetching_experts = 0;   // an operator's prefetch still reading them
+    uint64_t prefetch_pending_bytes = 0;
     Tier dense_tier = Tier::Storage;
     uint64_t dense_bytes = 0;
     SlotTelemetry dense_telemetry;
@@ -81,9 +90,19 @@ struct ClientStatus {
     uint64_t overflow = 0;         // records its ring had no room for (the client's count)
 };
 
+// The VRAM pools of the CUDA hooks on one device, as they report it (PoolStats): counters since the
+// daemon started (clients that left included), the size of the pools connected now.
+struct PoolDeviceStatus {
+    uint32_t device = 0;
+    uint64_t hits = 0, misses = 0, hit_bytes = 0, miss_bytes = 0;
+    uint64_t pool_bytes = 0;
+    uint32_t clients = 0;
+};
+
 struct DaemonStatus {
     uint64_t mem_total = 0;
     uint64_t lock_cap = 0;      // the budget in force now: min(lock budget, RAM - reserve, pressure cap)
+    uint64_t lock_budget = 0, reserve = 0;  // as configured (or set since), resolved against RAM
     uint64_t locked_bytes = 0;  // what the daemon locked, by its own count
     uint64_t vmlck_bytes = 0;   // what the kernel says (VmLck of this process)
     uint64_t pressure_events = 0;
@@ -94,6 +113,10 @@ struct DaemonStatus {
     std::string metrics_address;   // where GET /metrics answers, "HOST:PORT" ("" when it does not)
     uint64_t clients_refused = 0;  // connections turned away (not allowed, too many)
     uint64_t vram_releases = 0;    // experts unlocked and dropped because a VRAM pool took them
+    std::vector<PoolDeviceStatus> vram_pools;  // by device
+    std::string bus;               // the D-Bus name's bus ("" when not on one)
+    bool tracing = false;
+    uint64_t trace_records = 0;
     std::vector<ClientStatus> clients;
     std::vector<ModelStatus> models;
 };
@@ -119,7 +142,34 @@ public:
     void on_pressure(const std::string& source);
     Result<void> save_profiles();
 
-    [[nodiscard]] DaemonStatus status() const;
+    // The operator's controls (D-Bus, tests). Arguments are untrusted: each is checked and a
+    // refusal says what is wrong (errnum EINVAL: a bad argument; ENOENT: no such model; EBUSY: not
+    // now). Changes last until restart or reload. `specs` select experts in the pin syntax ("12",
+    // "12:3", "12:0-7", blocks as in the file); an empty list selects every expert.
+    Result<uint32_t> add_model(const std::string& path);
+    Result<void> remove_model(uint32_t id);
+    // name: "lock" or "reserve".
+    Result<void> set_budget(const std::string& name, const std::string& amount);
+    // "" removes the model's own budget.
+    Result<void> set_model_budget(uint32_t id, const std::string& amount);
+    Result<uint32_t> set_pinned(uint32_t id, std::span<const std::string> specs, bool pinned);
+    // Reads experts into the page cache (not locked; the policy decides that): returns bytes queued.
+    Result<uint64_t> prefetch(uint32_t id, std::span<const std::string> specs);
+    // Unlocks experts and drops their pages: returns the bytes that were locked or cached.
+    Result<uint64_t> evict(uint32_t id, std::span<const std::string> specs);
+    [[nodiscard]] Result<std::string> export_profile(uint32_t id) const;
+    Result<void> import_profile(uint32_t id, const std::string& text);
+    // Router decisions, as they arrive, written to `file` (a regular file open for writing) as
+    // JSON lines (docs/trace.md) until stop_trace(), which returns how many were written.
+    Result<void> start_trace(UniqueFd file);
+    Result<uint64_t> stop_trace();
+    [[nodiscard]] bool tracing() const { return trace_fd_.get() >= 0; }
+
+    // experts = false leaves ModelStatus::experts empty (the totals are still counted).
+    [[nodiscard]] DaemonStatus status(bool experts = true) const;
+    [[nodiscard]] std::optional<ModelStatus> model_status(uint32_t id, bool experts = true) const;
+    [[nodiscard]] std::vector<uint32_t> model_ids() const;
+    [[nodiscard]] const Config& config() const { return config_; }
     [[nodiscard]] std::optional<uint32_t> model_id(const std::string& path) const;
     [[nodiscard]] bool idle() const;  // nothing fetching, nothing waiting to be locked
 
@@ -154,6 +204,7 @@ private:
     bool on_client_packet(Client& c, struct Packet& p);
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
     bool on_placement(Client& c, const protocol::ExpertPlacement& x);
+    bool on_pool_stats(Client& c, const protocol::PoolStats& x);
     void direct_pools();
     void reply(Client& c, uint32_t request, const protocol::Body& body);
     bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
@@ -165,6 +216,19 @@ private:
     void record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
     // A Directive to every client that registered model m, about one of its expert slots.
     void tell_clients(const ModelEntry& m, uint32_t slot, protocol::Action action);
+    // The operator's controls (control.cpp).
+    ModelEntry* find_model(uint32_t id);
+    [[nodiscard]] const ModelEntry* find_model(uint32_t id) const;
+    Result<std::vector<uint32_t>> select_slots(const ModelEntry& m, std::span<const std::string> specs) const;
+    void trace_model(const ModelEntry& m);
+    void trace_routing(const ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
+    void flush_trace();
+    void sync_bus();
+    void announce_budget(const std::string& name, uint64_t bytes);
+    void operator_fetched(uint32_t model, uint32_t slot);
+    static bool is_operator_fetch(uint32_t slot);
+    [[nodiscard]] ModelStatus model_status(const ModelEntry& m, bool experts) const;
+    void update_bus_watch();
 
     Config config_;
     uint64_t mem_total_ = 0;
@@ -173,11 +237,20 @@ private:
     std::unique_ptr<PressureMonitor> pressure_;
     std::unique_ptr<SocketServer> server_;
     std::unique_ptr<MetricsServer> metrics_;
+    std::unique_ptr<DbusService> dbus_;
+    UniqueFd trace_fd_;
+    std::string trace_buf_;
+    uint64_t trace_records_ = 0;
+    bool trace_failed_ = false;  // a write failed: the trace was closed, stop_trace() says so
+    uint32_t bus_events_ = 0;    // what epoll waits for on the bus's fd
+    std::set<uint32_t> traced_models_;  // ids whose description the trace has
+    std::chrono::steady_clock::time_point trace_start_{};
     std::vector<std::unique_ptr<Client>> clients_;
     std::unordered_map<int, Client*> client_by_fd_;
     uint32_t next_client_id_ = 1;
     uint64_t clients_refused_ = 0;
     uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
+    std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
     bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
     [[nodiscard]] int loop_timeout() const;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;

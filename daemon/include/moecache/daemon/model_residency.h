@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <span>
 #include <vector>
 
 namespace moecache::daemon {
@@ -95,13 +96,24 @@ public:
         return keep_ram_copy_ || slot == kDenseSlot || vram_holders(slot) == 0 || (slot < pinned_.size() && pinned_[slot]);
     }
     void set_keep_ram_copy(bool keep) { keep_ram_copy_ = keep; }
+    // Pinned experts are always wanted in RAM (within budgets): by configuration, or set at run time.
+    [[nodiscard]] bool pinned(uint32_t slot) const { return slot < pinned_.size() && pinned_[slot]; }
+    void set_pinned(uint32_t slot, bool pin) {
+        if (slot < pinned_.size()) pinned_[slot] = pin ? 1 : 0;
+    }
     // Asks the page cache to drop a slot's pages (the whole pages of its ranges: an edge page may
     // hold a neighbour's bytes). Locked pages, and pages another process maps, stay.
     void drop_cached(uint32_t slot);
+    // The same for many slots at once, their ranges merged where they touch: a large folio that
+    // spans several experts is dropped only by one request that covers all of it.
+    void drop_cached(std::span<const uint32_t> slots);
 
     [[nodiscard]] ModelView view(uint64_t budget) const;
+    // Bytes the daemon asked the kernel to drop that were cached (at the last refresh) then.
+    [[nodiscard]] uint64_t dropped_bytes() const { return dropped_bytes_; }
 
 private:
+    void drop_ranges(const std::vector<ByteRange>& ranges);
     ModelConfig config_;
     std::unique_ptr<MappedModel> model_;
     std::unique_ptr<PageLocker> locker_;
@@ -114,6 +126,7 @@ private:
     std::vector<uint8_t> pinned_;
     std::vector<uint32_t> vram_;  // per slot: hooks holding it in VRAM
     bool keep_ram_copy_ = false;
+    uint64_t dropped_bytes_ = 0;
     std::vector<uint64_t> slot_bytes_, slot_length_;
     uint64_t dense_bytes_ = 0, dense_length_ = 0;
     std::vector<PageCacheProbe> probes_;

@@ -1,0 +1,341 @@
+// The operator's controls: what D-Bus (dbus/dbus_service.cpp) and tests call. Every argument is
+// untrusted; a refusal names what is wrong. Runs on the loop's thread, like everything else.
+#include "daemon_state.h"
+#include "moecache/daemon/daemon.h"
+#include "moecache/daemon/prefetcher.h"
+#include "moecache/file_util.h"
+#include "moecache/log.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace moecache::daemon {
+namespace {
+
+constexpr uint32_t kOperatorFetch = 1u << 31;  // tag bit: a prefetch the operator asked for
+constexpr size_t kTraceFlushBytes = 64 << 10;
+constexpr size_t kMaxPathBytes = 4096;
+constexpr size_t kMaxSpecs = 65536;
+
+tl::unexpected<Error> invalid(std::string message) { return fail(EINVAL, std::move(message)); }
+
+}  // namespace
+
+Daemon::ModelEntry* Daemon::find_model(uint32_t id) {
+    for (auto& m : models_)
+        if (m->id == id) return m.get();
+    return nullptr;
+}
+
+const Daemon::ModelEntry* Daemon::find_model(uint32_t id) const {
+    for (const auto& m : models_)
+        if (m->id == id) return m.get();
+    return nullptr;
+}
+
+Result<std::vector<uint32_t>> Daemon::select_slots(const ModelEntry& m, std::span<const std::string> specs) const {
+    if (!m.res) return fail(EBUSY, fmt::format("model {} is not loaded: {}", m.path, m.error));
+    const auto& r = *m.res;
+    std::vector<uint32_t> out;
+    if (specs.empty()) {
+        for (uint32_t s = 0; s < r.n_slots(); ++s) out.push_back(s);
+        return out;
+    }
+    if (specs.size() > kMaxSpecs) return invalid(fmt::format("{} expert selections; at most {}", specs.size(), kMaxSpecs));
+    std::vector<uint8_t> chosen(r.n_slots(), 0);
+    for (const auto& text : specs) {
+        if (text.size() > 64) return invalid(fmt::format("expert selection '{}...' is too long", text.substr(0, 16)));
+        auto pin = parse_expert_pin(text);
+        if (!pin) return invalid(fmt::format("expert selection: {}", pin.error().message));
+        const auto layer = r.layer_of_block(pin->layer);
+        if (!layer) return invalid(fmt::format("expert selection '{}': block {} of {} holds no routed experts", text, pin->layer, m.path));
+        if (pin->last != UINT32_MAX && pin->last >= r.n_experts())
+            return invalid(fmt::format("expert selection '{}': block {} has experts 0-{}", text, pin->layer, r.n_experts() - 1));
+        const uint32_t last = std::min(pin->last, r.n_experts() - 1);
+        for (uint32_t e = pin->first; e <= last; ++e) chosen[size_t{*layer} * r.n_experts() + e] = 1;
+    }
+    for (uint32_t s = 0; s < r.n_slots(); ++s)
+        if (chosen[s]) out.push_back(s);
+    return out;
+}
+
+Result<uint32_t> Daemon::add_model(const std::string& path) {
+    if (path.empty() || path.size() > kMaxPathBytes || path.find('\0') != std::string::npos || path[0] != '/')
+        return invalid("a model is named by an absolute path (at most 4096 bytes)");
+    if (path.find_first_of("*?[") != std::string::npos)
+        return invalid(fmt::format("'{}': globs belong in the configuration ([[model]] path); register one file", path));
+    for (const auto& m : models_)
+        if (m->path == path) return fail(EEXIST, fmt::format("model {} is already managed (id {})", path, m->id));
+    ModelConfig mc;
+    mc.path = path;
+    mc.where = "D-Bus RegisterModel";
+    auto e = std::make_unique<ModelEntry>();
+    e->id = next_model_id_++;
+    e->config = mc;
+    e->path = path;
+    e->operator_added = true;
+    open_model(*e);
+    if (!e->res) return invalid(fmt::format("model {} cannot be managed: {}", path, e->error));
+    // A split model's other parts name the same set: the path as opened is its first part's.
+    const uint32_t id = e->id;
+    MC_LOG(LOG_INFO, "model {} registered by the operator (id {})", path, id);
+    models_.push_back(std::move(e));
+    place();
+    return id;
+}
+
+Result<void> Daemon::remove_model(uint32_t id) {
+    auto it = std::find_if(models_.begin(), models_.end(), [&](const auto& m) { return m->id == id; });
+    if (it == models_.end()) return fail(ENOENT, fmt::format("no model with id {}", id));
+    ModelEntry& m = **it;
+    if (m.registered)
+        return fail(EBUSY, fmt::format("model {} was registered by a client (uid {}): it goes when its last client does",
+                                       m.path, m.owner_uid));
+    const bool configured = std::any_of(config_.models.begin(), config_.models.end(),
+                                        [&](const ModelConfig& mc) { return mc.path == m.config.path; });
+    if (configured && !m.operator_added)
+        return fail(EBUSY, fmt::format("model {} is configured ({}): remove it from the configuration and reload",
+                                       m.path, m.config.where));
+    const auto users = std::count_if(clients_.begin(), clients_.end(), [&](const auto& c) {
+        return !c->dead && std::find(c->models.begin(), c->models.end(), id) != c->models.end();
+    });
+    if (users > 0)
+        return fail(EBUSY, fmt::format("model {} is in use by {} connected runtime(s): unregister it when they are done", m.path, users));
+    close_model(m, "unregistered by the operator");
+    models_.erase(it);
+    place();
+    return {};
+}
+
+Result<void> Daemon::set_budget(const std::string& name, const std::string& amount) {
+    if (name != "lock" && name != "reserve") return invalid(fmt::format("budget '{}': the budgets are 'lock' and 'reserve'", name.substr(0, 64)));
+    auto a = parse_byte_amount(amount);
+    if (!a) return invalid(fmt::format("budget {} = '{}': {}", name, amount.substr(0, 64), a.error().message));
+    Config next = config_;
+    (name == "lock" ? next.lock_budget : next.reserve) = *a;
+    if (auto v = validate_config(next, mem_total_); !v) return invalid(fmt::format("budget {}: {}", name, v.error().message));
+    config_ = std::move(next);
+    MC_LOG(LOG_INFO, "budget {} set to {} by the operator: lock cap now {} MiB", name, format_bytes(a->resolve(mem_total_)),
+           lock_cap() >> 20);
+    announce_budget(name, a->resolve(mem_total_));
+    place();
+    return {};
+}
+
+Result<void> Daemon::set_model_budget(uint32_t id, const std::string& amount) {
+    ModelEntry* m = find_model(id);
+    if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
+    std::optional<ByteAmount> budget;
+    if (!amount.empty()) {
+        auto a = parse_byte_amount(amount);
+        if (!a) return invalid(fmt::format("budget of model {} = '{}': {}", m->path, amount.substr(0, 64), a.error().message));
+        budget = *a;
+    }
+    m->config.budget = budget;
+    MC_LOG(LOG_INFO, "model {}: budget {} by the operator", m->path,
+           budget ? format_bytes(budget->resolve(mem_total_)) : std::string("removed"));
+    announce_budget(fmt::format("model:{}", id), budget ? budget->resolve(mem_total_) : UINT64_MAX);
+    place();
+    return {};
+}
+
+Result<uint32_t> Daemon::set_pinned(uint32_t id, std::span<const std::string> specs, bool pinned) {
+    ModelEntry* m = find_model(id);
+    if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
+    if (specs.empty()) return invalid(pinned ? "pin what? name experts (\"12\", \"12:3\", \"12:0-7\")" : "unpin what? name experts");
+    const auto slots = MC_TRY(select_slots(*m, specs));
+    uint32_t changed = 0;
+    for (uint32_t s : slots) {
+        changed += m->res->pinned(s) != pinned;
+        m->res->set_pinned(s, pinned);
+    }
+    MC_LOG(LOG_INFO, "model {}: {} expert(s) {} by the operator", m->path, changed, pinned ? "pinned" : "unpinned");
+    place();
+    return changed;
+}
+
+Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> specs) {
+    ModelEntry* m = find_model(id);
+    if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
+    auto slots = MC_TRY(select_slots(*m, specs));
+    auto& r = *m->res;
+    (void)r.refresh_cached();
+    // Hottest first, so that what is read first is what helps first.
+    const uint32_t ne = r.n_experts();
+    std::stable_sort(slots.begin(), slots.end(), [&](uint32_t a, uint32_t b) {
+        return r.heat().heat(a / ne, a % ne) > r.heat().heat(b / ne, b % ne);
+    });
+    uint64_t queued = 0;
+    int32_t priority = 1 << 20;  // behind what the policy wants locked
+    for (uint32_t s : slots) {
+        const SlotState& st = r.state(s);
+        if (st.tier != Tier::Storage || st.cached_bytes >= r.slot_length(s) || m->prefetching.count(s)) continue;
+        uint32_t reads = 0;
+        for (const auto& range : r.ranges(s)) {
+            const auto& f = r.model().files()[range.file];
+            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, (uint64_t{m->id} << 32) | s | kOperatorFetch});
+            queued += range.length;
+            ++reads;
+        }
+        if (reads) m->prefetching[s] = reads;
+        ++priority;
+    }
+    if (auto sub = prefetcher_->submit(); !sub) return tl::unexpected(sub.error());
+    MC_LOG(LOG_INFO, "model {}: prefetch of {} by the operator", m->path, format_bytes(queued));
+    return queued;
+}
+
+// Completion of an operator's prefetch (on_fetched sees the tag bit).
+void Daemon::operator_fetched(uint32_t model, uint32_t slot) {
+    ModelEntry* m = find_model(model);
+    if (!m) return;
+    const auto it = m->prefetching.find(slot & ~kOperatorFetch);
+    if (it != m->prefetching.end() && --it->second == 0) m->prefetching.erase(it);
+}
+
+bool Daemon::is_operator_fetch(uint32_t slot) { return (slot & kOperatorFetch) != 0; }
+
+Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) {
+    ModelEntry* m = find_model(id);
+    if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
+    const auto slots = MC_TRY(select_slots(*m, specs));
+    auto& r = *m->res;
+    if (!specs.empty())
+        for (uint32_t s : slots)
+            if (r.pinned(s))
+                return fail(EBUSY, fmt::format("block {} expert {} is pinned: unpin it first",
+                                               r.model().map().layers[s / r.n_experts()].index, s % r.n_experts()));
+    (void)r.refresh_cached();
+    uint64_t released = 0;
+    std::vector<uint32_t> dropped;
+    for (uint32_t s : slots) {
+        if (r.pinned(s)) continue;  // "everything" means everything not pinned
+        dropped.push_back(s);
+        SlotState& st = r.state(s);
+        released += std::max(st.locked_bytes, st.cached_bytes);
+        if (st.tier == Tier::Fetching) prefetcher_->cancel((uint64_t{m->id} << 32) | s);
+        if (m->prefetching.erase(s)) prefetcher_->cancel((uint64_t{m->id} << 32) | s | kOperatorFetch);
+        const bool was_locked = st.tier == Tier::Locked;
+        if (auto rel = r.release(s, /*drop=*/false); !rel) return tl::unexpected(with_context(rel.error(), m->path));
+        st.tier = Tier::Storage;
+        if (was_locked) tell_clients(*m, s, protocol::Action::Unlock);
+    }
+    r.drop_cached(dropped);
+    (void)r.refresh_cached();
+    std::erase_if(m->waiting, [&](uint32_t s) { return s != kDenseSlot && std::binary_search(slots.begin(), slots.end(), s); });
+    MC_LOG(LOG_INFO, "model {}: {} evicted by the operator", m->path, format_bytes(released));
+    return released;
+}
+
+Result<std::string> Daemon::export_profile(uint32_t id) const {
+    const ModelEntry* m = find_model(id);
+    if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
+    if (!m->res) return fail(EBUSY, fmt::format("model {} is not loaded: {}", m->path, m->error));
+    return m->res->heat().to_profile(m->res->model().profile_key());
+}
+
+Result<void> Daemon::import_profile(uint32_t id, const std::string& text) {
+    ModelEntry* m = find_model(id);
+    if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
+    if (!m->res) return fail(EBUSY, fmt::format("model {} is not loaded: {}", m->path, m->error));
+    if (text.size() > (64u << 20)) return invalid("a heat profile of more than 64 MiB");
+    const std::string key = m->res->model().profile_key();
+    if (auto r = m->res->heat().load_profile(text, key, "the imported profile"); !r) return invalid(r.error().message);
+    MC_LOG(LOG_INFO, "model {}: heat profile imported by the operator", m->path);
+    place();
+    return {};
+}
+
+// ---- trace ----------------------------------------------------------------------------------
+
+Result<void> Daemon::start_trace(UniqueFd file) {
+    if (tracing()) return fail(EBUSY, "a trace is being recorded already: stop it first");
+    struct stat st {};
+    if (::fstat(file.get(), &st) != 0) return fail_errno("trace file");
+    if (!S_ISREG(st.st_mode)) return invalid("a trace is written to a regular file (not a pipe, socket or device)");
+    const int fl = ::fcntl(file.get(), F_GETFL);
+    if (fl < 0 || (fl & O_ACCMODE) == O_RDONLY) return invalid("the trace file is not open for writing");
+    // The caller opened it without truncating (a refused start must not destroy a file): a trace
+    // starts at the beginning.
+    if (::ftruncate(file.get(), 0) != 0 || ::lseek(file.get(), 0, SEEK_SET) != 0) return fail_errno("trace file");
+    trace_fd_ = std::move(file);
+    trace_failed_ = false;
+    trace_buf_.clear();
+    trace_records_ = 0;
+    traced_models_.clear();
+    trace_start_ = std::chrono::steady_clock::now();
+    trace_buf_ += nlohmann::json{{"moecache_trace", 1}, {"tick_seconds", config_.tick_seconds}}.dump() + "\n";
+    for (const auto& m : models_)
+        if (m->res) trace_model(*m);
+    flush_trace();
+    MC_LOG(LOG_INFO, "trace started");
+    return {};
+}
+
+Result<uint64_t> Daemon::stop_trace() {
+    if (!tracing() && !trace_failed_) return fail(ENOENT, "no trace is being recorded");
+    flush_trace();
+    const uint64_t n = trace_records_;
+    trace_fd_.reset();
+    if (trace_failed_) {
+        trace_failed_ = false;
+        return fail(EIO, fmt::format("the trace stopped early, after {} router decisions: writing it failed", n));
+    }
+    MC_LOG(LOG_INFO, "trace stopped: {} router decisions", n);
+    return n;
+}
+
+void Daemon::trace_model(const ModelEntry& m) {
+    if (!tracing() || !m.res || !traced_models_.insert(m.id).second) return;
+    const auto& map = m.res->model().map();
+    std::vector<uint32_t> blocks;
+    std::vector<uint64_t> bytes;
+    for (const auto& l : map.layers) {
+        blocks.push_back(l.index);
+        bytes.push_back(l.bytes_per_expert);
+    }
+    nlohmann::json j{{"model", m.id},
+                     {"key", m.res->model().profile_key()},
+                     {"path", m.path},
+                     {"n_experts", map.n_experts},
+                     {"blocks", blocks},
+                     {"bytes_per_expert", bytes}};
+    trace_buf_ += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+void Daemon::trace_routing(const ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
+    if (!tracing()) return;
+    trace_model(m);
+    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - trace_start_).count();
+    fmt::format_to(std::back_inserter(trace_buf_), "{{\"t\":{},\"m\":{},\"b\":{},\"n\":{},\"e\":[{}]}}\n", us, m.id,
+                   block, tokens, fmt::join(experts, ","));
+    ++trace_records_;
+    if (trace_buf_.size() >= kTraceFlushBytes) flush_trace();
+}
+
+void Daemon::flush_trace() {
+    if (!tracing()) return;
+    size_t off = 0;
+    while (off < trace_buf_.size()) {
+        const ssize_t n = ::write(trace_fd_.get(), trace_buf_.data() + off, trace_buf_.size() - off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            MC_LOG(LOG_ERR, "trace stopped: writing it failed after {} records: {}", trace_records_,
+                   n < 0 ? std::strerror(errno) : "no space written");
+            trace_fd_.reset();
+            trace_failed_ = true;
+            break;
+        }
+        off += static_cast<size_t>(n);
+    }
+    trace_buf_.clear();
+}
+
+}  // namespace moecache::daemon

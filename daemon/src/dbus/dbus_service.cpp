@@ -1,0 +1,449 @@
+#include "dbus/dbus_service.h"
+
+#include "moecache/daemon/daemon.h"
+#include "moecache/dbus/adaptor.h"
+#include "moecache/log.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+
+namespace moecache::daemon {
+namespace {
+
+constexpr const char* kBusName = "org.moecache1";
+constexpr const char* kManagerPath = "/org/moecache1";
+constexpr const char* kVersion = "0.1.0";
+
+std::string model_path(uint32_t id) { return fmt::format("{}/model/{}", kManagerPath, id); }
+
+// A refusal of the daemon's, as a D-Bus error: its name says the kind, its text what and where.
+[[noreturn]] void throw_error(const Error& e) {
+    const char* name = "org.moecache1.Error.Failed";
+    std::string text = e.what();
+    switch (e.errnum) {
+        case EINVAL: name = "org.moecache1.Error.InvalidArgument"; text = e.message; break;
+        case ENOENT: name = "org.moecache1.Error.NotFound"; text = e.message; break;
+        case EEXIST: name = "org.moecache1.Error.Exists"; text = e.message; break;
+        case EBUSY: name = "org.moecache1.Error.Busy"; text = e.message; break;
+        case EPERM:
+        case EACCES: name = "org.moecache1.Error.AccessDenied"; break;
+        default: break;
+    }
+    throw sdbus::Error(name, text);
+}
+
+template <class T>
+T value_or_throw(Result<T> r) {
+    if (!r) throw_error(r.error());
+    if constexpr (!std::is_void_v<T>) return std::move(*r);
+}
+
+// Handlers run inside sd-bus's C callbacks: only sdbus::Error may leave them (it becomes the
+// reply); anything else becomes org.moecache1.Error.Failed rather than unwinding through C.
+template <class Fn>
+auto guarded(Fn&& fn) -> decltype(fn()) {
+    try {
+        return fn();
+    } catch (const sdbus::Error&) {
+        throw;
+    } catch (const std::exception& e) {
+        throw sdbus::Error("org.moecache1.Error.Failed", e.what());
+    }
+}
+
+uint32_t model_id_of(const sdbus::ObjectPath& path) {
+    const std::string prefix = fmt::format("{}/model/", kManagerPath);
+    const std::string& p = path;
+    if (p.rfind(prefix, 0) != 0 || p.size() == prefix.size() || p.size() > prefix.size() + 10 ||
+        !std::all_of(p.begin() + static_cast<long>(prefix.size()), p.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        throw sdbus::Error("org.moecache1.Error.InvalidArgument",
+                           fmt::format("'{}' is not a model object (/org/moecache1/model/ID)", p.substr(0, 128)));
+    const uint64_t id = std::stoull(p.substr(prefix.size()));
+    if (id > UINT32_MAX) throw sdbus::Error("org.moecache1.Error.NotFound", fmt::format("no model {}", p));
+    return static_cast<uint32_t>(id);
+}
+
+std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
+    std::map<std::string, sdbus::Variant> d;
+    d["id"] = m.id;
+    d["path"] = m.path;
+    d["key"] = m.key;
+    d["loaded"] = m.loaded;
+    d["error"] = m.error;
+    d["registered_by_client"] = m.registered;
+    d["owner_uid"] = m.owner_uid;
+    d["budget_bytes"] = m.budget_bytes;
+    d["locked_bytes"] = m.locked_bytes;
+    d["expert_bytes"] = m.expert_bytes;
+    d["expert_cached_bytes"] = m.expert_cached_bytes;
+    d["expert_locked_bytes"] = m.expert_locked_bytes;
+    d["experts"] = m.n_experts_total;
+    d["experts_locked"] = m.experts_locked;
+    d["experts_pinned"] = m.experts_pinned;
+    d["experts_in_vram"] = m.experts_in_vram;
+    d["dense_bytes"] = m.dense_bytes;
+    d["dense_tier"] = std::string(to_string(m.dense_tier));
+    d["storage_read_bytes"] = m.read_bytes;
+    d["evicted_bytes"] = m.evicted_bytes;
+    d["prefetching_experts"] = m.prefetching_experts;
+    d["prefetch_pending_bytes"] = m.prefetch_pending_bytes;
+    return d;
+}
+
+}  // namespace
+
+struct DbusService::Impl {
+    Daemon& daemon;
+    std::string bus;
+    std::optional<gid_t> admin_gid;
+    std::string admin_group;
+    std::unique_ptr<sdbus::IConnection> conn;
+    struct Manager;
+    struct Model;
+    std::unique_ptr<Manager> manager;
+    std::map<uint32_t, std::unique_ptr<Model>> models;
+
+    explicit Impl(Daemon& d) : daemon(d) {}
+    void sync();  // one model object per model
+
+    std::unique_ptr<sdbus::IProxy> bus_proxy;  // org.freedesktop.DBus, for callers' credentials
+
+    // Changes are for root and the admin group; the bus policy says so too, this holds if a
+    // policy is missing or too open. The caller's uid and groups come from the bus itself
+    // (GetConnectionCredentials: the kernel's SO_PEERCRED and SO_PEERGROUPS of its connection), not
+    // from /proc, which the service cannot see (ProtectProc=invisible) and a caller could race.
+    void require_admin(sdbus::IObject& object, const char* what) const {
+        const sdbus::Message* msg = object.getCurrentlyProcessedMessage();
+        if (!msg) throw sdbus::Error("org.moecache1.Error.AccessDenied", "no caller to check");
+        std::optional<uint32_t> uid;
+        std::vector<uint32_t> gids;
+        try {
+            std::map<std::string, sdbus::Variant> creds;
+            bus_proxy->callMethod("GetConnectionCredentials").onInterface("org.freedesktop.DBus").withArguments(msg->getSender()).storeResultsTo(creds);
+            if (const auto it = creds.find("UnixUserID"); it != creds.end()) uid = it->second.get<uint32_t>();
+            if (const auto it = creds.find("UnixGroupIDs"); it != creds.end()) gids = it->second.get<std::vector<uint32_t>>();
+        } catch (const sdbus::Error& e) {
+            throw sdbus::Error("org.moecache1.Error.AccessDenied",
+                               fmt::format("{}: the caller's credentials cannot be read: {}", what, e.getMessage()));
+        }
+        if (!uid) throw sdbus::Error("org.moecache1.Error.AccessDenied", fmt::format("{}: the bus did not say who called", what));
+        if (*uid == 0) return;
+        if (admin_gid && std::find(gids.begin(), gids.end(), *admin_gid) != gids.end()) return;
+        throw sdbus::Error("org.moecache1.Error.AccessDenied",
+                           admin_gid ? fmt::format("{} needs root or group {} (uid {} is neither)", what, admin_group, *uid)
+                                     : fmt::format("{} needs root (uid {} is not)", what, *uid));
+    }
+};
+
+struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Manager_adaptor> {
+    Impl& impl;
+    Manager(Impl& i) : AdaptorInterfaces(*i.conn, kManagerPath), impl(i) { registerAdaptor(); }
+    virtual ~Manager() { unregisterAdaptor(); }
+
+    std::map<std::string, sdbus::Variant> GetStatus() override {
+        return guarded([&] {
+            const DaemonStatus s = impl.daemon.status(/*experts=*/false);
+            std::map<std::string, sdbus::Variant> d;
+            d["version"] = std::string(kVersion);
+            d["pid"] = static_cast<uint32_t>(::getpid());
+            d["mem_total_bytes"] = s.mem_total;
+            d["lock_budget_bytes"] = s.lock_budget;
+            d["reserve_bytes"] = s.reserve;
+            d["lock_cap_bytes"] = s.lock_cap;
+            d["locked_bytes"] = s.locked_bytes;
+            d["vmlck_bytes"] = s.vmlck_bytes;
+            d["under_pressure"] = s.under_pressure;
+            d["pressure_events"] = s.pressure_events;
+            d["prefetch_done_bytes"] = s.prefetch_done_bytes;
+            d["prefetch_queued_bytes"] = s.prefetch_queued_bytes;
+            d["models"] = static_cast<uint32_t>(s.models.size());
+            d["clients"] = static_cast<uint32_t>(s.clients.size());
+            d["clients_refused"] = s.clients_refused;
+            d["socket"] = s.socket_path;
+            d["metrics"] = s.metrics_address;
+            d["bus"] = s.bus;
+            d["page_cache_telemetry"] = s.page_cache.enabled;
+            d["page_cache_faults"] = s.page_cache.faults;
+            d["page_cache_off_reason"] = s.page_cache.off_reason;
+            d["page_cache_events"] = s.page_cache.events;
+            d["vram_releases"] = s.vram_releases;
+            d["tracing"] = s.tracing;
+            d["trace_records"] = s.trace_records;
+            return d;
+        });
+    }
+
+    std::vector<sdbus::Struct<sdbus::ObjectPath, uint32_t, std::string, bool, std::string, uint64_t, uint64_t, uint64_t, uint32_t>>
+    ListModels() override {
+        return guarded([&] {
+            std::vector<sdbus::Struct<sdbus::ObjectPath, uint32_t, std::string, bool, std::string, uint64_t, uint64_t, uint64_t, uint32_t>> out;
+            for (const auto& m : impl.daemon.status(false).models)
+                out.emplace_back(sdbus::ObjectPath(model_path(m.id)), m.id, m.path, m.loaded, m.error, m.expert_bytes,
+                                 m.expert_cached_bytes, m.expert_locked_bytes, m.experts_in_vram);
+            return out;
+        });
+    }
+
+    sdbus::ObjectPath RegisterModel(const std::string& path) override {
+        return guarded([&] {
+            impl.require_admin(getObject(), "RegisterModel");
+            const uint32_t id = value_or_throw(impl.daemon.add_model(path));
+            impl.sync();
+            return sdbus::ObjectPath(model_path(id));
+        });
+    }
+
+    void UnregisterModel(const sdbus::ObjectPath& model) override {
+        guarded([&] {
+            impl.require_admin(getObject(), "UnregisterModel");
+            value_or_throw(impl.daemon.remove_model(model_id_of(model)));
+            impl.sync();
+        });
+    }
+
+    std::vector<sdbus::Struct<std::string, uint64_t, std::string>> GetBudgets() override {
+        return guarded([&] {
+            const auto& c = impl.daemon.config();
+            const DaemonStatus s = impl.daemon.status(false);
+            auto written = [](const ByteAmount& a) {
+                return a.percent ? fmt::format("{}%", *a.percent) : format_bytes(a.bytes);
+            };
+            std::vector<sdbus::Struct<std::string, uint64_t, std::string>> out;
+            out.emplace_back(std::string("lock"), s.lock_budget, written(c.lock_budget));
+            out.emplace_back(std::string("reserve"), s.reserve, written(c.reserve));
+            out.emplace_back(std::string("cap"), s.lock_cap, std::string(s.under_pressure ? "lowered by memory pressure" : ""));
+            return out;
+        });
+    }
+
+    void SetBudget(const std::string& name, const std::string& amount) override {
+        guarded([&] {
+            impl.require_admin(getObject(), "SetBudget");
+            value_or_throw(impl.daemon.set_budget(name, amount));
+        });
+    }
+
+    void StartTrace(const sdbus::UnixFd& file) override {
+        guarded([&] {
+            impl.require_admin(getObject(), "StartTrace");
+            if (!file.isValid()) throw sdbus::Error("org.moecache1.Error.InvalidArgument", "no file descriptor");
+            UniqueFd fd(::fcntl(file.get(), F_DUPFD_CLOEXEC, 3));
+            if (!fd) throw sdbus::Error("org.moecache1.Error.Failed", "the trace file descriptor cannot be kept");
+            value_or_throw(impl.daemon.start_trace(std::move(fd)));
+        });
+    }
+
+    uint64_t StopTrace() override {
+        return guarded([&] {
+            impl.require_admin(getObject(), "StopTrace");
+            return value_or_throw(impl.daemon.stop_trace());
+        });
+    }
+};
+
+struct DbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model_adaptor> {
+    Impl& impl;
+    uint32_t id;
+    Model(Impl& i, uint32_t model) : AdaptorInterfaces(*i.conn, model_path(model)), impl(i), id(model) { registerAdaptor(); }
+    virtual ~Model() { unregisterAdaptor(); }
+
+    ModelStatus status(bool experts) {
+        auto s = impl.daemon.model_status(id, experts);
+        if (!s) throw sdbus::Error("org.moecache1.Error.NotFound", fmt::format("model {} is gone", id));
+        return std::move(*s);
+    }
+
+    std::map<std::string, sdbus::Variant> GetStatus() override {
+        return guarded([&] { return model_dict(status(false)); });
+    }
+
+    std::vector<sdbus::Struct<uint32_t, uint32_t, std::string, double, uint32_t, uint64_t, uint64_t, uint64_t, bool, uint32_t>>
+    Experts(const uint32_t& top) override {
+        return guarded([&] {
+            auto s = status(true);
+            auto& ex = s.experts;
+            auto hotter = [](const ExpertStatus& a, const ExpertStatus& b) {
+                return a.heat != b.heat ? a.heat > b.heat : std::tie(a.block, a.expert) < std::tie(b.block, b.expert);
+            };
+            const size_t n = top == 0 ? ex.size() : std::min<size_t>(top, ex.size());
+            std::partial_sort(ex.begin(), ex.begin() + static_cast<long>(n), ex.end(), hotter);
+            std::vector<sdbus::Struct<uint32_t, uint32_t, std::string, double, uint32_t, uint64_t, uint64_t, uint64_t, bool, uint32_t>> out;
+            out.reserve(n);
+            for (size_t i = 0; i < n; ++i) {
+                const auto& e = ex[i];
+                const std::string tier = e.tier == Tier::Locked ? "ram" : e.vram_holders > 0 ? "vram" : to_string(e.tier);
+                out.emplace_back(e.block, e.expert, tier, e.heat, e.uses, e.bytes, e.cached_bytes, e.locked_bytes, e.pinned,
+                                 e.vram_holders);
+            }
+            return out;
+        });
+    }
+
+    uint32_t Pin(const std::vector<std::string>& experts) override {
+        return guarded([&] {
+            impl.require_admin(getObject(), "Pin");
+            return value_or_throw(impl.daemon.set_pinned(id, experts, true));
+        });
+    }
+
+    uint32_t Unpin(const std::vector<std::string>& experts) override {
+        return guarded([&] {
+            impl.require_admin(getObject(), "Unpin");
+            return value_or_throw(impl.daemon.set_pinned(id, experts, false));
+        });
+    }
+
+    uint64_t Prefetch(const std::vector<std::string>& experts) override {
+        return guarded([&] {
+            impl.require_admin(getObject(), "Prefetch");
+            return value_or_throw(impl.daemon.prefetch(id, experts));
+        });
+    }
+
+    uint64_t Evict(const std::vector<std::string>& experts) override {
+        return guarded([&] {
+            impl.require_admin(getObject(), "Evict");
+            return value_or_throw(impl.daemon.evict(id, experts));
+        });
+    }
+
+    std::string ExportProfile() override {
+        return guarded([&] { return value_or_throw(impl.daemon.export_profile(id)); });
+    }
+
+    void ImportProfile(const std::string& profile) override {
+        guarded([&] {
+            impl.require_admin(getObject(), "ImportProfile");
+            value_or_throw(impl.daemon.import_profile(id, profile));
+        });
+    }
+
+    void SetBudget(const std::string& amount) override {
+        guarded([&] {
+            impl.require_admin(getObject(), "SetBudget");
+            value_or_throw(impl.daemon.set_model_budget(id, amount));
+        });
+    }
+
+    uint32_t Id() override { return id; }
+    std::string Path() override { return guarded([&] { return status(false).path; }); }
+    std::string Key() override { return guarded([&] { return status(false).key; }); }
+    bool Loaded() override { return guarded([&] { return status(false).loaded; }); }
+    std::string Error() override { return guarded([&] { return status(false).error; }); }
+};
+
+void DbusService::Impl::sync() {
+    const auto ids = daemon.model_ids();
+    for (auto it = models.begin(); it != models.end();) {
+        if (std::find(ids.begin(), ids.end(), it->first) == ids.end()) it = models.erase(it);
+        else ++it;
+    }
+    for (uint32_t id : ids)
+        if (!models.count(id)) models.emplace(id, std::make_unique<Model>(*this, id));
+}
+
+DbusService::DbusService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DbusService::~DbusService() {
+    if (!impl_) return;
+    try {
+        impl_->models.clear();
+        impl_->manager.reset();
+        impl_->bus_proxy.reset();
+        if (impl_->conn) impl_->conn->releaseName(kBusName);
+    } catch (const std::exception& e) {
+        MC_LOG(LOG_WARNING, "D-Bus: on leaving the bus: {}", e.what());
+    }
+}
+
+Result<std::unique_ptr<DbusService>> DbusService::open(Daemon& daemon, const std::string& bus,
+                                                       const std::string& admin_group) {
+    auto impl = std::make_unique<Impl>(daemon);
+    impl->bus = bus;
+    impl->admin_group = admin_group;
+    if (!admin_group.empty()) {
+        if (const group* g = ::getgrnam(admin_group.c_str())) impl->admin_gid = g->gr_gid;
+        else MC_LOG(LOG_NOTICE, "D-Bus: group '{}' ([dbus] admin_group) does not exist: changes are for root only", admin_group);
+    }
+    try {
+        if (bus == "system") impl->conn = sdbus::createSystemBusConnection();
+        else if (bus == "session") impl->conn = sdbus::createSessionBusConnection();
+        else impl->conn = sdbus::createSessionBusConnectionWithAddress(bus);
+        impl->conn->requestName(kBusName);
+        impl->bus_proxy = sdbus::createProxy(*impl->conn, "org.freedesktop.DBus", "/org/freedesktop/DBus");
+        impl->manager = std::make_unique<Impl::Manager>(*impl);
+    } catch (const sdbus::Error& e) {
+        return failf("the {} bus ([dbus] bus = \"{}\"): {}: {}", bus == "system" || bus == "session" ? bus : "configured",
+                     bus, e.getName(), e.getMessage());
+    }
+    std::unique_ptr<DbusService> s(new DbusService(std::move(impl)));
+    s->sync_models();
+    s->process();
+    return s;
+}
+
+int DbusService::fd() const { return impl_->conn->getEventLoopPollData().fd; }
+
+uint32_t DbusService::epoll_events() const {
+    const auto pd = impl_->conn->getEventLoopPollData();
+    uint32_t ev = 0;
+    if (pd.events & POLLIN) ev |= EPOLLIN;
+    if (pd.events & POLLOUT) ev |= EPOLLOUT;
+    return ev;
+}
+
+int DbusService::timeout_ms() const {
+    const auto pd = impl_->conn->getEventLoopPollData();
+    if (pd.timeout_usec == UINT64_MAX) return -1;
+    timespec now{};
+    ::clock_gettime(CLOCK_MONOTONIC, &now);
+    const uint64_t now_us = static_cast<uint64_t>(now.tv_sec) * 1'000'000 + static_cast<uint64_t>(now.tv_nsec) / 1000;
+    if (pd.timeout_usec <= now_us) return 0;
+    return static_cast<int>(std::min<uint64_t>((pd.timeout_usec - now_us + 999) / 1000, 60'000));
+}
+
+void DbusService::process() {
+    // A bounded number per turn, so that a flood of calls cannot starve the rest of the loop.
+    for (int i = 0; i < 256; ++i) {
+        try {
+            if (!impl_->conn->processPendingRequest()) return;
+        } catch (const std::exception& e) {
+            MC_LOG(LOG_WARNING, "D-Bus: {}", e.what());
+            return;
+        }
+    }
+}
+
+void DbusService::sync_models() {
+    try {
+        impl_->sync();
+    } catch (const std::exception& e) {
+        MC_LOG(LOG_WARNING, "D-Bus: model objects: {}", e.what());
+    }
+}
+
+void DbusService::pressure_backoff(const std::string& source, uint64_t lock_cap) {
+    try {
+        impl_->manager->emitPressureBackoff(source, lock_cap);
+    } catch (const std::exception& e) {
+        MC_LOG(LOG_WARNING, "D-Bus: signal PressureBackoff: {}", e.what());
+    }
+}
+
+void DbusService::budget_changed(const std::string& name, uint64_t bytes) {
+    try {
+        impl_->manager->emitBudgetChanged(name, bytes);
+    } catch (const std::exception& e) {
+        MC_LOG(LOG_WARNING, "D-Bus: signal BudgetChanged: {}", e.what());
+    }
+}
+
+const std::string& DbusService::bus() const { return impl_->bus; }
+
+}  // namespace moecache::daemon
