@@ -42,9 +42,10 @@ depends=$(field Depends)
 for dep in dbus libc6 libstdc++6; do
   [[ ", $depends," == *", $dep"[\ ,]* ]] || fail "Depends lacks $dep: $depends"
 done
-dpkg-deb --info "$deb" | grep -q ' conffiles' || fail "no conffiles in the control archive"
+info=$(dpkg-deb --info "$deb")
+grep -q ' conffiles' <<<"$info" || fail "no conffiles in the control archive"
 for script in postinst prerm postrm; do
-  dpkg-deb --info "$deb" | grep -q " $script " || fail "no $script"
+  grep -q " $script " <<<"$info" || fail "no $script"
 done
 echo "package: $(basename "$deb"), $(stat -c %s "$deb") bytes, $(dpkg-deb -c "$deb" | grep -vc '/$') files"
 
@@ -55,7 +56,8 @@ touch "$root/var/lib/dpkg/status" "$root/var/lib/dpkg/available"
 for db in passwd group shadow gshadow; do : > "$root/etc/$db"; done
 dpkg_root() { dpkg --root="$root" --force-script-chrootless --force-depends "$@"; }
 dpkg_root -i "$deb" > "$t/dpkg.log" 2>&1 || { cat "$t/dpkg.log"; fail "dpkg -i"; }
-dpkg --root="$root" -s moecache | grep -q '^Status: install ok installed' || fail "not installed: $(dpkg --root="$root" -s moecache)"
+status=$(dpkg --root="$root" -s moecache)
+grep -q '^Status: install ok installed' <<<"$status" || fail "not installed: $status"
 
 for f in "${manifest[@]}"; do
   [ -e "$root$f" ] || [ -L "$root$f" ] || fail "$f is in the install manifest but not in the installed package"
@@ -75,8 +77,8 @@ for f in /usr/sbin/moecached /usr/bin/moecachectl /usr/bin/moecache-mkmodel /usr
          /usr/share/doc/moecache/examples/ollama.service.d/moecache.conf; do
   [ -e "$root$f" ] || fail "$f is not installed"
 done
-dpkg --root="$root" -s moecache | grep -q '^ /etc/moecache/moecached.toml [0-9a-f]\{32\}$' ||
-  fail "/etc/moecache/moecached.toml is not a conffile: $(dpkg --root="$root" -s moecache)"
+grep -q '^ /etc/moecache/moecached.toml [0-9a-f]\{32\}$' <<<"$status" ||
+  fail "/etc/moecache/moecached.toml is not a conffile: $status"
 check grep -q '^ExecStart=/usr/sbin/moecached ' "$root/usr/lib/systemd/system/moecached.service"
 
 # postinst: the user and groups (sysusers), the state directory owned by the user (tmpfiles).
