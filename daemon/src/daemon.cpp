@@ -103,12 +103,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
 
     d->timer_fd_.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
     if (!d->timer_fd_) return fail_errno("timerfd_create");
-    const double t = d->config_.tick_seconds;
-    itimerspec its{};
-    its.it_interval.tv_sec = static_cast<time_t>(t);
-    its.it_interval.tv_nsec = static_cast<long>((t - std::floor(t)) * 1e9);
-    its.it_value = its.it_interval;
-    if (::timerfd_settime(d->timer_fd_.get(), 0, &its, nullptr) != 0) return fail_errno("timerfd_settime");
+    MC_TRY_VOID(d->arm_tick());
     MC_TRY_VOID(watch(d->timer_fd_.get(), EPOLLIN));
 
     Prefetcher::Options po;
@@ -189,6 +184,16 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->last_save_ = std::chrono::steady_clock::now();
     d->place();
     return d;
+}
+
+Result<void> Daemon::arm_tick() {
+    const double t = config_.tick_seconds;
+    itimerspec its{};
+    its.it_interval.tv_sec = static_cast<time_t>(t);
+    its.it_interval.tv_nsec = static_cast<long>((t - std::floor(t)) * 1e9);
+    its.it_value = its.it_interval;
+    if (::timerfd_settime(timer_fd_.get(), 0, &its, nullptr) != 0) return fail_errno("timerfd_settime ({} s)", t);
+    return {};
 }
 
 uint64_t Daemon::lock_cap() const {
@@ -593,7 +598,10 @@ Result<void> Daemon::reload(Config config) {
     }
     models_ = std::move(kept);
     const uint64_t old_budget = config_.lock_budget.resolve(mem_total_), old_reserve = config_.reserve.resolve(mem_total_);
+    const double old_tick = config_.tick_seconds;
     config_ = std::move(config);
+    if (config_.tick_seconds != old_tick)
+        if (auto r = arm_tick(); !r) MC_LOG(LOG_WARNING, "daemon.tick_seconds: {}", r.error().what());
     if (config_.lock_budget.resolve(mem_total_) != old_budget) announce_budget("lock", config_.lock_budget.resolve(mem_total_));
     if (config_.reserve.resolve(mem_total_) != old_reserve) announce_budget("reserve", config_.reserve.resolve(mem_total_));
     add_plain_models();

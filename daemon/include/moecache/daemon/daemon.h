@@ -229,6 +229,7 @@ private:
     static bool is_operator_fetch(uint32_t slot);
     [[nodiscard]] ModelStatus model_status(const ModelEntry& m, bool experts) const;
     void update_bus_watch();
+    Result<void> arm_tick();  // the tick timer at config_.tick_seconds
 
     Config config_;
     uint64_t mem_total_ = 0;
