@@ -27,3 +27,14 @@ loop_fs_cleanup() {
   rmdir "$loop_mnt"
   rm -f "$loop_img"
 }
+
+# require_built TOP FILE...: each FILE exists (what a build makes) and node-llama-cpp is installed
+# under TOP/tools/node, or the script stops saying what to run.
+require_built() {
+  local top=$1 b
+  shift
+  for b in "$@"; do
+    [ -e "$b" ] || { echo "build first: cmake -S . -B build -G Ninja && ninja -C build ($b is missing)" >&2; exit 1; }
+  done
+  [ -d "$top/tools/node/node_modules/node-llama-cpp" ] || { echo "run tools/setup/install-deps.sh first" >&2; exit 1; }
+}

@@ -32,10 +32,7 @@ mk=$build/tools/mkmodel/moecache-mkmodel
 lib=$build/client/libmoecache-rearm.so
 daemon=$build/daemon/moecached
 gen=$top/tools/node/generate.mjs
-for b in "$mk" "$lib" "$daemon"; do
-  [ -e "$b" ] || { echo "build first: cmake -S . -B build -G Ninja && ninja -C build ($b is missing)" >&2; exit 1; }
-done
-[ -d "$top/tools/node/node_modules/node-llama-cpp" ] || { echo "run tools/setup/install-deps.sh first" >&2; exit 1; }
+require_built "$top" "$mk" "$lib" "$daemon"
 [ "$(id -u)" = 0 ] || { echo "needs root: a memory cgroup, the daemon's locks and BPF programs" >&2; exit 1; }
 command -v vmtouch >/dev/null || { echo "needs vmtouch (apt-get install vmtouch)" >&2; exit 1; }
 

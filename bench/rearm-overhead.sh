@@ -11,6 +11,7 @@
 # Environment: MOECACHE_BUILD (build dir, default build), PERIODS ("1000 100 10").
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$top/bench/common.sh"
 build=${MOECACHE_BUILD:-$top/build}
 runs=${1:-5}
 tokens=${2:-1000}
@@ -18,10 +19,7 @@ mk=$build/tools/mkmodel/moecache-mkmodel
 lib=$build/client/libmoecache-rearm.so
 daemon=$build/daemon/moecached
 gen=$top/tools/node/generate.mjs
-for b in "$mk" "$lib" "$daemon"; do
-  [ -e "$b" ] || { echo "build first: cmake -S . -B build -G Ninja && ninja -C build ($b is missing)" >&2; exit 1; }
-done
-[ -d "$top/tools/node/node_modules/node-llama-cpp" ] || { echo "run tools/setup/install-deps.sh first" >&2; exit 1; }
+require_built "$top" "$mk" "$lib" "$daemon"
 [ "$(id -u)" = 0 ] || { echo "needs root: the daemon's BPF programs" >&2; exit 1; }
 
 work=$(mktemp -d /var/tmp/moecache-rearm-bench.XXXXXX)
@@ -52,7 +50,6 @@ dpid=$!
 for _ in $(seq 100); do grep -q "moecached running" "$work/daemon.log" && break; sleep 0.1; done
 grep -q "moecached running" "$work/daemon.log" || { cat "$work/daemon.log" >&2; exit 1; }
 
-source "$top/bench/common.sh"
 tps() { sed -n 's/.*"decode_tokens_per_second":\([0-9.]*\).*/\1/p'; }
 run() {   # PERIOD (0: plain)
   if [ "$1" = 0 ]; then

@@ -89,17 +89,6 @@ std::string explain(const sdbus::Error& e) {
 
 // ---- formatting --------------------------------------------------------------------------------
 
-std::string human_bytes(uint64_t b) {
-    static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    double v = static_cast<double>(b);
-    int u = 0;
-    while (v >= 1024 && u < 4) {
-        v /= 1024;
-        ++u;
-    }
-    return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.1f} {}", v, kUnits[u]);
-}
-
 std::string percent(uint64_t part, uint64_t whole) {
     return whole == 0 ? "-" : fmt::format("{:.0f}%", 100.0 * static_cast<double>(part) / static_cast<double>(whole));
 }
@@ -273,13 +262,13 @@ int cmd_status(const Options& o, const std::vector<std::string>& args) {
         const auto locked = field<uint64_t>(s, "locked_bytes"), cap = field<uint64_t>(s, "lock_cap_bytes");
         fmt::print("moecached {} (pid {}) on the {} bus\n", field<std::string>(s, "version"), field<uint32_t>(s, "pid"),
                    field<std::string>(s, "bus"));
-        fmt::print("  locked       {} of {} allowed now ({}); budget {}, reserve {}, RAM {}\n", human_bytes(locked),
-                   human_bytes(cap), percent(locked, cap), human_bytes(field<uint64_t>(s, "lock_budget_bytes")),
-                   human_bytes(field<uint64_t>(s, "reserve_bytes")), human_bytes(field<uint64_t>(s, "mem_total_bytes")));
+        fmt::print("  locked       {} of {} allowed now ({}); budget {}, reserve {}, RAM {}\n", format_bytes(locked),
+                   format_bytes(cap), percent(locked, cap), format_bytes(field<uint64_t>(s, "lock_budget_bytes")),
+                   format_bytes(field<uint64_t>(s, "reserve_bytes")), format_bytes(field<uint64_t>(s, "mem_total_bytes")));
         fmt::print("  pressure     {}, {} back-off(s) so far\n",
                    field<bool>(s, "under_pressure") ? "backing off now" : "none now", field<uint64_t>(s, "pressure_events"));
-        fmt::print("  prefetch     {} read, {} queued\n", human_bytes(field<uint64_t>(s, "prefetch_done_bytes")),
-                   human_bytes(field<uint64_t>(s, "prefetch_queued_bytes")));
+        fmt::print("  prefetch     {} read, {} queued\n", format_bytes(field<uint64_t>(s, "prefetch_done_bytes")),
+                   format_bytes(field<uint64_t>(s, "prefetch_queued_bytes")));
         fmt::print("  models       {} (moecachectl models)\n", field<uint32_t>(s, "models"));
         fmt::print("  clients      {} connected at {}\n", field<uint32_t>(s, "clients"), field<std::string>(s, "socket"));
         if (field<bool>(s, "page_cache_telemetry"))
@@ -319,7 +308,7 @@ int cmd_models(const Options& o, const std::vector<std::string>& args) {
                 t.add({std::to_string(m.get<1>()), "-", "-", "-", "-", m.get<2>() + "  (not loaded: " + m.get<4>() + ")"});
                 continue;
             }
-            t.add({std::to_string(m.get<1>()), human_bytes(m.get<5>()), percent(m.get<6>(), m.get<5>()), percent(m.get<7>(), m.get<5>()),
+            t.add({std::to_string(m.get<1>()), format_bytes(m.get<5>()), percent(m.get<6>(), m.get<5>()), percent(m.get<7>(), m.get<5>()),
                    std::to_string(m.get<8>()), m.get<2>()});
         }
         fmt::print("{}", t.render());
@@ -355,7 +344,7 @@ int cmd_experts(const Options& o, const std::vector<std::string>& args) {
         Table t({"BLOCK", "EXPERT", "TIER", "HEAT", "USES", "SIZE", "CACHED", "PINNED", "VRAM"}, "rr rrrr r");
         for (const auto& e : experts)
             t.add({std::to_string(e.get<0>()), std::to_string(e.get<1>()), e.get<2>(), fmt::format("{:.2f}", e.get<3>()),
-                   std::to_string(e.get<4>()), human_bytes(e.get<5>()), percent(e.get<6>(), e.get<5>()), e.get<8>() ? "yes" : "",
+                   std::to_string(e.get<4>()), format_bytes(e.get<5>()), percent(e.get<6>(), e.get<5>()), e.get<8>() ? "yes" : "",
                    e.get<9>() ? std::to_string(e.get<9>()) : ""});
         fmt::print("{}", t.render());
         return kExitOk;
@@ -387,14 +376,14 @@ int cmd_budget(const Options& o, const std::vector<std::string>& args) {
         Table t({"BUDGET", "BYTES", "AS WRITTEN"}, " r");
         for (const auto& b : budgets) {
             j.push_back({{"name", b.get<0>()}, {"bytes", b.get<1>()}, {"as_written", b.get<2>()}});
-            t.add({b.get<0>(), human_bytes(b.get<1>()), b.get<2>()});
+            t.add({b.get<0>(), format_bytes(b.get<1>()), b.get<2>()});
         }
         for (const auto& m : mgr.ListModels()) {
             const auto s = ModelProxy(*conn, m.get<0>()).GetStatus();
             const auto bytes = field<uint64_t>(s, "budget_bytes");
             if (bytes == 0) continue;
             j.push_back({{"name", fmt::format("model:{}", m.get<1>())}, {"bytes", bytes}, {"path", m.get<2>()}});
-            t.add({fmt::format("model {}", m.get<1>()), human_bytes(bytes), m.get<2>()});
+            t.add({fmt::format("model {}", m.get<1>()), format_bytes(bytes), m.get<2>()});
         }
         if (o.json) print_json(j);
         else fmt::print("{}", t.render());
@@ -428,8 +417,8 @@ void draw_progress(uint64_t done, uint64_t total, double seconds) {
     const int fill = static_cast<int>(f * width);
     const double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0;
     fmt::print(stderr, "\r[{}{}] {:3.0f}%  {} of {}  {}/s   ", std::string(static_cast<size_t>(fill), '#'),
-               std::string(static_cast<size_t>(width - fill), '.'), f * 100, human_bytes(done), human_bytes(total),
-               human_bytes(static_cast<uint64_t>(rate)));
+               std::string(static_cast<size_t>(width - fill), '.'), f * 100, format_bytes(done), format_bytes(total),
+               format_bytes(static_cast<uint64_t>(rate)));
     std::fflush(stderr);
 }
 
@@ -465,7 +454,7 @@ int cmd_prefetch(const Options& o, const std::vector<std::string>& args) {
             if (seconds > timeout) {
                 if (bar) fmt::print(stderr, "\n");
                 throw Failure{kExitFailed, fmt::format("still reading after {:.0f} s: {} of {} to go (it goes on in the daemon)",
-                                                       seconds, human_bytes(pending), human_bytes(queued))};
+                                                       seconds, format_bytes(pending), format_bytes(queued))};
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
         }
@@ -475,10 +464,10 @@ int cmd_prefetch(const Options& o, const std::vector<std::string>& args) {
         } else if (queued == 0) {
             fmt::print("nothing to read: those experts are in RAM already\n");
         } else if (wait) {
-            fmt::print("{} read into the page cache in {:.1f} s ({}/s)\n", human_bytes(queued), seconds,
-                       human_bytes(seconds > 0 ? static_cast<uint64_t>(static_cast<double>(queued) / seconds) : 0));
+            fmt::print("{} read into the page cache in {:.1f} s ({}/s)\n", format_bytes(queued), seconds,
+                       format_bytes(seconds > 0 ? static_cast<uint64_t>(static_cast<double>(queued) / seconds) : 0));
         } else {
-            fmt::print("{} queued for reading\n", human_bytes(queued));
+            fmt::print("{} queued for reading\n", format_bytes(queued));
         }
         return kExitOk;
     });
@@ -496,7 +485,7 @@ int cmd_evict(const Options& o, const std::vector<std::string>& args) {
         const auto ref = resolve_model(mgr, a.positional[0]);
         const uint64_t bytes = ModelProxy(*conn, ref.object).Evict(specs);
         if (o.json) print_json({{"model", ref.id}, {"released_bytes", bytes}});
-        else fmt::print("{} released from RAM ({}); the policy brings back what stays hot\n", human_bytes(bytes), ref.path);
+        else fmt::print("{} released from RAM ({}); the policy brings back what stays hot\n", format_bytes(bytes), ref.path);
         return kExitOk;
     });
 }

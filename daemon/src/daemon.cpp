@@ -729,7 +729,13 @@ int Daemon::loop_timeout() const {
 
 void Daemon::sync_bus() {
     if (!dbus_) return;
-    dbus_->sync_models();
+    // Every model added takes a new id and every model removed shrinks the list: the two together
+    // change whenever the set does, so most turns compare two numbers and touch nothing.
+    const std::pair<uint32_t, size_t> shape{next_model_id_, models_.size()};
+    if (shape != bus_models_) {
+        dbus_->sync_models();
+        bus_models_ = shape;
+    }
     update_bus_watch();
 }
 

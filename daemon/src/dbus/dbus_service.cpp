@@ -111,6 +111,14 @@ struct DbusService::Impl {
     std::map<uint32_t, std::unique_ptr<Model>> models;
 
     explicit Impl(Daemon& d) : daemon(d) {}
+    // A method that changes state: the caller must be allowed (require_admin), then as guarded().
+    template <class Fn>
+    auto changing(sdbus::IObject& object, const char* what, Fn&& fn) const -> decltype(fn()) {
+        return guarded([&] {
+            require_admin(object, what);
+            return fn();
+        });
+    }
     void sync();  // one model object per model
 
     std::unique_ptr<sdbus::IProxy> bus_proxy;  // org.freedesktop.DBus, for callers' credentials
@@ -192,8 +200,7 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
     }
 
     sdbus::ObjectPath RegisterModel(const std::string& path) override {
-        return guarded([&] {
-            impl.require_admin(getObject(), "RegisterModel");
+        return impl.changing(getObject(), "RegisterModel", [&] {
             const uint32_t id = value_or_throw(impl.daemon.add_model(path));
             impl.sync();
             return sdbus::ObjectPath(model_path(id));
@@ -201,8 +208,7 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
     }
 
     void UnregisterModel(const sdbus::ObjectPath& model) override {
-        guarded([&] {
-            impl.require_admin(getObject(), "UnregisterModel");
+        impl.changing(getObject(), "UnregisterModel", [&] {
             value_or_throw(impl.daemon.remove_model(model_id_of(model)));
             impl.sync();
         });
@@ -224,15 +230,13 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
     }
 
     void SetBudget(const std::string& name, const std::string& amount) override {
-        guarded([&] {
-            impl.require_admin(getObject(), "SetBudget");
+        impl.changing(getObject(), "SetBudget", [&] {
             value_or_throw(impl.daemon.set_budget(name, amount));
         });
     }
 
     void StartTrace(const sdbus::UnixFd& file) override {
-        guarded([&] {
-            impl.require_admin(getObject(), "StartTrace");
+        impl.changing(getObject(), "StartTrace", [&] {
             if (!file.isValid()) throw sdbus::Error("org.moecache1.Error.InvalidArgument", "no file descriptor");
             UniqueFd fd(::fcntl(file.get(), F_DUPFD_CLOEXEC, 3));
             if (!fd) throw sdbus::Error("org.moecache1.Error.Failed", "the trace file descriptor cannot be kept");
@@ -241,8 +245,7 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
     }
 
     uint64_t StopTrace() override {
-        return guarded([&] {
-            impl.require_admin(getObject(), "StopTrace");
+        return impl.changing(getObject(), "StopTrace", [&] {
             return value_or_throw(impl.daemon.stop_trace());
         });
     }
@@ -287,29 +290,25 @@ struct DbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model
     }
 
     uint32_t Pin(const std::vector<std::string>& experts) override {
-        return guarded([&] {
-            impl.require_admin(getObject(), "Pin");
+        return impl.changing(getObject(), "Pin", [&] {
             return value_or_throw(impl.daemon.set_pinned(id, experts, true));
         });
     }
 
     uint32_t Unpin(const std::vector<std::string>& experts) override {
-        return guarded([&] {
-            impl.require_admin(getObject(), "Unpin");
+        return impl.changing(getObject(), "Unpin", [&] {
             return value_or_throw(impl.daemon.set_pinned(id, experts, false));
         });
     }
 
     uint64_t Prefetch(const std::vector<std::string>& experts) override {
-        return guarded([&] {
-            impl.require_admin(getObject(), "Prefetch");
+        return impl.changing(getObject(), "Prefetch", [&] {
             return value_or_throw(impl.daemon.prefetch(id, experts));
         });
     }
 
     uint64_t Evict(const std::vector<std::string>& experts) override {
-        return guarded([&] {
-            impl.require_admin(getObject(), "Evict");
+        return impl.changing(getObject(), "Evict", [&] {
             return value_or_throw(impl.daemon.evict(id, experts));
         });
     }
@@ -319,15 +318,13 @@ struct DbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model
     }
 
     void ImportProfile(const std::string& profile) override {
-        guarded([&] {
-            impl.require_admin(getObject(), "ImportProfile");
+        impl.changing(getObject(), "ImportProfile", [&] {
             value_or_throw(impl.daemon.import_profile(id, profile));
         });
     }
 
     void SetBudget(const std::string& amount) override {
-        guarded([&] {
-            impl.require_admin(getObject(), "SetBudget");
+        impl.changing(getObject(), "SetBudget", [&] {
             value_or_throw(impl.daemon.set_model_budget(id, amount));
         });
     }

@@ -148,18 +148,28 @@ std::string render_metrics(const DaemonStatus& s) {
     w.family("moecache_dropped_bytes_total", "counter",
              "Cached bytes of the model the daemon asked the kernel to drop (evictions, one place, releases under pressure).");
     for (const auto& m : s.models) w.sample("moecache_dropped_bytes_total", model_labels(m), m.dropped_bytes);
-    w.family("moecache_vram_pool_hits_total", "counter", "Expert slices the CUDA hooks' VRAM pools served, per device.");
-    for (const auto& p : s.vram_pools) w.sample("moecache_vram_pool_hits_total", fmt::format("device=\"{}\"", p.device), p.hits);
-    w.family("moecache_vram_pool_misses_total", "counter", "Expert slices copied from the host on a device with a pool.");
-    for (const auto& p : s.vram_pools) w.sample("moecache_vram_pool_misses_total", fmt::format("device=\"{}\"", p.device), p.misses);
-    w.family("moecache_vram_pool_hit_bytes_total", "counter", "Bytes copied device-to-device from the VRAM pools, per device.");
-    for (const auto& p : s.vram_pools)
-        w.sample("moecache_vram_pool_hit_bytes_total", fmt::format("device=\"{}\"", p.device), p.hit_bytes);
-    w.family("moecache_vram_pool_miss_bytes_total", "counter", "Expert bytes copied from the host on a device with a pool.");
-    for (const auto& p : s.vram_pools)
-        w.sample("moecache_vram_pool_miss_bytes_total", fmt::format("device=\"{}\"", p.device), p.miss_bytes);
-    w.family("moecache_vram_pool_bytes", "gauge", "VRAM the connected CUDA hooks hold as expert pools, per device.");
-    for (const auto& p : s.vram_pools) w.sample("moecache_vram_pool_bytes", fmt::format("device=\"{}\"", p.device), p.pool_bytes);
+    // The VRAM pools, per device: (family, type, help, field).
+    const struct {
+        const char* name;
+        const char* type;
+        const char* help;
+        uint64_t PoolDeviceStatus::*value;
+    } kPoolFamilies[] = {
+        {"moecache_vram_pool_hits_total", "counter", "Expert slices the CUDA hooks' VRAM pools served, per device.",
+         &PoolDeviceStatus::hits},
+        {"moecache_vram_pool_misses_total", "counter", "Expert slices copied from the host on a device with a pool.",
+         &PoolDeviceStatus::misses},
+        {"moecache_vram_pool_hit_bytes_total", "counter", "Bytes copied device-to-device from the VRAM pools, per device.",
+         &PoolDeviceStatus::hit_bytes},
+        {"moecache_vram_pool_miss_bytes_total", "counter", "Expert bytes copied from the host on a device with a pool.",
+         &PoolDeviceStatus::miss_bytes},
+        {"moecache_vram_pool_bytes", "gauge", "VRAM the connected CUDA hooks hold as expert pools, per device.",
+         &PoolDeviceStatus::pool_bytes},
+    };
+    for (const auto& f : kPoolFamilies) {
+        w.family(f.name, f.type, f.help);
+        for (const auto& p : s.vram_pools) w.sample(f.name, fmt::format("device=\"{}\"", p.device), p.*f.value);
+    }
     w.family("moecache_vram_releases_total", "counter", "Experts unlocked and dropped from RAM because a VRAM pool took them.");
     w.sample("moecache_vram_releases_total", "", s.vram_releases);
 

@@ -244,6 +244,7 @@ private:
     uint64_t trace_records_ = 0;
     bool trace_failed_ = false;  // a write failed: the trace was closed, stop_trace() says so
     uint32_t bus_events_ = 0;    // what epoll waits for on the bus's fd
+    std::pair<uint32_t, size_t> bus_models_{UINT32_MAX, 0};  // (next id, count) the bus's model objects match
     std::set<uint32_t> traced_models_;  // ids whose description the trace has
     std::chrono::steady_clock::time_point trace_start_{};
     std::vector<std::unique_ptr<Client>> clients_;
