@@ -5,42 +5,56 @@
 # and, where it runs, moecached. Variants, rounds interleaved, each run from a dropped page cache:
 #   unsqueezed    no cgroup, model cached (the anchor for the targets)
 #   plain         in the cgroup, native load (MAP_POPULATE, WILLNEED, read-ahead)
-#   plain lazy    in the cgroup, libmoecache-rearm.so with MOECACHE_LOAD=lazy
+#   plain-lazy    in the cgroup, libmoecache-rearm.so with MOECACHE_LOAD=lazy, no daemon
 #   mlock         in the cgroup, the runtime's own mlock option (useMlock)
-#   moecache cold moecached in the cgroup (no heat yet) + lazy load + the hit signal
-#   moecache warm the same, moecached restarted with the heat profile the cold runs saved
-# Prints per variant the median decode tokens/s, the ratio to plain and to unsqueezed, storage
-# bytes read per token (the model's disk, everything on it: the daemon's prefetch counts), and OOM
-# kills in the cgroup.
+#   static-K      plain, with the dense part and the K hottest experts of every layer (the
+#                 generator's own ranking: the best static choice there is) locked by `vmtouch -l`
+#                 before the run; K from SQUEEZE_HOTSETS. The pages are read inside the cgroup (so
+#                 they count against its limit); the vmtouch processes (one per range: vmtouch takes
+#                 one range each) run outside it, so their own memory does not.
+#   moecache-cold moecached in the cgroup (no heat yet) + lazy load + the hit signal
+#   moecache-warm the same, moecached restarted with the heat profile the cold runs saved
+# A run decodes TOKENS tokens or stops after SQUEEZE_SECONDS. Per variant, medians over the rounds:
+# decode tokens/s over the whole run, over the first 50 tokens, over tokens 25-50 and after token 50
+# ("steady"); the steady speed against plain, unsqueezed and the best static-K; storage bytes read
+# per token (the model's disk, everything on it: the daemon's reads count); OOM kills in the cgroup.
+# Then the issue's targets: moecache at >= 80 % of unsqueezed and >= 1.2x the best static lock,
+# a warm start at steady speed within 50 tokens (tokens 25-50 at >= 90 % of steady), no OOM kill.
 #
-#   bench/ram-squeeze.sh [RUNS] [TOKENS] [LIMIT]      (RUNS 3, TOKENS 128, LIMIT 2000M; root)
-# Environment: MOECACHE_BUILD (build dir, default build), SQUEEZE_LOCK (moecached's lock budget,
-# default 900MiB), SQUEEZE_MODEL (reuse a model file), VARIANTS (all of the above).
-# Not yet here (issue 8, open): a static `vmtouch -l` of the hot set as a second anchor. First
-# figures (cgroup v1, 2 rounds of 64 tokens): plain 1.11 tok/s, lazy 3.85, moecache cold 4.24, warm
-# 6.61, unsqueezed 33.6; the runtime's mlock OOM-killed.
+#   bench/ram-squeeze.sh [RUNS] [TOKENS] [LIMIT]      (RUNS 3, TOKENS 256, LIMIT 2000M; root)
+# Environment: MOECACHE_BUILD (build dir, default build), SQUEEZE_MODEL (reuse a model file),
+# SQUEEZE_LOCK (moecached's lock budget, 900MiB), SQUEEZE_RESERVE (its reserve, 256MiB),
+# SQUEEZE_HOTSETS ("16 24 32"), SQUEEZE_SECONDS (60), SQUEEZE_PORT (its metrics port, 18474),
+# VARIANTS (all of the above, static-K expanded).
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$top/bench/common.sh"
 build=${MOECACHE_BUILD:-$top/build}
 runs=${1:-3}
-tokens=${2:-128}
+tokens=${2:-256}
 limit=${3:-2000M}
 lock=${SQUEEZE_LOCK:-900MiB}
-variants=${VARIANTS:-"unsqueezed plain plain-lazy mlock moecache-cold moecache-warm"}
+reserve=${SQUEEZE_RESERVE:-256MiB}
+hotsets=${SQUEEZE_HOTSETS:-16 24 32}
+seconds=${SQUEEZE_SECONDS:-60}
+port=${SQUEEZE_PORT:-18474}
+statics=$(for k in $hotsets; do printf 'static-%s ' "$k"; done)
+variants=${VARIANTS:-"unsqueezed plain plain-lazy mlock $statics moecache-cold moecache-warm"}
 mk=$build/tools/mkmodel/moecache-mkmodel
+hotset=$build/bench/moecache-hotset
 lib=$build/client/libmoecache-rearm.so
 daemon=$build/daemon/moecached
 gen=$top/tools/node/generate.mjs
-require_built "$top" "$mk" "$lib" "$daemon"
+require_built "$top" "$mk" "$hotset" "$lib" "$daemon"
 [ "$(id -u)" = 0 ] || { echo "needs root: a memory cgroup, the daemon's locks and BPF programs" >&2; exit 1; }
-command -v vmtouch >/dev/null || { echo "needs vmtouch (apt-get install vmtouch)" >&2; exit 1; }
+for t in vmtouch curl; do command -v $t >/dev/null || { echo "needs $t (apt-get install $t)" >&2; exit 1; }; done
 
 work=$(mktemp -d /var/tmp/moecache-squeeze.XXXXXX)
 dpid=
 cg=
 cleanup() {
   if [ -n "$dpid" ]; then kill "$dpid" 2>/dev/null || true; wait "$dpid" 2>/dev/null || true; fi
+  unlock_hotset
   [ -n "$cg" ] && rmdir "$cg" 2>/dev/null
   rm -rf "$work"
 }
@@ -77,11 +91,11 @@ state_dir = "$work/state"
 socket = "$work/moecached.sock"
 [budget]
 lock = "$lock"
-reserve = "0"
+reserve = "$reserve"
 [pressure]
 enabled = false
 [metrics]
-listen = ""
+listen = "127.0.0.1:$port"
 [dbus]
 bus = "off"
 [[model]]
@@ -89,13 +103,16 @@ path = "$model"
 TOML
 mkdir -p "$work/state"
 
+metric() { curl -sf "http://127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 start_daemon() {
   # Not through in_cgroup: a function in the background is a subshell, and $! would be its pid.
   sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "$work/moecached.toml" > "$work/daemon.log" 2>&1 &
   dpid=$!
   echo -250 > "/proc/$dpid/oom_score_adj" 2>/dev/null || true  # as its unit says (OOMScoreAdjust=)
   for _ in $(seq 100); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done
-  sleep 5  # its prefetch of what the heat says is hot
+  # What its heat says is hot (nothing on a cold start) is read before the runtime starts.
+  for _ in $(seq 300); do [ "$(metric moecache_prefetch_queued_bytes)" = 0 ] && break; sleep 0.1; done
+  sleep 0.5
 }
 stop_daemon() {
   if [ -n "$dpid" ]; then
@@ -105,16 +122,39 @@ stop_daemon() {
   dpid=
 }
 
-# run VARIANT: one generation; prints "tok/s bytes_read oom_kills".
+# static-K: read the hot set inside the cgroup, then lock it with one vmtouch per range.
+lock_hotset() {
+  local k=$1
+  [ -s "$work/hot-$k" ] || "$hotset" "$model" --top "$k" > "$work/hot-$k" 2>/dev/null
+  in_cgroup sh -c 'while read -r f s e; do vmtouch -qt -p "$s-$e" "$f"; done' < "$work/hot-$k"
+  mkdir -p "$work/pids"
+  local i=0 f s e
+  while read -r f s e; do
+    vmtouch -qdlw -P "$work/pids/$((i += 1))" -p "$s-$e" "$f"
+  done < "$work/hot-$k"
+}
+unlock_hotset() {
+  [ -d "$work/pids" ] || return 0
+  local pids p
+  pids=$(cat "$work"/pids/* 2>/dev/null || true)
+  [ -z "$pids" ] || kill $pids 2>/dev/null || true
+  for p in $pids; do  # gone, and their locks with them, before the next run evicts the model
+    while kill -0 "$p" 2>/dev/null; do sleep 0.05; done
+  done
+  rm -rf "$work/pids"
+}
+
+# run VARIANT: one generation; prints "decode first50 late50 steady bytes_read tokens oom_kills".
 run() {
-  local v=$1 env=() cmd=(node "$gen" --model "$model" --tokens "$tokens" --threads 1)
+  local v=$1 env=() cmd=(node "$gen" --model "$model" --tokens "$tokens" --threads 1 --max-seconds "$seconds")
   case $v in
-    unsqueezed) vmtouch -t "$model" >/dev/null ;;
-    *) vmtouch -e "$model" >/dev/null ;;
+    unsqueezed) vmtouch -qt "$model" ;;
+    *) vmtouch -qe "$model" ;;
   esac
   case $v in
     plain-lazy) env=(LD_PRELOAD="$lib" MOECACHE_REARM_MS=0 MOECACHE_LOAD=lazy) ;;
     mlock) cmd+=(--mlock true) ;;
+    static-*) lock_hotset "${v#static-}" ;;
     moecache-*) env=(LD_PRELOAD="$lib" MOECACHE_REARM_EXE=node MOECACHE_LOAD=lazy) ;;
   esac
   [ "$v" = moecache-warm ] && start_daemon
@@ -126,39 +166,66 @@ run() {
   else
     out=$(in_cgroup env "${env[@]}" "${cmd[@]}" 2>/dev/null || true)
   fi
-  local tps
-  tps=$(printf '%s' "$out" | node -e 'let s="";process.stdin.on("data",d=>s+=d).on("end",()=>{try{console.log(JSON.parse(s).decode_tokens_per_second)}catch{console.log(0)}})')
-  echo "$tps $(( ($(sectors_read) - s0) * 512 )) $(( $(oom_kills) - k0 ))"
+  local r
+  r=$(printf '%s' "$out" | node -e 'let s="";process.stdin.on("data",d=>s+=d).on("end",()=>{try{const j=JSON.parse(s);
+    console.log([j.decode_tokens_per_second, j.warmup_tokens_per_second, j.late_warmup_tokens_per_second,
+                 j.steady_tokens_per_second || j.decode_tokens_per_second, j.tokens].join(" "))}catch{console.log("0 0 0 0 0")}})')
+  read -r dec w50 l50 st n <<<"$r"
+  echo "$dec $w50 $l50 $st $(( ($(sectors_read) - s0) * 512 )) $n $(( $(oom_kills) - k0 ))"
   [ "$v" = moecache-warm ] && stop_daemon
+  case $v in static-*) unlock_hotset ;; esac
   return 0
 }
 
-echo "model $(du -h "$model" | cut -f1) ($model), memory cgroup $limit ($cg), moecached lock budget $lock, $tokens tokens, $runs runs"
-declare -A tps bytes ooms
+echo "model $(du -h "$model" | cut -f1) ($model), memory cgroup $limit ($cg), moecached lock budget $lock," \
+     "reserve $reserve, $tokens tokens or $seconds s per run, $runs rounds"
+declare -A dec w50 l50 st bytes ntok ooms
 for r in $(seq "$runs"); do
   for v in $variants; do
     k_before=$(oom_kills)
     if [ "$v" = moecache-cold ]; then
       rm -rf "$work/state/profiles"
+      vmtouch -qe "$model"
       start_daemon
     fi
-    read -r t b k < <(run "$v")
+    read -r a b c d e f g < <(run "$v")
     [ "$v" = moecache-cold ] && stop_daemon  # saves the heat the warm variant starts from
-    tps[$v]+="$t "
-    bytes[$v]+="$b "
+    dec[$v]+="$a "; w50[$v]+="$b "; l50[$v]+="$c "; st[$v]+="$d "; bytes[$v]+="$e "; ntok[$v]+="$f "
     ooms[$v]=$(( ${ooms[$v]:-0} + $(oom_kills) - k_before ))  # the daemon's start and stop included
-    printf '  round %d %-14s %6.2f tok/s  %6.0f MiB read\n' "$r" "$v" "$t" "$(awk -v b="$b" 'BEGIN {print b / 1048576}')"
+    printf '  round %d %-14s %6.2f tok/s (first 50 %6.2f, steady %6.2f) %4d tokens %7.0f MiB read\n' \
+      "$r" "$v" "$a" "$b" "$d" "$f" "$(awk -v b="$e" 'BEGIN {print b / 1048576}')"
   done
 done
 
 med() { tr ' ' '\n' <<<"$1" | grep -v '^$' | median; }
-plain=$(med "${tps[plain]:-0}")
-unsq=$(med "${tps[unsqueezed]:-0}")
-echo
-printf '%-14s %10s %10s %12s %14s %5s\n' variant "tok/s" "x plain" "x unsqueezed" "read/token" OOM
+plain=$(med "${st[plain]:-0}")
+unsq=$(med "${st[unsqueezed]:-0}")
+best_static=0 best_k=
 for v in $variants; do
-  t=$(med "${tps[$v]}")
-  b=$(med "${bytes[$v]}")
-  awk -v v="$v" -v t="$t" -v p="${plain:-0}" -v u="${unsq:-0}" -v b="$b" -v n="$tokens" -v o="${ooms[$v]}" \
-    'BEGIN {printf "%-14s %10.2f %10s %12s %11.1f MiB %5d\n", v, t, (p > 0 ? sprintf("%.2f", t / p) : "-"), (u > 0 ? sprintf("%.2f", t / u) : "-"), b / n / 1048576, o}'
+  case $v in static-*)
+    s=$(med "${st[$v]}")
+    if awk -v a="$s" -v b="$best_static" 'BEGIN {exit !(a > b)}'; then best_static=$s; best_k=$v; fi ;;
+  esac
+done
+echo
+printf '%-14s %8s %9s %9s %8s %8s %8s %8s %10s %4s\n' variant "tok/s" "first 50" "25-50" steady "x plain" "x unsq" "x static" "read/tok" OOM
+for v in $variants; do
+  awk -v v="$v" -v a="$(med "${dec[$v]}")" -v b="$(med "${w50[$v]}")" -v c="$(med "${l50[$v]}")" \
+      -v s="$(med "${st[$v]}")" -v p="$plain" -v u="$unsq" -v x="$best_static" \
+      -v bt="$(med "${bytes[$v]}")" -v n="$(med "${ntok[$v]}")" -v o="${ooms[$v]}" '
+    function ratio(a, b) { return b > 0 ? sprintf("%.2f", a / b) : "-" }
+    BEGIN { printf "%-14s %8.2f %9.2f %9.2f %8.2f %8s %8s %8s %6.1f MiB %4d\n", v, a, b, c, s, ratio(s, p), ratio(s, u),
+            ratio(s, x), (n > 0 ? bt / n / 1048576 : 0), o }'
+done
+echo
+echo "best static lock: ${best_k:-none} ($best_static tok/s steady)"
+for v in moecache-cold moecache-warm; do
+  [ -n "${st[$v]:-}" ] || continue
+  awk -v v="$v" -v s="$(med "${st[$v]}")" -v l="$(med "${l50[$v]}")" -v u="$unsq" -v x="$best_static" -v o="${ooms[$v]}" '
+    function ok(c) { return c ? "met" : "NOT met" }
+    BEGIN {
+      printf "%s: %.0f %% of unsqueezed (target 80 %%: %s), %.2fx the best static lock (target 1.2x: %s), ", v,
+             (u > 0 ? 100 * s / u : 0), ok(u > 0 && s >= 0.8 * u), (x > 0 ? s / x : 0), ok(x > 0 && s >= 1.2 * x)
+      printf "tokens 25-50 at %.0f %% of steady (target 90 %%: %s), OOM kills %d\n", (s > 0 ? 100 * l / s : 0),
+             ok(s > 0 && l >= 0.9 * s), o }'
 done

@@ -19,7 +19,6 @@
 namespace moecache::daemon {
 namespace {
 
-constexpr uint32_t kOperatorFetch = 1u << 31;  // tag bit: a prefetch the operator asked for
 constexpr size_t kTraceFlushBytes = 64 << 10;
 constexpr size_t kMaxPathBytes = 4096;
 constexpr size_t kMaxSpecs = 65536;
@@ -177,30 +176,35 @@ Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> spec
     for (uint32_t s : slots) {
         const SlotState& st = r.state(s);
         if (st.tier != Tier::Storage || st.cached_bytes >= r.slot_length(s) || m->prefetching.count(s)) continue;
-        uint32_t reads = 0;
-        for (const auto& range : r.ranges(s)) {
-            const auto& f = r.model().files()[range.file];
-            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, (uint64_t{m->id} << 32) | s | kOperatorFetch});
-            queued += range.length;
-            ++reads;
-        }
-        if (reads) m->prefetching[s] = reads;
-        ++priority;
+        queued += cache_fetch(*m, s, priority++);
     }
     if (auto sub = prefetcher_->submit(); !sub) return tl::unexpected(sub.error());
     MC_LOG(LOG_INFO, "model {}: prefetch of {} by the operator", m->path, format_bytes(queued));
     return queued;
 }
 
-// Completion of an operator's prefetch (on_fetched sees the tag bit).
-void Daemon::operator_fetched(uint32_t model, uint32_t slot) {
-    ModelEntry* m = find_model(model);
-    if (!m) return;
-    const auto it = m->prefetching.find(slot & ~kOperatorFetch);
-    if (it != m->prefetching.end() && --it->second == 0) m->prefetching.erase(it);
+uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority) {
+    if (m.prefetching.count(slot)) return 0;
+    const auto& r = *m.res;
+    uint64_t queued = 0;
+    uint32_t reads = 0;
+    for (const auto& range : r.ranges(slot)) {
+        const auto& f = r.model().files()[range.file];
+        prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, fetch_tag(m.id, slot, true)});
+        queued += range.length;
+        ++reads;
+    }
+    if (reads) m.prefetching[slot] = reads;
+    return queued;
 }
 
-bool Daemon::is_operator_fetch(uint32_t slot) { return (slot & kOperatorFetch) != 0; }
+// Completion of a read that stays cached only (on_fetched sees the tag bit).
+void Daemon::cache_fetched(uint32_t model, uint32_t slot) {
+    ModelEntry* m = find_model(model);
+    if (!m) return;
+    const auto it = m->prefetching.find(slot);
+    if (it != m->prefetching.end() && --it->second == 0) m->prefetching.erase(it);
+}
 
 Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) {
     ModelEntry* m = find_model(id);
@@ -220,8 +224,8 @@ Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) 
         dropped.push_back(s);
         SlotState& st = r.state(s);
         released += std::max(st.locked_bytes, st.cached_bytes);
-        if (st.tier == Tier::Fetching) prefetcher_->cancel((uint64_t{m->id} << 32) | s);
-        if (m->prefetching.erase(s)) prefetcher_->cancel((uint64_t{m->id} << 32) | s | kOperatorFetch);
+        if (st.tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m->id, s));
+        if (m->prefetching.erase(s)) prefetcher_->cancel(fetch_tag(m->id, s, true));
         const bool was_locked = st.tier == Tier::Locked;
         if (auto rel = r.release(s, /*drop=*/false); !rel) return tl::unexpected(with_context(rel.error(), m->path));
         st.tier = Tier::Storage;
@@ -249,6 +253,7 @@ Result<void> Daemon::import_profile(uint32_t id, const std::string& text) {
     const std::string key = m->res->model().profile_key();
     if (auto r = m->res->heat().load_profile(text, key, "the imported profile"); !r) return invalid(r.error().message);
     MC_LOG(LOG_INFO, "model {}: heat profile imported by the operator", m->path);
+    m->warm_pending = config_.warm_start;
     place();
     return {};
 }

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <set>
 
 namespace moecache::daemon {
@@ -36,8 +37,6 @@ uint64_t proc_kib(const char* file, std::string_view key) {
         if (line.compare(0, key.size(), key) == 0) return std::strtoull(line.c_str() + key.size(), nullptr, 10) * 1024;
     return 0;
 }
-
-uint64_t tag_of(uint32_t model, uint32_t slot) { return (uint64_t{model} << 32) | slot; }
 
 // The files a configured path names: a glob expands to its matches; the parts of one split set
 // count once (by part 1). A plain path that does not exist is still returned, to be retried.
@@ -77,6 +76,10 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->config_ = std::move(config);
     d->mem_total_ = mem_total_bytes();
     MC_TRY_VOID(validate_config(d->config_, d->mem_total_));
+    d->cgroup_ = own_memory_cgroup_limit();
+    if (d->cgroup_)
+        MC_LOG(LOG_INFO, "memory cgroup {} (v{}) limits the daemon to {} MiB: locks stay below it by the reserve",
+               d->cgroup_->dir, d->cgroup_->version, d->cgroup_->limit >> 20);
 
     d->epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
     if (!d->epoll_) return fail_errno("epoll_create1");
@@ -200,7 +203,11 @@ uint64_t Daemon::lock_cap() const {
     const uint64_t budget = config_.lock_budget.resolve(mem_total_);
     const uint64_t reserve = config_.reserve.resolve(mem_total_);
     const uint64_t ram_cap = mem_total_ > reserve ? mem_total_ - reserve : 0;
-    return std::min({budget, ram_cap, pressure_cap_});
+    // Inside a memory cgroup the limit is the RAM there is: locking past it would leave the
+    // processes charged with it (a runtime beside the daemon) nothing but the OOM killer.
+    const uint64_t limit = cgroup_ ? cgroup_->limit : UINT64_MAX;
+    const uint64_t cgroup_cap = limit > reserve ? limit - reserve : 0;
+    return std::min({budget, ram_cap, cgroup_cap, pressure_cap_});
 }
 
 uint64_t Daemon::model_cap(const ModelEntry& m) const {
@@ -285,23 +292,24 @@ void Daemon::open_model(ModelEntry& m) {
                        : Result<void>(tl::unexpected(text.error()));
         if (ok) MC_LOG(LOG_INFO, "model {}: heat profile {} loaded: starting warm", m.path, pp);
         else MC_LOG(LOG_WARNING, "model {}: heat profile ignored: {}", m.path, ok.error().what());
+        m.warm_pending = ok && config_.warm_start;
     }
     (void)m.res->refresh_cached();
 }
 
 void Daemon::close_model(ModelEntry& m, const std::string& why) {
     if (!m.res) return;
-    for (const auto& [s, reads] : m.prefetching) prefetcher_->cancel(tag_of(m.id, s) | (uint64_t{1} << 31));
+    for (const auto& [s, reads] : m.prefetching) prefetcher_->cancel(fetch_tag(m.id, s, true));
     m.prefetching.clear();
     MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
     const std::string key = m.res->model().profile_key();
     if (auto r = write_file_atomic(profile_path(key), m.res->heat().to_profile(key)); !r)
         MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
     for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
-        if (m.res->state(s).tier == Tier::Fetching) prefetcher_->cancel(tag_of(m.id, s));
+        if (m.res->state(s).tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, s));
         (void)m.res->release(s, false);
     }
-    if (m.res->state(kDenseSlot).tier == Tier::Fetching) prefetcher_->cancel(tag_of(m.id, kDenseSlot));
+    if (m.res->state(kDenseSlot).tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, kDenseSlot));
     (void)m.res->release(kDenseSlot, false);
     unwatch_files(m);
     m.res.reset();
@@ -380,7 +388,10 @@ void Daemon::on_page_cache_event(const bpf::PageCacheEvent& e) {
             t.prefetch_bytes += bytes;
         } else {
             t.read_bytes += bytes;
-            if (slot != kDenseSlot) used_this_batch_.emplace_back(m->id, slot);
+            if (slot != kDenseSlot) {
+                used_this_batch_.emplace_back(m->id, slot);
+                missed_this_batch_.emplace_back(m->id, slot);
+            }
         }
     });
 }
@@ -400,6 +411,7 @@ void Daemon::consume_page_cache() {
 void Daemon::consume_page_cache_batch() {
     // Bounded, so that a flood cannot hold the loop: the ring's fd stays readable for the next turn.
     page_cache_->consume(1u << 16);
+    fetch_missed();
     if (used_this_batch_.empty()) return;
     // One use per expert per batch: a read of one expert arrives as several folios.
     std::sort(used_this_batch_.begin(), used_this_batch_.end());
@@ -414,6 +426,83 @@ void Daemon::consume_page_cache_batch() {
         }
     }
     used_this_batch_.clear();
+}
+
+// A runtime read part of these experts from storage: read the rest of each at once, ahead of
+// everything else queued, so that its next faults in them hit the page cache instead of waiting
+// for storage one page at a time (a runtime that maps with MADV_RANDOM, as lazy load does, reads
+// nothing around a fault).
+void Daemon::fetch_missed() {
+    if (missed_this_batch_.empty()) return;
+    last_miss_ = std::chrono::steady_clock::now();
+    if (config_.on_miss) {
+        std::sort(missed_this_batch_.begin(), missed_this_batch_.end());
+        missed_this_batch_.erase(std::unique(missed_this_batch_.begin(), missed_this_batch_.end()), missed_this_batch_.end());
+        for (const auto& [id, slot] : missed_this_batch_) {
+            ModelEntry* m = find_model(id);
+            if (!m || !m->res || slot >= m->res->n_slots() || !m->res->wanted_in_ram(slot)) continue;
+            // Being read for a lock already: that read is as good.
+            if (m->res->state(slot).tier != Tier::Storage) continue;
+            const uint64_t q = cache_fetch(*m, slot, std::numeric_limits<int32_t>::min());
+            if (q == 0) continue;
+            ++miss_fetches_;
+            miss_fetch_bytes_ += q;
+        }
+        if (auto r = prefetcher_->submit(); !r) MC_LOG(LOG_WARNING, "prefetch: {}", r.error().what());
+    }
+    missed_this_batch_.clear();
+}
+
+// What a warm start reads beyond the lock plan: experts the profile saw used (admitted), the
+// hottest that fit, not locked, as far as the memory there is now goes (the machine's
+// MemAvailable, and the room left under the daemon's memory cgroup limit) less the reserve (what
+// a runtime starting beside it will allocate) and less what the lock plan still has to read.
+// They are read coldest first: the page cache's LRU then takes back the coldest of them first
+// when the runtime needs the memory.
+void Daemon::warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index) {
+    m.warm_pending = false;
+    auto& r = *m.res;
+    uint64_t room = mem_available_bytes();
+    if (cgroup_) room = std::min(room, cgroup_->limit > cgroup_->usage ? cgroup_->limit - cgroup_->usage : 0);
+    std::vector<uint8_t> planned(r.n_slots(), 0);
+    uint64_t to_lock = 0;
+    for (const auto& p : plan.lock) {
+        if (p.model != model_index) continue;
+        if (p.slot != kDenseSlot) planned[p.slot] = 1;
+        const SlotState& st = r.state(p.slot);
+        const uint64_t len = r.slot_length(p.slot);
+        to_lock += len > st.cached_bytes ? len - st.cached_bytes : 0;
+    }
+    const uint64_t keep_free = to_lock + config_.reserve.resolve(mem_total_);
+    room = room > keep_free ? room - keep_free : 0;
+    if (config_.warm_limit) room = std::min(room, config_.warm_limit->resolve(mem_total_));
+    const uint32_t ne = r.n_experts();
+    std::vector<std::pair<double, uint32_t>> order;
+    for (uint32_t s = 0; s < r.n_slots(); ++s) {
+        if (planned[s] || r.state(s).tier != Tier::Storage || !r.wanted_in_ram(s)) continue;
+        if (r.heat().uses(s / ne, s % ne) < config_.admit_after_uses) continue;
+        order.emplace_back(r.heat().heat(s / ne, s % ne), s);
+    }
+    std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    uint64_t chosen_bytes = 0;
+    size_t chosen = 0;
+    for (; chosen < order.size(); ++chosen) {
+        const uint32_t s = order[chosen].second;
+        const uint64_t len = r.slot_length(s), cached = r.state(s).cached_bytes;
+        const uint64_t need = len > cached ? len - cached : 0;
+        if (chosen_bytes + need > room) break;
+        chosen_bytes += need;
+    }
+    uint64_t queued = 0;
+    int32_t priority = 1 << 19;  // behind what the plan locks, ahead of an operator's prefetch
+    for (size_t i = chosen; i-- > 0;) {
+        const uint32_t s = order[i].second;
+        if (r.state(s).cached_bytes < r.slot_length(s)) queued += cache_fetch(m, s, priority++);
+    }
+    warm_fetch_bytes_ += queued;
+    if (queued > 0)
+        MC_LOG(LOG_INFO, "model {}: warm start: reading {} MiB of {} experts beyond the locks ({} MiB free for it)",
+               m.path, queued >> 20, chosen, room >> 20);
 }
 
 void Daemon::place() {
@@ -447,11 +536,13 @@ void Daemon::place() {
         st.tier = Tier::Fetching;
         for (const auto& range : m.res->ranges(r.slot)) {
             const auto& f = m.res->model().files()[range.file];
-            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, tag_of(m.id, r.slot)});
+            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, fetch_tag(m.id, r.slot)});
             ++st.fetches_pending;
         }
         ++priority;
     }
+    for (uint32_t i = 0; i < loaded.size(); ++i)
+        if (loaded[i]->warm_pending) warm_model(*loaded[i], plan, i);
     if (auto r = prefetcher_->submit(); !r) MC_LOG(LOG_WARNING, "prefetch: {}", r.error().what());
     // The reserve holds against what the machine has now, not only against RAM: locking cached
     // pages takes them out of MemAvailable, so never lock below reserve.
@@ -505,10 +596,10 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
 }
 
 void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
-    const auto id = static_cast<uint32_t>(tag >> 32);
+    const auto id = static_cast<uint32_t>((tag >> 32) & 0x7fffffffu);
     const auto slot = static_cast<uint32_t>(tag & 0xffffffffu);
-    if (is_operator_fetch(slot)) {
-        operator_fetched(id, slot);
+    if ((tag >> 63) != 0) {
+        cache_fetched(id, slot);
         return;
     }
     for (auto& m : models_) {
@@ -521,6 +612,7 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
 }
 
 void Daemon::tick() {
+    cgroup_ = own_memory_cgroup_limit();
     refresh_models();
     for (auto& m : models_)
         if (m->res) {
@@ -717,7 +809,8 @@ Result<void> Daemon::run() {
 // 100 ms for page-cache events alone, else only when an event arrives.
 int Daemon::loop_timeout() const {
     int t = -1;
-    if (busy_rings_) t = 1;
+    // While a runtime misses, its misses are read whole as soon as they are seen: come round often.
+    if (busy_rings_ || std::chrono::steady_clock::now() - last_miss_ < std::chrono::milliseconds(200)) t = 1;
     else if (any_rings_) t = 20;
     else if (page_cache_) t = bpf::PageCacheTelemetry::kPollIntervalMs;
     if (dbus_) {
@@ -782,6 +875,10 @@ DaemonStatus Daemon::status(bool experts) const {
     s.lock_cap = lock_cap();
     s.lock_budget = config_.lock_budget.resolve(mem_total_);
     s.reserve = config_.reserve.resolve(mem_total_);
+    s.cgroup_limit = cgroup_ ? cgroup_->limit : 0;
+    s.miss_fetches = miss_fetches_;
+    s.miss_fetch_bytes = miss_fetch_bytes_;
+    s.warm_fetch_bytes = warm_fetch_bytes_;
     s.bus = dbus_ ? dbus_->bus() : "";
     s.tracing = tracing();
     s.trace_records = trace_records_;

@@ -15,6 +15,12 @@
 
 namespace moecache::daemon {
 
+// A prefetch request's tag: model id, slot (kDenseSlot included), and whether it is read to stay
+// cached only (an operator's prefetch, a miss, a warm start) rather than to be locked.
+inline uint64_t fetch_tag(uint32_t model, uint32_t slot, bool cache_only = false) {
+    return (uint64_t{model} << 32) | slot | (cache_only ? uint64_t{1} << 63 : 0);
+}
+
 struct Daemon::ModelEntry {
     uint32_t id = 0;
     ModelConfig config;
@@ -26,7 +32,10 @@ struct Daemon::ModelEntry {
     bool registered = false;  // added by a client at run time (not configured): closed with its last client
     uint32_t owner_uid = 0;   // of the client that registered it (registered models only)
     bool operator_added = false;  // registered over D-Bus: stays until unregistered or restart
-    std::map<uint32_t, uint32_t> prefetching;  // slots an operator's prefetch is reading -> reads pending
+    // Slots being read into the page cache without a lock (an operator's prefetch, a miss, a warm
+    // start) -> reads pending.
+    std::map<uint32_t, uint32_t> prefetching;
+    bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
 };
 
 struct Daemon::Client {

@@ -45,6 +45,9 @@ std::string describe(const Config& c) {
       << "prefetch.queue_depth = " << c.queue_depth << "\n"
       << "prefetch.read_size = " << c.read_size << "\n"
       << "prefetch.numa_node = " << c.numa_node << "\n"
+      << "prefetch.on_miss = " << c.on_miss << "\n"
+      << "prefetch.warm_start = " << c.warm_start << " "
+      << (c.warm_limit ? size(*c.warm_limit) : std::string("no limit")) << "\n"
       << "pressure.enabled = " << c.pressure_enabled << "\n"
       << "pressure.stall_us = " << c.pressure_stall_us << "\n"
       << "pressure.window_us = " << c.pressure_window_us << "\n"
@@ -174,6 +177,37 @@ TEST_F(ConfigTest, VramPoolIsASizeAndKeepRamCopyABool) {
     EXPECT_FALSE(d->keep_ram_copy);
     expect_rejected("[vram]\npool = \"25%\"\n", {main_ + ":2:", "vram.pool", "not a share of RAM"});
     expect_rejected("[vram]\nkeep_ram_copy = \"yes\"\n", {"vram.keep_ram_copy", "expected"});
+}
+
+TEST_F(ConfigTest, OnMissIsABoolAndWarmStartAutoOffOrASize) {
+    const auto d = load("");
+    ASSERT_TRUE(d);
+    EXPECT_TRUE(d->on_miss);
+    EXPECT_TRUE(d->warm_start);
+    EXPECT_FALSE(d->warm_limit) << "auto: as far as free memory goes";
+    const auto c = load("[prefetch]\non_miss = false\nwarm_start = \"4GiB\"\n");
+    ASSERT_TRUE(c) << c.error().what();
+    EXPECT_FALSE(c->on_miss);
+    EXPECT_TRUE(c->warm_start);
+    ASSERT_TRUE(c->warm_limit);
+    EXPECT_EQ(c->warm_limit->resolve(kMemTotal), 4ull << 30);
+    const auto pct = load("[prefetch]\nwarm_start = \"25%\"\n");
+    ASSERT_TRUE(pct) << pct.error().what();
+    EXPECT_EQ(pct->warm_limit->resolve(kMemTotal), kMemTotal / 4);
+    const auto off = load("[prefetch]\nwarm_start = \"off\"\n");
+    ASSERT_TRUE(off) << off.error().what();
+    EXPECT_FALSE(off->warm_start);
+    const auto f = load("[prefetch]\nwarm_start = false\n");
+    ASSERT_TRUE(f) << f.error().what();
+    EXPECT_FALSE(f->warm_start);
+    // A drop-in's "auto" undoes an earlier limit.
+    const auto a = parse_config_text("[prefetch]\nwarm_start = \"auto\"\n", "drop-in", *c);
+    ASSERT_TRUE(a) << a.error().what();
+    EXPECT_TRUE(a->warm_start);
+    EXPECT_FALSE(a->warm_limit);
+    expect_rejected("[prefetch]\nwarm_start = \"lots\"\n", {main_ + ":2:", "prefetch.warm_start", "'lots'", "\"auto\""});
+    expect_rejected("[prefetch]\nwarm_start = 3\n", {"prefetch.warm_start", "\"auto\", \"off\" or a size"});
+    expect_rejected("[prefetch]\non_miss = \"yes\"\n", {"prefetch.on_miss", "a boolean"});
 }
 
 // ---- Names -----------------------------------------------------------------------------------

@@ -210,6 +210,27 @@ Result<std::string> read_log_level(const Value& v) {
     return level;
 }
 
+// "auto" (as far as free memory goes), "off", or a size ("4GiB", "25%").
+Result<void> read_warm_start(const Value& v, Config& c) {
+    if (const auto* b = v.node.as_boolean()) {
+        c.warm_start = b->get();
+        c.warm_limit.reset();
+        return {};
+    }
+    const auto* s = v.node.as_string();
+    if (!s) return wrong_type(v, "\"auto\", \"off\" or a size such as \"4GiB\" or \"25%\"");
+    if (s->get() == "auto" || s->get() == "off") {
+        c.warm_start = s->get() == "auto";
+        c.warm_limit.reset();
+        return {};
+    }
+    auto amount = parse_byte_amount(s->get());
+    if (!amount) return v.fail("'{}' is neither \"auto\", \"off\" nor a size: {}", s->get(), amount.error().message);
+    c.warm_start = true;
+    c.warm_limit = *amount;
+    return {};
+}
+
 // Bytes, never a share of RAM: a read request's size has nothing to do with how much RAM there is.
 Result<uint32_t> read_read_size(const Value& v) {
     constexpr uint64_t kMin = 4ull << 10, kMax = 64ull << 20, kPage = 4096;
@@ -331,6 +352,8 @@ const Key<Config> kPrefetchKeys[] = {
     MC_KEY("queue_depth", Config, t.queue_depth = static_cast<U32>(MC_TRY(read_int(v, 1, 4096)))),
     MC_KEY("read_size", Config, t.read_size = MC_TRY(read_read_size(v))),
     MC_KEY("numa_node", Config, t.numa_node = static_cast<int>(MC_TRY(read_int(v, -1, 1023)))),
+    MC_KEY("on_miss", Config, t.on_miss = MC_TRY(read_bool(v))),
+    MC_KEY("warm_start", Config, MC_TRY_VOID(read_warm_start(v, t))),
 };
 
 // The kernel takes PSI trigger windows of 0.5 s to 10 s; stall <= window is checked in

@@ -91,7 +91,7 @@ std::string render_metrics(const DaemonStatus& s) {
     w.family("moecache_reserve_bytes", "gauge", "RAM the daemon never locks into.");
     w.sample("moecache_reserve_bytes", "", s.reserve);
     w.family("moecache_lock_cap_bytes", "gauge",
-             "What the daemon may lock now: the lock budget within RAM less the reserve and any pressure cap.");
+             "What the daemon may lock now: the lock budget within RAM (and its memory cgroup limit) less the reserve, and any pressure cap.");
     w.sample("moecache_lock_cap_bytes", "", s.lock_cap);
     w.family("moecache_locked_bytes", "gauge", "Bytes of model files the daemon holds locked in RAM, per model.");
     for (const auto& m : s.models) w.sample("moecache_locked_bytes", model_labels(m), m.locked_bytes);
@@ -105,6 +105,17 @@ std::string render_metrics(const DaemonStatus& s) {
     w.sample("moecache_prefetched_bytes_total", "", s.prefetch_done_bytes);
     w.family("moecache_prefetch_queued_bytes", "gauge", "Bytes waiting in the prefetcher's queue.");
     w.sample("moecache_prefetch_queued_bytes", "", s.prefetch_queued_bytes);
+    w.family("moecache_cgroup_limit_bytes", "gauge",
+             "The memory cgroup limit that binds the daemon (memory.max or memory.limit_in_bytes up its tree); 0: none.");
+    w.sample("moecache_cgroup_limit_bytes", "", s.cgroup_limit);
+    w.family("moecache_miss_fetches_total", "counter",
+             "Experts read whole into the page cache after a runtime read part of them from storage.");
+    w.sample("moecache_miss_fetches_total", "", s.miss_fetches);
+    w.family("moecache_miss_fetch_bytes_total", "counter", "Bytes those reads queued.");
+    w.sample("moecache_miss_fetch_bytes_total", "", s.miss_fetch_bytes);
+    w.family("moecache_warm_fetch_bytes_total", "counter",
+             "Bytes read beyond the locks at warm starts (a heat profile loaded or imported), not locked.");
+    w.sample("moecache_warm_fetch_bytes_total", "", s.warm_fetch_bytes);
 
     w.family("moecache_model_loaded", "gauge", "1 when the model is open and managed, 0 when it cannot be (see the log).");
     for (const auto& m : s.models) w.sample("moecache_model_loaded", model_labels(m), uint64_t{m.loaded ? 1u : 0u});

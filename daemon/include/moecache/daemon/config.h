@@ -49,6 +49,15 @@ struct Config {
     uint32_t queue_depth = 32;
     uint32_t read_size = 1u << 20;  // bytes per read request
     int numa_node = -1;             // -1: wherever the kernel puts pages
+    // When a runtime reads part of an expert from storage (a miss, as eBPF sees it), read the rest
+    // of that expert at once, into the page cache (not locked): the runtime's next faults in it hit.
+    bool on_miss = true;
+    // At a warm start (a heat profile loaded or imported), read the experts the profile has seen
+    // used beyond what is locked, hottest first, as far as free memory (of the machine and of the
+    // daemon's memory cgroup) goes: not locked, the kernel takes them back as it needs. Unset
+    // limit: as far as free memory goes; warm_start false: nothing beyond the locks.
+    bool warm_start = true;
+    std::optional<ByteAmount> warm_limit;
 
     // [pressure]
     bool pressure_enabled = true;

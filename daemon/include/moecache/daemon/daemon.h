@@ -8,6 +8,7 @@
 #include "moecache/bpf/page_cache_telemetry.h"
 #include "moecache/client/protocol.h"
 #include "moecache/daemon/config.h"
+#include "moecache/daemon/memory_cgroup.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
 #include "moecache/error.h"
@@ -103,6 +104,9 @@ struct DaemonStatus {
     uint64_t mem_total = 0;
     uint64_t lock_cap = 0;      // the budget in force now: min(lock budget, RAM - reserve, pressure cap)
     uint64_t lock_budget = 0, reserve = 0;  // as configured (or set since), resolved against RAM
+    uint64_t cgroup_limit = 0;  // the memory cgroup limit that binds the daemon (0: none), read each tick
+    uint64_t miss_fetches = 0, miss_fetch_bytes = 0;  // experts read whole after a runtime's miss
+    uint64_t warm_fetch_bytes = 0;  // read beyond the locks at warm starts
     uint64_t locked_bytes = 0;  // what the daemon locked, by its own count
     uint64_t vmlck_bytes = 0;   // what the kernel says (VmLck of this process)
     uint64_t pressure_events = 0;
@@ -225,8 +229,12 @@ private:
     void flush_trace();
     void sync_bus();
     void announce_budget(const std::string& name, uint64_t bytes);
-    void operator_fetched(uint32_t model, uint32_t slot);
-    static bool is_operator_fetch(uint32_t slot);
+    void cache_fetched(uint32_t model, uint32_t slot);
+    // Reads a slot into the page cache, not locked (tracked in ModelEntry::prefetching): bytes queued.
+    uint64_t cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority);
+    // A warm start: the profile's used experts beyond the lock plan, as far as free memory goes.
+    void warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index);
+    void fetch_missed();
     [[nodiscard]] ModelStatus model_status(const ModelEntry& m, bool experts) const;
     void update_bus_watch();
     Result<void> arm_tick();  // the tick timer at config_.tick_seconds
@@ -266,6 +274,10 @@ private:
     uint64_t page_cache_events_ = 0, page_cache_unattributed_ = 0;
     double page_cache_cpu_ = 0;
     std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
+    std::vector<std::pair<uint32_t, uint32_t>> missed_this_batch_;  // (model, slot) a runtime read from storage
+    std::chrono::steady_clock::time_point last_miss_{};
+    uint64_t miss_fetches_ = 0, miss_fetch_bytes_ = 0, warm_fetch_bytes_ = 0;
+    std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
     uint32_t self_tgid_ = 0;
     std::vector<std::unique_ptr<ModelEntry>> models_;
     uint32_t next_model_id_ = 0;
