@@ -267,8 +267,12 @@ int cmd_status(const Options& o, const std::vector<std::string>& args) {
                    format_bytes(field<uint64_t>(s, "reserve_bytes")), format_bytes(field<uint64_t>(s, "mem_total_bytes")));
         fmt::print("  pressure     {}, {} back-off(s) so far\n",
                    field<bool>(s, "under_pressure") ? "backing off now" : "none now", field<uint64_t>(s, "pressure_events"));
-        fmt::print("  prefetch     {} read, {} queued\n", format_bytes(field<uint64_t>(s, "prefetch_done_bytes")),
-                   format_bytes(field<uint64_t>(s, "prefetch_queued_bytes")));
+        fmt::print("  prefetch     {} read, {} queued; {} experts read whole after a miss ({}), {} at warm starts\n",
+                   format_bytes(field<uint64_t>(s, "prefetch_done_bytes")),
+                   format_bytes(field<uint64_t>(s, "prefetch_queued_bytes")), field<uint64_t>(s, "miss_fetches"),
+                   format_bytes(field<uint64_t>(s, "miss_fetch_bytes")), format_bytes(field<uint64_t>(s, "warm_fetch_bytes")));
+        if (const auto cg = field<uint64_t>(s, "cgroup_limit_bytes"); cg > 0)
+            fmt::print("  cgroup       its memory cgroup allows {}: locks stay below that less the reserve\n", format_bytes(cg));
         fmt::print("  models       {} (moecachectl models)\n", field<uint32_t>(s, "models"));
         fmt::print("  clients      {} connected at {}\n", field<uint32_t>(s, "clients"), field<std::string>(s, "socket"));
         if (field<bool>(s, "page_cache_telemetry"))

@@ -5,6 +5,13 @@
 // --max-seconds stops decoding after T seconds (a squeezed run may crawl); --warmup N (50) splits
 // the decode speed into the first N tokens and the rest ("steady").
 import {getLlama, LlamaCompletion} from "node-llama-cpp";
+import {readFileSync} from "node:fs";
+
+// This process's anonymous resident memory (what a memory cgroup must hold beside the model's pages).
+const rssAnon = () => {
+    const m = /RssAnon:\s+(\d+) kB/.exec(readFileSync("/proc/self/status", "utf8"));
+    return m ? Number(m[1]) * 1024 : 0;
+};
 
 const args = Object.fromEntries(process.argv.slice(2).reduce((acc, a, i, all) => {
     if (a.startsWith("--")) acc.push([a.slice(2), all[i + 1]?.startsWith("--") ? "true" : all[i + 1]]);
@@ -61,6 +68,7 @@ console.log(JSON.stringify({
     steady_tokens_per_second: rate(Math.min(warmup, stamps.length), stamps.length),
     // the second half of the warm-up: has the speed reached the steady one by then?
     late_warmup_tokens_per_second: rate(Math.floor(Math.min(warmup, stamps.length) / 2), Math.min(warmup, stamps.length)),
+    rss_anon_bytes: rssAnon(),
     token_ms: args["token-ms"] === "true" ? stamps.map(x => Math.round(x * 10) / 10) : undefined,
     text,
 }));

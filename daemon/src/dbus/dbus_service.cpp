@@ -171,6 +171,10 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
             d["pressure_events"] = s.pressure_events;
             d["prefetch_done_bytes"] = s.prefetch_done_bytes;
             d["prefetch_queued_bytes"] = s.prefetch_queued_bytes;
+            d["cgroup_limit_bytes"] = s.cgroup_limit;
+            d["miss_fetches"] = s.miss_fetches;
+            d["miss_fetch_bytes"] = s.miss_fetch_bytes;
+            d["warm_fetch_bytes"] = s.warm_fetch_bytes;
             d["models"] = static_cast<uint32_t>(s.models.size());
             d["clients"] = static_cast<uint32_t>(s.clients.size());
             d["clients_refused"] = s.clients_refused;

@@ -1,0 +1,200 @@
+// The RAM squeeze, scaled down for CI (bench/ram-squeeze.sh is the full one): a real llama.cpp
+// (node-llama-cpp, CPU, one thread) decodes a generated MoE model inside a memory cgroup that
+// holds its own memory and about half the model. Plain mmap against moecached (in the same cgroup)
+// with lazy load and the hit signal: moecache must read fewer bytes from storage per token, and
+// nothing may be OOM-killed. Bytes read are the model's block device's own count
+// (/sys/dev/block/MAJ:MIN/stat), from the start of the model's load to the end of decoding; the
+// test runs alone (RUN_SERIAL) so that nothing else reads that disk meanwhile.
+#include "run.h"
+#include "temp_dir.h"
+
+#include <gtest/gtest.h>
+#include <linux/magic.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+namespace moecache {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A memory cgroup of its own (v2 where the unified hierarchy has the memory controller, else v1),
+// removed at the end; processes enter it through a shell that writes its pid first.
+class MemoryCgroup {
+public:
+    static std::optional<MemoryCgroup> create(const std::string& name, std::string& why) {
+        MemoryCgroup c;
+        std::ifstream controllers("/sys/fs/cgroup/cgroup.controllers");
+        std::string all((std::istreambuf_iterator<char>(controllers)), {});
+        if (all.find("memory") != std::string::npos) {
+            c.dir_ = "/sys/fs/cgroup/" + name;
+            c.v2_ = true;
+        } else if (fs::exists("/sys/fs/cgroup/memory/memory.limit_in_bytes")) {
+            c.dir_ = "/sys/fs/cgroup/memory/" + name;
+        } else {
+            why = "no memory cgroup controller here (v1 or v2)";
+            return std::nullopt;
+        }
+        std::error_code ec;
+        if (!fs::create_directory(c.dir_, ec)) {
+            why = "cannot create " + c.dir_ + ": " + ec.message();
+            return std::nullopt;
+        }
+        return c;
+    }
+    MemoryCgroup() = default;
+    MemoryCgroup(MemoryCgroup&& o) noexcept : dir_(std::exchange(o.dir_, {})), v2_(o.v2_) {}
+    MemoryCgroup& operator=(MemoryCgroup&&) = delete;
+    ~MemoryCgroup() {
+        if (dir_.empty()) return;
+        std::ifstream procs(dir_ + "/cgroup.procs");
+        for (int pid; procs >> pid;) ::kill(pid, SIGKILL);
+        for (int i = 0; i < 100 && ::rmdir(dir_.c_str()) != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    void set_limit(uint64_t bytes) const {
+        std::ofstream(dir_ + (v2_ ? "/memory.max" : "/memory.limit_in_bytes")) << bytes;
+        if (v2_) std::ofstream(dir_ + "/memory.swap.max") << 0;
+    }
+    [[nodiscard]] uint64_t oom_kills() const {
+        std::ifstream f(dir_ + (v2_ ? "/memory.events" : "/memory.oom_control"));
+        std::string key;
+        uint64_t v = 0;
+        while (f >> key >> v)
+            if (key == "oom_kill") return v;
+        return 0;
+    }
+    // argv run inside the cgroup.
+    [[nodiscard]] std::vector<std::string> inside(std::vector<std::string> argv) const {
+        argv.insert(argv.begin(), {"/bin/sh", "-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\"", dir_});
+        return argv;
+    }
+
+private:
+    std::string dir_;
+    bool v2_ = false;
+};
+
+// Sectors read by block device `dev` (0 when the kernel keeps no count for it).
+uint64_t sectors_read(dev_t dev) {
+    std::ifstream f(fmt::format("/sys/dev/block/{}:{}/stat", major(dev), minor(dev)));
+    uint64_t reads = 0, merges = 0, sectors = 0;
+    f >> reads >> merges >> sectors;
+    return sectors;
+}
+
+void evict(const std::string& path) { test::drop_page_cache(path); }
+
+struct Decode {
+    nlohmann::json out;
+    uint64_t bytes_read = 0;
+    uint64_t oom_kills = 0;
+    [[nodiscard]] double tokens() const { return out.value("tokens", 0.0); }
+    [[nodiscard]] double per_token() const { return tokens() > 0 ? static_cast<double>(bytes_read) / tokens() : 0; }
+};
+
+TEST(RamSqueeze, MoecacheReadsLessPerTokenThanPlainMmap) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root: a memory cgroup, the daemon's locks and BPF programs";
+    const std::string node_dir = MOECACHE_NODE_DIR;
+    if (!fs::exists(node_dir + "/node_modules/node-llama-cpp/package.json"))
+        GTEST_SKIP() << "node-llama-cpp is not installed in " << node_dir << ": run tools/setup/install-deps.sh";
+    // On disk, not in memory: a model on tmpfs is never read from storage.
+    const char* env_dir = std::getenv("MOECACHE_SQUEEZE_DIR");
+    const std::string base = env_dir ? env_dir : "/var/tmp";
+    struct statfs sf {};
+    ASSERT_EQ(::statfs(base.c_str(), &sf), 0) << base;
+    if (sf.f_type == TMPFS_MAGIC || sf.f_type == RAMFS_MAGIC) GTEST_SKIP() << base << " is in memory (tmpfs)";
+    struct stat st {};
+    ASSERT_EQ(::stat(base.c_str(), &st), 0);
+    if (major(st.st_dev) == 0 || sectors_read(st.st_dev) == 0)
+        GTEST_SKIP() << base << " is on no block device whose reads the kernel counts (an overlay?): "
+                     << "set MOECACHE_SQUEEZE_DIR to a disk's directory";
+    std::string why;
+    auto cg = MemoryCgroup::create(fmt::format("moecache-squeeze-test.{}", ::getpid()), why);
+    if (!cg) GTEST_SKIP() << why;
+
+    ::setenv("TMPDIR", base.c_str(), 1);
+    test::TempDir dir;
+    const std::string model = dir.file("squeeze.gguf");
+    // ~120 MiB: 12 MoE layers x 32 experts of 320 KiB, 4 used per token, a DeepSeek-like skew.
+    const auto mk = test::run({MOECACHE_MKMODEL_BIN, "--output", model, "--layers", "12", "--experts", "32",
+                               "--experts-used", "4", "--embd", "512", "--ff", "192", "--skew", "2", "--seed", "11"});
+    ASSERT_EQ(mk.exit_code, 0) << mk.err;
+    const uint64_t model_bytes = fs::file_size(model);
+
+    auto decode = [&](const std::vector<std::string>& env, int tokens, bool in_cgroup) {
+        std::vector<std::string> argv = {"/usr/bin/env"};
+        argv.insert(argv.end(), env.begin(), env.end());
+        argv.insert(argv.end(), {"node", node_dir + "/generate.mjs", "--model", model, "--tokens", std::to_string(tokens),
+                                 "--threads", "1", "--max-seconds", "60", "--seed", "5"});
+        Decode d;
+        const uint64_t s0 = sectors_read(st.st_dev), k0 = cg->oom_kills();
+        const auto r = test::run(in_cgroup ? cg->inside(argv) : argv, {}, 240);
+        d.bytes_read = (sectors_read(st.st_dev) - s0) * 512;
+        d.oom_kills = cg->oom_kills() - k0;
+        EXPECT_EQ(r.exit_code, 0) << r.err;
+        d.out = nlohmann::json::parse(r.out, nullptr, false);
+        EXPECT_FALSE(d.out.is_discarded()) << r.out << r.err;
+        if (d.out.is_discarded()) d.out = nlohmann::json::object();
+        return d;
+    };
+
+    // The runtime's own memory, unsqueezed: the limit holds it and about half the model.
+    const Decode free = decode({}, 32, false);
+    const auto anon = free.out.value("rss_anon_bytes", uint64_t{0});
+    ASSERT_GT(anon, 0u) << free.out.dump();
+    const uint64_t limit = anon + (48ull << 20) + model_bytes / 2;
+    cg->set_limit(limit);
+    std::cout << "[ measured ] model " << (model_bytes >> 20) << " MiB, runtime anon " << (anon >> 20)
+              << " MiB, cgroup limit " << (limit >> 20) << " MiB\n";
+
+    constexpr int kTokens = 64;
+    evict(model);
+    const Decode plain = decode({}, kTokens, true);
+
+    // moecached in the same cgroup, cold (no heat yet): its lock budget a sixth of the model.
+    const std::string state = dir.file("state");
+    fs::create_directories(state);
+    std::ofstream(dir.file("moecached.toml")) << fmt::format(
+        "[daemon]\nstate_dir = \"{}\"\nsocket = \"{}\"\ntick_seconds = 0.2\n[budget]\nlock = {}\nreserve = 0\n"
+        "[pressure]\nenabled = false\n[metrics]\nlisten = \"\"\n[dbus]\nbus = \"off\"\n[[model]]\npath = \"{}\"\n",
+        state, dir.file("moecached.sock"), model_bytes / 6, model);
+    evict(model);
+    Decode squeezed;
+    {
+        test::Background daemon(cg->inside({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")}));
+        ASSERT_TRUE(daemon.wait_for("moecached running", 30)) << daemon.output();
+        if (daemon.output().find("page-cache telemetry on") == std::string::npos)
+            std::cout << "[ note ] the daemon runs without page-cache telemetry here: no reads on a miss\n";
+        squeezed = decode({std::string("LD_PRELOAD=") + MOECACHE_REARM_LIB, "MOECACHE_REARM_EXE=node", "MOECACHE_LOAD=lazy"},
+                          kTokens, true);
+        daemon.signal(SIGTERM);
+        EXPECT_EQ(daemon.wait(30), 0) << daemon.output();
+    }
+
+    std::cout << "[ measured ] plain mmap: " << plain.tokens() << " tokens at "
+              << plain.out.value("decode_tokens_per_second", 0.0) << " tok/s, " << plain.per_token() / 1048576
+              << " MiB read per token, " << plain.oom_kills << " OOM kills\n"
+              << "[ measured ] moecache:   " << squeezed.tokens() << " tokens at "
+              << squeezed.out.value("decode_tokens_per_second", 0.0) << " tok/s, " << squeezed.per_token() / 1048576
+              << " MiB read per token, " << squeezed.oom_kills << " OOM kills\n";
+    ASSERT_GT(plain.tokens(), 1) << plain.out.dump();
+    ASSERT_GT(squeezed.tokens(), 1) << squeezed.out.dump();
+    EXPECT_LT(squeezed.per_token(), plain.per_token()) << "moecache must read less from storage per token";
+    EXPECT_EQ(squeezed.oom_kills, 0u) << "moecache: nothing may be OOM-killed";
+}
+
+}  // namespace
+}  // namespace moecache
