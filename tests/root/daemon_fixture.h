@@ -1,5 +1,6 @@
 // The configuration the root tests start from: one model, everything locked after one use, no
-// elite share, no pressure triggers, a fast tick; tests change what they test.
+// elite share, no pressure triggers, a fast tick, no reads beyond what the plan locks (neither on a
+// miss nor at a warm start); tests change what they test.
 #pragma once
 
 #include "moecache/daemon/config.h"
@@ -18,6 +19,8 @@ inline daemon::Config daemon_config(const std::string& model, const std::string&
     c.tick_seconds = 0.05;
     c.admit_after_uses = 1;
     c.elite_share = 0;
+    c.on_miss = false;
+    c.warm_start = false;
     daemon::ModelConfig m;
     m.path = model;
     m.lock_dense = false;

@@ -85,9 +85,11 @@ protected:
         }
     }
 
-    std::unique_ptr<Daemon> start(uint32_t ring_bytes = 4u << 20) {
-        // Nothing is locked or prefetched: the only reads are the test's.
+    std::unique_ptr<Daemon> start(uint32_t ring_bytes = 4u << 20, bool on_miss = false) {
+        // Nothing is locked or prefetched: the only reads are the test's (and, with on_miss, the
+        // daemon's reads of what the test missed).
         Config c = test::daemon_config(a_, dir_.file("state"), 1u << 20);
+        c.on_miss = on_miss;
         c.admit_after_uses = 1000000;
         c.models.push_back(c.models.front());
         c.models.back().path = b_;
@@ -157,6 +159,41 @@ TEST_F(DaemonTelemetryTest, StorageReadsAreAttributedToExactlyTheExpertsRead) {
     uint64_t dropped = 0;
     for (uint64_t v : s.page_cache.dropped) dropped += v;
     EXPECT_EQ(dropped, 0u);
+}
+
+// One page of an expert read from storage by another process: the daemon reads the rest of that
+// expert (all its slices), and nothing of its neighbours.
+TEST_F(DaemonTelemetryTest, AMissIsReadWhole) {
+    for (const bool on : {true, false}) {
+        SCOPED_TRACE(on ? "on_miss" : "on_miss off");
+        for (const auto& f : maps_[0].files) test::drop_page_cache(f.path);
+        auto d = start(4u << 20, on);
+        ASSERT_TRUE(d);
+        const auto first = maps_[0].ranges(2, 9).front();
+        read_ranges(maps_[0], {{first.file, first.offset, kPage}});
+        for (int i = 0; i < 200; ++i) {
+            ASSERT_TRUE(d->step(10));
+            if (d->status().miss_fetches > 0 && d->idle()) break;
+            if (!on && i > 50) break;
+        }
+        (void)drain(*d);
+        auto probe = PageCacheProbe::open(a_);
+        ASSERT_TRUE(probe);
+        uint64_t cached = 0, length = 0;
+        for (const auto& r : maps_[0].ranges(2, 9)) {
+            cached += probe->resident_bytes(r.offset, r.length).value_or(0);
+            length += r.length;
+        }
+        EXPECT_EQ(cached, on ? length : kPage) << "expert 2:9";
+        for (uint32_t e : {8u, 10u})
+            for (const auto& r : maps_[0].ranges(2, e)) EXPECT_EQ(probe->resident_bytes(r.offset, r.length).value_or(1), 0u) << e;
+        const auto s = d->status();
+        EXPECT_EQ(s.miss_fetches, on ? 1u : 0u);
+        EXPECT_EQ(s.miss_fetch_bytes, on ? length : 0u);
+        const SlotTelemetry t = by_expert(s.models[0])[Key{2, 9}];
+        EXPECT_EQ(t.read_bytes, kPage) << "the runtime's miss";
+        EXPECT_EQ(t.prefetch_bytes, on ? length - kPage : 0) << "the daemon's read of the rest";
+    }
 }
 
 TEST_F(DaemonTelemetryTest, EvictionsAreAttributedAndUnrelatedFilesShowNothing) {

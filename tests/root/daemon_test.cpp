@@ -143,6 +143,48 @@ TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {
     EXPECT_EQ(expert(s, 1, 1).cached_bytes, 0u);
 }
 
+// A warm start also reads, without locking, the experts the profile saw used beyond the lock
+// budget; nothing the profile did not admit, nothing locked beyond the budget.
+TEST_F(DaemonTest, AWarmStartReadsTheProfilesNextTierWithoutLockingIt) {
+    const uint64_t per_expert = mkmodel::bytes_per_expert(test::small_spec());
+    Config c = config();
+    c.admit_after_uses = 2;
+    {
+        auto d = Daemon::create(c);
+        ASSERT_TRUE(d) << d.error().what();
+        const uint32_t id = *(*d)->model_id(model_);
+        route(**d, id, 0, {1}, 7);
+        route(**d, id, 0, {9}, 6);
+        route(**d, id, 3, {4}, 5);
+        route(**d, id, 1, {2}, 3);
+        route(**d, id, 2, {6}, 1);  // not admitted
+        settle(**d);
+        ASSERT_TRUE((*d)->save_profiles());
+    }
+    c.lock_budget = ByteAmount{2 * per_expert + per_expert / 2, std::nullopt};  // room for two
+    for (const bool warm : {true, false}) {
+        SCOPED_TRACE(warm ? "warm_start auto" : "warm_start off");
+        test::drop_page_cache(model_);
+        c.warm_start = warm;
+        auto d = Daemon::create(c);
+        ASSERT_TRUE(d) << d.error().what();
+        settle(**d);
+        (void)(*d)->tick();
+        const auto s = (*d)->status();
+        EXPECT_EQ(expert(s, 0, 1).tier, Tier::Locked);
+        EXPECT_EQ(expert(s, 0, 9).tier, Tier::Locked);
+        for (auto [b, e] : {std::pair{3u, 4u}, {1u, 2u}}) {
+            const auto& x = expert(s, b, e);
+            EXPECT_EQ(x.tier, Tier::Storage) << b << ":" << e << " is beyond the budget: never locked";
+            EXPECT_EQ(x.cached_bytes, warm ? x.bytes : 0) << b << ":" << e;
+        }
+        EXPECT_EQ(expert(s, 2, 6).cached_bytes, 0u) << "used once: not admitted, not read";
+        EXPECT_LT(expert(s, 1, 3).cached_bytes, 4096u) << "never used: at most the edge page it shares with 1:2";
+        EXPECT_EQ(s.warm_fetch_bytes, warm ? expert(s, 3, 4).bytes + expert(s, 1, 2).bytes : 0);
+        EXPECT_LE(s.locked_bytes, s.lock_cap);
+    }
+}
+
 TEST_F(DaemonTest, TruncatedModelIsReportedAndReexamined) {
     auto d = Daemon::create(config());
     ASSERT_TRUE(d) << d.error().what();
