@@ -10,21 +10,26 @@
 #   static-K      plain, with the dense part and the K hottest experts of every layer (the
 #                 generator's own ranking: the best static choice there is) locked by `vmtouch -l`
 #                 before the run; K from SQUEEZE_HOTSETS. The pages are read inside the cgroup (so
-#                 they count against its limit); the vmtouch processes (one per range: vmtouch takes
-#                 one range each) run outside it, so their own memory does not.
+#                 they count against its limit), and the vmtouch processes run there too, as
+#                 moecached does: one per range (vmtouch takes one range each), ~1000-1400 here at
+#                 ~180 KiB each. SQUEEZE_LOCKERS=outside runs them outside the cgroup instead (the
+#                 locked pages still count inside): a static lock without its own cost.
 #   moecache-cold moecached in the cgroup (no heat yet) + lazy load + the hit signal
 #   moecache-warm the same, moecached restarted with the heat profile the cold runs saved
 # A run decodes TOKENS tokens or stops after SQUEEZE_SECONDS. Per variant, medians over the rounds:
 # decode tokens/s over the whole run, over the first 50 tokens, over tokens 25-50 and after token 50
-# ("steady"); the steady speed against plain, unsqueezed and the best static-K; storage bytes read
-# per token (the model's disk, everything on it: the daemon's reads count); OOM kills in the cgroup.
+# ("steady"); the steady speed against plain, unsqueezed and the best static-K (each ratio the
+# median of the rounds' own ratios: these machines drift between rounds more than within one);
+# storage bytes read per token (the model's disk, everything on it: the daemon's reads count); OOM
+# kills in the cgroup.
 # Then the issue's targets: moecache at >= 80 % of unsqueezed and >= 1.2x the best static lock,
 # a warm start at steady speed within 50 tokens (tokens 25-50 at >= 90 % of steady), no OOM kill.
 #
 #   bench/ram-squeeze.sh [RUNS] [TOKENS] [LIMIT]      (RUNS 3, TOKENS 256, LIMIT 2000M; root)
 # Environment: MOECACHE_BUILD (build dir, default build), SQUEEZE_MODEL (reuse a model file),
 # SQUEEZE_LOCK (moecached's lock budget, 900MiB), SQUEEZE_RESERVE (its reserve, 256MiB),
-# SQUEEZE_HOTSETS ("16 24 32"), SQUEEZE_SECONDS (60), SQUEEZE_PORT (its metrics port, 18474),
+# SQUEEZE_HOTSETS ("16 24 32"), SQUEEZE_LOCKERS (inside), SQUEEZE_SECONDS (60), SQUEEZE_PORT (its
+# metrics port, 18474),
 # VARIANTS (all of the above, static-K expanded).
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,6 +43,7 @@ reserve=${SQUEEZE_RESERVE:-256MiB}
 hotsets=${SQUEEZE_HOTSETS:-16 24 32}
 seconds=${SQUEEZE_SECONDS:-60}
 port=${SQUEEZE_PORT:-18474}
+lockers=${SQUEEZE_LOCKERS:-inside}
 statics=$(for k in $hotsets; do printf 'static-%s ' "$k"; done)
 variants=${VARIANTS:-"unsqueezed plain plain-lazy mlock $statics moecache-cold moecache-warm"}
 mk=$build/tools/mkmodel/moecache-mkmodel
@@ -128,10 +134,9 @@ lock_hotset() {
   [ -s "$work/hot-$k" ] || "$hotset" "$model" --top "$k" > "$work/hot-$k" 2>/dev/null
   in_cgroup sh -c 'while read -r f s e; do vmtouch -qt -p "$s-$e" "$f"; done' < "$work/hot-$k"
   mkdir -p "$work/pids"
-  local i=0 f s e
-  while read -r f s e; do
-    vmtouch -qdlw -P "$work/pids/$((i += 1))" -p "$s-$e" "$f"
-  done < "$work/hot-$k"
+  local lock='i=0; while read -r f s e; do i=$((i + 1)); vmtouch -qdlw -P "$0/$i" -p "$s-$e" "$f"; done'
+  if [ "$lockers" = inside ]; then in_cgroup sh -c "$lock" "$work/pids" < "$work/hot-$k"
+  else sh -c "$lock" "$work/pids" < "$work/hot-$k"; fi
 }
 unlock_hotset() {
   [ -d "$work/pids" ] || return 0
@@ -178,8 +183,8 @@ run() {
 }
 
 echo "model $(du -h "$model" | cut -f1) ($model), memory cgroup $limit ($cg), moecached lock budget $lock," \
-     "reserve $reserve, $tokens tokens or $seconds s per run, $runs rounds"
-declare -A dec w50 l50 st bytes ntok ooms
+     "reserve $reserve, static lockers $lockers of the cgroup, $tokens tokens or $seconds s per run, $runs rounds"
+declare -A dec w50 l50 st bytes ntok ooms per_round  # per_round[VARIANT,ROUND]: steady tok/s
 for r in $(seq "$runs"); do
   for v in $variants; do
     k_before=$(oom_kills)
@@ -191,6 +196,7 @@ for r in $(seq "$runs"); do
     read -r a b c d e f g < <(run "$v")
     [ "$v" = moecache-cold ] && stop_daemon  # saves the heat the warm variant starts from
     dec[$v]+="$a "; w50[$v]+="$b "; l50[$v]+="$c "; st[$v]+="$d "; bytes[$v]+="$e "; ntok[$v]+="$f "
+    per_round[$v,$r]=$d
     ooms[$v]=$(( ${ooms[$v]:-0} + $(oom_kills) - k_before ))  # the daemon's start and stop included
     printf '  round %d %-14s %6.2f tok/s (first 50 %6.2f, steady %6.2f) %4d tokens %7.0f MiB read\n' \
       "$r" "$v" "$a" "$b" "$d" "$f" "$(awk -v b="$e" 'BEGIN {print b / 1048576}')"
@@ -198,8 +204,14 @@ for r in $(seq "$runs"); do
 done
 
 med() { tr ' ' '\n' <<<"$1" | grep -v '^$' | median; }
-plain=$(med "${st[plain]:-0}")
-unsq=$(med "${st[unsqueezed]:-0}")
+# ratio V BASE: the median over the rounds of V's steady speed over BASE's in the same round.
+ratio() {
+  local r out=
+  for r in $(seq "$runs"); do
+    out+="$(awk -v a="${per_round[$1,$r]:-0}" -v b="${per_round[$2,$r]:-0}" 'BEGIN {print (b > 0 ? a / b : 0)}') "
+  done
+  med "$out"
+}
 best_static=0 best_k=
 for v in $variants; do
   case $v in static-*)
@@ -207,25 +219,32 @@ for v in $variants; do
     if awk -v a="$s" -v b="$best_static" 'BEGIN {exit !(a > b)}'; then best_static=$s; best_k=$v; fi ;;
   esac
 done
+has() { [[ " $variants " == *" $1 "* ]]; }
 echo
 printf '%-14s %8s %9s %9s %8s %8s %8s %8s %10s %4s\n' variant "tok/s" "first 50" "25-50" steady "x plain" "x unsq" "x static" "read/tok" OOM
+declare -A xp xu xs
 for v in $variants; do
+  xp[$v]=-; xu[$v]=-; xs[$v]=-
+  has plain && xp[$v]=$(ratio "$v" plain)
+  has unsqueezed && xu[$v]=$(ratio "$v" unsqueezed)
+  [ -n "$best_k" ] && xs[$v]=$(ratio "$v" "$best_k")
   awk -v v="$v" -v a="$(med "${dec[$v]}")" -v b="$(med "${w50[$v]}")" -v c="$(med "${l50[$v]}")" \
-      -v s="$(med "${st[$v]}")" -v p="$plain" -v u="$unsq" -v x="$best_static" \
+      -v s="$(med "${st[$v]}")" -v p="${xp[$v]}" -v u="${xu[$v]}" -v x="${xs[$v]}" \
       -v bt="$(med "${bytes[$v]}")" -v n="$(med "${ntok[$v]}")" -v o="${ooms[$v]}" '
-    function ratio(a, b) { return b > 0 ? sprintf("%.2f", a / b) : "-" }
-    BEGIN { printf "%-14s %8.2f %9.2f %9.2f %8.2f %8s %8s %8s %6.1f MiB %4d\n", v, a, b, c, s, ratio(s, p), ratio(s, u),
-            ratio(s, x), (n > 0 ? bt / n / 1048576 : 0), o }'
+    function f(r) { return r == "-" ? "-" : sprintf("%.2f", r) }
+    BEGIN { printf "%-14s %8.2f %9.2f %9.2f %8.2f %8s %8s %8s %6.1f MiB %4d\n", v, a, b, c, s, f(p), f(u), f(x),
+            (n > 0 ? bt / n / 1048576 : 0), o }'
 done
 echo
 echo "best static lock: ${best_k:-none} ($best_static tok/s steady)"
 for v in moecache-cold moecache-warm; do
-  [ -n "${st[$v]:-}" ] || continue
-  awk -v v="$v" -v s="$(med "${st[$v]}")" -v l="$(med "${l50[$v]}")" -v u="$unsq" -v x="$best_static" -v o="${ooms[$v]}" '
+  has "$v" || continue
+  ramp=$(paste -d' ' <(tr ' ' '\n' <<<"${l50[$v]}") <(tr ' ' '\n' <<<"${st[$v]}") | awk 'NF == 2 && $2 > 0 {print $1 / $2}' | median)
+  awk -v v="$v" -v u="${xu[$v]}" -v x="${xs[$v]}" -v l="${ramp:-0}" -v o="${ooms[$v]}" '
     function ok(c) { return c ? "met" : "NOT met" }
     BEGIN {
-      printf "%s: %.0f %% of unsqueezed (target 80 %%: %s), %.2fx the best static lock (target 1.2x: %s), ", v,
-             (u > 0 ? 100 * s / u : 0), ok(u > 0 && s >= 0.8 * u), (x > 0 ? s / x : 0), ok(x > 0 && s >= 1.2 * x)
-      printf "tokens 25-50 at %.0f %% of steady (target 90 %%: %s), OOM kills %d\n", (s > 0 ? 100 * l / s : 0),
-             ok(s > 0 && l >= 0.9 * s), o }'
+      printf "%s: %s of unsqueezed (target 80 %%: %s), %s the best static lock (target 1.2x: %s), ", v,
+             (u == "-" ? "-" : sprintf("%.0f %%", 100 * u)), ok(u != "-" && u >= 0.8),
+             (x == "-" ? "-" : sprintf("%.2fx", x)), ok(x != "-" && x >= 1.2)
+      printf "tokens 25-50 at %.0f %% of steady (target 90 %%: %s), OOM kills %d\n", 100 * l, ok(l >= 0.9), o }'
 done

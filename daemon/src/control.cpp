@@ -183,8 +183,13 @@ Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> spec
     return queued;
 }
 
-uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority) {
-    if (m.prefetching.count(slot)) return 0;
+uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority, bool urgent) {
+    if (const auto it = m.prefetching.find(slot); it != m.prefetching.end()) {
+        if (!urgent || it->second.urgent) return 0;
+        // Queued behind other work (a warm start, an operator's prefetch) while a runtime waits for
+        // it: cancelled (each of its live reads still reports once) and queued again, first.
+        prefetcher_->cancel(fetch_tag(m.id, slot, true));
+    }
     const auto& r = *m.res;
     uint64_t queued = 0;
     uint32_t reads = 0;
@@ -194,7 +199,11 @@ uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority) {
         queued += range.length;
         ++reads;
     }
-    if (reads) m.prefetching[slot] = reads;
+    if (reads) {
+        auto& f = m.prefetching[slot];
+        f.reads += reads;
+        f.urgent = f.urgent || urgent;
+    }
     return queued;
 }
 
@@ -203,7 +212,7 @@ void Daemon::cache_fetched(uint32_t model, uint32_t slot) {
     ModelEntry* m = find_model(model);
     if (!m) return;
     const auto it = m->prefetching.find(slot);
-    if (it != m->prefetching.end() && --it->second == 0) m->prefetching.erase(it);
+    if (it != m->prefetching.end() && --it->second.reads == 0) m->prefetching.erase(it);
 }
 
 Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) {

@@ -299,7 +299,7 @@ void Daemon::open_model(ModelEntry& m) {
 
 void Daemon::close_model(ModelEntry& m, const std::string& why) {
     if (!m.res) return;
-    for (const auto& [s, reads] : m.prefetching) prefetcher_->cancel(fetch_tag(m.id, s, true));
+    for (const auto& [s, f] : m.prefetching) prefetcher_->cancel(fetch_tag(m.id, s, true));
     m.prefetching.clear();
     MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
     const std::string key = m.res->model().profile_key();
@@ -434,8 +434,8 @@ void Daemon::consume_page_cache_batch() {
 // nothing around a fault).
 void Daemon::fetch_missed() {
     if (missed_this_batch_.empty()) return;
-    last_miss_ = std::chrono::steady_clock::now();
     if (config_.on_miss) {
+        last_miss_ = std::chrono::steady_clock::now();
         std::sort(missed_this_batch_.begin(), missed_this_batch_.end());
         missed_this_batch_.erase(std::unique(missed_this_batch_.begin(), missed_this_batch_.end()), missed_this_batch_.end());
         for (const auto& [id, slot] : missed_this_batch_) {
@@ -443,7 +443,7 @@ void Daemon::fetch_missed() {
             if (!m || !m->res || slot >= m->res->n_slots() || !m->res->wanted_in_ram(slot)) continue;
             // Being read for a lock already: that read is as good.
             if (m->res->state(slot).tier != Tier::Storage) continue;
-            const uint64_t q = cache_fetch(*m, slot, std::numeric_limits<int32_t>::min());
+            const uint64_t q = cache_fetch(*m, slot, std::numeric_limits<int32_t>::min(), /*urgent=*/true);
             if (q == 0) continue;
             ++miss_fetches_;
             miss_fetch_bytes_ += q;
@@ -805,11 +805,11 @@ Result<void> Daemon::run() {
 
 // How long a turn may wait for events. Telemetry rings and the page-cache ring wake nobody when
 // written (that would cost the writer a system call or an interrupt per event), so the loop comes
-// round to read them: every 1 ms while a client's ring fills fast, 20 ms while rings exist,
-// 100 ms for page-cache events alone, else only when an event arrives.
+// round to read them: every 1 ms while a client's ring fills fast or a runtime misses (for 200 ms
+// after its last miss: each is read whole as soon as it is seen), 20 ms while rings exist, 100 ms
+// for page-cache events alone, else only when an event arrives.
 int Daemon::loop_timeout() const {
     int t = -1;
-    // While a runtime misses, its misses are read whole as soon as they are seen: come round often.
     if (busy_rings_ || std::chrono::steady_clock::now() - last_miss_ < std::chrono::milliseconds(200)) t = 1;
     else if (any_rings_) t = 20;
     else if (page_cache_) t = bpf::PageCacheTelemetry::kPollIntervalMs;

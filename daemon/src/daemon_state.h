@@ -33,8 +33,12 @@ struct Daemon::ModelEntry {
     uint32_t owner_uid = 0;   // of the client that registered it (registered models only)
     bool operator_added = false;  // registered over D-Bus: stays until unregistered or restart
     // Slots being read into the page cache without a lock (an operator's prefetch, a miss, a warm
-    // start) -> reads pending.
-    std::map<uint32_t, uint32_t> prefetching;
+    // start): reads pending, and whether a miss asked for it (read ahead of everything else).
+    struct CacheFetch {
+        uint32_t reads = 0;
+        bool urgent = false;
+    };
+    std::map<uint32_t, CacheFetch> prefetching;
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
 };
 

@@ -14,7 +14,7 @@ debs=(
   libfmt-dev libexpected-dev nlohmann-json3-dev libtomlplusplus-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev
   nodejs npm
-  fio vmtouch bc
+  fio vmtouch bc curl dbus
   prometheus
   systemd
 )

@@ -231,7 +231,8 @@ private:
     void announce_budget(const std::string& name, uint64_t bytes);
     void cache_fetched(uint32_t model, uint32_t slot);
     // Reads a slot into the page cache, not locked (tracked in ModelEntry::prefetching): bytes queued.
-    uint64_t cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority);
+    // urgent (a miss): a slot already queued behind other work is queued again ahead of it.
+    uint64_t cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority, bool urgent = false);
     // A warm start: the profile's used experts beyond the lock plan, as far as free memory goes.
     void warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index);
     void fetch_missed();
