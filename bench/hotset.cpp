@@ -11,6 +11,7 @@
 #include "moecache/error.h"
 #include "moecache/file_util.h"
 #include "moecache/gguf.h"
+#include "moecache/mkmodel/synth_model.h"
 #include "moecache/model.h"
 #include "moecache/unique_fd.h"
 
@@ -34,7 +35,7 @@ namespace {
 
 using namespace moecache;
 
-constexpr const char* kRankKey = "moecache.mkmodel.expert_rank";
+constexpr const char* kRankKey = mkmodel::kExpertRankKey;
 constexpr uint64_t kMaxProfileBytes = 64u << 20;
 
 struct Options {
@@ -89,73 +90,30 @@ Options parse_args(int argc, char** argv) {
 // The order of a layer's experts, hottest first; one vector per MoE layer, by ordinal.
 using Ranking = std::vector<std::vector<uint32_t>>;
 
-Result<void> pread_all(int fd, void* buf, size_t n, uint64_t offset, const std::string& what) {
-    auto* p = static_cast<uint8_t*>(buf);
-    while (n > 0) {
-        const ssize_t got = ::pread(fd, p, n, static_cast<off_t>(offset));
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return fail_errno("read {} at offset {}", what, offset);
-        }
-        if (got == 0) return failf("read {} at offset {}: unexpected end of file", what, offset);
-        p += got;
-        n -= static_cast<size_t>(got);
-        offset += static_cast<uint64_t>(got);
-    }
-    return {};
-}
-
 // The generator's ranking: u32 array, block-major, [block * n_experts + e] = rank of e, 0 the hottest.
 Result<Ranking> rank_from_gguf(const GgufFile& head, const ExpertMap& map) {
-    const auto* kv = head.find(kRankKey);
-    if (!kv)
+    const auto rank = MC_TRY(mkmodel::read_expert_ranks(head, map));
+    if (!rank)
         return failf("{}: no key '{}' (not a moecache-mkmodel model): rank the experts with --profile HEAT.json",
                      head.path, kRankKey);
-    const auto* arr = std::get_if<GgufArrayRef>(&kv->value);
-    const uint64_t want = uint64_t{map.n_blocks} * map.n_experts;
-    if (!arr || arr->element_type != GgufValueType::U32 || arr->count != want)
-        return failf("{}: key '{}' (at offset {}) is not a u32 array of block_count x expert_count = {} values",
-                     head.path, kRankKey, kv->offset, want);
-    if (arr->offset > head.file_size || want * 4 > head.file_size - arr->offset)
-        return failf("{}: key '{}': its {} values run past the end of the file", head.path, kRankKey, want);
-    std::vector<uint32_t> rank(want);
-    UniqueFd fd(::open(head.path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) return fail_errno("open {}", head.path);
-    MC_TRY_VOID(pread_all(fd.get(), rank.data(), want * 4, arr->offset,
-                          fmt::format("{} key '{}'", head.path, kRankKey)));
 
     Ranking out;
     for (const auto& l : map.layers) {
         if (l.index >= map.n_blocks)
             return failf("{}: block {} holds experts but block_count is {}: key '{}' cannot cover it", head.path,
                          l.index, map.n_blocks, kRankKey);
-        const uint32_t* row = rank.data() + size_t{l.index} * map.n_experts;
+        const uint32_t* row = rank->data() + size_t{l.index} * map.n_experts;
         // Each rank once per block: a repeated rank leaves "the K hottest" undefined.
         std::vector<uint32_t> by_rank(map.n_experts, UINT32_MAX);
         for (uint32_t e = 0; e < map.n_experts; ++e) {
-            if (row[e] >= map.n_experts || by_rank[row[e]] != UINT32_MAX)
-                return failf("{}: key '{}', block {}: expert {} has rank {}, {}; each block needs the ranks "
-                             "0..{} once each", head.path, kRankKey, l.index, e, row[e],
-                             row[e] >= map.n_experts ? "past expert_count" : "given twice", map.n_experts - 1);
+            if (by_rank[row[e]] != UINT32_MAX)
+                return failf("{}: key '{}', block {}: expert {} has rank {}, given twice; each block needs the ranks "
+                             "0..{} once each", head.path, kRankKey, l.index, e, row[e], map.n_experts - 1);
             by_rank[row[e]] = e;
         }
         out.push_back(std::move(by_rank));
     }
     return out;
-}
-
-// The daemon's profile key for a model (daemon/src/residency/mapped_model.cpp), to warn when a
-// profile belongs to another model of the same shape.
-std::string profile_key(const ExpertMap& map) {
-    auto sanitize = [](std::string_view s) {
-        std::string out;
-        for (char c : s) {
-            const auto u = static_cast<unsigned char>(c);
-            out += std::isalnum(u) ? static_cast<char>(std::tolower(u)) : '-';
-        }
-        return out.empty() ? std::string("unnamed") : out;
-    };
-    return fmt::format("{}-{}x{}-{}", sanitize(map.architecture), map.n_blocks, map.n_experts, sanitize(map.name));
 }
 
 // A heat profile (daemon/src/policy/heat.cpp): {"key", "n_layers", "n_experts", "clock",
@@ -174,7 +132,7 @@ Result<Ranking> rank_from_profile(const std::string& path, const ExpertMap& map,
     if (n_layers != map.layers.size() || n_experts != map.n_experts)
         return failf("{}: the profile is for {} MoE layers x {} experts, the model has {} x {}", path, n_layers,
                      n_experts, map.layers.size(), map.n_experts);
-    const std::string want_key = profile_key(map);
+    const std::string want_key = map.profile_key();
     if (!j.contains("key") || !j["key"].is_string())
         fmt::print(stderr, "moecache-hotset: warning: {}: no 'key': cannot check it belongs to this model\n", path);
     else if (j["key"].get<std::string>() != want_key)
@@ -221,25 +179,6 @@ Result<Ranking> rank_from_profile(const std::string& path, const ExpertMap& map,
     return out;
 }
 
-// Every byte of every file that is no routed-expert slice.
-std::vector<ByteRange> dense_ranges(const ExpertMap& map) {
-    std::vector<ByteRange> out;
-    for (uint32_t fi = 0; fi < map.files.size(); ++fi) {
-        std::vector<std::pair<uint64_t, uint64_t>> experts;
-        for (const auto& l : map.layers)
-            for (const auto& t : l.tensors)
-                if (t.file == fi) experts.emplace_back(t.offset, t.offset + t.bytes_per_expert * map.n_experts);
-        std::sort(experts.begin(), experts.end());
-        uint64_t at = 0;
-        for (const auto& [b, e] : experts) {
-            if (b > at) out.push_back({fi, at, b - at});
-            at = std::max(at, e);
-        }
-        if (map.files[fi].size > at) out.push_back({fi, at, map.files[fi].size - at});
-    }
-    return out;
-}
-
 std::vector<ByteRange> merge(std::vector<ByteRange> v) {
     std::sort(v.begin(), v.end(), [](const ByteRange& a, const ByteRange& b) {
         return a.file != b.file ? a.file < b.file : a.offset < b.offset;
@@ -274,7 +213,7 @@ int run(const Options& o) {
     if (!ranking) return fail_input(ranking.error());
 
     std::vector<ByteRange> ranges;
-    if (o.dense) ranges = dense_ranges(*map);
+    if (o.dense) ranges = map->dense_ranges();
     for (size_t i = 0; i < map->layers.size(); ++i)
         for (uint32_t k = 0; k < o.top; ++k)
             for (const auto& r : map->ranges(map->layers[i].index, (*ranking)[i][k])) {

@@ -13,6 +13,10 @@ namespace moecache {
 // larger than max_bytes, so that a wrong path (a model, /dev/zero) fails fast. Errors name `what`.
 Result<std::string> read_whole_file(const std::string& path, uint64_t max_bytes, std::string_view what = "file");
 
+// Reads exactly n bytes at `offset` (retrying short reads and EINTR); an early end of file is an
+// error. Errors name `what` and the offset.
+Result<void> pread_exact(int fd, void* buf, size_t n, uint64_t offset, std::string_view what);
+
 // Writes a temporary file beside `path`, fsyncs it and renames it over `path`; creates the
 // directory if needed. Readers see the old or the new text, never a part.
 Result<void> write_file_atomic(const std::string& path, const std::string& text);

@@ -90,6 +90,13 @@ public:
     [[nodiscard]] const MoeLayer* layer(uint32_t block) const;
     // The byte ranges of one expert: one per expert tensor of its layer.
     [[nodiscard]] std::vector<ByteRange> ranges(uint32_t block, uint32_t expert) const;
+    // Every byte of every file that is no routed-expert slice (attention, norms, embeddings,
+    // headers, padding): "the dense part", per file in offset order.
+    [[nodiscard]] std::vector<ByteRange> dense_ranges() const;
+    // The key heat profiles are kept under: "<architecture>-<blocks>x<experts>-<name>", each name
+    // lowercased with anything but letters and digits made '-'. No file offsets: another
+    // quantization of the same model has the same key.
+    [[nodiscard]] std::string profile_key() const;
     // Which expert holds this byte, if any. O(log n).
     [[nodiscard]] std::optional<ExpertRef> lookup(uint32_t file, uint64_t offset) const;
     // The same, with the position inside the expert's slice of its tensor. O(log n).

@@ -137,6 +137,35 @@ std::vector<ByteRange> ExpertMap::ranges(uint32_t block, uint32_t expert) const 
     return out;
 }
 
+std::vector<ByteRange> ExpertMap::dense_ranges() const {
+    std::vector<ByteRange> out;
+    for (uint32_t fi = 0; fi < files.size(); ++fi) {
+        std::vector<std::pair<uint64_t, uint64_t>> experts;  // [begin, end) of expert tensors
+        for (const auto& l : layers)
+            for (const auto& t : l.tensors)
+                if (t.file == fi) experts.emplace_back(t.offset, t.offset + t.bytes_per_expert * n_experts);
+        std::sort(experts.begin(), experts.end());
+        uint64_t at = 0;
+        for (const auto& [b, e] : experts) {
+            if (b > at) out.push_back({fi, at, b - at});
+            at = std::max(at, e);
+        }
+        if (files[fi].size > at) out.push_back({fi, at, files[fi].size - at});
+    }
+    return out;
+}
+
+std::string ExpertMap::profile_key() const {
+    auto sanitize = [](std::string_view s) {
+        std::string out;
+        for (char c : s)
+            out += std::isalnum(static_cast<unsigned char>(c)) ? static_cast<char>(std::tolower(static_cast<unsigned char>(c)))
+                                                              : '-';
+        return out.empty() ? std::string("unnamed") : out;
+    };
+    return fmt::format("{}-{}x{}-{}", sanitize(architecture), n_blocks, n_experts, sanitize(name));
+}
+
 std::optional<ExpertRef> ExpertMap::lookup(uint32_t file, uint64_t offset) const {
     const auto p = position(file, offset);
     if (!p) return std::nullopt;

@@ -56,4 +56,20 @@ Result<void> write_file_atomic(const std::string& path, const std::string& text)
     return {};
 }
 
+Result<void> pread_exact(int fd, void* buf, size_t n, uint64_t offset, std::string_view what) {
+    auto* p = static_cast<uint8_t*>(buf);
+    while (n > 0) {
+        const ssize_t got = ::pread(fd, p, n, static_cast<off_t>(offset));
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return fail_errno("read {} at offset {}", what, offset);
+        }
+        if (got == 0) return failf("read {} at offset {}: unexpected end of file", what, offset);
+        p += got;
+        n -= static_cast<size_t>(got);
+        offset += static_cast<uint64_t>(got);
+    }
+    return {};
+}
+
 }  // namespace moecache

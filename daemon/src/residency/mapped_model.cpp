@@ -40,34 +40,6 @@ Result<FileIdentity> identity_of_path(const std::string& path) {
                         int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec};
 }
 
-namespace {
-
-std::string sanitize(std::string_view s) {
-    std::string out;
-    for (char c : s) out += std::isalnum(static_cast<unsigned char>(c)) ? static_cast<char>(std::tolower(static_cast<unsigned char>(c))) : '-';
-    return out.empty() ? "unnamed" : out;
-}
-
-// Everything of the files that is not a routed expert, merged, as ranges to lock with "dense".
-std::vector<ByteRange> dense_ranges_of(const std::vector<GgufFile>& parts, const ExpertMap& map) {
-    std::vector<ByteRange> out;
-    for (uint32_t fi = 0; fi < parts.size(); ++fi) {
-        std::vector<std::pair<uint64_t, uint64_t>> experts;  // [begin, end) of expert tensors
-        for (const auto& l : map.layers)
-            for (const auto& t : l.tensors)
-                if (t.file == fi) experts.emplace_back(t.offset, t.offset + t.bytes_per_expert * map.n_experts);
-        std::sort(experts.begin(), experts.end());
-        uint64_t at = 0;
-        for (const auto& [b, e] : experts) {
-            if (b > at) out.push_back({fi, at, b - at});
-            at = std::max(at, e);
-        }
-        if (parts[fi].file_size > at) out.push_back({fi, at, parts[fi].file_size - at});
-    }
-    return out;
-}
-
-}  // namespace
 
 Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path) {
     auto m = std::make_unique<MappedModel>();
@@ -98,9 +70,8 @@ Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path) 
         }
         m->files_.push_back(std::move(f));
     }
-    m->dense_ranges_ = dense_ranges_of(parts, m->map_);
-    m->profile_key_ = fmt::format("{}-{}x{}-{}", sanitize(m->map_.architecture), m->map_.n_blocks,
-                                  m->map_.n_experts, sanitize(m->map_.name));
+    m->dense_ranges_ = m->map_.dense_ranges();
+    m->profile_key_ = m->map_.profile_key();
     return m;
 }
 

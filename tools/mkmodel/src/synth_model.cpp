@@ -1,7 +1,11 @@
 #include "moecache/mkmodel/synth_model.h"
 
+#include "moecache/file_util.h"
 #include "moecache/mkmodel/router_skew.h"
+#include "moecache/unique_fd.h"
 #include "rng.h"
+
+#include <fcntl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -332,6 +336,27 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
         random_tensor(p + "ffn_down_exps.weight", s.expert_type, {n_ff, n_embd, n_exp}, kWeightSigma);
     }
     return {};
+}
+
+Result<std::optional<std::vector<uint32_t>>> read_expert_ranks(const GgufFile& head, const ExpertMap& map) {
+    const auto* kv = head.find(kExpertRankKey);
+    if (!kv) return std::optional<std::vector<uint32_t>>{};
+    const auto* arr = std::get_if<GgufArrayRef>(&kv->value);
+    const uint64_t want = uint64_t{map.n_blocks} * map.n_experts;
+    if (!arr || arr->element_type != GgufValueType::U32 || arr->count != want)
+        return failf("{}: '{}' (at offset {}) is not a u32 array of block_count x expert_count = {} values",
+                     head.path, kExpertRankKey, kv->offset, want);
+    if (arr->offset > head.file_size || want * 4 > head.file_size - arr->offset)
+        return failf("{}: '{}': its {} values run past the end of the file", head.path, kExpertRankKey, want);
+    std::vector<uint32_t> rank(want);
+    UniqueFd fd(::open(head.path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return fail_errno("open {}", head.path);
+    MC_TRY_VOID(pread_exact(fd.get(), rank.data(), want * 4, arr->offset,
+                            fmt::format("{} key '{}'", head.path, kExpertRankKey)));
+    for (auto v : rank)
+        if (v >= map.n_experts)
+            return failf("{}: '{}' holds rank {}, past expert_count {}", head.path, kExpertRankKey, v, map.n_experts);
+    return std::optional<std::vector<uint32_t>>(std::move(rank));
 }
 
 }  // namespace moecache::mkmodel

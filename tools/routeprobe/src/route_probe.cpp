@@ -1,6 +1,8 @@
 #include "moecache/routeprobe/route_probe.h"
 
+#include "moecache/file_util.h"
 #include "moecache/mkmodel/router_skew.h"
+#include "moecache/mkmodel/synth_model.h"
 #include "moecache/routeprobe/routing_stats.h"
 
 #include <fcntl.h>
@@ -24,41 +26,12 @@ namespace {
 constexpr const char* kMaps = "/proc/self/maps";
 constexpr double kFractions[] = {0.125, 0.25, 0.5};
 
-Result<void> pread_all(int fd, void* buf, size_t n, uint64_t offset, const std::string& what) {
-    auto* p = static_cast<uint8_t*>(buf);
-    while (n > 0) {
-        const ssize_t got = ::pread(fd, p, n, static_cast<off_t>(offset));
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return fail_errno("read {} at offset {}", what, offset);
-        }
-        if (got == 0) return failf("read {} at offset {}: unexpected end of file", what, offset);
-        p += got;
-        n -= static_cast<size_t>(got);
-        offset += static_cast<uint64_t>(got);
-    }
-    return {};
-}
-
 // The generator's record of the ranking it built in, if this model came from moecache-mkmodel.
 Result<std::optional<IntendedRouting>> read_intended(const GgufFile& head, const ExpertMap& map) {
-    const auto* kv = head.find("moecache.mkmodel.expert_rank");
-    if (!kv) return std::optional<IntendedRouting>{};
-    const auto* arr = std::get_if<GgufArrayRef>(&kv->value);
-    const uint64_t want = uint64_t{map.n_blocks} * map.n_experts;
-    if (!arr || arr->element_type != GgufValueType::U32 || arr->count != want)
-        return failf("{}: 'moecache.mkmodel.expert_rank' is not a u32 array of block_count x expert_count "
-                     "= {} values", head.path, want);
+    auto rank = MC_TRY(mkmodel::read_expert_ranks(head, map));
+    if (!rank) return std::optional<IntendedRouting>{};
     IntendedRouting r;
-    r.rank.resize(want);
-    UniqueFd fd(::open(head.path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) return fail_errno("open {}", head.path);
-    MC_TRY_VOID(pread_all(fd.get(), r.rank.data(), want * 4, arr->offset,
-                          fmt::format("{} key 'moecache.mkmodel.expert_rank'", head.path)));
-    for (auto v : r.rank)
-        if (v >= map.n_experts)
-            return failf("{}: 'moecache.mkmodel.expert_rank' holds rank {}, past expert_count {}", head.path, v,
-                         map.n_experts);
+    r.rank = std::move(*rank);
     if (const auto* p = head.find("moecache.mkmodel.preset"); p && p->as_string()) r.preset = *p->as_string();
     auto number = [&](const char* key) {
         const auto* k = head.find(key);
@@ -216,7 +189,7 @@ Result<void> RouteProbe::read_present(const SentinelSet& set, std::vector<uint8_
     const uintptr_t first = set.pages.front();
     const size_t entries = (set.pages.back() - first) / page + 1;
     pagemap_buf_.resize(entries);
-    MC_TRY_VOID(pread_all(pagemap_.get(), pagemap_buf_.data(), entries * 8, first / page * 8, "/proc/self/pagemap"));
+    MC_TRY_VOID(pread_exact(pagemap_.get(), pagemap_buf_.data(), entries * 8, first / page * 8, "/proc/self/pagemap"));
     present.resize(set.pages.size());
     for (size_t e = 0; e < set.pages.size(); ++e)
         present[e] = static_cast<uint8_t>(pagemap_buf_[(set.pages[e] - first) / page] >> 63);

@@ -12,9 +12,12 @@
 
 #include "moecache/error.h"
 #include "moecache/ggml_type.h"
+#include "moecache/gguf.h"
+#include "moecache/model.h"
 #include "moecache/mkmodel/gguf_writer.h"
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +55,13 @@ uint64_t bytes_per_expert(const ModelSpec& spec);
 
 // The popularity rank (0 = hottest) of every expert of every layer: [layer * n_experts + e].
 std::vector<uint32_t> expert_ranks(const ModelSpec& spec);
+
+// Where a generated file records those ranks: a u32 array, [block * n_experts + e].
+inline constexpr const char* kExpertRankKey = "moecache.mkmodel.expert_rank";
+// The ranks a generated model records, read back from its first part and checked against its map
+// (block_count x expert_count values inside the file, each below expert_count); std::nullopt for a
+// model without the key (not made by moecache-mkmodel).
+Result<std::optional<std::vector<uint32_t>>> read_expert_ranks(const GgufFile& head, const ExpertMap& map);
 
 // Fills a writer with the whole model. Nothing is generated until the writer writes.
 Result<void> build_model(const ModelSpec& spec, GgufWriter& w);
