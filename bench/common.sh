@@ -38,3 +38,23 @@ require_built() {
   done
   [ -d "$top/tools/node/node_modules/node-llama-cpp" ] || { echo "run tools/setup/install-deps.sh first" >&2; exit 1; }
 }
+
+# memory_cgroup NAME: creates a memory cgroup NAME (v2 where the unified hierarchy has the memory
+# controller, else v1's memory controller) and sets $cg to it; then set_limit BYTES, oom_kills
+# (OOM kills in it so far) and in_cgroup CMD... (runs CMD inside it). The caller removes $cg.
+memory_cgroup() {
+  if grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+    cg=/sys/fs/cgroup/$1
+    set_limit() { echo "$1" > "$cg/memory.max"; echo 0 > "$cg/memory.swap.max" 2>/dev/null || true; }
+    oom_kills() { sed -n 's/^oom_kill //p' "$cg/memory.events"; }
+  elif [ -d /sys/fs/cgroup/memory ]; then
+    cg=/sys/fs/cgroup/memory/$1
+    set_limit() { echo "$1" > "$cg/memory.limit_in_bytes"; }
+    oom_kills() { sed -n 's/^oom_kill //p' "$cg/memory.oom_control"; }
+  else
+    echo "no memory cgroup controller (v1 or v2) here" >&2
+    return 1
+  fi
+  mkdir "$cg"
+}
+in_cgroup() { sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$@"; }

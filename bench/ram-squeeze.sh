@@ -66,23 +66,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# The memory cgroup: v2 where the unified hierarchy has the memory controller, else v1.
-if grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
-  cg=/sys/fs/cgroup/moecache-squeeze.$$
-  mkdir "$cg"
-  echo "$limit" > "$cg/memory.max"
-  echo 0 > "$cg/memory.swap.max" 2>/dev/null || true
-  oom_kills() { sed -n 's/^oom_kill //p' "$cg/memory.events"; }
-elif [ -d /sys/fs/cgroup/memory ]; then
-  cg=/sys/fs/cgroup/memory/moecache-squeeze.$$
-  mkdir "$cg"
-  echo "$limit" > "$cg/memory.limit_in_bytes"
-  oom_kills() { sed -n 's/^oom_kill //p' "$cg/memory.oom_control"; }
-else
-  echo "no memory cgroup controller (v1 or v2) here" >&2
-  exit 1
-fi
-in_cgroup() { sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$@"; }
+memory_cgroup "moecache-squeeze.$$" || exit 1
+set_limit "$limit"
 
 model=${SQUEEZE_MODEL:-$work/squeeze.gguf}
 if [ ! -f "$model" ]; then

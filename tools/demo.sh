@@ -9,6 +9,7 @@
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$top"
+source bench/common.sh
 
 tools/setup/install-deps.sh
 if [ "$(id -u)" != 0 ]; then
@@ -49,19 +50,8 @@ echo
 echo "== 2. moecachectl inspect =="
 "${ctl[@]}" inspect "$model"
 
-# A memory cgroup (v2, or v1's memory controller) for the squeezed runs.
-if grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
-  cg=/sys/fs/cgroup/moecache-demo.$$
-  mkdir "$cg"
-  set_limit() { echo "$1" > "$cg/memory.max"; echo 0 > "$cg/memory.swap.max" 2>/dev/null || true; }
-  oom_kills() { sed -n 's/^oom_kill //p' "$cg/memory.events"; }
-else
-  cg=/sys/fs/cgroup/memory/moecache-demo.$$
-  mkdir "$cg"
-  set_limit() { echo "$1" > "$cg/memory.limit_in_bytes"; }
-  oom_kills() { sed -n 's/^oom_kill //p' "$cg/memory.oom_control"; }
-fi
-in_cgroup() { sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$@"; }
+# A memory cgroup for the squeezed runs (bench/common.sh: memory_cgroup, set_limit, in_cgroup).
+memory_cgroup "moecache-demo.$$"
 dev=/sys/dev/block/$(stat -c '%Hd:%Ld' "$model")/stat
 sectors() { if [ -r "$dev" ]; then awk '{print $3}' "$dev"; else echo 0; fi; }
 declare -A speed read_mib
@@ -91,30 +81,7 @@ vmtouch -qe "$model"
 generate "plain mmap" in-cgroup
 
 # moecached: foreground, local configuration, a private D-Bus that moecachectl reaches.
-cat > "$run/bus.conf" <<XML
-<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <auth>EXTERNAL</auth>
-  <listen>unix:path=$run/bus</listen>
-  <policy context="default">
-    <allow user="*"/>
-    <deny own="*"/>
-    <deny send_type="method_call"/>
-    <allow send_type="signal"/>
-    <allow send_requested_reply="true" send_type="method_return"/>
-    <allow send_requested_reply="true" send_type="error"/>
-    <allow receive_type="method_call"/>
-    <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
-    <allow receive_type="signal"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
-  </policy>
-  <include>$top/dbus/org.moecache1.conf</include>
-</busconfig>
-XML
+sed -e "s|@SOCKET@|$run/bus|" -e "s|@POLICY@|$top/dbus/org.moecache1.conf|" dbus/private-bus.conf.in > "$run/bus.conf"
 dbus-daemon --config-file="$run/bus.conf" --nofork > "$run/bus.log" 2>&1 &
 bpid=$!
 for _ in $(seq 50); do [ -S "$run/bus" ] && break; sleep 0.1; done

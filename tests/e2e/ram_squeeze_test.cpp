@@ -95,8 +95,6 @@ uint64_t sectors_read(dev_t dev) {
     return sectors;
 }
 
-void evict(const std::string& path) { test::drop_page_cache(path); }
-
 struct Decode {
     nlohmann::json out;
     uint64_t bytes_read = 0;
@@ -161,7 +159,7 @@ TEST(RamSqueeze, MoecacheReadsLessPerTokenThanPlainMmap) {
               << " MiB, cgroup limit " << (limit >> 20) << " MiB\n";
 
     constexpr int kTokens = 64;
-    evict(model);
+    test::drop_page_cache(model);
     const Decode plain = decode({}, kTokens, true);
 
     // moecached in the same cgroup, cold (no heat yet): its lock budget a sixth of the model.
@@ -171,7 +169,7 @@ TEST(RamSqueeze, MoecacheReadsLessPerTokenThanPlainMmap) {
         "[daemon]\nstate_dir = \"{}\"\nsocket = \"{}\"\ntick_seconds = 0.2\n[budget]\nlock = {}\nreserve = 0\n"
         "[pressure]\nenabled = false\n[metrics]\nlisten = \"\"\n[dbus]\nbus = \"off\"\n[[model]]\npath = \"{}\"\n",
         state, dir.file("moecached.sock"), model_bytes / 6, model);
-    evict(model);
+    test::drop_page_cache(model);
     Decode squeezed;
     {
         test::Background daemon(cg->inside({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")}));

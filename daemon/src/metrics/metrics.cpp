@@ -40,6 +40,11 @@ public:
     void sample(std::string_view name, std::string_view labels, uint64_t v) {
         out_ += labels.empty() ? fmt::format("{} {}\n", name, v) : fmt::format("{}{{{}}} {}\n", name, labels, v);
     }
+    // A family of one sample without labels.
+    void scalar(std::string_view name, std::string_view type, std::string_view help, uint64_t v) {
+        family(name, type, help);
+        sample(name, "", v);
+    }
     std::string take() { return std::move(out_); }
 
 private:
@@ -84,38 +89,34 @@ std::string escape_label_value(std::string_view v) {
 
 std::string render_metrics(const DaemonStatus& s) {
     Writer w;
-    w.family("moecache_memory_bytes", "gauge", "RAM of the machine (MemTotal).");
-    w.sample("moecache_memory_bytes", "", s.mem_total);
-    w.family("moecache_lock_budget_bytes", "gauge", "The lock budget as configured (or set over D-Bus): all locked bytes together.");
-    w.sample("moecache_lock_budget_bytes", "", s.lock_budget);
-    w.family("moecache_reserve_bytes", "gauge", "RAM the daemon never locks into.");
-    w.sample("moecache_reserve_bytes", "", s.reserve);
-    w.family("moecache_lock_cap_bytes", "gauge",
-             "What the daemon may lock now: the lock budget within RAM (and its memory cgroup limit) less the reserve, and any pressure cap.");
-    w.sample("moecache_lock_cap_bytes", "", s.lock_cap);
+    w.scalar("moecache_memory_bytes", "gauge",
+             "RAM of the machine (MemTotal).", s.mem_total);
+    w.scalar("moecache_lock_budget_bytes", "gauge",
+             "The lock budget as configured (or set over D-Bus): all locked bytes together.", s.lock_budget);
+    w.scalar("moecache_reserve_bytes", "gauge",
+             "RAM the daemon never locks into.", s.reserve);
+    w.scalar("moecache_lock_cap_bytes", "gauge",
+             "What the daemon may lock now: the lock budget within RAM (and its memory cgroup limit) less the reserve, and any pressure cap.", s.lock_cap);
     w.family("moecache_locked_bytes", "gauge", "Bytes of model files the daemon holds locked in RAM, per model.");
     for (const auto& m : s.models) w.sample("moecache_locked_bytes", model_labels(m), m.locked_bytes);
-    w.family("moecache_process_locked_bytes", "gauge", "What the kernel counts as locked by the daemon (VmLck).");
-    w.sample("moecache_process_locked_bytes", "", s.vmlck_bytes);
-    w.family("moecache_under_pressure", "gauge", "1 while the daemon holds back because of memory pressure.");
-    w.sample("moecache_under_pressure", "", uint64_t{s.under_pressure ? 1u : 0u});
-    w.family("moecache_pressure_backoffs_total", "counter", "Memory pressure events (PSI) the daemon backed off for.");
-    w.sample("moecache_pressure_backoffs_total", "", s.pressure_events);
-    w.family("moecache_prefetched_bytes_total", "counter", "Bytes read ahead of use by the daemon's prefetcher.");
-    w.sample("moecache_prefetched_bytes_total", "", s.prefetch_done_bytes);
-    w.family("moecache_prefetch_queued_bytes", "gauge", "Bytes waiting in the prefetcher's queue.");
-    w.sample("moecache_prefetch_queued_bytes", "", s.prefetch_queued_bytes);
-    w.family("moecache_cgroup_limit_bytes", "gauge",
-             "The memory cgroup limit that binds the daemon (memory.max or memory.limit_in_bytes up its tree); 0: none.");
-    w.sample("moecache_cgroup_limit_bytes", "", s.cgroup_limit);
-    w.family("moecache_miss_fetches_total", "counter",
-             "Experts read whole into the page cache after a runtime read part of them from storage.");
-    w.sample("moecache_miss_fetches_total", "", s.miss_fetches);
-    w.family("moecache_miss_fetch_bytes_total", "counter", "Bytes those reads queued.");
-    w.sample("moecache_miss_fetch_bytes_total", "", s.miss_fetch_bytes);
-    w.family("moecache_warm_fetch_bytes_total", "counter",
-             "Bytes read beyond the locks at warm starts (a heat profile loaded or imported), not locked.");
-    w.sample("moecache_warm_fetch_bytes_total", "", s.warm_fetch_bytes);
+    w.scalar("moecache_process_locked_bytes", "gauge",
+             "What the kernel counts as locked by the daemon (VmLck).", s.vmlck_bytes);
+    w.scalar("moecache_under_pressure", "gauge",
+             "1 while the daemon holds back because of memory pressure.", uint64_t{s.under_pressure ? 1u : 0u});
+    w.scalar("moecache_pressure_backoffs_total", "counter",
+             "Memory pressure events (PSI) the daemon backed off for.", s.pressure_events);
+    w.scalar("moecache_prefetched_bytes_total", "counter",
+             "Bytes read ahead of use by the daemon's prefetcher.", s.prefetch_done_bytes);
+    w.scalar("moecache_prefetch_queued_bytes", "gauge",
+             "Bytes waiting in the prefetcher's queue.", s.prefetch_queued_bytes);
+    w.scalar("moecache_cgroup_limit_bytes", "gauge",
+             "The memory cgroup limit that binds the daemon (memory.max or memory.limit_in_bytes up its tree); 0: none.", s.cgroup_limit);
+    w.scalar("moecache_miss_fetches_total", "counter",
+             "Experts read whole into the page cache after a runtime read part of them from storage.", s.miss_fetches);
+    w.scalar("moecache_miss_fetch_bytes_total", "counter",
+             "Bytes those reads queued.", s.miss_fetch_bytes);
+    w.scalar("moecache_warm_fetch_bytes_total", "counter",
+             "Bytes read beyond the locks at warm starts (a heat profile loaded or imported), not locked.", s.warm_fetch_bytes);
 
     w.family("moecache_model_loaded", "gauge", "1 when the model is open and managed, 0 when it cannot be (see the log).");
     for (const auto& m : s.models) w.sample("moecache_model_loaded", model_labels(m), uint64_t{m.loaded ? 1u : 0u});
@@ -181,8 +182,8 @@ std::string render_metrics(const DaemonStatus& s) {
         w.family(f.name, f.type, f.help);
         for (const auto& p : s.vram_pools) w.sample(f.name, fmt::format("device=\"{}\"", p.device), p.*f.value);
     }
-    w.family("moecache_vram_releases_total", "counter", "Experts unlocked and dropped from RAM because a VRAM pool took them.");
-    w.sample("moecache_vram_releases_total", "", s.vram_releases);
+    w.scalar("moecache_vram_releases_total", "counter",
+             "Experts unlocked and dropped from RAM because a VRAM pool took them.", s.vram_releases);
 
     static constexpr std::array<const char*, 4> kKinds = {"added", "deleted", "fault", "mapped"};
     w.family("moecache_page_cache_events_total", "counter", "Page-cache events the kernel sent, per kind.");
@@ -191,8 +192,8 @@ std::string render_metrics(const DaemonStatus& s) {
     w.family("moecache_page_cache_events_dropped_total", "counter", "Page-cache events lost because the ring was full, per kind.");
     for (size_t k = 0; k < kKinds.size(); ++k)
         w.sample("moecache_page_cache_events_dropped_total", fmt::format("kind=\"{}\"", kKinds[k]), s.page_cache.dropped[k]);
-    w.family("moecache_page_cache_telemetry", "gauge", "1 while the eBPF page-cache telemetry runs.");
-    w.sample("moecache_page_cache_telemetry", "", uint64_t{s.page_cache.enabled ? 1u : 0u});
+    w.scalar("moecache_page_cache_telemetry", "gauge",
+             "1 while the eBPF page-cache telemetry runs.", uint64_t{s.page_cache.enabled ? 1u : 0u});
 
     uint64_t events = 0, bad = 0, overflow = 0;
     for (const auto& c : s.clients) {
@@ -200,16 +201,16 @@ std::string render_metrics(const DaemonStatus& s) {
         bad += c.bad_events;
         overflow += c.overflow;
     }
-    w.family("moecache_clients", "gauge", "Clients connected to the socket.");
-    w.sample("moecache_clients", "", static_cast<uint64_t>(s.clients.size()));
-    w.family("moecache_clients_refused_total", "counter", "Connections turned away (not allowed, too many).");
-    w.sample("moecache_clients_refused_total", "", s.clients_refused);
-    w.family("moecache_router_events_total", "counter", "Router decisions received from the clients now connected.");
-    w.sample("moecache_router_events_total", "", events);
-    w.family("moecache_router_events_refused_total", "counter", "Router records naming a model, block or expert the client may not.");
-    w.sample("moecache_router_events_refused_total", "", bad);
-    w.family("moecache_router_events_dropped_total", "counter", "Router records the clients' rings had no room for.");
-    w.sample("moecache_router_events_dropped_total", "", overflow);
+    w.scalar("moecache_clients", "gauge",
+             "Clients connected to the socket.", static_cast<uint64_t>(s.clients.size()));
+    w.scalar("moecache_clients_refused_total", "counter",
+             "Connections turned away (not allowed, too many).", s.clients_refused);
+    w.scalar("moecache_router_events_total", "counter",
+             "Router decisions received from the clients now connected.", events);
+    w.scalar("moecache_router_events_refused_total", "counter",
+             "Router records naming a model, block or expert the client may not.", bad);
+    w.scalar("moecache_router_events_dropped_total", "counter",
+             "Router records the clients' rings had no room for.", overflow);
     return w.take();
 }
 
