@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # What the hit signal costs a runtime: decode speed of a real llama.cpp (node-llama-cpp, CPU, one
 # thread) on a generated DeepSeek-skew model, RUNS times each with rounds interleaved, as medians:
-#   plain        no LD_PRELOAD, no daemon (the anchor)
-#   re-arm P ms  libmoecache-rearm.so preloaded, re-arming every P ms (1000: the default; 100; 10), with
-#                moecached running beside it, its eBPF programs attached and the model registered
-#                (watching only: nothing locked), so the faults are seen and attributed
+#   plain          no LD_PRELOAD, no daemon (the anchor)
+#   re-arm P/R     libmoecache-rearm.so preloaded, a round every P ms at most R pages a second
+#                  (MOECACHE_REARM_MS, MOECACHE_REARM_RATE; R 0: no limit): 1000/400 (the
+#                  defaults), 1000/0, 100/0 and 10/0; moecached runs beside it, its eBPF programs
+#                  attached and the model registered (watching only: nothing locked), so the
+#                  faults are seen and attributed
 # and the ratio of each to plain; the daemon's count of faults shows the signal arrived.
 #
 #   bench/rearm-overhead.sh [RUNS] [TOKENS]      (RUNS: 5, TOKENS: 1000; root)
-# Environment: MOECACHE_BUILD (build dir, default build), PERIODS ("1000 100 10").
+# Environment: MOECACHE_BUILD (build dir, default build), PACES ("1000/400 1000/0 100/0 10/0").
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$top/bench/common.sh"
@@ -51,14 +53,18 @@ for _ in $(seq 100); do grep -q "moecached running" "$work/daemon.log" && break;
 grep -q "moecached running" "$work/daemon.log" || { cat "$work/daemon.log" >&2; exit 1; }
 
 tps() { sed -n 's/.*"decode_tokens_per_second":\([0-9.]*\).*/\1/p'; }
-run() {   # PERIOD (0: plain)
+run() {   # PERIOD/RATE (0: plain)
   if [ "$1" = 0 ]; then
     node "$gen" --model "$model" --tokens "$tokens" --threads 1 --seed 1 2>/dev/null | tps
   else
-    LD_PRELOAD=$lib MOECACHE_REARM_MS=$1 node "$gen" --model "$model" --tokens "$tokens" --threads 1 --seed 1 2>/dev/null | tps
+    LD_PRELOAD=$lib MOECACHE_REARM_MS=${1%/*} MOECACHE_REARM_RATE=${1#*/} \
+      node "$gen" --model "$model" --tokens "$tokens" --threads 1 --seed 1 2>/dev/null | tps
   fi
 }
-periods=(${PERIODS:-1000 100 10})
+periods=(${PACES:-1000/400 1000/0 100/0 10/0})
+for p in "${periods[@]}"; do
+  [[ $p =~ ^[0-9]+/[0-9]+$ ]] || { echo "PACES: '$p' is not PERIOD_MS/RATE" >&2; exit 1; }
+done
 declare -A rates
 for i in $(seq "$runs"); do
   rates[0]+="$(run 0) "
@@ -69,7 +75,7 @@ printf 'model               %s (deepseek-v4-flash preset, q8_0), %d tokens, 1 th
 printf 'plain               median %6.1f tok/s  (runs: %s)\n' "$plain" "${rates[0]}"
 for p in "${periods[@]}"; do
   m=$(echo "${rates[$p]}" | tr ' ' '\n' | grep . | median)
-  printf 're-arm every %3d ms median %6.1f tok/s  (runs: %s) ratio %.3f\n' "$p" "$m" "${rates[$p]}" "$(echo "$m / $plain" | bc -l)"
+  printf 're-arm %-12s median %6.1f tok/s  (runs: %s) ratio %.3f\n' "$p" "$m" "${rates[$p]}" "$(echo "$m / $plain" | bc -l)"
 done
 kill -TERM "$dpid"; wait "$dpid" || true; dpid=
 grep -q 'page-cache telemetry on' "$work/daemon.log" || echo "note: moecached ran without its BPF programs" >&2

@@ -40,8 +40,19 @@ ExpertRearmer ExpertRearmer::plan(const ExpertMap& map, const std::vector<std::v
     return r;
 }
 
-size_t ExpertRearmer::rearm() {
-    if (refused_) return 0;
+RearmPace RearmPace::of(size_t pages, uint64_t period_ms, uint64_t rate) {
+    RearmPace p;
+    p.round_ms = std::max<uint64_t>(period_ms, 1);
+    if (rate > 0 && pages > 0) p.round_ms = std::max<uint64_t>(p.round_ms, (pages * 1000 + rate - 1) / rate);
+    const uint64_t ticks = std::max<uint64_t>(1, std::min<uint64_t>(p.round_ms / kTickMs, std::max<size_t>(pages, 1)));
+    p.tick_ms = p.round_ms / ticks;
+    p.per_tick = (pages + ticks - 1) / ticks;
+    return p;
+}
+
+size_t ExpertRearmer::rearm(size_t first, size_t count) {
+    if (refused_ || first >= pages_.size()) return 0;
+    count = std::min(count, pages_.size() - first);
     const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
     if (!prepared_) {
         prepared_ = true;
@@ -51,16 +62,16 @@ size_t ExpertRearmer::rearm() {
         iov_.reserve(pages_.size());
         for (const auto& p : pages_) iov_.push_back({reinterpret_cast<void*>(p.address), page});
     }
-    // All pages in one process_madvise() call per 1024 (Linux >= 6.13 takes MADV_DONTNEED on the
+    // All the pages in one process_madvise() call per 1024 (Linux >= 6.13 takes MADV_DONTNEED on the
     // caller itself, and flushes the TLB once per call since 6.16): one flush, so one round of
     // inter-processor interrupts to the runtime's threads, instead of one per page. Elsewhere
     // (EINVAL, ENOSYS, EPERM) one madvise() per page.
     if (batch_ && pidfd_) {
         size_t n = 0;
         bool ok = true;
-        for (size_t at = 0; at < iov_.size(); at += IOV_MAX) {
-            const size_t count = std::min<size_t>(IOV_MAX, iov_.size() - at);
-            const long r = ::syscall(SYS_process_madvise, pidfd_.get(), iov_.data() + at, count, MADV_DONTNEED, 0u);
+        for (size_t at = first; at < first + count; at += IOV_MAX) {
+            const size_t n_iov = std::min<size_t>(IOV_MAX, first + count - at);
+            const long r = ::syscall(SYS_process_madvise, pidfd_.get(), iov_.data() + at, n_iov, MADV_DONTNEED, 0u);
             if (r < 0) {
                 ok = false;
                 break;
@@ -71,8 +82,8 @@ size_t ExpertRearmer::rearm() {
         batch_ = false;
     }
     size_t n = 0;
-    for (const auto& p : pages_) {
-        if (::madvise(reinterpret_cast<void*>(p.address), page, MADV_DONTNEED) == 0) {
+    for (size_t i = first; i < first + count; ++i) {
+        if (::madvise(reinterpret_cast<void*>(pages_[i].address), page, MADV_DONTNEED) == 0) {
             ++n;
         } else {
             refused_ = true;

@@ -2,8 +2,9 @@
 // LD_PRELOAD; nothing in the runtime changes. A background thread finds the runtime's shared
 // mappings of *.gguf files in /proc/self/maps (every 20 ms until one appears, then every 10 s
 // for new models and changed mappings), reads each model's expert map, and re-arms one page per
-// expert every MOECACHE_REARM_MS milliseconds (default 1000; 0 turns it off; what it costs:
-// bench/rearm-overhead.sh). It says what it does once,
+// expert every MOECACHE_REARM_MS milliseconds (default 1000; 0 turns it off), at most
+// MOECACHE_REARM_RATE pages a second (default 400; 0: no limit), in slices (RearmPace, rearm.h;
+// what it costs: bench/rearm-overhead.sh). It says what it does once,
 // on stderr, prefixed "moecache-rearm:", and never stops the runtime: on any error it goes quiet.
 #include "moecache/client/rearm.h"
 #include "moecache/model.h"
@@ -12,7 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +36,9 @@ struct Model {
     ExpertMap map;
     std::string maps_snapshot;  // the mapping lines it was planned from
     ExpertRearmer rearmer;
+    moecache::client::RearmPace pace;
+    size_t cursor = 0;  // the next planned page to re-arm
+    std::chrono::steady_clock::time_point due;
 };
 
 // The paths of *.gguf files this process maps shared.
@@ -54,7 +60,7 @@ std::set<std::string> mapped_models(const std::string& maps) {
     return out;
 }
 
-void run(unsigned period_ms) {
+void run(unsigned period_ms, unsigned rate) {
     std::map<std::string, std::unique_ptr<Model>> models;  // by the path of the part mapped first
     std::set<std::string> failed;
     auto next_scan = std::chrono::steady_clock::now();
@@ -96,32 +102,53 @@ void run(unsigned period_ms) {
                 if (snapshot == m->maps_snapshot) continue;
                 m->maps_snapshot = snapshot;
                 m->rearmer = ExpertRearmer::plan(m->map, mappings);
-                std::fprintf(stderr, "moecache-rearm: %s: re-arming %zu experts every %u ms\n", path.c_str(),
-                             m->rearmer.pages(), period_ms);
+                m->pace = moecache::client::RearmPace::of(m->rearmer.pages(), period_ms, rate);
+                m->cursor = 0;
+                m->due = now;
+                std::fprintf(stderr, "moecache-rearm: %s: re-arming %zu experts every %llu ms (%zu every %llu ms)\n",
+                             path.c_str(), m->rearmer.pages(), static_cast<unsigned long long>(m->pace.round_ms),
+                             m->pace.per_tick, static_cast<unsigned long long>(m->pace.tick_ms));
             }
         }
+        auto wake = next_scan;
         for (auto& [path, m] : models) {
-            const bool was = m->rearmer.refused();
-            m->rearmer.rearm();
-            if (!was && m->rearmer.refused())
-                std::fprintf(stderr, "moecache-rearm: %s: the kernel refused (%s; a locked mapping?): stopped\n",
-                             path.c_str(), std::strerror(m->rearmer.refusal_errno()));
+            if (m->rearmer.pages() == 0 || m->rearmer.refused()) continue;
+            if (now >= m->due) {
+                m->rearmer.rearm(m->cursor, m->pace.per_tick);
+                m->cursor += m->pace.per_tick;
+                if (m->cursor >= m->rearmer.pages()) m->cursor = 0;
+                // From the last due time, not from now: a late slice does not slow the round.
+                m->due = std::max(m->due + std::chrono::milliseconds(m->pace.tick_ms), now);
+                if (m->rearmer.refused())
+                    std::fprintf(stderr, "moecache-rearm: %s: the kernel refused (%s; a locked mapping?): stopped\n",
+                                 path.c_str(), std::strerror(m->rearmer.refusal_errno()));
+            }
+            wake = std::min(wake, m->due);
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(period_ms));
+        std::this_thread::sleep_until(wake);
     }
 }
 
-__attribute__((constructor)) void start() {
-    unsigned period = 1000;
-    if (const char* e = std::getenv("MOECACHE_REARM_MS")) {
-        char* end = nullptr;
-        const unsigned long v = std::strtoul(e, &end, 10);
-        if (end == e || *end != '\0' || v > 3'600'000) {
-            std::fprintf(stderr, "moecache-rearm: MOECACHE_REARM_MS=%s is not a number of milliseconds (0..3600000): off\n", e);
-            return;
-        }
-        period = static_cast<unsigned>(v);
+// A whole number from the environment into `out` (left as it is where unset); false, said on
+// stderr, where it is set to anything but a number in [0, max].
+bool env_number(const char* name, unsigned long max, const char* what, unsigned& out) {
+    const char* e = std::getenv(name);
+    if (e == nullptr) return true;
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long v = std::strtoul(e, &end, 10);
+    if (end == e || *end != '\0' || errno != 0 || v > max || e[0] == '-') {
+        std::fprintf(stderr, "moecache-rearm: %s=%s is not a number of %s (0..%lu): off\n", name, e, what, max);
+        return false;
     }
+    out = static_cast<unsigned>(v);
+    return true;
+}
+
+__attribute__((constructor)) void start() {
+    unsigned period = 1000, rate = 400;
+    if (!env_number("MOECACHE_REARM_MS", 3'600'000, "milliseconds", period)) return;
+    if (!env_number("MOECACHE_REARM_RATE", 1'000'000, "pages a second", rate)) return;
     if (period == 0) return;
     // Only where it is asked for: a preload also reaches every child the runtime starts.
     if (const char* only = std::getenv("MOECACHE_REARM_EXE")) {
@@ -131,7 +158,7 @@ __attribute__((constructor)) void start() {
         exe[n] = '\0';
         if (std::strstr(exe, only) == nullptr) return;
     }
-    std::thread([period] { run(period); }).detach();
+    std::thread([period, rate] { run(period, rate); }).detach();
 }
 
 }  // namespace

@@ -18,6 +18,21 @@
 
 namespace moecache::client {
 
+// How a round of re-arming is spread over time. Each re-armed page costs the runtime one minor
+// fault when its expert is next used: ~1-2 us on bare metal, but ~14 us measured (with its
+// fault-around) on a shadow-paging VM, where 1792 pages a second took 5-10 % of a CPU runtime's decode speed. So
+// besides the period of a round there is a rate: at most `rate` pages a second (0: no limit),
+// which stretches the round of a model with many experts. A round goes out in slices, one every
+// tick_ms, so that the faults are spread over the tokens instead of arriving together.
+struct RearmPace {
+    static constexpr uint64_t kTickMs = 250;  // the shortest tick where a round is sliced
+    uint64_t round_ms = 0;                    // every planned page once per round
+    uint64_t tick_ms = 0;                     // the sleep between slices
+    size_t per_tick = 0;                      // pages per slice (the last one of a round may be short)
+
+    static RearmPace of(size_t pages, uint64_t period_ms, uint64_t rate);
+};
+
 class ExpertRearmer {
 public:
     // The kernel maps this much around a faulting page (fault_around_bytes, 64 KiB by default):
@@ -29,12 +44,14 @@ public:
     // whose first slice is not wholly inside a shared mapping are left out (see rearm.cpp).
     static ExpertRearmer plan(const ExpertMap& map, const std::vector<std::vector<FileMapping>>& mappings);
 
-    // Unmaps the planned pages (one madvise each). Returns how many were unmapped; a refusal
-    // (EINVAL: the runtime locked its mapping, --mlock) stops further attempts.
-    // The first call also asks for 4 KiB page-table entries in the mappings (MADV_NOHUGEPAGE):
-    // a large folio mapped by one PMD would be unmapped whole by re-arming any page of it, and
-    // the first expert the runtime touched there would take the only fault for all the others.
-    size_t rearm();
+    // Unmaps the planned pages number [first, first + count) of planned() (clamped to the plan).
+    // Returns how many were unmapped; a refusal (EINVAL: the runtime locked its mapping, --mlock)
+    // stops further attempts. The first call also asks for 4 KiB page-table entries in the
+    // mappings (MADV_NOHUGEPAGE): a large folio mapped by one PMD would be unmapped whole by
+    // re-arming any page of it, and the first expert the runtime touched there would take the
+    // only fault for all the others.
+    size_t rearm(size_t first, size_t count);
+    size_t rearm() { return rearm(0, pages_.size()); }
 
     [[nodiscard]] size_t pages() const { return pages_.size(); }
     [[nodiscard]] bool refused() const { return refused_; }
