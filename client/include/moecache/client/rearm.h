@@ -20,10 +20,11 @@ namespace moecache::client {
 
 // How a round of re-arming is spread over time. Each re-armed page costs the runtime one minor
 // fault when its expert is next used: ~1-2 us on bare metal, but ~14 us measured (with its
-// fault-around) on a shadow-paging VM, where 1792 pages a second took 5-10 % of a CPU runtime's decode speed. So
-// besides the period of a round there is a rate: at most `rate` pages a second (0: no limit),
-// which stretches the round of a model with many experts. A round goes out in slices, one every
-// tick_ms, so that the faults are spread over the tokens instead of arriving together.
+// fault-around) on a shadow-paging VM, where 1792 pages a second took 5-10 % of a CPU runtime's
+// decode speed. So besides the period of a round there is a rate: at most `rate` pages a second
+// (0: no limit), which stretches the round of a model with many experts. A round goes out in
+// slices, one every tick_ms, so that the faults are spread over the tokens instead of arriving
+// together.
 struct RearmPace {
     static constexpr uint64_t kTickMs = 250;  // the shortest tick where a round is sliced
     uint64_t round_ms = 0;                    // every planned page once per round
