@@ -21,6 +21,12 @@ const volatile __u32 ignore_tgid = 0;
  * clock. A wakeup per record would cost every reader of a model file an interrupt and a context
  * switch of the daemon per folio: a consumer that keeps up is woken by each record otherwise. */
 const volatile __u64 wakeup_bytes = 0;
+/* Except for a miss: a page added by another process than ignore_tgid (a runtime reading from
+ * storage, page by page under MADV_RANDOM) wakes the reader at once, at most once per this many
+ * nanoseconds (0: never), so that the daemon can read the rest of the expert before the runtime
+ * faults on it, without polling on a fast clock in case a miss comes. */
+const volatile __u64 miss_wakeup_ns = 0;
+__u64 last_miss_wakeup; /* when a miss last woke the reader; a race between CPUs costs a wakeup */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -84,8 +90,15 @@ static __always_inline int emit(__u8 kind, struct address_space *mapping, __u64 
 	e->kind = kind;
 	e->pad[0] = e->pad[1] = e->pad[2] = 0;
 	__u64 flags = BPF_RB_NO_WAKEUP;
-	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= wakeup_bytes)
+	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= wakeup_bytes) {
 		flags = BPF_RB_FORCE_WAKEUP;
+	} else if (kind == MC_PC_ADD && miss_wakeup_ns != 0 && tgid != ignore_tgid) {
+		__u64 now = bpf_ktime_get_ns();
+		if (now - last_miss_wakeup >= miss_wakeup_ns) {
+			last_miss_wakeup = now;
+			flags = BPF_RB_FORCE_WAKEUP;
+		}
+	}
 	bpf_ringbuf_submit(e, flags);
 	__sync_fetch_and_add(&sent[kind & (MC_PC_KINDS - 1)], 1);
 	return 0;

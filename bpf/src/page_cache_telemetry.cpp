@@ -166,6 +166,7 @@ Result<PageCacheTelemetry> PageCacheTelemetry::open(const Options& options, Sink
     auto& skel = *s->skel;
     skel.rodata->ignore_tgid = static_cast<__u32>(options.ignore_tgid);
     skel.rodata->wakeup_bytes = options.wakeup_bytes != 0 ? options.wakeup_bytes : options.ring_bytes / 4;
+    skel.rodata->miss_wakeup_ns = uint64_t{options.miss_wakeup_us} * 1000;
     if (int r = bpf_map__set_max_entries(skel.maps.events, options.ring_bytes); r != 0)
         return fail_code(-r, "page-cache telemetry: ring buffer size");
     if (int r = bpf_map__set_max_entries(skel.maps.watched, options.max_files); r != 0)

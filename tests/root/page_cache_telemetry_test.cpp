@@ -12,10 +12,16 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
+#include <sys/wait.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <functional>
+#include <future>
+#include <thread>
 #include <set>
 #include <string>
 #include <vector>
@@ -188,6 +194,70 @@ TEST_F(PageCacheTelemetryTest, AFloodBeyondTheRingIsCountedAsDropsAndNeverBlocks
     test::drop_page_cache(a);
     read_all(a, /*random=*/true, 64 * kPage);
     EXPECT_GT(t.consume(), 0u);
+}
+
+// Runs `act` while another thread waits on `fd` (poll, up to 400 ms); returns whether that wait
+// was woken within 200 ms of the act. A ring with data in it polls readable to a fresh caller at
+// once, whether or not its writer woke anybody: only a waiter that is already asleep tells a
+// wakeup from none (it sleeps out its timeout).
+bool woken_by(int fd, const std::function<void()>& act) {
+    std::atomic<bool> waiting{false};
+    auto waiter = std::async(std::launch::async, [&] {
+        pollfd p{fd, POLLIN, 0};
+        waiting = true;
+        (void)::poll(&p, 1, 400);
+        return std::chrono::steady_clock::now();
+    });
+    while (!waiting) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // asleep in poll by now
+    const auto at = std::chrono::steady_clock::now();
+    act();
+    return waiter.get() - at < std::chrono::milliseconds(200);
+}
+
+// Reads one page of `path` in a child process: a runtime's miss, as the daemon sees it.
+void read_one_page_elsewhere(const std::string& path, uint64_t page) {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        char b[kPage];
+        ::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
+        ::_exit(fd >= 0 && ::pread(fd, b, sizeof b, static_cast<off_t>(page * kPage)) == sizeof b ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+TEST_F(PageCacheTelemetryTest, AMissByAnotherProcessWakesTheReaderAtOnceAndOnlyThat) {
+    const std::string a = make_file(dir_, "a.bin", 4 * kMiB);
+    for (const uint32_t gap_us : {1000u, 0u}) {
+        SCOPED_TRACE(gap_us);
+        test::drop_page_cache(a);
+        PageCacheTelemetry::Options o;
+        o.ignore_tgid = ::getpid();  // this process plays the daemon
+        o.miss_wakeup_us = gap_us;
+        got_.events.clear();
+        auto t = PageCacheTelemetry::open(o, [this](const PageCacheEvent& e) { got_.events.push_back(e); });
+        ASSERT_TRUE(t) << t.error().what();
+        watch(*t, a, 5);
+        // The daemon's own read (a prefetch) is reported but wakes nobody: one record is far
+        // below a quarter of the ring.
+        EXPECT_FALSE(woken_by(t->event_fd(), [&] {
+            UniqueFd fd(::open(a.c_str(), O_RDONLY | O_CLOEXEC));
+            ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_RANDOM);
+            char b[kPage];
+            EXPECT_EQ(::pread(fd.get(), b, sizeof b, 0), static_cast<ssize_t>(sizeof b));
+        }));
+        t->consume();
+        EXPECT_EQ(got_.pages(5, PageCacheEventKind::Added).count(0), 1u);
+        // Another process's read wakes the reader where misses wake; either way it is reported.
+        got_.events.clear();
+        EXPECT_EQ(woken_by(t->event_fd(), [&] { read_one_page_elsewhere(a, 100); }), gap_us != 0);
+        t->consume();
+        EXPECT_EQ(got_.pages(5, PageCacheEventKind::Added).count(100), 1u);
+    }
 }
 
 TEST_F(PageCacheTelemetryTest, ABadRingSizeIsRefusedWithAReason) {

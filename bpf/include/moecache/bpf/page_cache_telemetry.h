@@ -58,6 +58,10 @@ public:
         // event_fd() becomes readable once this many bytes wait (0: a quarter of the ring); below
         // that the caller consumes on its own clock (poll_interval_ms below is a good one).
         uint32_t wakeup_bytes = 0;
+        // A page added by another process than ignore_tgid (a miss: a runtime reading from
+        // storage) makes event_fd() readable at once, at most once per this many microseconds
+        // (0: misses wait for wakeup_bytes like everything else).
+        uint32_t miss_wakeup_us = 0;
     };
     // How often a caller should consume() even when event_fd() has not become readable.
     static constexpr int kPollIntervalMs = 100;
@@ -74,8 +78,8 @@ public:
     Result<void> watch(dev_t dev, ino_t ino, uint32_t file_id);
     Result<void> unwatch(dev_t dev, ino_t ino);
 
-    // Readable (EPOLLIN) once the ring holds Options::wakeup_bytes: consume() also every
-    // kPollIntervalMs.
+    // Readable (EPOLLIN) once the ring holds Options::wakeup_bytes, or on a miss
+    // (Options::miss_wakeup_us): consume() also every kPollIntervalMs.
     [[nodiscard]] int event_fd() const;
     // Hands up to max_events records to the sink; returns how many. Never waits.
     size_t consume(size_t max_events = SIZE_MAX);

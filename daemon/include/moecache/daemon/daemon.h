@@ -276,7 +276,6 @@ private:
     double page_cache_cpu_ = 0;
     std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
     std::vector<std::pair<uint32_t, uint32_t>> missed_this_batch_;  // (model, slot) a runtime read from storage
-    std::chrono::steady_clock::time_point last_miss_{};
     uint64_t miss_fetches_ = 0, miss_fetch_bytes_ = 0, warm_fetch_bytes_ = 0;
     std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
     uint32_t self_tgid_ = 0;
