@@ -49,11 +49,19 @@ struct Failure {
     std::string message;
 };
 
+// How long a call waits for moecached's answer. Every method returns at once (a prefetch that
+// waits polls GetStatus), so sd-bus's default of 25 s only delays the message when the daemon is
+// stuck or a bus policy drops its replies.
+constexpr uint64_t kCallTimeoutSeconds = 10;
+
 std::unique_ptr<sdbus::IConnection> connect(const Options& o) {
     try {
-        if (o.bus == "system") return sdbus::createSystemBusConnection();
-        if (o.bus == "session") return sdbus::createSessionBusConnection();
-        return sdbus::createSessionBusConnectionWithAddress(o.bus);
+        std::unique_ptr<sdbus::IConnection> c;
+        if (o.bus == "system") c = sdbus::createSystemBusConnection();
+        else if (o.bus == "session") c = sdbus::createSessionBusConnection();
+        else c = sdbus::createSessionBusConnectionWithAddress(o.bus);
+        c->setMethodCallTimeout(kCallTimeoutSeconds * 1'000'000);
+        return c;
     } catch (const sdbus::Error& e) {
         throw Failure{kExitUnreachable, fmt::format("cannot reach the {} bus: {} (is dbus running? --bus chooses another)",
                                                     o.bus, e.getMessage())};
@@ -80,6 +88,10 @@ int exit_code_of(const std::string& name) {
 
 std::string explain(const sdbus::Error& e) {
     const int code = exit_code_of(e.getName());
+    if (e.getName() == "org.freedesktop.DBus.Error.NoReply" || e.getName() == "org.freedesktop.DBus.Error.Timeout")
+        return fmt::format("moecached did not answer within {} s ({}): is it stuck? (systemctl status moecached) A bus "
+                           "policy that lets calls through but drops the replies looks the same",
+                           kCallTimeoutSeconds, e.getName());
     if (code == kExitUnreachable)
         return fmt::format("moecached is not on the bus ({}): is it running? (systemctl status moecached)", e.getName());
     if (e.getName() == "org.freedesktop.DBus.Error.AccessDenied")

@@ -316,6 +316,22 @@ TEST_F(DbusApi, ExitCodesSayWhatWentWrong) {
     EXPECT_NE(gone.err.find("is it running"), std::string::npos) << gone.err;
 }
 
+// A name owner that never answers (a stuck daemon, or a bus policy that drops the replies):
+// moecachectl gives up after its own call timeout, not sd-bus's 25 s, and says what it waited for.
+TEST_F(DbusApi, ADaemonThatDoesNotAnswerIsGivenUpOnWithAReason) {
+    bus_ = std::make_unique<test::PrivateBus>(dir_.path(), std::string(MOECACHE_SOURCE_DIR) + "/dbus/org.moecache1.conf");
+    ASSERT_TRUE(bus_->ok()) << bus_->output();
+    auto silent = sdbus::createSessionBusConnectionWithAddress(bus_->address());
+    silent->requestName("org.moecache1");  // and never processes a message
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = ctl({"status"});
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    EXPECT_EQ(r.exit_code, 3) << r.err;
+    EXPECT_NE(r.err.find("did not answer within 10 s"), std::string::npos) << r.err;
+    EXPECT_GE(waited, std::chrono::seconds(9));
+    EXPECT_LT(waited, std::chrono::seconds(20));
+}
+
 // Raw calls with hostile arguments (what a careless or malicious client could send): each gets an
 // org.moecache1.Error naming what is wrong, and the daemon goes on.
 TEST_F(DbusApi, HostileArgumentsGetClearErrors) {
