@@ -1,0 +1,148 @@
+// Synthetic router traces: well-formed, reproducible, each control moving the statistic it is
+// for, the presets landing on their published figures, and the file in docs/trace.md's format.
+#include "temp_dir.h"
+
+#include "moecache/tracegen/tracegen.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <set>
+
+namespace moecache::tracegen {
+namespace {
+
+Spec small(uint64_t tokens = 1500) {
+    Spec s;
+    s.n_layers = 6;
+    s.n_experts = 64;
+    s.n_used = 8;
+    s.tokens = tokens;
+    return s;
+}
+
+TEST(TraceGen, EveryTokenGetsKDistinctSortedExpertsAndASeedRepeatsIt) {
+    Spec s = small(300);
+    s.skew = {2.0, 0.5};
+    s.reuse = 0.5;
+    s.follow = 2.0;
+    auto a = generate(s), b = generate(s);
+    ASSERT_TRUE(a && b);
+    EXPECT_EQ(a->experts, b->experts);
+    ASSERT_EQ(a->experts.size(), 300u * 6 * 8);
+    for (uint64_t t = 0; t < a->tokens; ++t)
+        for (uint32_t l = 0; l < a->n_layers; ++l) {
+            const auto e = a->at(t, l);
+            EXPECT_TRUE(std::is_sorted(e.begin(), e.end()));
+            EXPECT_EQ(std::set<uint16_t>(e.begin(), e.end()).size(), 8u);
+            EXPECT_LT(e.back(), 64u);
+        }
+    s.seed = 2;
+    EXPECT_NE(generate(s)->experts, a->experts);
+}
+
+TEST(TraceGen, ShapesItCannotGenerateAreRefusedByName) {
+    auto why = [](Spec s) {
+        auto r = generate(s);
+        return r ? std::string("generated") : r.error().what();
+    };
+    Spec s = small();
+    s.n_used = 64;
+    EXPECT_NE(why(s).find("experts used"), std::string::npos) << why(s);
+    s = small();
+    s.n_experts = 70000;
+    EXPECT_NE(why(s).find("experts must be"), std::string::npos) << why(s);
+    s = small();
+    s.reuse = 1.0;
+    EXPECT_NE(why(s).find("reuse"), std::string::npos) << why(s);
+    s = small();
+    s.follow = -1;
+    EXPECT_NE(why(s).find("follow"), std::string::npos) << why(s);
+    s = small();
+    s.n_layers = 0;
+    EXPECT_NE(why(s).find("layers"), std::string::npos) << why(s);
+    s = small();
+    s.skew.scale = std::nan("");
+    EXPECT_NE(why(s).find("skew"), std::string::npos) << why(s);
+}
+
+TEST(TraceGen, UniformRoutingMeasuresAsUniform) {
+    auto r = generate(small(3000));
+    ASSERT_TRUE(r);
+    const Stats st = measure(*r);
+    EXPECT_NEAR(st.top_eighth, 0.125, 0.02);
+    EXPECT_NEAR(st.top_quarter, 0.25, 0.03);
+    EXPECT_NEAR(st.reuse, 8.0 / 64, 0.02);       // the chance that an expert is picked again
+    EXPECT_NEAR(st.next_layer, 8.0 / 64, 0.03);  // nothing to learn: chance
+}
+
+TEST(TraceGen, ReuseAndFollowMoveTheirOwnStatistics) {
+    Spec s = small();
+    s.skew = {2.0, 0.5};
+    const Stats base = measure(*generate(s));
+    s.reuse = 0.9;
+    const Stats reused = measure(*generate(s));
+    EXPECT_GT(reused.reuse, base.reuse + 0.15) << base.reuse << " -> " << reused.reuse;
+    EXPECT_NEAR(reused.next_layer, base.next_layer, 0.06);
+    s.reuse = 0;
+    s.follow = 20;
+    const Stats followed = measure(*generate(s));
+    EXPECT_GT(followed.next_layer, base.next_layer + 0.2) << base.next_layer << " -> " << followed.next_layer;
+    // Following a pairing of equal ranks keeps each layer's popularity.
+    EXPECT_NEAR(followed.top_eighth, base.top_eighth, 0.05);
+}
+
+TEST(TraceGen, PresetsLandOnTheirPublishedStatistics) {
+    Spec shape = small(3000);
+    shape.n_layers = 8;
+    auto ds = fit(*find_preset("deepseek-v4-flash"), shape);
+    ASSERT_TRUE(ds) << ds.error().what();
+    const Stats d = measure(*generate(*ds));
+    EXPECT_NEAR(d.top_eighth, 0.58, 0.04);
+    EXPECT_NEAR(d.next_layer, 0.70, 0.04);
+    auto low = fit(*find_preset("low-skew"), shape);
+    ASSERT_TRUE(low) << low.error().what();
+    const Stats l = measure(*generate(*low));
+    EXPECT_NEAR(l.top_eighth, 0.18, 0.03);
+    EXPECT_NEAR(l.top_quarter, 0.33, 0.03);
+    EXPECT_LT(l.next_layer, 0.3);
+    EXPECT_EQ(find_preset("no-such"), nullptr);
+}
+
+TEST(TraceGen, TheFileIsOneModelAndOneDecisionPerTokenAndLayer) {
+    test::TempDir dir;
+    Spec s = small(50);
+    s.skew = {1.0, 1.0};
+    auto r = generate(s);
+    ASSERT_TRUE(r);
+    const std::string path = dir.file("t.jsonl");
+    ASSERT_TRUE(write_trace(*r, path, "synthetic-key", 4096, 25000));
+    std::ifstream f(path);
+    std::string line;
+    ASSERT_TRUE(std::getline(f, line));
+    EXPECT_EQ(nlohmann::json::parse(line).at("moecache_trace"), 1);
+    ASSERT_TRUE(std::getline(f, line));
+    const auto model = nlohmann::json::parse(line);
+    EXPECT_EQ(model.at("key"), "synthetic-key");
+    EXPECT_EQ(model.at("n_experts"), 64);
+    EXPECT_EQ(model.at("blocks").size(), 6u);
+    EXPECT_EQ(model.at("bytes_per_expert").at(5), 4096);
+    uint64_t n = 0;
+    while (std::getline(f, line)) {
+        const auto d = nlohmann::json::parse(line);
+        const uint64_t t = n / 6;
+        const uint32_t l = n % 6;
+        EXPECT_EQ(d.at("t"), t * 25000);
+        EXPECT_EQ(d.at("b"), l);
+        EXPECT_EQ(d.at("n"), 1);
+        const auto want = r->at(t, l);
+        EXPECT_EQ(d.at("e").get<std::vector<uint16_t>>(), std::vector<uint16_t>(want.begin(), want.end()));
+        ++n;
+    }
+    EXPECT_EQ(n, 50u * 6);
+    EXPECT_FALSE(write_trace(*r, dir.file("no-such-dir/t.jsonl"), "k", 1, 1));
+}
+
+}  // namespace
+}  // namespace moecache::tracegen

@@ -1,0 +1,79 @@
+// Synthetic router traces: which experts each token is routed to in each MoE layer, for replaying
+// placement policies (docs/trace.md). The router is mkmodel's (router_skew.h): the logit of expert
+// e is -S * ln(rank_e + 1)^P plus N(0, 1) noise, and each token takes the top k. Two controls:
+//   reuse   temporal locality: each layer's noise of an expert carries over from one token to the
+//           next with this correlation, so a token tends to reuse the previous token's experts;
+//   follow  layer-to-layer correlation: in layer l+1, the experts paired with this token's experts
+//           of layer l (the same popularity rank, so every layer keeps its popularity) get this
+//           much added to their logits, so the next layer's experts can be predicted from this
+//           layer's.
+// Presets fit the controls to published statistics; measure() reads the same statistics off any
+// routing, generated or recorded.
+#pragma once
+
+#include "moecache/error.h"
+#include "moecache/mkmodel/synth_model.h"
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace moecache::tracegen {
+
+struct Spec {
+    uint32_t n_layers = 16;
+    uint32_t n_experts = 64;
+    uint32_t n_used = 8;
+    uint64_t tokens = 2000;
+    mkmodel::RouterSkew skew;  // S = 0: every expert equally likely
+    double reuse = 0;          // [0, 1)
+    double follow = 0;         // [0, 100], in logit units
+    uint64_t seed = 1;
+};
+
+// The experts of every token in every layer, each list sorted.
+struct Routing {
+    uint32_t n_layers = 0;
+    uint32_t n_experts = 0;
+    uint32_t n_used = 0;
+    uint64_t tokens = 0;
+    std::vector<uint16_t> experts;  // [token][layer][i]
+
+    [[nodiscard]] std::span<const uint16_t> at(uint64_t token, uint32_t layer) const {
+        return {experts.data() + (token * n_layers + layer) * n_used, n_used};
+    }
+};
+
+// Fails, naming the field, on a shape it cannot generate.
+Result<Routing> generate(const Spec& spec);
+
+struct Stats {
+    double top_eighth = 0;   // share of routings to the hottest 12.5 % of a layer's experts (mean over layers)
+    double top_quarter = 0;  // ... to the hottest 25 %
+    double reuse = 0;        // share of a token's experts in a layer that the previous token used there too
+    // Precision of predicting layer l+1's experts from layer l's: the k experts of l+1 most
+    // likely given this token's experts of l (popularity times the lift of each co-occurrence,
+    // learnt on the first half of the trace), scored on the second half.
+    double next_layer = 0;
+};
+[[nodiscard]] Stats measure(const Routing& routing);
+
+struct Preset {
+    std::string name;
+    std::string description;
+    std::string skew_preset;  // mkmodel's preset of the same routing skew
+    double next_layer = -1;   // target next-layer predictability; < 0: none (follow = 0)
+};
+const std::vector<Preset>& presets();
+const Preset* find_preset(const std::string& name);
+
+// `shape` with its skew and follow fitted to the preset for its expert counts.
+Result<Spec> fit(const Preset& preset, Spec shape);
+
+// The trace format of docs/trace.md: the header, one model (key `key`, `expert_bytes` per expert in
+// every layer), and one decision per token and layer, tokens `token_us` microseconds apart.
+Result<void> write_trace(const Routing& routing, const std::string& path, const std::string& key,
+                         uint64_t expert_bytes, uint64_t token_us);
+
+}  // namespace moecache::tracegen

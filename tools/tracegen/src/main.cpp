@@ -1,0 +1,112 @@
+// moecache-tracegen: synthetic router traces (docs/trace.md) for replaying placement policies.
+#include "moecache/tracegen/tracegen.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <string>
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: moecache-tracegen -o FILE [options]
+Writes a synthetic router trace (docs/trace.md): per token, the experts of every MoE layer, from
+mkmodel's router (popularity skew) with temporal locality and layer-to-layer correlation.
+  -o, --output FILE     the trace (JSON lines)
+  --preset NAME         deepseek-v4-flash | low-skew | uniform: fits the skew and the layer
+                        correlation to the preset's published statistics for these counts
+  --skew S, --skew-shape P   the router skew by hand (excludes --preset)
+  --follow B            layer-to-layer correlation: a logit boost in [0, 100] for the experts paired
+                        with this token's experts of the previous layer (by hand; else the preset's)
+  --reuse R             token-to-token noise correlation in [0, 1) (temporal locality; 0)
+  --layers L            MoE layers (16)
+  --experts N           experts per layer (64)
+  --experts-used K      experts per token (8)
+  --tokens T            tokens (2000)
+  --seed X              (1)
+  --expert-bytes B      bytes of one expert, written in the model line (1671168)
+  --token-us U          microseconds between tokens, for timestamps (25000)
+  --key KEY             the model's key in the trace (synthetic)
+It prints the trace's statistics: the share of routings to the hottest 12.5 % and 25 % of a
+layer's experts, the share of a token's experts the previous token used too, and how well the
+next layer's experts are predicted from this layer's.
+)";
+
+template <typename T>
+bool number(const std::string& s, T& out) {
+    const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+    return ec == std::errc{} && p == s.data() + s.size();
+}
+bool real(const std::string& s, double& out) {
+    try {
+        size_t n = 0;
+        out = std::stod(s, &n);
+        return n == s.size();
+    } catch (...) {
+        return false;
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    using namespace moecache::tracegen;
+    Spec spec;
+    std::string output, preset, key = "synthetic";
+    uint64_t expert_bytes = 1671168, token_us = 25000;
+    bool skew_given = false, follow_given = false;
+    auto die = [](const std::string& m) {
+        fmt::print(stderr, "moecache-tracegen: {}\n", m);
+        return 2;
+    };
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "-h" || a == "--help") {
+            fmt::print("{}", kUsage);
+            return 0;
+        }
+        if (i + 1 >= argc) return die(fmt::format("{} needs a value (or is unknown; see --help)", a));
+        const std::string v = argv[++i];
+        bool ok = true;
+        if (a == "-o" || a == "--output") output = v;
+        else if (a == "--preset") preset = v;
+        else if (a == "--skew") { ok = real(v, spec.skew.scale); skew_given = true; }
+        else if (a == "--skew-shape") ok = real(v, spec.skew.shape);
+        else if (a == "--follow") { ok = real(v, spec.follow); follow_given = true; }
+        else if (a == "--reuse") ok = real(v, spec.reuse);
+        else if (a == "--layers") ok = number(v, spec.n_layers);
+        else if (a == "--experts") ok = number(v, spec.n_experts);
+        else if (a == "--experts-used") ok = number(v, spec.n_used);
+        else if (a == "--tokens") ok = number(v, spec.tokens);
+        else if (a == "--seed") ok = number(v, spec.seed);
+        else if (a == "--expert-bytes") ok = number(v, expert_bytes);
+        else if (a == "--token-us") ok = number(v, token_us);
+        else if (a == "--key") key = v;
+        else return die(fmt::format("unknown option {} (see --help)", a));
+        if (!ok) return die(fmt::format("{}: '{}' is not a valid value", a, v));
+    }
+    if (output.empty()) return die("-o FILE is required (see --help)");
+    if (!preset.empty()) {
+        if (skew_given) return die("--preset and --skew exclude each other");
+        const Preset* p = find_preset(preset);
+        if (!p) {
+            std::string names;
+            for (const auto& q : presets()) names += " " + q.name;
+            return die(fmt::format("unknown preset '{}'; known:{}", preset, names));
+        }
+        const double follow = spec.follow;
+        auto fitted = fit(*p, spec);
+        if (!fitted) return die(fitted.error().what());
+        spec = *fitted;
+        if (follow_given) spec.follow = follow;
+    }
+    auto routing = generate(spec);
+    if (!routing) return die(routing.error().what());
+    if (auto w = write_trace(*routing, output, key, expert_bytes, token_us); !w) return die(w.error().what());
+    const Stats st = measure(*routing);
+    fmt::print("{}: {} tokens x {} layers, top-{} of {} experts; skew S={:.3f} P={:.2f}, follow {:.3f}, reuse {:.3f}\n"
+               "  hottest 12.5 % of experts take {:.1f} % of routings, 25 % take {:.1f} %; {:.1f} % of a token's "
+               "experts reused from the previous token; next layer {:.1f} % predictable\n",
+               output, spec.tokens, spec.n_layers, spec.n_used, spec.n_experts, spec.skew.scale, spec.skew.shape,
+               spec.follow, spec.reuse, 100 * st.top_eighth, 100 * st.top_quarter, 100 * st.reuse, 100 * st.next_layer);
+    return 0;
+}

@@ -1,0 +1,262 @@
+#include "moecache/tracegen/tracegen.h"
+
+#include "moecache/mkmodel/router_skew.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+namespace moecache::tracegen {
+namespace {
+
+// N(0, 1) by Box-Muller over a 64-bit Mersenne twister: the same numbers for the same seed here.
+class Normal {
+public:
+    explicit Normal(uint64_t seed) : rng_(seed) {}
+    double operator()() {
+        if (have_spare_) {
+            have_spare_ = false;
+            return spare_;
+        }
+        double u = 0;
+        while (u <= 0) u = unit();
+        const double v = unit(), r = std::sqrt(-2.0 * std::log(u)), a = 2.0 * M_PI * v;
+        spare_ = r * std::sin(a);
+        have_spare_ = true;
+        return r * std::cos(a);
+    }
+    std::mt19937_64& engine() { return rng_; }
+
+private:
+    double unit() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
+    std::mt19937_64 rng_;
+    double spare_ = 0;
+    bool have_spare_ = false;
+};
+
+}  // namespace
+
+Result<Routing> generate(const Spec& s) {
+    if (s.n_layers == 0) return failf("trace: layers must be at least 1");
+    if (s.n_experts < 2 || s.n_experts > 65535) return failf("trace: experts must be 2..65535, not {}", s.n_experts);
+    if (s.n_used == 0 || s.n_used >= s.n_experts)
+        return failf("trace: experts used must be 1..{} (fewer than the experts), not {}", s.n_experts - 1, s.n_used);
+    if (s.tokens == 0 || s.tokens > (uint64_t{1} << 26)) return failf("trace: tokens must be 1..{}", uint64_t{1} << 26);
+    if (uint64_t{s.n_layers} * s.n_used * s.tokens > (uint64_t{1} << 31))
+        return failf("trace: {} tokens x {} layers x {} experts used is too large to hold", s.tokens, s.n_layers, s.n_used);
+    if (!(s.reuse >= 0 && s.reuse < 1)) return failf("trace: reuse must be in [0, 1), not {}", s.reuse);
+    if (!(s.follow >= 0 && s.follow <= 100)) return failf("trace: follow must be in [0, 100], not {}", s.follow);
+    if (!(s.skew.scale >= 0 && std::isfinite(s.skew.scale)) || !(s.skew.shape > 0 && std::isfinite(s.skew.shape)))
+        return failf("trace: skew S must be >= 0 and P > 0");
+
+    const uint32_t L = s.n_layers, E = s.n_experts, K = s.n_used;
+    Normal normal(s.seed);
+    // Per layer: which expert holds each popularity rank (a shuffle, so hot experts are not the
+    // low ids). pair[l][e]: the expert of layer l + 1 with e's rank, so that following the pairing
+    // keeps every layer's popularity.
+    std::vector<std::vector<uint32_t>> by_rank(L, std::vector<uint32_t>(E)), pair(L, std::vector<uint32_t>(E));
+    std::vector<double> bias(static_cast<size_t>(L) * E);
+    for (uint32_t l = 0; l < L; ++l) {
+        std::iota(by_rank[l].begin(), by_rank[l].end(), 0u);
+        std::shuffle(by_rank[l].begin(), by_rank[l].end(), normal.engine());
+        for (uint32_t r = 0; r < E; ++r)
+            bias[size_t{l} * E + by_rank[l][r]] = -s.skew.scale * std::pow(std::log(static_cast<double>(r) + 1.0), s.skew.shape);
+    }
+    for (uint32_t l = 0; l + 1 < L; ++l)
+        for (uint32_t r = 0; r < E; ++r) pair[l][by_rank[l][r]] = by_rank[l + 1][r];
+    // Each layer's noise: an AR(1) process over tokens.
+    std::vector<double> noise(static_cast<size_t>(L) * E);
+    for (auto& v : noise) v = normal();
+    const double keep = std::sqrt(1.0 - s.reuse * s.reuse);
+
+    Routing out;
+    out.n_layers = L;
+    out.n_experts = E;
+    out.n_used = K;
+    out.tokens = s.tokens;
+    out.experts.resize(s.tokens * L * K);
+    std::vector<std::pair<double, uint32_t>> logits(E);
+    for (uint64_t t = 0; t < s.tokens; ++t) {
+        for (uint32_t l = 0; l < L; ++l) {
+            double* z = &noise[size_t{l} * E];
+            if (t > 0)
+                for (uint32_t e = 0; e < E; ++e) z[e] = s.reuse * z[e] + keep * normal();
+            for (uint32_t e = 0; e < E; ++e) logits[e] = {bias[size_t{l} * E + e] + z[e], e};
+            if (l > 0)
+                for (uint16_t a : out.at(t, l - 1)) logits[pair[l - 1][a]].first += s.follow;
+            std::nth_element(logits.begin(), logits.begin() + (K - 1), logits.end(),
+                             [](const auto& a, const auto& b) { return a.first > b.first; });
+            uint16_t* dst = &out.experts[(t * L + l) * K];
+            for (uint32_t i = 0; i < K; ++i) dst[i] = static_cast<uint16_t>(logits[i].second);
+            std::sort(dst, dst + K);
+        }
+    }
+    return out;
+}
+
+Stats measure(const Routing& r) {
+    Stats st;
+    const uint32_t L = r.n_layers, E = r.n_experts, K = r.n_used;
+    if (L == 0 || E == 0 || K == 0 || r.tokens == 0) return st;
+    for (uint32_t l = 0; l < L; ++l) {
+        std::vector<double> counts(E, 0.0);
+        for (uint64_t t = 0; t < r.tokens; ++t)
+            for (uint16_t e : r.at(t, l)) counts[e] += 1.0;
+        const auto curve = mkmodel::coverage_curve(counts);
+        st.top_eighth += mkmodel::coverage_at(curve, 0.125) / L;
+        st.top_quarter += mkmodel::coverage_at(curve, 0.25) / L;
+    }
+    if (r.tokens > 1) {
+        uint64_t kept = 0;
+        std::vector<char> prev(E);
+        for (uint32_t l = 0; l < L; ++l)
+            for (uint64_t t = 1; t < r.tokens; ++t) {
+                std::fill(prev.begin(), prev.end(), 0);
+                for (uint16_t e : r.at(t - 1, l)) prev[e] = 1;
+                for (uint16_t e : r.at(t, l)) kept += prev[e];
+            }
+        st.reuse = static_cast<double>(kept) / (static_cast<double>(r.tokens - 1) * L * K);
+    }
+    if (L > 1 && r.tokens >= 4) {
+        // Learnt on the first half: how often each expert of l+1 is used (p), and with each of l.
+        const uint64_t half = r.tokens / 2;
+        std::vector<double> co(static_cast<size_t>(L - 1) * E * E, 0.0), used(static_cast<size_t>(L) * E, 0.0);
+        for (uint64_t t = 0; t < half; ++t)
+            for (uint32_t l = 0; l < L; ++l)
+                for (uint16_t a : r.at(t, l)) {
+                    used[size_t{l} * E + a] += 1.0;
+                    if (l + 1 < L)
+                        for (uint16_t b : r.at(t, l + 1)) co[(size_t{l} * E + a) * E + b] += 1.0;
+                }
+        // The prediction: the k experts of l+1 with the highest log p(b) + sum over this token's
+        // experts a of l of log(p(b | a) / p(b)), p(b | a) smoothed towards p(b). Summing raw
+        // co-occurrence counts instead would only find the popular experts again.
+        const double n = static_cast<double>(half);
+        std::vector<double> log_p(static_cast<size_t>(L) * E);
+        for (size_t i = 0; i < log_p.size(); ++i) log_p[i] = std::log((used[i] + 0.5) / (n + 1.0));
+        for (uint32_t l = 0; l + 1 < L; ++l)  // co becomes log(p(b | a) / p(b))
+            for (uint32_t a = 0; a < E; ++a)
+                for (uint32_t b = 0; b < E; ++b) {
+                    double& c = co[(size_t{l} * E + a) * E + b];
+                    const double pb = std::exp(log_p[size_t{l + 1} * E + b]);
+                    c = std::log((c + pb) / (used[size_t{l} * E + a] + 1.0) / pb);
+                }
+        uint64_t hit = 0, guessed = 0;
+        std::vector<std::pair<double, uint32_t>> score(E);
+        std::vector<char> actual(E);
+        for (uint64_t t = half; t < r.tokens; ++t)
+            for (uint32_t l = 0; l + 1 < L; ++l) {
+                for (uint32_t b = 0; b < E; ++b) score[b] = {log_p[size_t{l + 1} * E + b], b};
+                for (uint16_t a : r.at(t, l)) {
+                    const double* lift = &co[(size_t{l} * E + a) * E];
+                    for (uint32_t b = 0; b < E; ++b) score[b].first += lift[b];
+                }
+                std::nth_element(score.begin(), score.begin() + (K - 1), score.end(), [](const auto& x, const auto& y) {
+                    return x.first != y.first ? x.first > y.first : x.second < y.second;
+                });
+                std::fill(actual.begin(), actual.end(), 0);
+                for (uint16_t b : r.at(t, l + 1)) actual[b] = 1;
+                for (uint32_t i = 0; i < K; ++i) hit += actual[score[i].second];
+                guessed += K;
+            }
+        st.next_layer = guessed ? static_cast<double>(hit) / static_cast<double>(guessed) : 0.0;
+    }
+    return st;
+}
+
+const std::vector<Preset>& presets() {
+    static const std::vector<Preset> kPresets = {
+        {"deepseek-v4-flash",
+         "published DeepSeek-V4-Flash routing: the hottest 12.5 % of a layer's experts take ~58 % of "
+         "routings, the hottest 25 % ~71 %; the next layer's experts ~70 % predictable from this layer's",
+         "deepseek-v4-flash", 0.70},
+        {"low-skew", "close to uniform, as reported for OLMoE: the hottest 12.5 % take ~18 %, 25 % ~33 %",
+         "low-skew", -1},
+        {"uniform", "every expert equally likely, no correlation", "uniform", -1},
+    };
+    return kPresets;
+}
+
+const Preset* find_preset(const std::string& name) {
+    for (const auto& p : presets())
+        if (p.name == name) return &p;
+    return nullptr;
+}
+
+Result<Spec> fit(const Preset& preset, Spec shape) {
+    const mkmodel::Preset* skew = mkmodel::find_preset(preset.skew_preset);
+    if (!skew) return failf("trace preset {}: no router skew preset {}", preset.name, preset.skew_preset);
+    if (shape.n_used == 0 || shape.n_used >= shape.n_experts)
+        return failf("trace: experts used must be 1..{} (fewer than the experts), not {}", shape.n_experts - 1, shape.n_used);
+    shape.skew = mkmodel::fit_skew(*skew, shape.n_experts, shape.n_used);
+    shape.follow = 0;
+    if (preset.next_layer < 0 || skew->targets.empty()) return shape;
+    // Following the pairing concentrates routing on the experts paired with hot ones, so the two
+    // are fitted together: the boost for the predictability, then S for the hottest 12.5 %'s share
+    // (P as fitted alone), three times over, each by bisection on a fixed sample of this shape.
+    Spec probe = shape;
+    probe.n_layers = std::min<uint32_t>(std::max<uint32_t>(shape.n_layers, 2), 8);
+    probe.tokens = std::max<uint64_t>(1500, uint64_t{probe.n_experts} * 12);
+    probe.seed = 99;
+    auto stats = [&]() -> Result<Stats> {
+        auto r = generate(probe);
+        if (!r) return tl::unexpected(r.error());
+        return measure(*r);
+    };
+    auto bisect = [&](double& knob, double lo, double hi, auto&& below) -> Result<void> {
+        for (int it = 0; it < 14; ++it) {
+            knob = 0.5 * (lo + hi);
+            auto st = stats();
+            if (!st) return tl::unexpected(st.error());
+            (below(*st) ? lo : hi) = knob;
+        }
+        knob = 0.5 * (lo + hi);
+        return {};
+    };
+    const mkmodel::CoveragePoint target = skew->targets.front();
+    for (int round = 0; round < 3; ++round) {
+        probe.follow = 0;
+        auto at0 = stats();
+        if (!at0) return tl::unexpected(at0.error());
+        if (at0->next_layer < preset.next_layer)
+            MC_TRY_VOID(bisect(probe.follow, 0.0, 8.0, [&](const Stats& st) { return st.next_layer < preset.next_layer; }));
+        MC_TRY_VOID(bisect(probe.skew.scale, 0.0, 2 * shape.skew.scale + 1.0, [&](const Stats& st) {
+            return (target.expert_fraction == 0.125 ? st.top_eighth : st.top_quarter) < target.routing_share;
+        }));
+    }
+    shape.follow = probe.follow;
+    shape.skew = probe.skew;
+    return shape;
+}
+
+Result<void> write_trace(const Routing& r, const std::string& path, const std::string& key, uint64_t expert_bytes,
+                         uint64_t token_us) {
+    std::ofstream f(path, std::ios::trunc);
+    if (!f) return fail_errno("writing the trace {}", path);
+    nlohmann::json model = {{"model", 0}, {"key", key}, {"path", ""}, {"n_experts", r.n_experts}};
+    std::vector<uint32_t> blocks(r.n_layers);
+    std::iota(blocks.begin(), blocks.end(), 0u);
+    model["blocks"] = blocks;
+    model["bytes_per_expert"] = std::vector<uint64_t>(r.n_layers, expert_bytes);
+    f << R"({"moecache_trace":1,"tick_seconds":1})" << '\n' << model.dump() << '\n';
+    std::string line;
+    for (uint64_t t = 0; t < r.tokens; ++t)
+        for (uint32_t l = 0; l < r.n_layers; ++l) {
+            line = fmt::format(R"({{"t":{},"m":0,"b":{},"n":1,"e":[)", t * token_us, l);
+            const auto e = r.at(t, l);
+            for (size_t i = 0; i < e.size(); ++i) line += fmt::format("{}{}", i ? "," : "", e[i]);
+            line += "]}\n";
+            f << line;
+        }
+    f.flush();
+    if (!f) return fail_errno("writing the trace {}", path);
+    return {};
+}
+
+}  // namespace moecache::tracegen
