@@ -11,6 +11,7 @@
 #include "moecache/client.h"
 #include "moecache/daemon/daemon.h"
 #include "moecache/dbus/proxy.h"
+#include "moecache/sim/trace.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -261,6 +262,12 @@ TEST_F(DbusApi, MoecachectlDrivesEveryVerb) {
     const std::string text = test::read_file(trace);
     EXPECT_NE(text.find("\"moecache_trace\":1"), std::string::npos) << text.substr(0, 400);
     EXPECT_NE(text.find("\"b\":1,\"n\":1,\"e\":[3,7]"), std::string::npos) << text.substr(0, 400);
+    // What the daemon records, the replay's reader takes back.
+    const auto read = sim::read_trace(trace);
+    ASSERT_TRUE(read) << read.error().what();
+    EXPECT_GE(read->decisions.size(), 20u);
+    ASSERT_FALSE(read->models.empty());
+    EXPECT_EQ(read->decisions.front().experts, (std::vector<uint32_t>{3, 7}));
     EXPECT_EQ(ctl({"trace", "stop"}).exit_code, 5);
 
     // profile: export, change, import, and the heat follows.
