@@ -41,11 +41,7 @@ Files:
   --json              print what was written as JSON on stdout
 )";
 
-template <typename T>
-bool parse_number(const std::string& s, T& out) {
-    const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
-    return ec == std::errc{} && p == s.data() + s.size();
-}
+}  // namespace
 
 bool parse_double(const std::string& s, double& out) {
     try {
@@ -56,8 +52,6 @@ bool parse_double(const std::string& s, double& out) {
         return false;
     }
 }
-
-}  // namespace
 
 int run_cli(int argc, char** argv) {
     ModelSpec spec;

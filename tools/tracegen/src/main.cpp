@@ -1,9 +1,9 @@
 // moecache-tracegen: synthetic router traces (docs/trace.md) for replaying placement policies.
+#include "moecache/mkmodel/cli.h"
 #include "moecache/tracegen/tracegen.h"
 
 #include <fmt/format.h>
 
-#include <charconv>
 #include <string>
 
 namespace {
@@ -31,25 +31,11 @@ layer's experts, the share of a token's experts the previous token used too, and
 next layer's experts are predicted from this layer's.
 )";
 
-template <typename T>
-bool number(const std::string& s, T& out) {
-    const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
-    return ec == std::errc{} && p == s.data() + s.size();
-}
-bool real(const std::string& s, double& out) {
-    try {
-        size_t n = 0;
-        out = std::stod(s, &n);
-        return n == s.size();
-    } catch (...) {
-        return false;
-    }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
     using namespace moecache::tracegen;
+    namespace mkmodel = moecache::mkmodel;
     Spec spec;
     std::string output, preset, key = "synthetic";
     uint64_t expert_bytes = 1671168, token_us = 25000;
@@ -69,17 +55,17 @@ int main(int argc, char** argv) {
         bool ok = true;
         if (a == "-o" || a == "--output") output = v;
         else if (a == "--preset") preset = v;
-        else if (a == "--skew") { ok = real(v, spec.skew.scale); skew_given = true; }
-        else if (a == "--skew-shape") ok = real(v, spec.skew.shape);
-        else if (a == "--follow") { ok = real(v, spec.follow); follow_given = true; }
-        else if (a == "--reuse") ok = real(v, spec.reuse);
-        else if (a == "--layers") ok = number(v, spec.n_layers);
-        else if (a == "--experts") ok = number(v, spec.n_experts);
-        else if (a == "--experts-used") ok = number(v, spec.n_used);
-        else if (a == "--tokens") ok = number(v, spec.tokens);
-        else if (a == "--seed") ok = number(v, spec.seed);
-        else if (a == "--expert-bytes") ok = number(v, expert_bytes);
-        else if (a == "--token-us") ok = number(v, token_us);
+        else if (a == "--skew") { ok = mkmodel::parse_double(v, spec.skew.scale); skew_given = true; }
+        else if (a == "--skew-shape") ok = mkmodel::parse_double(v, spec.skew.shape);
+        else if (a == "--follow") { ok = mkmodel::parse_double(v, spec.follow); follow_given = true; }
+        else if (a == "--reuse") ok = mkmodel::parse_double(v, spec.reuse);
+        else if (a == "--layers") ok = mkmodel::parse_number(v, spec.n_layers);
+        else if (a == "--experts") ok = mkmodel::parse_number(v, spec.n_experts);
+        else if (a == "--experts-used") ok = mkmodel::parse_number(v, spec.n_used);
+        else if (a == "--tokens") ok = mkmodel::parse_number(v, spec.tokens);
+        else if (a == "--seed") ok = mkmodel::parse_number(v, spec.seed);
+        else if (a == "--expert-bytes") ok = mkmodel::parse_number(v, expert_bytes);
+        else if (a == "--token-us") ok = mkmodel::parse_number(v, token_us);
         else if (a == "--key") key = v;
         else return die(fmt::format("unknown option {} (see --help)", a));
         if (!ok) return die(fmt::format("{}: '{}' is not a valid value", a, v));
