@@ -19,7 +19,7 @@ void ExpertHeat::touch(uint32_t model, uint32_t expert, uint32_t amount) {
     auto& h = heat_[model][expert];
     h = h >= kPromoted - 1 - amount ? kPromoted - 1 : h + amount;
     touches_ += amount;
-    if (touches_ >= 16 * std::max<uint64_t>(experts_, 1)) {
+    if (touches_ >= 64 * std::max<uint64_t>(experts_, 1)) {
         for (auto& m : heat_)
             for (auto& v : m) v /= 2;
         touches_ = 0;

@@ -118,15 +118,15 @@ TEST_F(Pool, APromotedExpertTakesTheSlotOfAHotterOneAndKeepsIt) {
     EXPECT_EQ(pool.lookup(ref(20), 7), 0u);
 }
 
-TEST(ExpertHeat, HalvesAfterSixteenUsesPerExpert) {
+TEST(ExpertHeat, HalvesAfterSixtyFourUsesPerExpert) {
     ExpertHeat h;
     h.add_model(0, 4);
-    for (int i = 0; i < 63; ++i) h.touch(0, 0);
-    EXPECT_EQ(h.heat(0, 0), 63u);
-    h.touch(0, 1);  // the 64th use: everything halves
-    EXPECT_EQ(h.heat(0, 0), 31u);
+    for (int i = 0; i < 255; ++i) h.touch(0, 0);
+    EXPECT_EQ(h.heat(0, 0), 255u);
+    h.touch(0, 1);  // the 256th use: everything halves
+    EXPECT_EQ(h.heat(0, 0), 127u);
     EXPECT_EQ(h.heat(0, 1), 0u);
-    EXPECT_EQ(h.hottest(), 31u);
+    EXPECT_EQ(h.hottest(), 127u);
     EXPECT_EQ(h.heat(3, 3), 0u) << "unknown model";
 }
 

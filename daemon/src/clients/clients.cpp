@@ -343,22 +343,10 @@ void Daemon::direct_pools() {
         Client& c = *cp;
         if (c.dead || !c.has_pool) continue;
         std::set<std::pair<uint32_t, uint32_t>> want;
+        const PlannerSettings settings{config_.admit_after_uses, config_.elite_share, config_.hysteresis};
         for (auto& m : models_) {
             if (!m->res || std::find(c.models.begin(), c.models.end(), m->id) == c.models.end()) continue;
-            const auto& heat = m->res->heat();
-            const uint32_t ne = heat.n_experts();
-            const auto elite = static_cast<size_t>(std::ceil(config_.elite_share * ne));
-            if (elite == 0) continue;
-            std::vector<std::pair<double, uint32_t>> layer;
-            for (uint32_t l = 0; l < heat.n_layers(); ++l) {
-                layer.clear();
-                for (uint32_t e = 0; e < ne; ++e)
-                    if (heat.uses(l, e) >= config_.admit_after_uses) layer.emplace_back(heat.heat(l, e), e);
-                const size_t k = std::min(elite, layer.size());
-                std::partial_sort(layer.begin(), layer.begin() + static_cast<std::ptrdiff_t>(k), layer.end(),
-                                  [](const auto& a, const auto& b) { return a.first > b.first; });
-                for (size_t i = 0; i < k; ++i) want.emplace(m->id, l * ne + layer[i].second);
-            }
+            for (uint32_t slot : pool_elite(m->res->heat(), settings)) want.emplace(m->id, slot);
         }
         auto send = [&](std::pair<uint32_t, uint32_t> key, Action a) {
             for (auto& m : models_)

@@ -94,4 +94,24 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
     return p;
 }
 
+std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s) {
+    std::vector<uint32_t> out;
+    const uint32_t ne = heat.n_experts();
+    const auto elite = static_cast<size_t>(std::ceil(s.elite_share * ne));
+    if (elite == 0) return out;
+    std::vector<std::pair<double, uint32_t>> layer;
+    for (uint32_t l = 0; l < heat.n_layers(); ++l) {
+        layer.clear();
+        for (uint32_t e = 0; e < ne; ++e)
+            if (heat.uses(l, e) >= s.admit_after_uses) layer.emplace_back(heat.heat(l, e), e);
+        const size_t k = std::min(elite, layer.size());
+        std::partial_sort(layer.begin(), layer.begin() + static_cast<std::ptrdiff_t>(k), layer.end(),
+                          [](const auto& a, const auto& b) { return a.first > b.first; });
+        const size_t first = out.size();
+        for (size_t i = 0; i < k; ++i) out.push_back(l * ne + layer[i].second);
+        std::sort(out.begin() + static_cast<std::ptrdiff_t>(first), out.end());
+    }
+    return out;
+}
+
 }  // namespace moecache::daemon

@@ -15,8 +15,10 @@ namespace moecache::cuda {
 
 inline constexpr uint32_t kNoSlot = UINT32_MAX;
 
-// Decayed use counts per expert: what the local policy knows. Counts halve after 16 uses per
-// expert in total, so an expert that went cold loses its place within a few hundred tokens.
+// Decayed use counts per expert: what the local policy knows. Counts halve after 64 uses per
+// expert in total, so an expert that went cold loses its place within about a thousand tokens.
+// (64, not 16: replayed traces showed counts that halve sooner too noisy to rank experts of a
+// near-uniform router, 1 point below LFU at half the experts pooled; docs/sim.md.)
 // An expert the daemon promoted ranks above every expert it did not, and by its count among those
 // it did.
 class ExpertHeat {

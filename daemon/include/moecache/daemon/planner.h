@@ -52,4 +52,9 @@ struct Plan {
 
 Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, const PlannerSettings& s);
 
+// What belongs in a VRAM pool: the elite of each layer (the hottest `elite_share`, among admitted
+// experts), as slots in ascending order. The daemon promotes these in every client's pool; the
+// pool's own policy fills the rest.
+std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s);
+
 }  // namespace moecache::daemon

@@ -1,0 +1,58 @@
+// The issue-9 table: for each trace (every preset's synthetic trace, and any recorded ones), the
+// daemon's policy, with and without prediction, against LRU, LFU, a static hot set and Belady, in
+// each tier at each budget, on the same trace in the same run; and whether the targets hold.
+#pragma once
+
+#include "moecache/sim/replay.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moecache::sim {
+
+struct TableRow {
+    std::string trace;
+    std::string tier;  // "VRAM" (a device; RAM holds the rest) or "RAM" (no device; storage below)
+    double budget = 0;  // of the model's expert bytes
+    SimResult moecache, predicted;
+    std::vector<SimResult> baselines;  // LRU, LFU, static, Belady
+    // Hits of the tier, counting what prediction staged there in time (its room is the tier's).
+    [[nodiscard]] double tier_rate(const SimResult& r) const {
+        return (tier == "VRAM" ? r.vram_hit_rate() : r.ram_hit_rate()) + r.staged_rate();
+    }
+    [[nodiscard]] const SimResult& baseline(Baseline b) const { return baselines[static_cast<size_t>(b)]; }
+    // The policy the targets are for: moecache with prediction (which stands down where routing
+    // is not predictable).
+    // (policy - LRU) / (Belady - LRU) in this tier; 1 where Belady does no better than LRU.
+    [[nodiscard]] double gap_closed() const;
+    // The policy's tier hit rate minus the better of LRU's and LFU's, in points.
+    [[nodiscard]] double vs_best_points() const;
+};
+
+struct TraceSummary {
+    std::string name;
+    std::string stats;  // one line: skew, reuse, predictability
+    Predictions next_layer, next_token;
+};
+
+struct TableOptions {
+    std::vector<double> budgets{0.10, 0.25, 0.50};
+    Setup base;  // links, tick, planner; the budgets come from `budgets`
+    Predict predict = Predict::NextLayer;
+    double max_points_below_best = 1.0;  // target: within this of the better of LRU and LFU
+    double min_gap_closed = 0.60;        // ... and this share of the LRU-to-Belady gap on `gap_trace`
+    std::string gap_trace = "deepseek-v4-flash";
+};
+
+// Every row for one trace's model.
+std::vector<TableRow> table_rows(const std::string& name, const Trace& trace, const TraceModel& model,
+                                 const TableOptions& opt, TraceSummary* summary = nullptr);
+
+// The targets that a row misses, one line each (empty: all met).
+std::vector<std::string> missed_targets(const TableRow& row, const TableOptions& opt);
+
+// The rows as a Markdown table (hit rates, gap, bytes per token, modelled tokens/s).
+std::string format_table(const std::vector<TableRow>& rows);
+
+}  // namespace moecache::sim

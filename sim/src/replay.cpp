@@ -1,0 +1,357 @@
+#include "moecache/sim/replay.h"
+
+#include "moecache/cuda/vram_pool.h"
+#include "moecache/daemon/heat.h"
+#include "moecache/daemon/predictor.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace moecache::sim {
+namespace {
+
+enum class Where { Vram, Ram, Staged, Storage };
+
+// Accounts accesses and moves for one policy.
+class Ledger {
+public:
+    Ledger(const Setup& s, std::string policy) : s_(s) { r_.policy = std::move(policy); }
+
+    void access(Where w, uint64_t bytes) {
+        ++r_.accesses;
+        read_ += bytes;
+        switch (w) {
+            case Where::Vram:
+                ++r_.vram_hits;
+                r_.demand.d2d += bytes;
+                break;
+            case Where::Ram:
+                ++r_.ram_hits;
+                if (s_.device()) r_.demand.h2d += bytes;
+                break;
+            case Where::Staged: ++r_.staged_hits; break;
+            case Where::Storage:
+                r_.demand.storage += bytes;
+                if (s_.device()) r_.demand.h2d += bytes;
+                break;
+        }
+    }
+    // Moved ahead of use: from storage to RAM, or to the device from `from`.
+    void ahead_to_ram(uint64_t bytes) { r_.ahead.storage += bytes; }
+    void ahead_to_device(Where from, uint64_t bytes) {
+        if (from == Where::Storage) r_.ahead.storage += bytes;
+        r_.ahead.h2d += bytes;
+    }
+    void tokens(uint64_t n) { r_.tokens += n; }
+
+    // Whether the link speculation uses (storage without a device, host -> device with one) is
+    // busier than the critical path so far: speculation would only add to the backlog.
+    [[nodiscard]] bool link_behind(bool device) const {
+        const SimResult r = snapshot();
+        return device ? static_cast<double>(r.demand.h2d + r.ahead.h2d) / h2d() > r.critical_seconds
+                      : static_cast<double>(r.demand.storage + r.ahead.storage) / s_.links.storage > r.critical_seconds;
+    }
+
+    SimResult finish() {
+        r_ = snapshot();
+        return r_;
+    }
+
+private:
+    [[nodiscard]] double h2d() const { return s_.links.pinned ? s_.links.h2d_pinned : s_.links.h2d_pageable; }
+    [[nodiscard]] SimResult snapshot() const {
+        SimResult r = r_;
+        const Links& k = s_.links;
+        const double h2d = this->h2d();
+        const double compute = static_cast<double>(read_) / (s_.device() ? k.device_memory : k.host_memory);
+        auto t = [](uint64_t bytes, double bw) { return static_cast<double>(bytes) / bw; };
+        r.critical_seconds = compute + t(r.demand.storage, k.storage) + t(r.demand.h2d, h2d) + t(r.demand.d2d, k.d2d);
+        r.busiest_link_seconds = std::max({t(r.demand.storage + r.ahead.storage, k.storage),
+                                           t(r.demand.h2d + r.ahead.h2d, h2d), t(r.demand.d2d + r.ahead.d2d, k.d2d),
+                                           compute});
+        return r;
+    }
+
+    const Setup& s_;
+    SimResult r_;
+    uint64_t read_ = 0;
+};
+
+// The kernel's page cache over the RAM the planner has not locked: LRU.
+class PageCache {
+public:
+    explicit PageCache(size_t n_slots) : stamp_(n_slots, 0) {}
+    [[nodiscard]] bool has(uint32_t slot) const { return stamp_[slot] != 0; }
+    void touch(uint32_t slot, uint64_t bytes) {
+        if (has(slot)) {
+            order_.erase({stamp_[slot], slot});
+        } else {
+            bytes_ += bytes;
+        }
+        stamp_[slot] = ++clock_;
+        order_.insert({stamp_[slot], slot});
+    }
+    // Put in as the first to go (pages the daemon unlocked: still mapped, not recently used).
+    void insert_cold(uint32_t slot, uint64_t bytes) {
+        if (has(slot)) return;
+        bytes_ += bytes;
+        stamp_[slot] = order_.empty() ? 1 : std::max<uint64_t>(order_.begin()->first, 2) - 1;
+        order_.insert({stamp_[slot], slot});
+    }
+    void remove(uint32_t slot, uint64_t bytes) {
+        if (!has(slot)) return;
+        order_.erase({stamp_[slot], slot});
+        stamp_[slot] = 0;
+        bytes_ -= bytes;
+    }
+    template <typename BytesOf>
+    void shrink_to(uint64_t cap, BytesOf bytes_of) {
+        while (bytes_ > cap && !order_.empty()) {
+            const uint32_t slot = order_.begin()->second;
+            remove(slot, bytes_of(slot));
+        }
+    }
+
+private:
+    std::vector<uint64_t> stamp_;  // 0: not cached
+    std::set<std::pair<uint64_t, uint32_t>> order_;
+    uint64_t clock_ = 1, bytes_ = 0;
+};
+
+}  // namespace
+
+Predictions predict(const Trace& trace, const TraceModel& model, Predict mode, uint32_t k) {
+    Predictions p;
+    p.mode = mode == Predict::NextLayer ? "next-layer" : mode == Predict::NextToken ? "next-token" : "both";
+    const auto n_layers = static_cast<uint32_t>(model.blocks.size());
+    daemon::RoutePredictor predictor(n_layers, model.n_experts);
+    std::vector<size_t> index;  // the model's decisions
+    for (size_t i = 0; i < trace.decisions.size(); ++i)
+        if (trace.decisions[i].model == model.id) index.push_back(i);
+    p.staged.resize(index.size());
+    std::vector<char> has_prediction(index.size(), 0);
+    // Next token: the next decision of the same layer.
+    std::vector<size_t> next_same_layer(index.size(), SIZE_MAX);
+    {
+        std::vector<size_t> last(n_layers, SIZE_MAX);
+        for (size_t j = index.size(); j-- > 0;) {
+            const uint32_t l = trace.decisions[index[j]].layer;
+            next_same_layer[j] = last[l];
+            last[l] = j;
+        }
+    }
+    std::vector<uint32_t> guess;
+    for (size_t j = 0; j < index.size(); ++j) {
+        const auto& d = trace.decisions[index[j]];
+        const uint32_t kk = k ? k : static_cast<uint32_t>(d.experts.size());
+        auto stage = [&](size_t target) {
+            auto& dst = p.staged[target];
+            for (uint32_t e : guess)
+                if (std::find(dst.begin(), dst.end(), e) == dst.end()) dst.push_back(e);
+            has_prediction[target] = 1;
+        };
+        if ((mode == Predict::NextLayer || mode == Predict::Both) && j + 1 < index.size() &&
+            trace.decisions[index[j + 1]].layer == d.layer + 1) {
+            predictor.predict_next_layer(d.layer, d.experts, kk, guess);
+            stage(j + 1);
+        }
+        if ((mode == Predict::NextToken || mode == Predict::Both) && next_same_layer[j] != SIZE_MAX) {
+            predictor.predict_next_token(d.layer, d.experts, kk, guess);
+            stage(next_same_layer[j]);
+        }
+        predictor.observe(d.layer, d.experts);
+    }
+    // Scored in order; staging follows the precision measured so far (what a daemon can know):
+    // none until kWarmup decisions were scored, then only while at least kMinPrecision.
+    constexpr uint64_t kWarmup = 64;
+    uint64_t scored = 0;
+    for (size_t j = 0; j < index.size(); ++j) {
+        if (!has_prediction[j]) continue;
+        const bool trusted = scored >= kWarmup && p.precision() >= kMinPrecision;
+        const auto& actual = trace.decisions[index[j]].experts;
+        p.predicted += p.staged[j].size();
+        p.actual += actual.size();
+        for (uint32_t e : p.staged[j]) p.correct += std::find(actual.begin(), actual.end(), e) != actual.end();
+        ++scored;
+        if (!trusted) p.staged[j].clear();
+        p.most_staged = std::max<uint64_t>(p.most_staged, p.staged[j].size());
+    }
+    return p;
+}
+
+SimResult simulate_baseline(const Trace& trace, const TraceModel& model, const Setup& setup, Baseline policy) {
+    const AccessStream s = accesses_of(trace, model);
+    Ledger ledger(setup, name_of(policy));
+    const auto upper = hits_of(s, setup.vram_bytes + setup.ram_bytes, policy);
+    std::vector<uint8_t> top;
+    if (setup.device()) top = hits_of(s, setup.vram_bytes, policy);
+    size_t i = 0;
+    for (const auto& d : trace.decisions) {
+        if (d.model != model.id) continue;
+        if (d.layer == 0) ledger.tokens(d.tokens);
+        for (size_t k = 0; k < d.experts.size(); ++k, ++i) {
+            const Where w = !top.empty() && top[i] ? Where::Vram : upper[i] ? Where::Ram : Where::Storage;
+            ledger.access(w, s.bytes_of(s.items[i]));
+        }
+    }
+    return ledger.finish();
+}
+
+SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const Setup& given,
+                            const Predictions* staged) {
+    const uint32_t ne = model.n_experts;
+    const auto n_layers = static_cast<uint32_t>(model.blocks.size());
+    // What prediction stages sits in the tier the computation reads from, so its room is taken
+    // from that tier's budget: as many of the largest experts as one decision stages at most.
+    Setup setup = given;
+    if (staged && staged->most_staged > 0) {
+        const uint64_t largest = *std::max_element(model.bytes_per_expert.begin(), model.bytes_per_expert.end());
+        uint64_t& tier = setup.device() ? setup.vram_bytes : setup.ram_bytes;
+        tier -= std::min(tier - (setup.device() ? 1 : 0), staged->most_staged * largest);
+    }
+    const uint32_t n_slots = n_layers * ne;
+    auto bytes_of = [&](uint32_t slot) { return model.bytes_per_expert[slot / ne]; };
+    Ledger ledger(setup, staged ? "moecache+" + staged->mode : "moecache");
+
+    // The daemon's side.
+    daemon::HeatTable heat(n_layers, ne, setup.half_life_tokens);
+    daemon::ModelView view;
+    view.heat = &heat;
+    view.locked.assign(n_slots, 0);
+    view.pinned.assign(n_slots, 0);
+    view.slot_bytes.resize(n_slots);
+    for (uint32_t s = 0; s < n_slots; ++s) view.slot_bytes[s] = bytes_of(s);
+    view.budget = setup.ram_bytes;
+    uint64_t locked_bytes = 0;
+    PageCache cache(n_slots);
+    std::vector<uint8_t> promoted(n_slots, 0);
+
+    // The hook's side: one pool, its VRAM split among the expert sizes by their share of the bytes.
+    cuda::VramPool pool;
+    cuda::ExpertHeat hook_heat;
+    constexpr cuda::StreamId kStream = 1;
+    if (setup.device()) {
+        std::map<uint64_t, uint64_t> class_bytes;
+        uint64_t total = 0;
+        for (uint32_t l = 0; l < n_layers; ++l) {
+            class_bytes[model.bytes_per_expert[l]] += model.bytes_per_expert[l] * ne;
+            total += model.bytes_per_expert[l] * ne;
+        }
+        uint64_t base = uint64_t{1} << 40;
+        for (const auto& [slot_bytes, bytes] : class_bytes) {
+            if (slot_bytes == 0) continue;
+            const auto share = static_cast<uint64_t>(static_cast<long double>(setup.vram_bytes) * bytes / total);
+            const auto count = static_cast<uint32_t>(std::min<uint64_t>(share / slot_bytes, bytes / slot_bytes));
+            pool.add_arena(slot_bytes, base, count);
+            base += slot_bytes * count + (uint64_t{1} << 30);
+        }
+        pool.add_model(0, n_slots, n_slots);
+        hook_heat.add_model(0, n_slots);
+        view.in_vram.assign(n_slots, 0);
+    }
+    auto in_vram = [&](uint32_t slot) { return setup.device() && view.in_vram[slot] != 0; };
+    auto in_ram = [&](uint32_t slot) { return view.locked[slot] != 0 || cache.has(slot); };
+    auto fit_cache = [&] { cache.shrink_to(setup.ram_bytes - std::min(locked_bytes, setup.ram_bytes), bytes_of); };
+
+    auto plan = [&] {
+        const daemon::Plan p = daemon::plan_placement(std::span<const daemon::ModelView>(&view, 1), setup.ram_bytes, setup.planner);
+        for (const auto& r : p.release) {
+            if (r.slot == daemon::kDenseSlot || !view.locked[r.slot]) continue;
+            view.locked[r.slot] = 0;
+            locked_bytes -= bytes_of(r.slot);
+            if (!in_vram(r.slot)) cache.insert_cold(r.slot, bytes_of(r.slot));
+        }
+        for (const auto& r : p.lock) {
+            if (r.slot == daemon::kDenseSlot || view.locked[r.slot] || in_vram(r.slot)) continue;
+            if (cache.has(r.slot)) {
+                cache.remove(r.slot, bytes_of(r.slot));
+            } else {
+                ledger.ahead_to_ram(bytes_of(r.slot));
+            }
+            view.locked[r.slot] = 1;
+            locked_bytes += bytes_of(r.slot);
+        }
+        fit_cache();
+        if (setup.device()) {
+            std::vector<uint8_t> want(n_slots, 0);
+            for (uint32_t s : daemon::pool_elite(heat, setup.planner)) want[s] = 1;
+            for (uint32_t s = 0; s < n_slots; ++s)
+                if (want[s] != promoted[s]) {
+                    hook_heat.set_promoted(0, s, want[s] != 0);
+                    promoted[s] = want[s];
+                }
+        }
+    };
+
+    const auto tick_us = static_cast<uint64_t>(std::max(setup.tick_seconds, 1e-6) * 1e6);
+    uint64_t next_tick = tick_us;
+    size_t j = 0;
+    std::vector<uint32_t> slots;
+    for (const auto& d : trace.decisions) {
+        if (d.model != model.id) continue;
+        while (d.t_us >= next_tick) {
+            plan();
+            next_tick += tick_us;
+        }
+        if (d.layer == 0) {
+            heat.advance_clock(d.tokens);
+            ledger.tokens(d.tokens);
+        }
+        const std::vector<uint32_t>* ahead = staged && j < staged->staged.size() ? &staged->staged[j] : nullptr;
+        ++j;
+        if (ahead && ledger.link_behind(setup.device())) ahead = nullptr;
+        // Prediction stages what the tier the computation reads from lacks, moved ahead of use.
+        // Speculation never queues behind itself: a prediction is staged only while the link it
+        // needs has fallen no further behind than the tokens themselves (the daemon drops
+        // speculative reads while its queue is full).
+        if (ahead)
+            for (uint32_t e : *ahead) {
+                const uint32_t s = d.layer * ne + e;
+                if (setup.device() ? !in_vram(s) : !in_ram(s)) {
+                    if (setup.device())
+                        ledger.ahead_to_device(in_ram(s) ? Where::Ram : Where::Storage, bytes_of(s));
+                    else
+                        ledger.ahead_to_ram(bytes_of(s));
+                }
+            }
+        slots.clear();
+        for (uint32_t e : d.experts) slots.push_back(d.layer * ne + e);
+        for (size_t k = 0; k < slots.size(); ++k) {
+            const uint32_t s = slots[k];
+            Where w = Where::Storage;
+            const bool was_staged = ahead && std::find(ahead->begin(), ahead->end(), d.experts[k]) != ahead->end();
+            if (setup.device() && pool.lookup({0, s, s}, kStream) != 0) {
+                w = Where::Vram;
+            } else if (was_staged && (setup.device() || !in_ram(s))) {
+                w = Where::Staged;  // copied ahead to where the computation reads it
+            } else if (in_ram(s)) {
+                w = Where::Ram;
+            }
+            ledger.access(w, bytes_of(s));
+        }
+        if (setup.device()) {
+            for (uint32_t s : slots) hook_heat.touch(0, s);
+            for (uint32_t s : slots) {
+                if (view.in_vram[s]) continue;
+                cuda::SliceRef evicted;
+                if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, &evicted) == 0) continue;
+                view.in_vram[s] = 1;
+                if (evicted.model != cuda::kNoSlot) view.in_vram[evicted.slice] = 0;
+                // One place: the daemon lets RAM's copy go.
+                if (view.locked[s]) {
+                    view.locked[s] = 0;
+                    locked_bytes -= bytes_of(s);
+                }
+                cache.remove(s, bytes_of(s));
+            }
+        }
+        for (uint32_t s : slots)
+            if (!in_vram(s) && !view.locked[s]) cache.touch(s, bytes_of(s));
+        fit_cache();
+        heat.record(d.layer, slots.empty() ? std::span<const uint32_t>() : std::span<const uint32_t>(d.experts));
+    }
+    return ledger.finish();
+}
+
+}  // namespace moecache::sim

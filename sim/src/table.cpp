@@ -1,0 +1,86 @@
+#include "moecache/sim/table.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace moecache::sim {
+
+double TableRow::gap_closed() const {
+    const double lru = tier_rate(baseline(Baseline::Lru)), best = tier_rate(baseline(Baseline::Belady));
+    if (best - lru < 1e-9) return 1.0;
+    return (tier_rate(predicted) - lru) / (best - lru);
+}
+
+double TableRow::vs_best_points() const {
+    return 100.0 * (tier_rate(predicted) - std::max(tier_rate(baseline(Baseline::Lru)), tier_rate(baseline(Baseline::Lfu))));
+}
+
+std::vector<TableRow> table_rows(const std::string& name, const Trace& trace, const TraceModel& model,
+                                 const TableOptions& opt, TraceSummary* summary) {
+    const AccessStream s = accesses_of(trace, model);
+    const uint64_t total = s.total_bytes();
+    const Predictions staged = predict(trace, model, opt.predict);
+    if (summary) {
+        summary->name = name;
+        summary->next_layer = predict(trace, model, Predict::NextLayer);
+        summary->next_token = predict(trace, model, Predict::NextToken);
+    }
+    std::vector<TableRow> rows;
+    for (const char* tier : {"VRAM", "RAM"})
+        for (double f : opt.budgets) {
+            TableRow row;
+            row.trace = name;
+            row.tier = tier;
+            row.budget = f;
+            Setup setup = opt.base;
+            const auto share = static_cast<uint64_t>(f * static_cast<double>(total));
+            if (row.tier == "VRAM") {
+                setup.vram_bytes = std::max<uint64_t>(share, 1);
+                setup.ram_bytes = total - std::min(total, share);
+            } else {
+                setup.vram_bytes = 0;
+                setup.ram_bytes = share;
+            }
+            row.moecache = simulate_moecache(trace, model, setup);
+            row.predicted = simulate_moecache(trace, model, setup, &staged);
+            for (Baseline b : {Baseline::Lru, Baseline::Lfu, Baseline::Static, Baseline::Belady})
+                row.baselines.push_back(simulate_baseline(trace, model, setup, b));
+            rows.push_back(std::move(row));
+        }
+    return rows;
+}
+
+std::vector<std::string> missed_targets(const TableRow& row, const TableOptions& opt) {
+    std::vector<std::string> out;
+    const auto where = fmt::format("{} {} {:.0f} %", row.trace, row.tier, 100 * row.budget);
+    if (row.vs_best_points() < -opt.max_points_below_best)
+        out.push_back(fmt::format("{}: moecache {:.1f} % is {:.1f} points below the better of LRU and LFU", where,
+                                  100 * row.tier_rate(row.predicted), -row.vs_best_points()));
+    if (row.trace == opt.gap_trace && row.gap_closed() < opt.min_gap_closed)
+        out.push_back(fmt::format("{}: moecache closes {:.0f} % of the LRU-to-Belady gap, under {:.0f} %", where,
+                                  100 * row.gap_closed(), 100 * opt.min_gap_closed));
+    return out;
+}
+
+std::string format_table(const std::vector<TableRow>& rows) {
+    std::string out =
+        "| trace | tier | budget | moecache | +predict | LRU | LFU | static | Belady | gap closed | vs best | "
+        "MB/token moecache, LFU | tok/s moecache | +predict | LRU | LFU | static | Belady |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const auto& r : rows) {
+        auto pct = [&](const SimResult& x) { return fmt::format("{:.1f}", 100 * r.tier_rate(x)); };
+        auto tps = [](const SimResult& x) { return fmt::format("{:.1f}", x.tokens_per_second()); };
+        out += fmt::format("| {} | {} | {:.0f} % | {} | {} | {} | {} | {} | {} | {:.0f} % | {:+.1f} | {:.1f}, {:.1f} | {} | {} | {} | {} | {} | {} |\n",
+                           r.trace, r.tier, 100 * r.budget, pct(r.moecache), pct(r.predicted),
+                           pct(r.baseline(Baseline::Lru)), pct(r.baseline(Baseline::Lfu)),
+                           pct(r.baseline(Baseline::Static)), pct(r.baseline(Baseline::Belady)), 100 * r.gap_closed(),
+                           r.vs_best_points(), r.moecache.bytes_per_token() / 1e6,
+                           r.baseline(Baseline::Lfu).bytes_per_token() / 1e6, tps(r.moecache), tps(r.predicted),
+                           tps(r.baseline(Baseline::Lru)), tps(r.baseline(Baseline::Lfu)),
+                           tps(r.baseline(Baseline::Static)), tps(r.baseline(Baseline::Belady)));
+    }
+    return out;
+}
+
+}  // namespace moecache::sim
