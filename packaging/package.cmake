@@ -13,7 +13,8 @@ set(CPACK_DEBIAN_PACKAGE_DESCRIPTION "${CPACK_PACKAGE_DESCRIPTION_SUMMARY}
  prefetches the hot experts in the page cache within budgets, backs off under memory pressure
  and watches the page cache with eBPF; libmoecache-cuda.so, preloaded into the runtime, serves
  hot experts from a VRAM pool. Also moecachectl (control over D-Bus), libmoecache-client,
- moecache-mkmodel (synthetic MoE models) and moecache-tracegen (synthetic router traces).")
+ moecache-mkmodel (synthetic MoE models), moecache-tracegen (synthetic router traces) and
+ moecache-sim (replays traces against the placement policy and its baselines).")
 set(MOECACHE_PACKAGE_MAINTAINER "moecache maintainers <maintainers@moecache.invalid>" CACHE STRING
     "The Maintainer field of the Debian package")
 set(CPACK_PACKAGE_CONTACT "${MOECACHE_PACKAGE_MAINTAINER}")

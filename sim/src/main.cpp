@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
             print_summary(summary);
             rows.insert(rows.end(), r.begin(), r.end());
         }
-        fmt::print("\nHit rates are of the tier named (VRAM: RAM holds the rest; RAM: no device, storage below), "
+        fmt::print("\nHit rates are of the tier named (VRAM: a pool of that share, RAM holds the whole model; RAM: no device, storage below), "
                    "in % of accesses.\n\n{}\n",
                    sim::format_table(rows));
         std::vector<std::string> missed;

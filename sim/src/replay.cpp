@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <span>
 
 namespace moecache::sim {
 namespace {
@@ -204,11 +205,16 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     const auto n_layers = static_cast<uint32_t>(model.blocks.size());
     // What prediction stages sits in the tier the computation reads from, so its room is taken
     // from that tier's budget: as many of the largest experts as one decision stages at most.
+    // The room is at most kStagingShare of the tier: the best predictions that fit, none where not
+    // one does.
     Setup setup = given;
+    size_t stage_cap = 0;
     if (staged && staged->most_staged > 0) {
         const uint64_t largest = *std::max_element(model.bytes_per_expert.begin(), model.bytes_per_expert.end());
         uint64_t& tier = setup.device() ? setup.vram_bytes : setup.ram_bytes;
-        tier -= std::min(tier - (setup.device() ? 1 : 0), staged->most_staged * largest);
+        stage_cap = std::min<uint64_t>(staged->most_staged,
+                                       largest ? static_cast<uint64_t>(static_cast<double>(tier) * kStagingShare) / largest : 0);
+        tier -= std::min(tier - (setup.device() ? 1 : 0), stage_cap * largest);
     }
     const uint32_t n_slots = n_layers * ne;
     auto bytes_of = [&](uint32_t slot) { return model.bytes_per_expert[slot / ne]; };
@@ -300,27 +306,28 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         }
         const std::vector<uint32_t>* ahead = staged && j < staged->staged.size() ? &staged->staged[j] : nullptr;
         ++j;
-        if (ahead && ledger.link_behind(setup.device())) ahead = nullptr;
+        if (ahead && (stage_cap == 0 || ledger.link_behind(setup.device()))) ahead = nullptr;
+        std::span<const uint32_t> ahead_set;
+        if (ahead) ahead_set = std::span<const uint32_t>(*ahead).first(std::min(stage_cap, ahead->size()));
         // Prediction stages what the tier the computation reads from lacks, moved ahead of use.
         // Speculation never queues behind itself: a prediction is staged only while the link it
         // needs has fallen no further behind than the tokens themselves (the daemon drops
         // speculative reads while its queue is full).
-        if (ahead)
-            for (uint32_t e : *ahead) {
-                const uint32_t s = d.layer * ne + e;
-                if (setup.device() ? !in_vram(s) : !in_ram(s)) {
-                    if (setup.device())
-                        ledger.ahead_to_device(in_ram(s) ? Where::Ram : Where::Storage, bytes_of(s));
-                    else
-                        ledger.ahead_to_ram(bytes_of(s));
-                }
+        for (uint32_t e : ahead_set) {
+            const uint32_t s = d.layer * ne + e;
+            if (setup.device() ? !in_vram(s) : !in_ram(s)) {
+                if (setup.device())
+                    ledger.ahead_to_device(in_ram(s) ? Where::Ram : Where::Storage, bytes_of(s));
+                else
+                    ledger.ahead_to_ram(bytes_of(s));
             }
+        }
         slots.clear();
         for (uint32_t e : d.experts) slots.push_back(d.layer * ne + e);
         for (size_t k = 0; k < slots.size(); ++k) {
             const uint32_t s = slots[k];
             Where w = Where::Storage;
-            const bool was_staged = ahead && std::find(ahead->begin(), ahead->end(), d.experts[k]) != ahead->end();
+            const bool was_staged = std::find(ahead_set.begin(), ahead_set.end(), d.experts[k]) != ahead_set.end();
             if (setup.device() && pool.lookup({0, s, s}, kStream) != 0) {
                 w = Where::Vram;
             } else if (was_staged && (setup.device() || !in_ram(s))) {
@@ -338,12 +345,15 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
                 if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, &evicted) == 0) continue;
                 view.in_vram[s] = 1;
                 if (evicted.model != cuda::kNoSlot) view.in_vram[evicted.slice] = 0;
-                // One place: the daemon lets RAM's copy go.
+                // One place: the daemon unlocks RAM's copy and drops it, but pages the runtime maps
+                // stay in the page cache until the kernel needs them: first to go.
+                const bool was_in_ram = in_ram(s);
                 if (view.locked[s]) {
                     view.locked[s] = 0;
                     locked_bytes -= bytes_of(s);
                 }
                 cache.remove(s, bytes_of(s));
+                if (was_in_ram) cache.insert_cold(s, bytes_of(s));
             }
         }
         for (uint32_t s : slots)

@@ -36,8 +36,9 @@ std::vector<TableRow> table_rows(const std::string& name, const Trace& trace, co
             Setup setup = opt.base;
             const auto share = static_cast<uint64_t>(f * static_cast<double>(total));
             if (row.tier == "VRAM") {
+                // The common GPU case: the model fits in host memory, the pool holds a share.
                 setup.vram_bytes = std::max<uint64_t>(share, 1);
-                setup.ram_bytes = total - std::min(total, share);
+                setup.ram_bytes = total;
             } else {
                 setup.vram_bytes = 0;
                 setup.ram_bytes = share;

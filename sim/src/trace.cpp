@@ -13,6 +13,8 @@ using nlohmann::json;
 
 constexpr uint32_t kMaxExperts = 1u << 20;
 constexpr size_t kMaxLayers = 1u << 16;
+constexpr uint64_t kMaxSlots = uint64_t{1} << 22;         // experts in all layers: replay keeps state per expert
+constexpr uint64_t kMaxExpertBytes = uint64_t{1} << 40;  // one expert; sums of them stay far from overflow
 
 // An unsigned number no larger than `max`, or a message.
 template <typename T>
@@ -43,8 +45,12 @@ Result<TraceModel> parse_model(const json& j) {
             return failf("\"blocks\" must hold block numbers");
         m.blocks.push_back(b.get<uint32_t>());
     }
+    if (uint64_t{m.n_experts} * blocks->size() > kMaxSlots)
+        return failf("{} blocks x {} experts is more than the {} experts a model may have", blocks->size(), m.n_experts,
+                     kMaxSlots);
     for (const auto& b : *bytes) {
-        if (!b.is_number_unsigned()) return failf("\"bytes_per_expert\" must hold byte counts");
+        if (!b.is_number_unsigned() || b.get<uint64_t>() > kMaxExpertBytes)
+            return failf("\"bytes_per_expert\" must hold byte counts up to {}", kMaxExpertBytes);
         m.bytes_per_expert.push_back(b.get<uint64_t>());
     }
     return m;

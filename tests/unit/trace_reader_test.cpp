@@ -63,6 +63,10 @@ TEST(TraceReader, AHostileTraceIsRefusedWithItsLineAndWhy) {
     refused(head + R"({"model":1,"n_experts":0,"blocks":[1],"bytes_per_expert":[1]})" "\n", "2", "at least 1");
     refused(head + R"({"model":1,"n_experts":4,"blocks":[1,2],"bytes_per_expert":[1]})" "\n", "2", "as long as");
     refused(head + R"({"model":1,"n_experts":99999999,"blocks":[1],"bytes_per_expert":[1]})" "\n", "2", "n_experts");
+    refused(head + R"({"model":1,"n_experts":1048576,"blocks":[1,2,3,4,5],"bytes_per_expert":[1,1,1,1,1]})" "\n", "2",
+            "more than the");
+    refused(head + R"({"model":1,"n_experts":4,"blocks":[1],"bytes_per_expert":[18446744073709551615]})" "\n", "2",
+            "byte counts up to");
     refused(head + model + R"({"model":3,"key":"k","path":"","n_experts":9,"blocks":[5,7],"bytes_per_expert":[10,10]})" "\n",
             "3", "another shape");
     // Unknown keys and blank lines are fine; the same model described twice is fine.

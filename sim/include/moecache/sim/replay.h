@@ -6,8 +6,9 @@
 // directives (daemon/src/policy) decide what RAM holds and what the pool keeps promoted, every
 // `tick_seconds` of trace time as the daemon does; the CUDA hook's VRAM pool and its local heat
 // (cuda-hooks/src/vram_pool.cpp) admit and evict on every access. What the planner does not lock
-// the kernel's page cache holds, modelled as LRU over the rest of the RAM budget. Tiers are
-// exclusive: an expert the pool admits leaves RAM (the daemon's keep_ram_copy = false).
+// the kernel's page cache holds, modelled as LRU over the rest of the RAM budget. One place: an
+// expert the pool admits is unlocked (the daemon's keep_ram_copy = false); its pages, which the
+// runtime maps, stay cached as the first the kernel reclaims.
 //
 // The baselines (LRU, LFU, static, Belady: sim/baselines.h) are stack policies, so a hierarchy is
 // the same policy at each cumulative budget: VRAM holds what a tier of the VRAM budget would,
@@ -78,6 +79,9 @@ enum class Predict { NextLayer, NextToken, Both };
 // precision so far is at least kMinPrecision (after 64 decisions): where routing is not
 // predictable, nothing is staged and nothing is wasted.
 inline constexpr double kMinPrecision = 0.3;
+// What prediction stages sits in the tier the computation reads from; it may take this share of
+// that tier's budget, for as many of the best predictions as fit (none where not one does).
+inline constexpr double kStagingShare = 1.0 / 32;
 Predictions predict(const Trace& trace, const TraceModel& model, Predict mode, uint32_t k = 0);
 
 struct SimResult {

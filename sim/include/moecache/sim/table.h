@@ -13,7 +13,7 @@ namespace moecache::sim {
 
 struct TableRow {
     std::string trace;
-    std::string tier;  // "VRAM" (a device; RAM holds the rest) or "RAM" (no device; storage below)
+    std::string tier;  // "VRAM" (a device; RAM holds the whole model) or "RAM" (no device; storage below)
     double budget = 0;  // of the model's expert bytes
     SimResult moecache, predicted;
     std::vector<SimResult> baselines;  // LRU, LFU, static, Belady
