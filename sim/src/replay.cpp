@@ -359,7 +359,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         for (uint32_t s : slots)
             if (!in_vram(s) && !view.locked[s]) cache.touch(s, bytes_of(s));
         fit_cache();
-        heat.record(d.layer, slots.empty() ? std::span<const uint32_t>() : std::span<const uint32_t>(d.experts));
+        heat.record(d.layer, d.experts);
     }
     return ledger.finish();
 }
