@@ -40,10 +40,7 @@ Both:
   --pinned              host-to-device copies come from pinned memory
 )";
 
-int die(const std::string& m) {
-    fmt::print(stderr, "moecache-sim: {}\n", m);
-    return 2;
-}
+int die(const std::string& m) { return mkmodel::usage_error("moecache-sim", m); }
 
 // "25%" of `total`, or a size.
 bool parse_budget(const std::string& v, uint64_t total, uint64_t& out) {
@@ -83,29 +80,17 @@ int main(int argc, char** argv) {
     uint32_t model_id = UINT32_MAX;
     tracegen::Spec shape;
     shape.tokens = 4000;
-    for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a == "-h" || a == "--help") {
-            fmt::print("{}", kUsage);
-            return 0;
-        }
-        if (a == "--table") {
-            table = true;
-            continue;
-        }
-        if (a == "--pinned") {
-            pinned = true;
-            continue;
-        }
-        if (a.rfind("--", 0) != 0) {
-            traces.push_back(a);
-            continue;
-        }
-        if (i + 1 >= argc) return die(fmt::format("{} needs a value (or is unknown; see --help)", a));
-        const std::string v = argv[++i];
+    auto flag = [&](const std::string& a) {
+        if (a == "--table") return table = true;
+        if (a == "--pinned") return pinned = true;
+        if (a.rfind("--", 0) == 0) return false;
+        traces.push_back(a);  // a trace
+        return true;
+    };
+    auto option = [&](const std::string& a, const std::string& v) -> Result<bool> {
         bool ok = true;
-        double gbs = 0;
         auto link = [&](double& field) {
+            double gbs = 0;
             ok = mkmodel::parse_double(v, gbs) && gbs > 0 && gbs < 1e6;
             field = gbs * 1e9;
         };
@@ -127,9 +112,11 @@ int main(int argc, char** argv) {
         else if (a == "--d2d-gbs") link(base.links.d2d);
         else if (a == "--host-memory-gbs") link(base.links.host_memory);
         else if (a == "--device-memory-gbs") link(base.links.device_memory);
-        else return die(fmt::format("unknown option {} (see --help)", a));
-        if (!ok) return die(fmt::format("{}: '{}' is not a valid value", a, v));
-    }
+        else return false;
+        if (!ok) return mkmodel::bad_value(a, v);
+        return true;
+    };
+    if (auto done = mkmodel::parse_options(argc, argv, "moecache-sim", kUsage, flag, option)) return *done;
     base.links.pinned = pinned;
     const bool no_predict = predict_mode == "none";
     sim::Predict mode = sim::Predict::NextLayer;

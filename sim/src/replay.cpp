@@ -48,30 +48,30 @@ public:
 
     // Whether the link speculation uses (storage without a device, host -> device with one) is
     // busier than the critical path so far: speculation would only add to the backlog.
-    [[nodiscard]] bool link_behind(bool device) const {
-        const SimResult r = snapshot();
-        return device ? static_cast<double>(r.demand.h2d + r.ahead.h2d) / h2d() > r.critical_seconds
-                      : static_cast<double>(r.demand.storage + r.ahead.storage) / s_.links.storage > r.critical_seconds;
+    [[nodiscard]] bool link_behind() const {
+        const double busy = s_.device() ? static_cast<double>(r_.demand.h2d + r_.ahead.h2d) / h2d()
+                                   : static_cast<double>(r_.demand.storage + r_.ahead.storage) / s_.links.storage;
+        return busy > critical_seconds();
     }
 
     SimResult finish() {
-        r_ = snapshot();
+        const Links& k = s_.links;
+        r_.critical_seconds = critical_seconds();
+        r_.busiest_link_seconds = std::max({seconds(r_.demand.storage + r_.ahead.storage, k.storage),
+                                            seconds(r_.demand.h2d + r_.ahead.h2d, h2d()),
+                                            seconds(r_.demand.d2d + r_.ahead.d2d, k.d2d), compute_seconds()});
         return r_;
     }
 
 private:
+    static double seconds(uint64_t bytes, double bandwidth) { return static_cast<double>(bytes) / bandwidth; }
     [[nodiscard]] double h2d() const { return s_.links.pinned ? s_.links.h2d_pinned : s_.links.h2d_pageable; }
-    [[nodiscard]] SimResult snapshot() const {
-        SimResult r = r_;
-        const Links& k = s_.links;
-        const double h2d = this->h2d();
-        const double compute = static_cast<double>(read_) / (s_.device() ? k.device_memory : k.host_memory);
-        auto t = [](uint64_t bytes, double bw) { return static_cast<double>(bytes) / bw; };
-        r.critical_seconds = compute + t(r.demand.storage, k.storage) + t(r.demand.h2d, h2d) + t(r.demand.d2d, k.d2d);
-        r.busiest_link_seconds = std::max({t(r.demand.storage + r.ahead.storage, k.storage),
-                                           t(r.demand.h2d + r.ahead.h2d, h2d), t(r.demand.d2d + r.ahead.d2d, k.d2d),
-                                           compute});
-        return r;
+    [[nodiscard]] double compute_seconds() const {
+        return seconds(read_, s_.device() ? s_.links.device_memory : s_.links.host_memory);
+    }
+    [[nodiscard]] double critical_seconds() const {
+        return compute_seconds() + seconds(r_.demand.storage, s_.links.storage) + seconds(r_.demand.h2d, h2d()) +
+               seconds(r_.demand.d2d, s_.links.d2d);
     }
 
     const Setup& s_;
@@ -306,7 +306,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         }
         const std::vector<uint32_t>* ahead = staged && j < staged->staged.size() ? &staged->staged[j] : nullptr;
         ++j;
-        if (ahead && (stage_cap == 0 || ledger.link_behind(setup.device()))) ahead = nullptr;
+        if (ahead && (stage_cap == 0 || ledger.link_behind())) ahead = nullptr;
         std::span<const uint32_t> ahead_set;
         if (ahead) ahead_set = std::span<const uint32_t>(*ahead).first(std::min(stage_cap, ahead->size()));
         // Prediction stages what the tier the computation reads from lacks, moved ahead of use.

@@ -20,12 +20,14 @@ std::vector<TableRow> table_rows(const std::string& name, const Trace& trace, co
                                  const TableOptions& opt, TraceSummary* summary) {
     const AccessStream s = accesses_of(trace, model);
     const uint64_t total = s.total_bytes();
-    const Predictions staged = predict(trace, model, opt.predict);
-    if (summary) {
-        summary->name = name;
-        summary->next_layer = predict(trace, model, Predict::NextLayer);
-        summary->next_token = predict(trace, model, Predict::NextToken);
-    }
+    TraceSummary local;
+    TraceSummary& sum = summary ? *summary : local;
+    sum.name = name;
+    sum.next_layer = predict(trace, model, Predict::NextLayer);
+    sum.next_token = predict(trace, model, Predict::NextToken);
+    const Predictions& staged = opt.predict == Predict::NextLayer   ? sum.next_layer
+                                : opt.predict == Predict::NextToken ? sum.next_token
+                                                                    : (local.next_layer = predict(trace, model, Predict::Both));
     std::vector<TableRow> rows;
     for (const char* tier : {"VRAM", "RAM"})
         for (double f : opt.budgets) {

@@ -53,25 +53,45 @@ bool parse_double(const std::string& s, double& out) {
     }
 }
 
+std::optional<int> parse_options(int argc, char** argv, std::string_view program, std::string_view usage,
+                                 const std::function<bool(const std::string&)>& flag, const OptionHandler& option) {
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "-h" || a == "--help") {
+            fmt::print("{}", usage);
+            return 0;
+        }
+        if (flag(a)) continue;
+        if (i + 1 >= argc) return usage_error(program, fmt::format("{} needs a value (or is unknown; see --help)", a));
+        const std::string v = argv[++i];
+        auto took = option(a, v);
+        if (!took) return usage_error(program, took.error().what());
+        if (!*took) return usage_error(program, fmt::format("unknown option '{}' (see --help)", a));
+    }
+    return std::nullopt;
+}
+
+tl::unexpected<Error> bad_value(const std::string& name, const std::string& value) {
+    return failf("{}: '{}' is not a valid value", name, value);
+}
+
+int usage_error(std::string_view program, const std::string& message) {
+    fmt::print(stderr, "{}: {}\n", program, message);
+    return 2;
+}
+
 int run_cli(int argc, char** argv) {
     ModelSpec spec;
     WriteOptions opt;
     std::string output;
     bool json = false, skew_given = false;
-    auto die = [](const std::string& m) {
-        fmt::print(stderr, "moecache-mkmodel: {}\n", m);
-        return 2;
+    auto die = [](const std::string& m) { return usage_error("moecache-mkmodel", m); };
+    auto flag = [&](const std::string& a) {
+        if (a == "--json") return json = true;
+        if (a == "--drop-cache") return opt.drop_cache = true;
+        return false;
     };
-    for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a == "-h" || a == "--help") {
-            fmt::print("{}", kUsage);
-            return 0;
-        }
-        if (a == "--json") { json = true; continue; }
-        if (a == "--drop-cache") { opt.drop_cache = true; continue; }
-        if (i + 1 >= argc) return die(fmt::format("{} needs a value (or is unknown; see --help)", a));
-        const std::string v = argv[++i];
+    auto option = [&](const std::string& a, const std::string& v) -> Result<bool> {
         auto u32 = [&](uint32_t& out) { return parse_number(v, out); };
         bool ok = true;
         if (a == "--output" || a == "-o") output = v;
@@ -95,16 +115,18 @@ int run_cli(int argc, char** argv) {
             if (!find_preset(v)) {
                 std::string names;
                 for (const auto& p : presets()) names += " " + p.name;
-                return die(fmt::format("unknown preset '{}'; known:{}", v, names));
+                return failf("unknown preset '{}'; known:{}", v, names);
             }
             spec.preset = v;
         } else if (a == "--expert-type" || a == "--dense-type") {
             const auto t = ggml_type_by_name(v);
-            if (!t) return die(fmt::format("{}: unknown ggml type '{}'", a, v));
+            if (!t) return failf("{}: unknown ggml type '{}'", a, v);
             (a == "--expert-type" ? spec.expert_type : spec.dense_type) = *t;
-        } else return die(fmt::format("unknown option '{}' (see --help)", a));
-        if (!ok) return die(fmt::format("{}: '{}' is not a valid value", a, v));
-    }
+        } else return false;
+        if (!ok) return bad_value(a, v);
+        return true;
+    };
+    if (auto done = parse_options(argc, argv, "moecache-mkmodel", kUsage, flag, option)) return *done;
     if (output.empty()) return die("--output FILE.gguf is required");
     if (!spec.preset.empty() && skew_given) return die("--preset and --skew exclude each other");
     if (auto r = validate(spec); !r) return die(r.error().what());

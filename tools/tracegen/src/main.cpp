@@ -40,18 +40,8 @@ int main(int argc, char** argv) {
     std::string output, preset, key = "synthetic";
     uint64_t expert_bytes = 1671168, token_us = 25000;
     bool skew_given = false, follow_given = false;
-    auto die = [](const std::string& m) {
-        fmt::print(stderr, "moecache-tracegen: {}\n", m);
-        return 2;
-    };
-    for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a == "-h" || a == "--help") {
-            fmt::print("{}", kUsage);
-            return 0;
-        }
-        if (i + 1 >= argc) return die(fmt::format("{} needs a value (or is unknown; see --help)", a));
-        const std::string v = argv[++i];
+    auto die = [](const std::string& m) { return mkmodel::usage_error("moecache-tracegen", m); };
+    auto option = [&](const std::string& a, const std::string& v) -> moecache::Result<bool> {
         bool ok = true;
         if (a == "-o" || a == "--output") output = v;
         else if (a == "--preset") preset = v;
@@ -67,9 +57,13 @@ int main(int argc, char** argv) {
         else if (a == "--expert-bytes") ok = mkmodel::parse_number(v, expert_bytes);
         else if (a == "--token-us") ok = mkmodel::parse_number(v, token_us);
         else if (a == "--key") key = v;
-        else return die(fmt::format("unknown option {} (see --help)", a));
-        if (!ok) return die(fmt::format("{}: '{}' is not a valid value", a, v));
-    }
+        else return false;
+        if (!ok) return mkmodel::bad_value(a, v);
+        return true;
+    };
+    if (auto done = mkmodel::parse_options(argc, argv, "moecache-tracegen", kUsage, [](const std::string&) { return false; },
+                                           option))
+        return *done;
     if (output.empty()) return die("-o FILE is required (see --help)");
     if (!preset.empty()) {
         if (skew_given) return die("--preset and --skew exclude each other");
