@@ -232,6 +232,27 @@ uint64_t Daemon::uid_locked(uint32_t uid) const {
     return t;
 }
 
+std::string Daemon::family_of(const ModelEntry& m) const {
+    if (!m.config.family.empty()) return m.config.family;
+    return m.res ? m.res->model().profile_key() : std::string();
+}
+
+uint64_t Daemon::family_cap(const ModelEntry& m) const {
+    uint64_t cap = UINT64_MAX;
+    const std::string f = family_of(m);
+    for (const auto& o : models_)
+        if (o->res && o->config.family_budget && family_of(*o) == f) cap = std::min(cap, o->config.family_budget->resolve(mem_total_));
+    return cap;
+}
+
+uint64_t Daemon::family_locked(const ModelEntry& m) const {
+    uint64_t t = 0;
+    const std::string f = family_of(m);
+    for (const auto& o : models_)
+        if (o->res && family_of(*o) == f) t += o->res->locked_bytes();
+    return t;
+}
+
 uint64_t Daemon::total_locked() const {
     uint64_t t = 0;
     for (const auto& m : models_)
@@ -288,6 +309,21 @@ void Daemon::open_model(ModelEntry& m) {
     const auto& map = m.res->model().map();
     MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
            map.files.size());
+    // A family member already loaded: share its heat (which has its profile already).
+    const std::string family = family_of(m);
+    for (const auto& o : models_) {
+        if (o.get() == &m || !o->res || family_of(*o) != family) continue;
+        const auto& h = o->res->heat();
+        if (h.n_layers() != m.res->heat().n_layers() || h.n_experts() != m.res->heat().n_experts()) {
+            MC_LOG(LOG_WARNING, "model {}: family {}: its shape differs from {}'s: heat not shared", m.path, family, o->path);
+            continue;
+        }
+        m.res->share_heat(o->res->shared_heat());
+        MC_LOG(LOG_INFO, "model {}: family {}: shares heat with {}", m.path, family, o->path);
+        m.warm_pending = config_.warm_start && h.clock() > 0;
+        (void)m.res->refresh_cached();
+        return;
+    }
     const std::string pp = profile_path(m.res->model().profile_key());
     if (::access(pp.c_str(), F_OK) == 0) {
         auto text = read_whole_file(pp, 256u << 20, "heat profile");
@@ -510,9 +546,12 @@ void Daemon::warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index) {
 void Daemon::place() {
     std::vector<ModelView> views;
     std::vector<ModelEntry*> loaded;
+    std::map<std::string, uint32_t> families;
     for (auto& m : models_)
         if (m->res) {
             views.push_back(m->res->view(model_cap(*m)));
+            views.back().family = families.try_emplace(family_of(*m), static_cast<uint32_t>(families.size())).first->second;
+            if (m->config.family_budget) views.back().family_budget = m->config.family_budget->resolve(mem_total_);
             loaded.push_back(m.get());
         }
     const PlannerSettings s{config_.admit_after_uses, config_.elite_share, config_.hysteresis};
@@ -579,6 +618,7 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
     const uint64_t need = m.res->slot_bytes(slot);
     const ByteAmount* ub = uid_budget(m);
     if (total_locked() + need > lock_cap() || m.res->locked_bytes() + need > model_cap(m) ||
+        family_locked(m) + need > family_cap(m) ||
         (ub && uid_locked(m.owner_uid) + need > ub->resolve(mem_total_)) ||
         need > lockable_this_turn_) {
         st.tier = Tier::Storage;  // the plan will ask again if it still wants it
@@ -964,6 +1004,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
     if (m->res) {
         const auto& r = *m->res;
         ms.key = r.model().profile_key();
+        ms.family = family_of(*m);
         ms.locked_bytes = r.locked_bytes();
         ms.dropped_bytes = r.dropped_bytes();
         ms.dense_tier = r.state(kDenseSlot).tier;

@@ -315,6 +315,67 @@ TEST_F(DaemonTest, AnotherQuantizationOfTheSameModelStartsWarm) {
     for (const auto& r : map->ranges(1, 11)) EXPECT_EQ(resident(q4, r), r.length);
 }
 
+// A family: two quantizations of one model loaded together (one for prompt processing, one for
+// decoding). What one routes warms the other, at once, with no profile in between; a family
+// budget holds for both together; a model given another family keeps its own heat.
+TEST_F(DaemonTest, QuantizationsLoadedTogetherShareHeatAndAFamilyBudget) {
+    auto spec = test::small_spec();
+    const uint64_t per_expert = mkmodel::bytes_per_expert(spec);
+    spec.expert_type = *ggml_type_info(ggml::Q4_K);
+    const std::string q4 = dir_.file("model-q4_K.gguf");
+    test::write_model(spec, q4);
+    test::drop_page_cache(q4);
+    auto c = config();
+    c.models.push_back(c.models[0]);
+    c.models[1].path = q4;
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    const uint32_t q8_id = *(*d)->model_id(model_), q4_id = *(*d)->model_id(q4);
+    route(**d, q4_id, 1, {2, 11}, 4);  // only the q4_K model routes
+    settle(**d);
+    auto s = (*d)->status();
+    ASSERT_EQ(s.models.size(), 2u);
+    EXPECT_EQ(s.models[0].family, s.models[1].family);
+    auto tier = [&](uint32_t id, uint32_t block, uint32_t e) {
+        for (const auto& m : s.models)
+            if (m.id == id)
+                for (const auto& x : m.experts)
+                    if (x.block == block && x.expert == e) return x.tier;
+        return Tier::Storage;
+    };
+    for (uint32_t id : {q8_id, q4_id}) {
+        EXPECT_EQ(tier(id, 1, 2), Tier::Locked) << "model " << id;
+        EXPECT_EQ(tier(id, 1, 11), Tier::Locked) << "model " << id;
+        EXPECT_EQ(tier(id, 1, 3), Tier::Storage) << "model " << id;
+    }
+    d->reset();
+
+    // A family budget of three q8_0 experts: the family holds no more than that, both together.
+    c.models[0].family_budget = c.models[1].family_budget = ByteAmount{3 * per_expert, std::nullopt};
+    d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    route(**d, *(*d)->model_id(q4), 1, {1, 2, 3, 4, 5, 6}, 4);
+    settle(**d);
+    s = (*d)->status();
+    EXPECT_LE(s.models[0].locked_bytes + s.models[1].locked_bytes, 3 * per_expert);
+    EXPECT_GT(s.models[0].locked_bytes + s.models[1].locked_bytes, 0u);
+    d->reset();
+
+    // Told they are not one family, the q8_0 model does not see what the q4_K model routes.
+    c.models[0].family_budget.reset();
+    c.models[1].family_budget.reset();
+    c.models[0].family = "alone";
+    std::filesystem::remove_all(dir_.file("state"));  // no profile from the runs above
+    d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    route(**d, *(*d)->model_id(q4), 1, {2, 11}, 4);
+    settle(**d);
+    s = (*d)->status();
+    EXPECT_NE(s.models[0].family, s.models[1].family);
+    EXPECT_EQ(tier(*(*d)->model_id(model_), 1, 2), Tier::Storage);
+    EXPECT_EQ(tier(*(*d)->model_id(q4), 1, 2), Tier::Locked);
+}
+
 TEST_F(DaemonTest, TheReserveHoldsAgainstWhatIsAvailableNow) {
     // Take 4 GiB so that a reserve can sit between what is available and RAM with wide margins
     // (other processes move MemAvailable by far less than the 2 GiB used here).

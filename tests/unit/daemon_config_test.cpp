@@ -179,6 +179,22 @@ TEST_F(ConfigTest, VramPoolIsASizeAndKeepRamCopyABool) {
     expect_rejected("[vram]\nkeep_ram_copy = \"yes\"\n", {"vram.keep_ram_copy", "expected"});
 }
 
+TEST_F(ConfigTest, AModelsFamilyIsANameAndItsBudgetASize) {
+    const auto c = load("[[model]]\npath = \"/m/q4.gguf\"\nfamily = \"ds-v4\"\nfamily_budget = \"40%\"\n");
+    ASSERT_TRUE(c) << c.error().what();
+    ASSERT_EQ(c->models.size(), 1u);
+    EXPECT_EQ(c->models[0].family, "ds-v4");
+    ASSERT_TRUE(c->models[0].family_budget);
+    EXPECT_EQ(c->models[0].family_budget->percent, 40.0);
+    const auto d = load("[[model]]\npath = \"/m/q4.gguf\"\n");
+    ASSERT_TRUE(d);
+    EXPECT_TRUE(d->models[0].family.empty()) << "unset: the heat profile key decides";
+    EXPECT_FALSE(d->models[0].family_budget);
+    expect_rejected("[[model]]\npath = \"/m/a.gguf\"\nfamily = \"two words\"\n", {main_ + ":3:", "family", "printable"});
+    expect_rejected("[[model]]\npath = \"/m/a.gguf\"\nfamily = \"\"\n", {"family", "1 to 128"});
+    expect_rejected("[[model]]\npath = \"/m/a.gguf\"\nfamily_budget = \"lots\"\n", {"family_budget"});
+}
+
 TEST_F(ConfigTest, OnMissIsABoolAndWarmStartAutoOffOrASize) {
     const auto d = load("");
     ASSERT_TRUE(d);

@@ -151,6 +151,34 @@ TEST(Planner, TwoModelsShareTheGlobalBudgetByHeat) {
     EXPECT_EQ(p.lock[1], (SlotRef{1, 2}));
 }
 
+// Two quantizations of one model share a heat table and a family budget; a third model outside
+// the family is held to the global cap only.
+TEST(Planner, AFamilySharesHeatAndItsSmallestBudget) {
+    World a, other;
+    a.use(0, 1, 50);
+    a.use(0, 2, 40);
+    other.use(0, 3, 30);
+    ModelView b = a.view;  // the same table: the other member of the family
+    a.view.family = b.family = 0;
+    a.view.family_budget = 3 * kExpert;
+    b.family_budget = 2 * kExpert;  // the smallest wins
+    PlannerSettings s;
+    s.elite_share = 0;
+    const ModelView views[] = {a.view, b, other.view};
+    const auto p = plan_placement(views, 100 * kExpert, s);
+    // The family's two hottest slots (expert 1 of each member) fill its 2-expert cap; expert 2 of
+    // either member would exceed it; the model outside the family is unaffected.
+    ASSERT_EQ(p.lock.size(), 3u);
+    EXPECT_EQ(p.lock[0], (SlotRef{0, 1}));
+    EXPECT_EQ(p.lock[1], (SlotRef{1, 1}));
+    EXPECT_EQ(p.lock[2], (SlotRef{2, 3}));
+    EXPECT_EQ(p.planned_bytes, 3 * kExpert);
+    // Without a family, each member's budget alone.
+    ModelView loose[] = {a.view, b, other.view};
+    for (auto& v : loose) v.family = UINT32_MAX;
+    EXPECT_EQ(plan_placement(loose, 100 * kExpert, s).lock.size(), 5u);
+}
+
 TEST(Heat, DecaysByHalfLife) {
     HeatTable h(1, 4, 100);
     const uint32_t e[] = {1};

@@ -124,6 +124,15 @@ Result<std::string> read_string(const Value& v) {
     return s->get();
 }
 
+// A family name: 1..128 printable ASCII characters (it appears in logs, metrics and D-Bus).
+Result<std::string> read_family(const Value& v) {
+    auto s = MC_TRY(read_string(v));
+    if (s.empty() || s.size() > 128 ||
+        !std::all_of(s.begin(), s.end(), [](char c) { return c > ' ' && c < 127; }))
+        return v.fail("a family is 1 to 128 printable characters without spaces");
+    return s;
+}
+
 Result<bool> read_bool(const Value& v) {
     const auto* b = v.node.as_boolean();
     if (!b) return wrong_type(v, "a boolean (true or false)");
@@ -447,6 +456,8 @@ const Key<ModelConfig> kModelKeys[] = {
     MC_KEY("budget", ModelConfig, t.budget = MC_TRY(read_byte_amount(v))),
     MC_KEY("pin", ModelConfig, t.pins = MC_TRY(read_pins(v))),
     MC_KEY("lock_dense", ModelConfig, t.lock_dense = MC_TRY(read_bool(v))),
+    MC_KEY("family", ModelConfig, t.family = MC_TRY(read_family(v))),
+    MC_KEY("family_budget", ModelConfig, t.family_budget = MC_TRY(read_byte_amount(v))),
 };
 
 #undef MC_KEY

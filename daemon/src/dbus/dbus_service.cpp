@@ -75,6 +75,7 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     d["id"] = m.id;
     d["path"] = m.path;
     d["key"] = m.key;
+    d["family"] = m.family;
     d["loaded"] = m.loaded;
     d["error"] = m.error;
     d["registered_by_client"] = m.registered;

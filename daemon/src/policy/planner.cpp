@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 
 namespace moecache::daemon {
 namespace {
@@ -67,6 +68,13 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
 
     Plan p;
     std::vector<uint64_t> model_used(models.size(), 0);
+    // Per family number: its cap (the smallest of its members') and what the plan gives it.
+    std::map<uint32_t, std::pair<uint64_t, uint64_t>> family;
+    for (const auto& m : models)
+        if (m.family != std::numeric_limits<uint32_t>::max()) {
+            auto [it, fresh] = family.try_emplace(m.family, m.family_budget, 0);
+            if (!fresh) it->second.first = std::min(it->second.first, m.family_budget);
+        }
     std::vector<const Candidate*> not_kept;
     for (const auto& c : cands) {
         if (c.unwanted) {
@@ -74,10 +82,13 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
             continue;
         }
         const auto& m = models[c.ref.model];
-        const bool fits = p.planned_bytes + c.bytes <= global_cap && model_used[c.ref.model] + c.bytes <= m.budget;
+        auto* fam = m.family == std::numeric_limits<uint32_t>::max() ? nullptr : &family.at(m.family);
+        const bool fits = p.planned_bytes + c.bytes <= global_cap && model_used[c.ref.model] + c.bytes <= m.budget &&
+                          (!fam || fam->second + c.bytes <= fam->first);
         if (fits) {
             p.planned_bytes += c.bytes;
             model_used[c.ref.model] += c.bytes;
+            if (fam) fam->second += c.bytes;
             if (!c.locked) p.lock.push_back(c.ref);
         } else if (c.locked) {
             not_kept.push_back(&c);

@@ -39,7 +39,7 @@ Result<std::unique_ptr<ModelResidency>> ModelResidency::open(const std::string& 
     r->locker_ = std::make_unique<PageLocker>(*r->model_);
     const auto& map = r->model_->map();
     const auto n_layers = static_cast<uint32_t>(map.layers.size());
-    r->heat_ = HeatTable(n_layers, map.n_experts, half_life_tokens);
+    r->heat_ = std::make_shared<HeatTable>(n_layers, map.n_experts, half_life_tokens);
     r->slots_.resize(size_t{n_layers} * map.n_experts);
     r->telemetry_.resize(r->slots_.size());
     for (uint32_t i = 0; i < n_layers; ++i) {
@@ -176,7 +176,7 @@ void ModelResidency::drop_ranges(const std::vector<ByteRange>& rs) {
 
 ModelView ModelResidency::view(uint64_t budget) const {
     ModelView v;
-    v.heat = &heat_;
+    v.heat = heat_.get();
     v.locked.resize(slots_.size());
     v.slot_bytes = slot_bytes_;
     for (uint32_t s = 0; s < slots_.size(); ++s) {

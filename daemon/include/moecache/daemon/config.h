@@ -31,6 +31,12 @@ struct ModelConfig {
     std::optional<ByteAmount> budget;  // this model's lock budget; unset: the global budget only
     std::vector<ExpertPin> pins;  // always locked (within budgets)
     bool lock_dense = true;       // lock the non-expert tensors (attention, norms, embeddings) too
+    // Models of one family share heat while loaded together (a low-bit quantization for prompt
+    // processing and a higher one for decoding, say): what one routes warms the other. Unset: the
+    // family is the heat profile key (architecture, shape, name), so quantizations of one model
+    // are a family without being told. Members must have the same MoE shape.
+    std::string family;
+    std::optional<ByteAmount> family_budget;  // locked by the whole family at most (the smallest given wins)
     std::string where;            // "FILE:LINE:COL: model[N]" (N counts within FILE), for messages
 };
 

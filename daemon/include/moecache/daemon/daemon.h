@@ -49,6 +49,7 @@ struct ModelStatus {
     uint32_t id = 0;
     std::string path;     // as configured or resolved from a glob
     std::string key;      // heat profile key
+    std::string family;   // the models it shares heat (and a family budget) with have the same
     std::string error;    // why it is not loaded, if it is not
     bool loaded = false;
     bool registered = false;  // by a client, not configured
@@ -193,6 +194,11 @@ private:
     [[nodiscard]] const ByteAmount* uid_budget(const ModelEntry& m) const;
     [[nodiscard]] uint64_t uid_locked(uint32_t uid) const;
     [[nodiscard]] uint64_t total_locked() const;
+    // Families (ModelConfig::family): the name, the cap (the smallest family_budget among the
+    // loaded members; UINT64_MAX: none) and what its loaded members hold locked.
+    [[nodiscard]] std::string family_of(const ModelEntry& m) const;
+    [[nodiscard]] uint64_t family_cap(const ModelEntry& m) const;
+    [[nodiscard]] uint64_t family_locked(const ModelEntry& m) const;
     [[nodiscard]] std::string profile_path(const std::string& key) const;
     Result<void> handle_signal();
     void watch_files(ModelEntry& m);

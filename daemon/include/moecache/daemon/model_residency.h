@@ -41,8 +41,12 @@ public:
                                                         double half_life_tokens);
 
     [[nodiscard]] const MappedModel& model() const { return *model_; }
-    [[nodiscard]] HeatTable& heat() { return heat_; }
-    [[nodiscard]] const HeatTable& heat() const { return heat_; }
+    [[nodiscard]] HeatTable& heat() { return *heat_; }
+    [[nodiscard]] const HeatTable& heat() const { return *heat_; }
+    // Family members share one table (the heat of each (layer, expert) is the family's): the
+    // caller checks that the shapes agree.
+    [[nodiscard]] const std::shared_ptr<HeatTable>& shared_heat() const { return heat_; }
+    void share_heat(std::shared_ptr<HeatTable> heat) { heat_ = std::move(heat); }
     [[nodiscard]] const ModelConfig& config() const { return config_; }
     [[nodiscard]] uint32_t n_experts() const { return model_->map().n_experts; }
     [[nodiscard]] uint32_t n_slots() const { return static_cast<uint32_t>(slots_.size()); }
@@ -117,7 +121,7 @@ private:
     ModelConfig config_;
     std::unique_ptr<MappedModel> model_;
     std::unique_ptr<PageLocker> locker_;
-    HeatTable heat_;
+    std::shared_ptr<HeatTable> heat_;
     std::vector<SlotState> slots_;
     SlotState dense_;
     std::vector<SlotTelemetry> telemetry_;

@@ -5,7 +5,7 @@
 //   2. the elite: the hottest `elite_share` of each layer (among admitted experts);
 //   3. everything admitted (used at least `admit_after_uses` times), hottest first, where a
 //      locked expert counts `1 + hysteresis` times its heat so placements do not churn.
-// Budgets (the global cap and each model's) are filled greedily in that order. An expert a VRAM
+// Budgets (the global cap, each model's and each family's) are filled greedily in that order. An expert a VRAM
 // pool holds is not wanted in RAM (one place), unless pinned.
 #pragma once
 
@@ -36,6 +36,9 @@ struct ModelView {
     bool dense_locked = false;
     uint64_t dense_bytes = 0;
     uint64_t budget = std::numeric_limits<uint64_t>::max();  // this model's cap
+    // Models with the same family number share a cap: the smallest family_budget among them.
+    uint32_t family = std::numeric_limits<uint32_t>::max();  // max: in no family
+    uint64_t family_budget = std::numeric_limits<uint64_t>::max();
 };
 
 struct SlotRef {
