@@ -6,6 +6,7 @@
 
 #include "moecache/client/protocol.h"
 #include "moecache/client/telemetry_ring.h"
+#include "trace_writer.h"
 #include "moecache/model.h"
 #include "moecache/unique_fd.h"
 
@@ -93,6 +94,7 @@ struct moecache_client {
     std::atomic_flag push_lock = ATOMIC_FLAG_INIT;
 
     std::atomic<uint64_t> reported{0}, sent{0}, dropped{0}, overflow{0}, connects{0};
+    std::unique_ptr<moecache::client::TraceWriter> trace;  // MOECACHE_TRACE
     std::atomic<bool> connected{false};
     bool said_absent = false;
     uint32_t next_request = 1;
@@ -355,6 +357,7 @@ moecache_client* moecache_client_open(const char* socket_path, const char* name)
         if (ch < 0x20 || ch > 0x7e) ch = '?';
     c->wake.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!c->wake) return nullptr;
+    if (const char* t = std::getenv("MOECACHE_TRACE"); t && *t) c->trace = moecache::client::TraceWriter::open(t);
     try {
         c->worker = std::thread([p = c.get()] { p->run(); });
     } catch (...) {
@@ -377,6 +380,12 @@ int moecache_client_register_model(moecache_client* c, const char* path, uint32_
     std::lock_guard lock(c->mu);
     const uint32_t h = c->models_count.load();
     if (h >= kMaxModels) return -ENOSPC;
+    if (c->trace) {
+        if (auto map = ExpertMap::build(*parts))
+            c->trace->add_model(h, *map, path);
+        else
+            std::fprintf(stderr, "moecache: MOECACHE_TRACE: %s is left out: %s\n", path, map.error().what().c_str());
+    }
     c->models[h].store(m.get());
     c->owned.push_back(std::move(m));
     c->models_count.store(h + 1);
@@ -407,6 +416,7 @@ int moecache_client_report(moecache_client* c, uint32_t handle, uint32_t block, 
                            uint32_t tokens) {
     if (!c || handle >= c->models_count.load(std::memory_order_acquire) || (n > 0 && !experts)) return -EINVAL;
     c->reported.fetch_add(1, std::memory_order_relaxed);
+    if (c->trace) c->trace->decision(handle, block, tokens, experts, n);
     const uint32_t id = c->models[handle].load(std::memory_order_acquire)->daemon_id.load(std::memory_order_acquire);
     telemetry::TelemetryRing* r = c->ring.load(std::memory_order_acquire);
     if (!r || id == kNoId || block > 0xffff) {

@@ -5,6 +5,7 @@
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
 #include "moecache/log.h"
+#include "moecache/trace_format.h"
 
 #include <nlohmann/json.hpp>
 
@@ -285,7 +286,7 @@ Result<void> Daemon::start_trace(UniqueFd file) {
     trace_records_ = 0;
     traced_models_.clear();
     trace_start_ = std::chrono::steady_clock::now();
-    trace_buf_ += nlohmann::json{{"moecache_trace", 1}, {"tick_seconds", config_.tick_seconds}}.dump() + "\n";
+    trace_buf_ += trace::header_line(config_.tick_seconds);
     for (const auto& m : models_)
         if (m->res) trace_model(*m);
     flush_trace();
@@ -308,28 +309,14 @@ Result<uint64_t> Daemon::stop_trace() {
 
 void Daemon::trace_model(const ModelEntry& m) {
     if (!tracing() || !m.res || !traced_models_.insert(m.id).second) return;
-    const auto& map = m.res->model().map();
-    std::vector<uint32_t> blocks;
-    std::vector<uint64_t> bytes;
-    for (const auto& l : map.layers) {
-        blocks.push_back(l.index);
-        bytes.push_back(l.bytes_per_expert);
-    }
-    nlohmann::json j{{"model", m.id},
-                     {"key", m.res->model().profile_key()},
-                     {"path", m.path},
-                     {"n_experts", map.n_experts},
-                     {"blocks", blocks},
-                     {"bytes_per_expert", bytes}};
-    trace_buf_ += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    trace_buf_ += trace::model_line(trace::model_of(m.id, m.res->model().map(), m.path));
 }
 
 void Daemon::trace_routing(const ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
     if (!tracing()) return;
     trace_model(m);
     const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - trace_start_).count();
-    fmt::format_to(std::back_inserter(trace_buf_), "{{\"t\":{},\"m\":{},\"b\":{},\"n\":{},\"e\":[{}]}}\n", us, m.id,
-                   block, tokens, fmt::join(experts, ","));
+    trace::append_decision(trace_buf_, static_cast<uint64_t>(us), m.id, block, tokens, experts);
     ++trace_records_;
     if (trace_buf_.size() >= kTraceFlushBytes) flush_trace();
 }

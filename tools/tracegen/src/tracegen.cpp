@@ -1,9 +1,9 @@
 #include "moecache/tracegen/tracegen.h"
 
 #include "moecache/mkmodel/router_skew.h"
+#include "moecache/trace_format.h"
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -239,19 +239,18 @@ Result<void> write_trace(const Routing& r, const std::string& path, const std::s
                          uint64_t token_us) {
     std::ofstream f(path, std::ios::trunc);
     if (!f) return fail_errno("writing the trace {}", path);
-    nlohmann::json model = {{"model", 0}, {"key", key}, {"path", ""}, {"n_experts", r.n_experts}};
-    std::vector<uint32_t> blocks(r.n_layers);
-    std::iota(blocks.begin(), blocks.end(), 0u);
-    model["blocks"] = blocks;
-    model["bytes_per_expert"] = std::vector<uint64_t>(r.n_layers, expert_bytes);
-    f << R"({"moecache_trace":1,"tick_seconds":1})" << '\n' << model.dump() << '\n';
+    trace::ModelLine model{0, key, "", r.n_experts, std::vector<uint32_t>(r.n_layers),
+                           std::vector<uint64_t>(r.n_layers, expert_bytes)};
+    std::iota(model.blocks.begin(), model.blocks.end(), 0u);
+    f << trace::header_line(1) << trace::model_line(model);
     std::string line;
+    std::vector<uint32_t> experts;
     for (uint64_t t = 0; t < r.tokens; ++t)
         for (uint32_t l = 0; l < r.n_layers; ++l) {
-            line = fmt::format(R"({{"t":{},"m":0,"b":{},"n":1,"e":[)", t * token_us, l);
             const auto e = r.at(t, l);
-            for (size_t i = 0; i < e.size(); ++i) line += fmt::format("{}{}", i ? "," : "", e[i]);
-            line += "]}\n";
+            experts.assign(e.begin(), e.end());
+            line.clear();
+            trace::append_decision(line, t * token_us, 0, l, 1, experts);
             f << line;
         }
     f.flush();
