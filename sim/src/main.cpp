@@ -28,7 +28,7 @@ One trace:
   --predict MODE        next-layer (default), next-token, both, none
 The table:
   --preset NAME         a synthetic trace of this preset (repeatable; default: every preset)
-  --trace FILE          a recorded trace beside them (repeatable)
+  --trace FILE          a recorded trace beside them (repeatable; sim/traces has one of llama.cpp)
   --layers L --experts N --experts-used K --tokens T --seed X   the synthetic traces' shape
                         (16, 64, 8, 4000, 1)
   Exits 1 when a target is missed: every tier and budget within 1 point of the better of LRU and
@@ -129,7 +129,7 @@ int main(int argc, char** argv) {
         sim::TableOptions opt;
         opt.base = base;
         opt.predict = mode;
-        if (preset_names.empty() && traces.empty())
+        if (preset_names.empty())
             for (const auto& p : tracegen::presets()) preset_names.push_back(p.name);
         std::vector<sim::TableRow> rows;
         for (const auto& name : preset_names) {

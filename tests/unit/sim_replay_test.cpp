@@ -58,6 +58,24 @@ TEST(SimReplay, ThePolicyKeepsUpWithLruAndLfuOnAShortTrace) {
     }
 }
 
+// The recorded llama.cpp trace in sim/traces reads back and the policy keeps up with LRU and LFU
+// on it too.
+TEST(SimReplay, ARecordedLlamaCppTraceReplays) {
+    const std::string path = std::string(MOECACHE_SOURCE_DIR) + "/sim/traces/llama-cpu-deepseek-8x64.jsonl";
+    auto trace = read_trace(path);
+    ASSERT_TRUE(trace) << trace.error().what();
+    ASSERT_EQ(trace->models.size(), 1u);
+    EXPECT_EQ(trace->decisions.size(), 16000u);
+    TableOptions opt;
+    opt.budgets = {0.25};
+    for (const auto& row : table_rows("recorded", *trace, trace->models[0], opt)) {
+        SCOPED_TRACE(row.tier);
+        EXPECT_GE(row.vs_best_points(), -1.0);
+        EXPECT_GT(row.tier_rate(row.baseline(Baseline::Lfu)), row.tier_rate(row.baseline(Baseline::Lru)) + 0.05)
+            << "a skewed router: frequency beats recency on the real run too";
+    }
+}
+
 TEST(SimReplay, PredictionIsPreciseOnlyWhereRoutingIsPredictable) {
     const Trace skewed = preset_trace("deepseek-v4-flash", 1000), flat = preset_trace("uniform", 1000);
     const auto a = predict(skewed, skewed.models[0], Predict::NextLayer);

@@ -4,7 +4,8 @@
 # curve next to what the generator intended. Builds nothing: build first (ninja -C build).
 #   tools/routeprobe/measure-coverage.sh MODEL.gguf [TOKENS]
 # Environment: MOECACHE_ROUTEPROBE_LIB (default: build/tools/routeprobe/libmoecache-routeprobe.so),
-# OUT (the JSON report; default: a new file under ${TMPDIR:-/tmp}), SEED (sampling seed, 1).
+# OUT (the JSON report; default: a new file under ${TMPDIR:-/tmp}), SEED (sampling seed, 1),
+# MOECACHE_ROUTEPROBE_TRACE (also write the run as a router trace for moecache-sim; docs/trace.md).
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then

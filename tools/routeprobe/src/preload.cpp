@@ -2,6 +2,8 @@
 // interposes llama_decode and measures which experts every decode reads (see route_probe.h).
 //   MOECACHE_ROUTEPROBE_MODEL  the model file the runtime loads (any part of a split set)
 //   MOECACHE_ROUTEPROBE_OUT    where the JSON report goes, written when the process exits
+//   MOECACHE_ROUTEPROBE_TRACE  optional: where the router trace of every decode goes (docs/trace.md,
+//                              for moecache-sim), written when the process exits
 // Whatever fails, the host process is not harmed: one line on stderr, then decodes pass through.
 #include "moecache/log.h"
 #include "moecache/routeprobe/route_probe.h"
@@ -42,7 +44,7 @@ struct State {
     DecodeFn decode = nullptr;
     SynchronizeFn synchronize = nullptr;
     std::unique_ptr<moecache::routeprobe::RouteProbe> probe;
-    std::string out_path;
+    std::string out_path, trace_path;
     std::string stopped;  // why measuring stopped early, if it did
     pid_t pid = 0;
 };
@@ -114,6 +116,11 @@ void write_report() {
         }
         if (std::rename(tmp.c_str(), s.out_path.c_str()) != 0)
             throw std::runtime_error("cannot rename " + tmp + " to " + s.out_path + ": " + std::strerror(errno));
+        if (!s.trace_path.empty()) {
+            std::ofstream t(s.trace_path, std::ios::trunc);
+            t << s.probe->trace();
+            if (!t.flush()) MC_LOG(LOG_WARNING, "moecache-routeprobe: cannot write the trace {}", s.trace_path);
+        }
         MC_LOG(LOG_INFO, "moecache-routeprobe: {} single-token steps, {:.2f} experts per layer per step "
                "(expert_used_count {}); wrote {}", s.probe->single_token_steps(),
                s.probe->mean_experts_per_layer_per_step(), j["n_experts_used"].get<uint32_t>(), s.out_path);
@@ -143,6 +150,7 @@ void start(State& s) {
     if (!probe) return give_up(s, probe.error().what());
     s.probe = std::move(*probe);
     s.out_path = out;
+    if (const char* t = std::getenv("MOECACHE_ROUTEPROBE_TRACE"); t && *t) s.trace_path = t;
     s.pid = ::getpid();
     s.mode = Mode::Measuring;
     std::atexit(write_report);

@@ -4,6 +4,7 @@
 #include "moecache/mkmodel/router_skew.h"
 #include "moecache/mkmodel/synth_model.h"
 #include "moecache/routeprobe/routing_stats.h"
+#include "moecache/trace_format.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -260,6 +261,18 @@ Result<void> RouteProbe::finish_decode(int32_t n_tokens) {
             if (n_tokens == 1) ++lc.tensor_step[set.tensor][e];
         }
     }
+    if (!trace_full_) {
+        const auto us = std::chrono::duration_cast<std::chrono::microseconds>(t0 - created_).count();
+        std::vector<uint32_t> experts;
+        for (size_t l = 0; l < layers_.size(); ++l) {
+            experts.clear();
+            for (uint32_t e = 0; e < n; ++e)
+                if (touched[l][e]) experts.push_back(e);
+            trace::append_decision(trace_decisions_, static_cast<uint64_t>(us), 0, map_.layers[l].index,
+                                   static_cast<uint32_t>(std::max(n_tokens, 1)), experts);
+        }
+        trace_full_ = trace_decisions_.size() >= kMaxTraceBytes;
+    }
     const size_t parity = steps_ % 2;
     if (n_tokens == 1) ++steps_;
     if (n_tokens > 1) {
@@ -288,6 +301,10 @@ Result<void> RouteProbe::finish_decode(int32_t n_tokens) {
     return {};
 }
 
+std::string RouteProbe::trace() const {
+    return trace::header_line(0) + trace::model_line(trace::model_of(0, map_, config_.model_path)) + trace_decisions_;
+}
+
 double RouteProbe::mean_experts_per_layer_per_step() const {
     if (steps_ == 0) return 0.0;
     uint64_t seen = 0;
@@ -308,6 +325,7 @@ nlohmann::json RouteProbe::report() const {
     j["n_blocks"] = map_.n_blocks;
     j["n_experts"] = map_.n_experts;
     j["n_experts_used"] = map_.n_experts_used;
+    j["trace_truncated"] = trace_full_;
     uint64_t sentinels = 0;
     for (const auto& s : plan_.sets) sentinels += s.pages.size();
     j["method"] = {

@@ -26,6 +26,7 @@
 
 #include <sys/uio.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -59,6 +60,11 @@ public:
     Result<void> finish_decode(int32_t n_tokens);
 
     [[nodiscard]] nlohmann::json report() const;
+    // Every decode measured, as a router trace (docs/trace.md): one decision per MoE layer with
+    // the experts whose sentinels were touched, the decode's token count as its tokens. Kept up
+    // to kMaxTraceBytes of decisions; what comes after is left out (the report says so).
+    static constexpr size_t kMaxTraceBytes = size_t{256} << 20;
+    [[nodiscard]] std::string trace() const;
     [[nodiscard]] uint64_t single_token_steps() const { return steps_; }
     [[nodiscard]] double mean_experts_per_layer_per_step() const;
 
@@ -95,6 +101,9 @@ private:
     double probe_seconds_ = 0;  // spent in the probe, all told
     double check_seconds_ = 0;  // of which re-reading /proc/self/maps before each decode
     double zap_seconds_ = 0;    // and MADV_DONTNEED on the sentinels
+    std::string trace_decisions_;  // the decision lines of trace()
+    bool trace_full_ = false;
+    std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();
     struct LayerCounts {
         std::vector<uint64_t> step;   // [expert], single-token steps
         std::vector<uint64_t> half[2];  // [expert], single-token steps of even / odd number
