@@ -708,7 +708,40 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
         // The clock advances once per batch: on the first MoE layer's report.
         if (*layer == 0) m.res->heat().advance_clock(tokens);
         m.res->heat().record(*layer, experts);
+        if (config_.predict) prefetch_predicted(m, *layer, experts);
     }
+}
+
+void Daemon::prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts) {
+    auto& r = *m.res;
+    const uint32_t ne = r.n_experts();
+    if (!m.prediction) {
+        const uint32_t nl = r.n_slots() / std::max<uint32_t>(ne, 1);
+        m.prediction.reset(new ModelEntry::Prediction{RoutePredictor(nl, ne), {}, std::vector<std::vector<uint32_t>>(nl)});
+    }
+    auto& p = *m.prediction;
+    if (layer >= p.next.size()) return;
+    auto& next = p.next[layer];
+    if (!next.empty()) {
+        uint64_t right = 0;
+        for (uint32_t e : next) right += std::find(experts.begin(), experts.end(), e) != experts.end();
+        p.trust.score(next.size(), right);
+    }
+    p.predictor.observe(layer, experts);
+    p.predictor.predict_next_token(layer, experts, static_cast<uint32_t>(experts.size()), next);
+    // Speculation never queues behind itself: nothing is added while reads wait to be issued.
+    if (!p.trust.trusted() || prefetcher_->progress().queued_bytes > 0) return;
+    uint64_t queued = 0;
+    for (uint32_t e : next) {
+        const uint32_t slot = layer * ne + e;
+        const SlotState& st = r.state(slot);
+        if (st.tier != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.wanted_in_ram(slot)) continue;
+        // Behind a runtime's misses, ahead of the plan's locks: the next token is tens of ms away.
+        queued += cache_fetch(m, slot, -(1 << 20));
+    }
+    if (queued == 0) return;
+    predict_fetch_bytes_ += queued;
+    if (auto s = prefetcher_->submit(); !s) MC_LOG(LOG_WARNING, "prefetch: {}", s.error().what());
 }
 
 Result<void> Daemon::save_profiles() {
@@ -924,6 +957,12 @@ DaemonStatus Daemon::status(bool experts) const {
     s.miss_fetches = miss_fetches_;
     s.miss_fetch_bytes = miss_fetch_bytes_;
     s.warm_fetch_bytes = warm_fetch_bytes_;
+    s.predict_fetch_bytes = predict_fetch_bytes_;
+    for (const auto& m : models_)
+        if (m->prediction) {
+            s.predicted_experts += m->prediction->trust.predicted();
+            s.predicted_used += m->prediction->trust.correct();
+        }
     s.bus = dbus_ ? dbus_->bus() : "";
     s.tracing = tracing();
     s.trace_records = trace_records_;

@@ -5,6 +5,7 @@
 #include "clients/socket_server.h"
 #include "moecache/client/telemetry_ring.h"
 #include "moecache/daemon/daemon.h"
+#include "moecache/daemon/predictor.h"
 
 #include <map>
 #include <memory>
@@ -40,6 +41,14 @@ struct Daemon::ModelEntry {
     };
     std::map<uint32_t, CacheFetch> prefetching;
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
+    // [policy] predict: the model's route predictor, how right it has been, and per layer what it
+    // expects the next token to use there.
+    struct Prediction {
+        RoutePredictor predictor;
+        PredictionTrust trust;
+        std::vector<std::vector<uint32_t>> next;  // [layer]
+    };
+    std::unique_ptr<Prediction> prediction;
 };
 
 struct Daemon::Client {

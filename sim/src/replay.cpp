@@ -163,18 +163,18 @@ Predictions predict(const Trace& trace, const TraceModel& model, Predict mode, u
         }
         predictor.observe(d.layer, d.experts);
     }
-    // Scored in order; staging follows the precision measured so far (what a daemon can know):
-    // none until kWarmup decisions were scored, then only while at least kMinPrecision.
-    constexpr uint64_t kWarmup = 64;
-    uint64_t scored = 0;
+    // Scored in order; staging follows the precision measured so far, as the daemon's does.
+    daemon::PredictionTrust trust;
     for (size_t j = 0; j < index.size(); ++j) {
         if (!has_prediction[j]) continue;
-        const bool trusted = scored >= kWarmup && p.precision() >= kMinPrecision;
+        const bool trusted = trust.trusted();
         const auto& actual = trace.decisions[index[j]].experts;
+        uint64_t correct = 0;
+        for (uint32_t e : p.staged[j]) correct += std::find(actual.begin(), actual.end(), e) != actual.end();
+        trust.score(p.staged[j].size(), correct);
         p.predicted += p.staged[j].size();
+        p.correct += correct;
         p.actual += actual.size();
-        for (uint32_t e : p.staged[j]) p.correct += std::find(actual.begin(), actual.end(), e) != actual.end();
-        ++scored;
         if (!trusted) p.staged[j].clear();
         p.most_staged = std::max<uint64_t>(p.most_staged, p.staged[j].size());
     }

@@ -376,6 +376,39 @@ TEST_F(DaemonTest, QuantizationsLoadedTogetherShareHeatAndAFamilyBudget) {
     EXPECT_EQ(tier(*(*d)->model_id(q4), 1, 2), Tier::Locked);
 }
 
+// [policy] predict: once the route predictor has been right, the daemon reads what the next token
+// is expected to use into the page cache (not locked); off, it reads nothing of the kind.
+TEST_F(DaemonTest, PredictedExpertsAreReadAheadOnlyWhenAskedAndOnceTrusted) {
+    const auto map = load_expert_map(model_);
+    ASSERT_TRUE(map);
+    for (const bool predict : {false, true}) {
+        SCOPED_TRACE(predict ? "predict" : "no predict");
+        test::drop_page_cache(model_);
+        auto c = config(1);  // a lock budget of one byte: nothing is locked, the plan reads nothing
+        c.predict = predict;
+        auto d = Daemon::create(c);
+        ASSERT_TRUE(d) << d.error().what();
+        const uint32_t id = *(*d)->model_id(model_);
+        // A router that repeats itself: block 1 uses experts 2 and 11 for every token.
+        for (int t = 0; t < 80; ++t) (*d)->record_routing(id, 1, std::vector<uint32_t>{2, 11}, 1);
+        settle(**d);
+        const auto s = (*d)->status();
+        EXPECT_EQ(s.locked_bytes, 0u);
+        const auto r2 = map->ranges(1, 2), r6 = map->ranges(1, 6);  // 6: no neighbour of a used one
+        if (predict) {
+            EXPECT_GE(s.predicted_experts, 64u);
+            EXPECT_EQ(s.predicted_used, s.predicted_experts) << "a router that repeats itself is predicted exactly";
+            EXPECT_GT(s.predict_fetch_bytes, 0u);
+            for (const auto& r : r2) EXPECT_EQ(resident(model_, r), r.length) << "expert 2, predicted, is read";
+        } else {
+            EXPECT_EQ(s.predicted_experts, 0u);
+            EXPECT_EQ(s.predict_fetch_bytes, 0u);
+            for (const auto& r : r2) EXPECT_EQ(resident(model_, r), 0u) << "nothing reads expert 2";
+        }
+        for (const auto& r : r6) EXPECT_EQ(resident(model_, r), 0u) << "expert 6 is never predicted";
+    }
+}
+
 TEST_F(DaemonTest, TheReserveHoldsAgainstWhatIsAvailableNow) {
     // Take 4 GiB so that a reserve can sit between what is available and RAM with wide margins
     // (other processes move MemAvailable by far less than the 2 GiB used here).

@@ -58,6 +58,7 @@ std::string describe(const Config& c) {
       << "policy.elite_share = " << c.elite_share << "\n"
       << "policy.hysteresis = " << c.hysteresis << "\n"
       << "policy.save_interval_seconds = " << c.save_interval_seconds << "\n"
+      << "policy.predict = " << c.predict << "\n"
       << "telemetry.page_cache = " << c.page_cache_telemetry << "\n"
       << "telemetry.ring_buffer = " << c.page_cache_ring_bytes << "\n"
       << "clients.allow_uids = " << fmt::format("{}", fmt::join(c.client_allow_uids, ",")) << "\n"
@@ -71,7 +72,8 @@ std::string describe(const Config& c) {
       << "vram.keep_ram_copy = " << c.keep_ram_copy << "\n";
     for (const auto& m : c.models) {
         s << "model " << m.path << " budget " << (m.budget ? size(*m.budget) : "none")
-          << " lock_dense " << m.lock_dense << " pins";
+          << " lock_dense " << m.lock_dense << " family " << m.family << " family_budget "
+          << (m.family_budget ? size(*m.family_budget) : "none") << " pins";
         for (const auto& p : m.pins) s << " " << p.layer << ":" << p.first << "-" << p.last;
         s << "\n";
     }
@@ -506,6 +508,7 @@ admit_after_uses = 3
 elite_share = 0.25
 hysteresis = 0
 save_interval_seconds = 300
+predict = true
 
 [[model]]
 path = "/models/kimi/Kimi-K2-*.gguf"
@@ -547,6 +550,7 @@ uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
     EXPECT_EQ(c->elite_share, 0.25);
     EXPECT_EQ(c->hysteresis, 0.0);
     EXPECT_EQ(c->save_interval_seconds, 300.0);
+    EXPECT_TRUE(c->predict);
     EXPECT_EQ(c->page_cache_telemetry, "off");
     EXPECT_EQ(c->page_cache_ring_bytes, 1u << 20);
     EXPECT_EQ(c->client_allow_uids, (std::vector<uint32_t>{0, 1000}));
@@ -572,14 +576,14 @@ uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
     EXPECT_EQ(kimi.pins[2].layer, 13u);
     EXPECT_EQ(kimi.pins[2].first, 0u);
     EXPECT_EQ(kimi.pins[2].last, 7u);
-    EXPECT_EQ(kimi.where, main_ + ":30:1: model[0]");
+    EXPECT_EQ(kimi.where, main_ + ":31:1: model[0]");
     const auto& qwen = c->models[1];
     EXPECT_EQ(qwen.path, "/models/qwen.gguf");
     EXPECT_FALSE(qwen.budget);
     EXPECT_TRUE(qwen.lock_dense);
     EXPECT_TRUE(qwen.pins.empty());
 
-    EXPECT_EQ(c->origins.size(), 25u) << "every key set above has an origin";
+    EXPECT_EQ(c->origins.size(), 26u) << "every key set above has an origin";
     EXPECT_EQ(c->origins.at("budget.lock"), main_ + ":8:8");
     const auto v = validate_config(*c, 256 * kGiB, numa_.path());
     EXPECT_TRUE(v) << v.error().what();
@@ -643,7 +647,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 31u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 32u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

@@ -386,6 +386,7 @@ const Key<Config> kPolicyKeys[] = {
            t.admit_after_uses = static_cast<U32>(MC_TRY(read_int(v, 1, kU32Max)))),
     MC_KEY("elite_share", Config, t.elite_share = MC_TRY(read_number(v, {0, true}, {1, true}))),
     MC_KEY("hysteresis", Config, t.hysteresis = MC_TRY(read_number(v, {0, true}, kNoUpperBound))),
+    MC_KEY("predict", Config, t.predict = MC_TRY(read_bool(v))),
     MC_KEY("save_interval_seconds", Config,
            t.save_interval_seconds = MC_TRY(read_number(v, {1, true}, kNoUpperBound))),
 };

@@ -176,6 +176,9 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
             d["miss_fetches"] = s.miss_fetches;
             d["miss_fetch_bytes"] = s.miss_fetch_bytes;
             d["warm_fetch_bytes"] = s.warm_fetch_bytes;
+            d["predicted_experts"] = s.predicted_experts;
+            d["predicted_used"] = s.predicted_used;
+            d["predict_fetch_bytes"] = s.predict_fetch_bytes;
             d["models"] = static_cast<uint32_t>(s.models.size());
             d["clients"] = static_cast<uint32_t>(s.clients.size());
             d["clients_refused"] = s.clients_refused;

@@ -115,6 +115,13 @@ std::string render_metrics(const DaemonStatus& s) {
              "Experts read whole into the page cache after a runtime read part of them from storage.", s.miss_fetches);
     w.scalar("moecache_miss_fetch_bytes_total", "counter",
              "Bytes those reads queued.", s.miss_fetch_bytes);
+    w.scalar("moecache_predicted_experts_total", "counter",
+             "Experts the route predictor expected the next token to use ([policy] predict).", s.predicted_experts);
+    w.scalar("moecache_predicted_experts_used_total", "counter",
+             "... of which the next token used: their ratio is the prediction's precision.", s.predicted_used);
+    w.scalar("moecache_predicted_fetch_bytes_total", "counter",
+             "Bytes read into the page cache, not locked, for what the next token was predicted to use.",
+             s.predict_fetch_bytes);
     w.scalar("moecache_warm_fetch_bytes_total", "counter",
              "Bytes read beyond the locks at warm starts (a heat profile loaded or imported), not locked.", s.warm_fetch_bytes);
 

@@ -77,6 +77,11 @@ struct Config {
     uint32_t admit_after_uses = 2;
     double elite_share = 0.125;  // of each layer's experts, never released by the policy
     double hysteresis = 0.25;    // a newcomer must be this much hotter than the one it replaces
+    // Prefetch what the next token is predicted to use (RoutePredictor, from the router decisions
+    // clients report) into the page cache, not locked; only while the predictions have been right
+    // (PredictionTrust) and the prefetch queue has nothing waiting. Off by default: docs/sim.md
+    // measures where it pays.
+    bool predict = false;
     double save_interval_seconds = 60;
 
     // [telemetry]

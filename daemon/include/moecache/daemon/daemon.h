@@ -108,6 +108,8 @@ struct DaemonStatus {
     uint64_t cgroup_limit = 0;  // the memory cgroup limit that binds the daemon (0: none), read each tick
     uint64_t miss_fetches = 0, miss_fetch_bytes = 0;  // experts read whole after a runtime's miss
     uint64_t warm_fetch_bytes = 0;  // read beyond the locks at warm starts
+    uint64_t predicted_experts = 0, predicted_used = 0;  // next-token predictions scored, and right
+    uint64_t predict_fetch_bytes = 0;  // read into the page cache for them
     uint64_t locked_bytes = 0;  // what the daemon locked, by its own count
     uint64_t vmlck_bytes = 0;   // what the kernel says (VmLck of this process)
     uint64_t pressure_events = 0;
@@ -189,6 +191,9 @@ private:
     void place();
     void on_fetched(uint64_t tag, uint64_t bytes, int err);
     void try_lock(ModelEntry& m, uint32_t slot);
+    // [policy] predict: scores the last prediction for this layer, learns, predicts the next
+    // token's experts there and reads what is not cached.
+    void prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts);
     [[nodiscard]] uint64_t lock_cap() const;
     [[nodiscard]] uint64_t model_cap(const ModelEntry& m) const;
     [[nodiscard]] const ByteAmount* uid_budget(const ModelEntry& m) const;
@@ -282,7 +287,7 @@ private:
     double page_cache_cpu_ = 0;
     std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
     std::vector<std::pair<uint32_t, uint32_t>> missed_this_batch_;  // (model, slot) a runtime read from storage
-    uint64_t miss_fetches_ = 0, miss_fetch_bytes_ = 0, warm_fetch_bytes_ = 0;
+    uint64_t miss_fetches_ = 0, miss_fetch_bytes_ = 0, warm_fetch_bytes_ = 0, predict_fetch_bytes_ = 0;
     std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
     uint32_t self_tgid_ = 0;
     std::vector<std::unique_ptr<ModelEntry>> models_;

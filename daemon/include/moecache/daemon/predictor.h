@@ -14,6 +14,29 @@
 
 namespace moecache::daemon {
 
+// Whether predictions are worth acting on: each is scored against what came, and they are trusted
+// once kAfter were scored and at least kPrecision of what they named was used. Where routing is
+// not predictable nothing is staged and nothing is wasted.
+class PredictionTrust {
+public:
+    static constexpr uint64_t kAfter = 64;
+    static constexpr double kPrecision = 0.3;
+    void score(uint64_t predicted, uint64_t correct) {
+        ++scored_;
+        predicted_ += predicted;
+        correct_ += correct;
+    }
+    [[nodiscard]] bool trusted() const { return scored_ >= kAfter && precision() >= kPrecision; }
+    [[nodiscard]] double precision() const {
+        return predicted_ ? static_cast<double>(correct_) / static_cast<double>(predicted_) : 0.0;
+    }
+    [[nodiscard]] uint64_t predicted() const { return predicted_; }
+    [[nodiscard]] uint64_t correct() const { return correct_; }
+
+private:
+    uint64_t scored_ = 0, predicted_ = 0, correct_ = 0;
+};
+
 class RoutePredictor {
 public:
     // Co-occurrence is learnt for up to this many experts per layer (E x E counts per layer pair);

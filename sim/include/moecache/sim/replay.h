@@ -75,10 +75,8 @@ struct Predictions {
 enum class Predict { NextLayer, NextToken, Both };
 // Runs the daemon's RoutePredictor over the model's decisions in order (it learns as it goes) and
 // stages, for each decision, `k` experts per prediction (0: the model's experts per decision).
-// Precision and recall count every prediction; staging trusts the predictor only while its
-// precision so far is at least kMinPrecision (after 64 decisions): where routing is not
-// predictable, nothing is staged and nothing is wasted.
-inline constexpr double kMinPrecision = 0.3;
+// Precision and recall count every prediction; staging follows daemon::PredictionTrust (30 % of
+// what it named used, after 64 predictions): where routing is not predictable, nothing is staged.
 // What prediction stages sits in the tier the computation reads from; it may take this share of
 // that tier's budget, for as many of the best predictions as fit (none where not one does).
 inline constexpr double kStagingShare = 1.0 / 32;
