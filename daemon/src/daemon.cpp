@@ -717,7 +717,8 @@ void Daemon::prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const u
     const uint32_t ne = r.n_experts();
     if (!m.prediction) {
         const uint32_t nl = r.n_slots() / std::max<uint32_t>(ne, 1);
-        m.prediction.reset(new ModelEntry::Prediction{RoutePredictor(nl, ne), {}, std::vector<std::vector<uint32_t>>(nl)});
+        m.prediction = std::make_unique<ModelEntry::Prediction>(
+            ModelEntry::Prediction{RoutePredictor(nl, ne), {}, std::vector<std::vector<uint32_t>>(nl)});
     }
     auto& p = *m.prediction;
     if (layer >= p.next.size()) return;
