@@ -85,6 +85,8 @@ struct moecache_client {
     // The latest pool statistics per device, and which are not sent yet (under mu).
     std::array<std::optional<PoolStats>, kMaxPoolDevices> pool_stats{};
     std::array<bool, kMaxPoolDevices> pool_stats_unsent{};
+    std::optional<Unmapped> unmapped;  // the latest (under mu)
+    bool unmapped_unsent = false;
     static constexpr uint32_t kMaxBudgetDevices = 64;
     std::array<std::atomic<uint64_t>, kMaxBudgetDevices> budgets{};  // pool bytes + 1; 0: none set
     std::array<std::atomic<int>, kMaxBudgetDevices> one_place{};     // 1 yes, 2 no, 0: not said
@@ -177,6 +179,16 @@ bool moecache_client::send_placements(int fd) {
 }
 
 bool moecache_client::send_pool_stats(int fd) {
+    std::optional<Unmapped> u;
+    {
+        std::lock_guard lock(mu);
+        if (unmapped_unsent) u = unmapped;
+    }
+    if (u) {
+        if (!send_packet(fd, encode({0, *u}))) return false;
+        std::lock_guard lock(mu);
+        if (unmapped == u) unmapped_unsent = false;
+    }
     for (uint32_t d = 0; d < kMaxPoolDevices; ++d) {
         PoolStats s;
         {
@@ -270,6 +282,7 @@ bool moecache_client::session(int fd) {
         std::lock_guard lock(mu);
         placements_unsent.clear();
         for (uint32_t d = 0; d < kMaxPoolDevices; ++d) pool_stats_unsent[d] = pool_stats[d].has_value();
+        unmapped_unsent = unmapped.has_value();
         for (const auto& [k, device] : placements)
             placements_unsent.emplace_back(std::get<0>(k), std::get<1>(k), std::get<2>(k), device);
     }
@@ -469,6 +482,20 @@ int moecache_client_report_pool(moecache_client* c, uint32_t device, const moeca
         std::lock_guard lock(c->mu);
         c->pool_stats[device] = PoolStats{device, stats->hits, stats->misses, stats->hit_bytes, stats->miss_bytes, stats->pool_bytes};
         c->pool_stats_unsent[device] = true;
+    }
+    const uint64_t one = 1;
+    (void)!::write(c->wake.get(), &one, sizeof one);
+    return 0;
+}
+
+int moecache_client_report_unmapped(moecache_client* c, uint64_t copies, uint64_t bytes, int no_model) {
+    if (!c) return -EINVAL;
+    {
+        std::lock_guard lock(c->mu);
+        const Unmapped u{copies, bytes, no_model != 0};
+        if (c->unmapped == u) return 0;
+        c->unmapped = u;
+        c->unmapped_unsent = true;
     }
     const uint64_t one = 1;
     (void)!::write(c->wake.get(), &one, sizeof one);

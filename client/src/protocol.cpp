@@ -93,6 +93,7 @@ const char* to_string(Type t) {
         case Type::Goodbye: return "Goodbye";
         case Type::ExpertPlacement: return "ExpertPlacement";
         case Type::PoolStats: return "PoolStats";
+        case Type::Unmapped: return "Unmapped";
         case Type::HelloReply: return "HelloReply";
         case Type::Ok: return "Ok";
         case Type::Failure: return "Failure";
@@ -117,6 +118,7 @@ Type type_of(const Body& b) {
         Type operator()(const Directive&) const { return Type::Directive; }
         Type operator()(const ExpertPlacement&) const { return Type::ExpertPlacement; }
         Type operator()(const PoolStats&) const { return Type::PoolStats; }
+        Type operator()(const Unmapped&) const { return Type::Unmapped; }
         Type operator()(const VramPolicy&) const { return Type::VramPolicy; }
     };
     return std::visit(V{}, b);
@@ -178,6 +180,10 @@ std::vector<uint8_t> encode(const Message& m) {
                 body.u64(x.hit_bytes);
                 body.u64(x.miss_bytes);
                 body.u64(x.pool_bytes);
+            } else if constexpr (std::is_same_v<T, Unmapped>) {
+                body.u64(x.copies);
+                body.u64(x.bytes);
+                body.u8(x.no_model ? 1 : 0);
             } else if constexpr (std::is_same_v<T, VramPolicy>) {
                 body.u32(x.device);
                 body.u64(x.pool_bytes);
@@ -362,6 +368,18 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             x.miss_bytes = r.u64("PoolStats.miss_bytes");
             x.pool_bytes = r.u64("PoolStats.pool_bytes");
             MC_TRY_VOID(expect_fds(0, "PoolStats"));
+            m.body = x;
+            break;
+        }
+        case Type::Unmapped: {
+            Unmapped x;
+            x.copies = r.u64("Unmapped.copies");
+            x.bytes = r.u64("Unmapped.bytes");
+            const uint8_t none = r.u8("Unmapped.no_model");
+            if (r.error().empty() && none > 1)
+                r.fail(fmt::format("at byte {}: Unmapped no_model is {}, not 0 or 1", kHeaderBytes + 16, none));
+            x.no_model = none == 1;
+            MC_TRY_VOID(expect_fds(0, "Unmapped"));
             m.body = x;
             break;
         }

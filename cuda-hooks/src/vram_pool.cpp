@@ -77,14 +77,33 @@ void VramPool::add_model(uint32_t model, uint32_t n_slices, uint32_t n_experts) 
     pooled_[model].resize(n_experts, 0);
 }
 
-uint64_t VramPool::lookup(const SliceRef& s, StreamId stream) {
+StreamOrder& same_stream_only() {
+    struct None final : StreamOrder {
+        bool join(StreamId) override { return false; }
+    };
+    static None none;
+    return none;
+}
+
+bool VramPool::take(uint32_t id, StreamId stream, StreamOrder& order) {
+    auto& sl = slots_[id];
+    if (sl.stream == stream || sl.stream == 0) {
+        sl.stream = stream;
+        return true;
+    }
+    if (!order.join(sl.stream)) {
+        ++stats_.cross_stream;
+        return false;
+    }
+    ++stats_.joined;
+    sl.stream = stream;
+    return true;
+}
+
+uint64_t VramPool::lookup(const SliceRef& s, StreamId stream, StreamOrder& order) {
     if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size()) return 0;
     const uint32_t id = slot_of_[s.model][s.slice];
-    if (id == kNoSlot) return 0;
-    if (slots_[id].stream != stream) {
-        ++stats_.cross_stream;
-        return 0;
-    }
+    if (id == kNoSlot || slots_[id].filling || !take(id, stream, order)) return 0;
     return slots_[id].address;
 }
 
@@ -113,6 +132,7 @@ uint64_t VramPool::next_random() {
 
 void VramPool::empty_slot(uint32_t id) {
     auto& sl = slots_[id];
+    sl.filling = false;
     if (sl.model == kNoSlot) return;
     slot_of_[sl.model][sl.slice] = kNoSlot;
     auto& n = pooled_[sl.model][sl.expert];
@@ -122,40 +142,50 @@ void VramPool::empty_slot(uint32_t id) {
 }
 
 uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat,
-                         SliceRef* evicted) {
+                         StreamOrder& order, SliceRef* evicted, bool evict) {
     if (evicted != nullptr) evicted->model = kNoSlot;
     if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size() || s.expert >= pooled_[s.model].size())
         return 0;
-    if (slot_of_[s.model][s.slice] != kNoSlot) return 0;  // pooled, only not readable on this stream
+    if (slot_of_[s.model][s.slice] != kNoSlot) return 0;  // pooled, only busy or not ours to take
     auto* c = class_for(slice_bytes);
     if (c == nullptr || c->slots.empty()) return 0;
     uint32_t id = kNoSlot;
-    // A free slot that was never used, or last used on this stream (a read of its old contents
-    // may still be queued there).
+    // A free slot: one never used or last used on this stream first, else one another stream used,
+    // once ordered after it.
+    size_t pick = c->free.size();
     for (size_t k = 0; k < c->free.size() && k < 16; ++k) {
-        const uint32_t cand = c->free[c->free.size() - 1 - k];
-        if (!slots_[cand].used || slots_[cand].stream == stream) {
-            id = cand;
-            c->free.erase(c->free.end() - 1 - static_cast<std::ptrdiff_t>(k));
+        const size_t at = c->free.size() - 1 - k;
+        const auto& sl = slots_[c->free[at]];
+        if (sl.stream == 0 || sl.stream == stream) {
+            pick = at;
             break;
         }
+        if (pick == c->free.size()) pick = at;
+    }
+    if (pick < c->free.size() && take(c->free[pick], stream, order)) {
+        id = c->free[pick];
+        c->free.erase(c->free.begin() + static_cast<std::ptrdiff_t>(pick));
     }
     if (id == kNoSlot) {
-        // Sampled LFU: the coldest of a few random slots, if colder than the newcomer and last used
-        // on this stream. Strictly colder, so that equals do not displace each other (no churn).
+        if (!evict) {
+            ++stats_.declined;
+            return 0;
+        }
+        // Sampled LFU: the coldest of a few random slots, if colder than the newcomer. Strictly
+        // colder, so that equals do not displace each other (no churn).
         const uint32_t mine = heat.heat(s.model, s.expert);
         uint32_t best = kNoSlot, best_heat = mine;
         for (int k = 0; k < 8; ++k) {
             const uint32_t cand = c->slots[next_random() % c->slots.size()];
             const auto& sl = slots_[cand];
-            if (sl.model == kNoSlot || sl.stream != stream) continue;
+            if (sl.model == kNoSlot || sl.filling) continue;
             const uint32_t h = heat.heat(sl.model, sl.expert);
             if (h < best_heat) {
                 best = cand;
                 best_heat = h;
             }
         }
-        if (best == kNoSlot) {
+        if (best == kNoSlot || !take(best, stream, order)) {
             ++stats_.declined;
             return 0;
         }
@@ -169,12 +199,20 @@ uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId strea
     sl.slice = s.slice;
     sl.expert = s.expert;
     sl.stream = stream;
-    sl.used = true;
+    sl.filling = true;
     slot_of_[s.model][s.slice] = id;
     ++pooled_[s.model][s.expert];
     ++stats_.used;
     ++stats_.admitted;
     return sl.address;
+}
+
+uint64_t VramPool::commit(const SliceRef& s) {
+    if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size()) return 0;
+    const uint32_t id = slot_of_[s.model][s.slice];
+    if (id == kNoSlot || !slots_[id].filling) return 0;
+    slots_[id].filling = false;
+    return slots_[id].address;
 }
 
 void VramPool::drop(uint32_t model, uint32_t slice) {

@@ -998,6 +998,9 @@ DaemonStatus Daemon::status(bool experts) const {
         s.vram_pools.push_back(pool);
     }
     s.vram_releases = vram_releases_;
+    s.unmapped_copy_bytes = unmapped_bytes_;
+    for (const auto& c : clients_)
+        if (!c->dead && c->unmapped.no_model && c->unmapped.bytes > 0) ++s.clients_without_model;
     for (const auto& c : clients_) {
         if (c->dead) continue;
         ClientStatus cs;

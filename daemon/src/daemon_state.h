@@ -63,6 +63,7 @@ struct Daemon::Client {
     bool has_pool = false;                          // it sent an ExpertPlacement: a CUDA hook
     std::set<std::pair<uint32_t, uint32_t>> promoted;  // (model id, slot) it was told to keep in VRAM
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
+    protocol::Unmapped unmapped;                       // the last Unmapped it sent
     uint64_t events = 0, bad_events = 0;
     bool dead = false;  // dropped this turn; reaped at its end
 };

@@ -342,7 +342,9 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             for (uint32_t s : slots) {
                 if (view.in_vram[s]) continue;
                 cuda::SliceRef evicted;
-                if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, &evicted) == 0) continue;
+                if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, cuda::same_stream_only(), &evicted) == 0 ||
+                    pool.commit({0, s, s}) == 0)
+                    continue;
                 view.in_vram[s] = 1;
                 if (evicted.model != cuda::kNoSlot) view.in_vram[evicted.slice] = 0;
                 // One place: the daemon unlocks RAM's copy and drops it, but pages the runtime maps

@@ -295,6 +295,8 @@ TEST_F(HookDriver, PoolYieldsToAnAllocationThatWouldFail) {
     const auto& t = map_.layers[0].tensors[0];
     ASSERT_EQ(cu_.mem_alloc(&d, t.bytes_per_expert * map_.n_experts + 512), CUDA_SUCCESS);
     ASSERT_GE(copy_and_check(d, 0, 0, {5}, nullptr, 0), 1);
+    ASSERT_GE(sync_(10000), 1);  // the pool, then sized for the layer its next copy shows
+    ASSERT_GE(copy_and_check(d, 0, 0, {5}, nullptr, 0), 1);
     ASSERT_GE(sync_(10000), 1);
     ASSERT_GT(stats().pool_bytes, 0u);
     size_t free_bytes = 0, total = 0;

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace moecache::cuda {
 namespace {
 
@@ -16,37 +18,98 @@ struct Pool : ::testing::Test {
         pool.add_arena(kSlice, 0x100000, 4);
     }
     SliceRef ref(uint32_t expert, uint32_t tensor = 0) { return {0, tensor * 64 + expert, expert}; }
+    // An admission whose fill was queued at once (what the hook does within one copy).
+    uint64_t admit(const SliceRef& r, uint64_t bytes, StreamId stream, StreamOrder& order = same_stream_only()) {
+        const uint64_t a = pool.admit(r, bytes, stream, heat, order);
+        return a != 0 ? pool.commit(r) : 0;
+    }
     ExpertHeat heat;
     VramPool pool;
 };
 
+// Records the streams a copy was ordered after; refuses when told to.
+struct Joins final : StreamOrder {
+    bool join(StreamId from) override {
+        joined.push_back(from);
+        return allow;
+    }
+    std::vector<StreamId> joined;
+    bool allow = true;
+};
+
 TEST_F(Pool, AdmitsIntoFreeSlotsThenHits) {
-    const uint64_t a = pool.admit(ref(1), kSlice, 7, heat);
+    const uint64_t a = admit(ref(1), kSlice, 7);
     EXPECT_EQ(a, 0x100000u);
     EXPECT_EQ(pool.lookup(ref(1), 7), a);
     EXPECT_EQ(pool.lookup(ref(2), 7), 0u);
     EXPECT_EQ(pool.pooled_slices(0, 1), 1u);
-    EXPECT_EQ(pool.admit(ref(1), kSlice, 7, heat), 0u) << "a pooled slice is not admitted twice";
-    EXPECT_EQ(pool.admit(ref(9), kSlice + 8, 7, heat), 0u) << "no slot of that size";
+    EXPECT_EQ(admit(ref(1), kSlice, 7), 0u) << "a pooled slice is not admitted twice";
+    EXPECT_EQ(admit(ref(9), kSlice + 8, 7), 0u) << "no slot of that size";
 }
 
-TEST_F(Pool, HitsOnlyOnTheStreamThatFilledIt) {
-    ASSERT_NE(pool.admit(ref(1), kSlice, 7, heat), 0u);
-    EXPECT_EQ(pool.lookup(ref(1), 8), 0u);
+TEST_F(Pool, AnotherStreamHitsOnceOrderedAfterTheOneThatFilledIt) {
+    const uint64_t a = admit(ref(1), kSlice, 7);
+    ASSERT_NE(a, 0u);
+    EXPECT_EQ(pool.lookup(ref(1), 8), 0u) << "without ordering, another stream may not read it";
     EXPECT_EQ(pool.stats().cross_stream, 1u);
+    Joins order;
+    EXPECT_EQ(pool.lookup(ref(1), 8, order), a);
+    EXPECT_EQ(order.joined, std::vector<StreamId>{7});
+    // The slot is stream 8's now: 8 reads it without ordering, 7 must order after 8.
+    EXPECT_EQ(pool.lookup(ref(1), 8), a);
+    EXPECT_EQ(pool.lookup(ref(1), 7), 0u);
+    EXPECT_EQ(pool.lookup(ref(1), 7, order), a);
+    EXPECT_EQ(order.joined, (std::vector<StreamId>{7, 8}));
+    EXPECT_EQ(pool.stats().joined, 2u);
+    order.allow = false;
+    EXPECT_EQ(pool.lookup(ref(1), 9, order), 0u) << "an ordering that failed leaves the slot alone";
+    EXPECT_EQ(pool.lookup(ref(1), 7), a);
+}
+
+TEST_F(Pool, ASlotBeingFilledIsNobodysUntilCommitted) {
+    Joins order;
+    const uint64_t a = pool.admit(ref(1), kSlice, 7, heat, order);
+    ASSERT_NE(a, 0u);
+    EXPECT_EQ(pool.lookup(ref(1), 7, order), 0u) << "not readable before its fill is queued";
+    EXPECT_EQ(pool.lookup(ref(1), 8, order), 0u);
+    EXPECT_EQ(pool.admit(ref(1), kSlice, 8, heat, order), 0u) << "not admitted twice";
+    // Not a victim either, however cold.
+    for (uint32_t e = 2; e < 5; ++e) ASSERT_NE(admit(ref(e), kSlice, 7), 0u);
+    heat.touch(0, 40, 50);
+    for (int i = 0; i < 50; ++i) (void)admit(ref(40), kSlice, 7);
+    EXPECT_EQ(pool.commit(ref(1)), a) << "the slot being filled was taken away";
+    EXPECT_EQ(pool.lookup(ref(1), 7), a);
+    EXPECT_EQ(pool.commit(ref(1)), 0u) << "committed once";
+}
+
+TEST_F(Pool, AFillReleasedMeanwhileIsNotCommitted) {
+    ASSERT_NE(pool.admit(ref(1), kSlice, 7, heat), 0u);
+    ASSERT_EQ(pool.release(1, heat).size(), 1u);
+    EXPECT_EQ(pool.commit(ref(1)), 0u) << "its memory may be freed: nothing may be copied there";
+    EXPECT_EQ(pool.stats().used, 0u);
+}
+
+TEST_F(Pool, WithoutEvictionOnlyFreeSlotsAreTaken) {
+    for (uint32_t e = 0; e < 4; ++e) ASSERT_NE(admit(ref(e), kSlice, 7), 0u);
+    heat.touch(0, 10, 100);
+    for (int i = 0; i < 50; ++i) EXPECT_EQ(pool.admit(ref(10), kSlice, 7, heat, same_stream_only(), nullptr, false), 0u);
+    EXPECT_EQ(pool.stats().evicted, 0u);
+    pool.drop(0, ref(2).slice);
+    EXPECT_NE(pool.admit(ref(10), kSlice, 7, heat, same_stream_only(), nullptr, false), 0u);
 }
 
 TEST_F(Pool, EvictsOnlyColderExpertsOnTheSameStream) {
-    for (uint32_t e = 0; e < 4; ++e) ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+    for (uint32_t e = 0; e < 4; ++e) ASSERT_NE(admit(ref(e), kSlice, 7), 0u);
     // Equally cold newcomer: declined (no churn between equals).
-    EXPECT_EQ(pool.admit(ref(10), kSlice, 7, heat), 0u);
+    EXPECT_EQ(admit(ref(10), kSlice, 7), 0u);
     EXPECT_GT(pool.stats().declined, 0u);
-    // A hotter newcomer, but every slot was last used on stream 7: not from stream 8.
+    // A hotter newcomer, but every slot was last used on stream 7: not from stream 8 unless it
+    // can be ordered after 7.
     for (int i = 0; i < 5; ++i) heat.touch(0, 10);
-    EXPECT_EQ(pool.admit(ref(10), kSlice, 8, heat), 0u);
+    EXPECT_EQ(admit(ref(10), kSlice, 8), 0u);
     // From stream 7 it displaces one of the cold ones (sampling may need a few tries).
     uint64_t a = 0;
-    for (int i = 0; i < 50 && a == 0; ++i) a = pool.admit(ref(10), kSlice, 7, heat);
+    for (int i = 0; i < 50 && a == 0; ++i) a = admit(ref(10), kSlice, 7);
     ASSERT_NE(a, 0u);
     EXPECT_EQ(pool.stats().evicted, 1u);
     EXPECT_EQ(pool.stats().used, 4u);
@@ -57,18 +120,18 @@ TEST_F(Pool, EvictsOnlyColderExpertsOnTheSameStream) {
 
 TEST_F(Pool, KeepsTheHotterOfTwo) {
     for (uint32_t e = 0; e < 4; ++e) {
-        ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+        ASSERT_NE(admit(ref(e), kSlice, 7), 0u);
         for (int i = 0; i < 10; ++i) heat.touch(0, e);
     }
     heat.touch(0, 20, 3);  // warmer than nothing, colder than every pooled one
-    for (int i = 0; i < 50; ++i) EXPECT_EQ(pool.admit(ref(20), kSlice, 7, heat), 0u);
+    for (int i = 0; i < 50; ++i) EXPECT_EQ(admit(ref(20), kSlice, 7), 0u);
     EXPECT_EQ(pool.stats().evicted, 0u);
 }
 
 TEST_F(Pool, DropAndDemoteFreeSlots) {
-    ASSERT_NE(pool.admit(ref(1, 0), kSlice, 7, heat), 0u);
-    ASSERT_NE(pool.admit(ref(1, 1), kSlice, 7, heat), 0u);
-    ASSERT_NE(pool.admit(ref(2, 0), kSlice, 7, heat), 0u);
+    ASSERT_NE(admit(ref(1, 0), kSlice, 7), 0u);
+    ASSERT_NE(admit(ref(1, 1), kSlice, 7), 0u);
+    ASSERT_NE(admit(ref(2, 0), kSlice, 7), 0u);
     EXPECT_EQ(pool.pooled_slices(0, 1), 2u);
     EXPECT_EQ(pool.drop_expert(0, 1), 2u);
     EXPECT_EQ(pool.pooled_slices(0, 1), 0u);
@@ -76,14 +139,18 @@ TEST_F(Pool, DropAndDemoteFreeSlots) {
     pool.drop(0, ref(2).slice);
     EXPECT_EQ(pool.stats().used, 0u);
     // A freed slot last used on stream 7 is not handed to stream 8 (a read may still be queued on 7),
-    // but a never-used one is.
-    for (uint32_t e = 30; e < 34; ++e) (void)pool.admit(ref(e), kSlice, 8, heat);
+    // but a never-used one is, and the others once 8 is ordered after 7.
+    for (uint32_t e = 30; e < 34; ++e) (void)admit(ref(e), kSlice, 8);
     EXPECT_EQ(pool.stats().used, 1u) << "only the one never-used slot may go to another stream";
+    Joins order;
+    for (uint32_t e = 30; e < 34; ++e) (void)admit(ref(e), kSlice, 8, order);
+    EXPECT_EQ(pool.stats().used, 4u);
+    EXPECT_EQ(order.joined, (std::vector<StreamId>{7, 7, 7}));
 }
 
 TEST_F(Pool, ReleasesColdestArenasFirst) {
     pool.add_arena(kSlice, 0x200000, 4);
-    for (uint32_t e = 0; e < 8; ++e) ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+    for (uint32_t e = 0; e < 8; ++e) ASSERT_NE(admit(ref(e), kSlice, 7), 0u);
     for (uint32_t e = 4; e < 8; ++e) heat.touch(0, e, 5);  // the second arena holds the hot ones
     const auto freed = pool.release(1, heat);
     ASSERT_EQ(freed.size(), 1u);
@@ -96,24 +163,24 @@ TEST_F(Pool, ReleasesColdestArenasFirst) {
 
 TEST_F(Pool, APromotedExpertTakesTheSlotOfAHotterOneAndKeepsIt) {
     for (uint32_t e = 0; e < 4; ++e) {
-        ASSERT_NE(pool.admit(ref(e), kSlice, 7, heat), 0u);
+        ASSERT_NE(admit(ref(e), kSlice, 7), 0u);
         heat.touch(0, e, 50);
     }
     heat.set_promoted(0, 20, true);  // the daemon wants 20 in VRAM; used once here
     heat.touch(0, 20);
     uint64_t a = 0;
-    for (int i = 0; i < 50 && a == 0; ++i) a = pool.admit(ref(20), kSlice, 7, heat);
+    for (int i = 0; i < 50 && a == 0; ++i) a = admit(ref(20), kSlice, 7);
     ASSERT_NE(a, 0u) << "promoted ranks above any unpromoted expert";
     // Now the hottest unpromoted expert cannot displace it.
     heat.touch(0, 30, 500);
-    for (int i = 0; i < 200; ++i) (void)pool.admit(ref(30), kSlice, 7, heat);
+    for (int i = 0; i < 200; ++i) (void)admit(ref(30), kSlice, 7);
     EXPECT_NE(pool.lookup(ref(20), 7), 0u);
     // Unpromoted, it is one of the crowd again, and the coldest: hot newcomers displace it.
     heat.set_promoted(0, 20, false);
     EXPECT_EQ(heat.heat(0, 20), 1u);
     for (uint32_t e = 31; e < 35; ++e) {
         heat.touch(0, e, 500);
-        for (int i = 0; i < 50; ++i) (void)pool.admit(ref(e), kSlice, 7, heat);
+        for (int i = 0; i < 50; ++i) (void)admit(ref(e), kSlice, 7);
     }
     EXPECT_EQ(pool.lookup(ref(20), 7), 0u);
 }

@@ -81,6 +81,11 @@ typedef struct moecache_pool_stats {
     uint64_t pool_bytes;             /* allocated now */
 } moecache_pool_stats;
 MOECACHE_API int moecache_client_report_pool(moecache_client* c, uint32_t device, const moecache_pool_stats* stats);
+/* Host-to-device copies of 1 MiB or more that came from memory mapping no model this process
+ * knows (cumulative counts), and whether it maps any model at all (no_model 1): a runtime that
+ * loaded its model without mmap, which moecache cannot help. Sent in the background (the latest,
+ * again after every reconnection), for the daemon's metrics. Returns 0 or -errno. */
+MOECACHE_API int moecache_client_report_unmapped(moecache_client* c, uint64_t copies, uint64_t bytes, int no_model);
 /* Up to max directives received since the last call; never blocks. Returns how many. */
 MOECACHE_API size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max);
 MOECACHE_API void moecache_client_stats_get(const moecache_client* c, moecache_client_stats* out);

@@ -4,12 +4,17 @@
  *
  * Environment (read once, at the first CUDA call):
  *   MOECACHE_CUDA=off        pass everything through untouched
- *   MOECACHE_CUDA_POOL=SIZE  VRAM pool per device: "25%" of the expert bytes of the models this
- *                            process maps, "8G"/"512M"/bytes, "0" for telemetry only, or "auto"
- *                            (the default: as much as the experts need, within free memory less
- *                            a reserve)
- *   MOECACHE_CUDA_PIN=all    register the expert bytes of mapped models for DMA (read-only page-
- *                            locked host memory; copies that miss the pool then run at pinned speed)
+ *   MOECACHE_CUDA_POOL=SIZE  VRAM pool per device: "25%" of the expert bytes of the layers that
+ *                            device copies (with several GPUs, each serves its own layers),
+ *                            "8G"/"512M"/bytes, "0" for telemetry only, or "auto" (the default: as
+ *                            much as those experts need, within free memory less a reserve); one
+ *                            device's own as "DEVICE:SIZE", e.g. "0:12G,1:6G" or "25%,1:4G"
+ *   MOECACHE_CUDA_PIN=MODE   how copies that miss the pool reach the GPU: "auto" (the default:
+ *                            through pinned staging buffers that several threads fill, where a
+ *                            measurement at start shows that faster than the driver's own copy),
+ *                            "staging" (always), "off" (as the runtime asks), or "all" (register
+ *                            every expert byte of mapped models for DMA: page-locks them all, for
+ *                            machines whose RAM holds the model)
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even
  *                            when the daemon asks for one place (its [vram] keep_ram_copy unset);
  *                            without a daemon the mapping is never touched
@@ -43,9 +48,17 @@ typedef struct moecache_cuda_stats {
     uint64_t yielded_bytes;   /* pool memory given back to the runtime's allocations */
     uint64_t dropped_host_bytes; /* of experts in a pool, unmapped here (the one-place rule) */
     uint64_t directives;      /* VRAM directives from the daemon (promote, unpromote, demote) */
+    uint64_t bytes_staged;    /* of bytes_from_host, through pinned staging buffers */
+    uint64_t stream_joins;    /* pool slots taken over by another stream (a new context, say) */
+    uint64_t devices;         /* devices with a pool */
+    uint64_t staged_devices;  /* of them, copying misses through pinned staging */
+    uint64_t unmapped_copies; /* large host-to-device copies from memory that maps no model */
+    uint64_t unmapped_bytes;
 } moecache_cuda_stats;
 
 void moecache_cuda_stats_get(moecache_cuda_stats* out);
+/* The VRAM pool the hook holds on `device` now, in bytes (0: none). */
+uint64_t moecache_cuda_pool_bytes(int device);
 /* Rescans this process's mappings now and waits up to timeout_ms for the scan and for the pools of
  * devices already seen. Returns the number of mapped models found. */
 int moecache_cuda_sync(int timeout_ms);

@@ -35,9 +35,29 @@ const Driver* driver() {
         get(d.mem_host_register, "cuMemHostRegister_v2");
         get(d.mem_host_unregister, "cuMemHostUnregister");
         get(d.pointer_get_attributes, "cuPointerGetAttributes");
+        get(d.event_create, "cuEventCreate");
+        get(d.event_record, "cuEventRecord");
+        get(d.event_query, "cuEventQuery");
+        get(d.event_synchronize, "cuEventSynchronize");
+        get(d.stream_wait_event, "cuStreamWaitEvent");
+        get(d.mem_host_alloc, "cuMemHostAlloc");
+        get(d.mem_free_host, "cuMemFreeHost");
+        get(d.stream_create, "cuStreamCreate");
+        get(d.stream_destroy, "cuStreamDestroy_v2");
         ok = all;
     });
     return ok ? &d : nullptr;
+}
+
+DeviceContext::DeviceContext(const Driver* drv, int device) : drv_(drv) {
+    CUcontext ctx = nullptr;
+    pushed_ = drv_ != nullptr && drv_->primary_ctx_retain(&ctx, device) == CUDA_SUCCESS &&
+              drv_->ctx_push_current(ctx) == CUDA_SUCCESS;
+}
+
+DeviceContext::~DeviceContext() {
+    CUcontext popped = nullptr;
+    if (pushed_) (void)drv_->ctx_pop_current(&popped);
 }
 
 }  // namespace moecache::cuda::hook

@@ -26,6 +26,30 @@ struct Driver {
     CUresult (*mem_host_register)(void*, size_t, unsigned int);
     CUresult (*mem_host_unregister)(void*);
     CUresult (*pointer_get_attributes)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+    CUresult (*event_create)(CUevent*, unsigned int);
+    CUresult (*event_record)(CUevent, CUstream);
+    CUresult (*event_query)(CUevent);
+    CUresult (*event_synchronize)(CUevent);
+    CUresult (*stream_wait_event)(CUstream, CUevent, unsigned int);
+    CUresult (*mem_host_alloc)(void**, size_t, unsigned int);
+    CUresult (*mem_free_host)(void*);
+    CUresult (*stream_create)(CUstream*, unsigned int);
+    CUresult (*stream_destroy)(CUstream);
+};
+
+// Makes `device`'s primary context current on this thread for the life of the object (the
+// background thread works on every device).
+class DeviceContext {
+public:
+    DeviceContext(const Driver* drv, int device);
+    ~DeviceContext();
+    DeviceContext(const DeviceContext&) = delete;
+    DeviceContext& operator=(const DeviceContext&) = delete;
+    [[nodiscard]] bool ok() const { return pushed_; }
+
+private:
+    const Driver* drv_;
+    bool pushed_ = false;
 };
 
 // Null when libcuda.so.1 cannot be loaded or lacks one of them.

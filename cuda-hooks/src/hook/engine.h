@@ -1,32 +1,45 @@
 // What the hooked calls do beyond passing through: find the model files this process maps, decode
-// host-to-device copies out of them into router telemetry, and serve expert slices from a VRAM pool
-// per device.
+// host-to-device copies out of them into router telemetry, serve expert slices from a VRAM pool
+// per device, and stage the rest through pinned buffers.
 //
-// Threads: the runtime's threads call serve() and the allocation hooks; they read the published
-// snapshot of mappings without a lock and take `mu_` for the pool and the heat. One background
-// thread owns everything slow: /proc/self/maps scans and GGUF parsing, the connection to the daemon
-// (through the client runtime), pool allocation and DMA registration. Nothing is ever freed while a
-// hooked call could still read it: snapshots and models live until exit.
+// Files by domain: engine.cpp (the background thread's loop, settings, stats), models.cpp (maps
+// scans, GGUF models, what the hook cannot see), serve.cpp (the copy path), pools.cpp (a device's
+// pool: its size, its streams, yielding), staging.cpp (pinned staging), daemon_link.cpp (router
+// reports, placements, directives, one place).
+//
+// Threads: the runtime's threads call serve(), the allocation hooks and on_stream_destroy(); they
+// read the published snapshot of mappings without a lock and take one device's lock
+// (DevicePool::mu) for that device's pool, heat and streams, never a lock of another device and no
+// CUDA call that waits under it. One background thread owns everything slow: /proc/self/maps scans
+// and GGUF parsing, the connection to the daemon (through the client runtime), pool allocation and
+// sizing, DMA registration, measuring the staging path. Nothing is freed while a hooked call could
+// still read it: snapshots, models and device pools live until exit.
 #pragma once
 
 #include "cuda_api.h"
 #include "moecache/cuda/copy_classifier.h"
+#include "moecache/cuda/hook_config.h"
 #include "moecache/cuda/vram_pool.h"
 #include "moecache/cuda_hook.h"
 #include "moecache/model.h"
 #include "moecache/process_maps.h"
+#include "staging.h"
 
 #include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 struct moecache_client;
 
 namespace moecache::cuda::hook {
+
+struct Driver;
 
 struct HostToDeviceCopy {
     CUdeviceptr dst = 0;
@@ -38,18 +51,6 @@ struct HostToDeviceCopy {
     bool dst_checked = true;    // false when the caller did not say the destination is device memory
 };
 
-struct EngineConfig {
-    enum class PoolSize { Auto, Percent, Bytes };
-    PoolSize pool = PoolSize::Auto;
-    double pool_value = 0;  // percent or bytes
-    bool pin = false;
-    bool log = false;
-    bool client = true;
-    bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
-};
-// From the environment (cuda_hook.h lists it); unknown values are reported on stderr and ignored.
-EngineConfig config_from_environment();
-
 class Engine {
 public:
     // Null when the hook is off (MOECACHE_CUDA=off) or in a child after fork.
@@ -57,13 +58,16 @@ public:
     // The engine if a hooked call has created it, without creating it.
     static Engine* peek();
 
-    // Serves a host-to-device copy through the pool; true when it did (the result in *result),
-    // false when the caller must pass it through as it is.
+    // Serves a host-to-device copy through the pool and the staging buffers; true when it did (the
+    // result in *result), false when the caller must pass it through as it is.
     bool serve(const HostToDeviceCopy& c, CUresult* result);
+    // Before the runtime destroys a stream: what it queued on pool slots stays ordered.
+    void on_stream_destroy(CUstream stream);
     // After an allocation failed for want of memory: frees pool memory on the current device.
     bool yield_memory(size_t bytes);
     // Pool bytes on the current device (the runtime is told they are free: the pool yields them).
     size_t pool_bytes_current_device();
+    uint64_t pool_bytes(int device);
     void count_copy() { copies_.fetch_add(1, std::memory_order_relaxed); }
     void stats(moecache_cuda_stats* out);
     int sync(int timeout_ms);
@@ -93,43 +97,87 @@ private:
         uint32_t model, file;
         FileMapping mapping;
     };
-    struct DevicePool {
-        int device = 0;
-        VramPool pool;
-        std::vector<CUdeviceptr> arenas;  // under mu_
-        std::atomic<uint64_t> bytes{0};   // written under mu_, read anywhere
-        std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled (under mu_)
-        // How it served expert copies (slices; bytes), for the daemon's metrics.
-        std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
-        uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;  // background thread
-    };
     struct PlacementEvent {
         uint32_t model = 0, expert = 0;  // model-local expert index
-        int device = 0;
         bool in_vram = false;
     };
-    static constexpr size_t kPlacementQueue = 8192;
-    static constexpr int kMaxDevices = 64;
+    // A stream that queued work on pool slots, as the pool names it (StreamId = index + 1).
+    struct StreamState {
+        CUstream handle = nullptr;
+        CUevent event = nullptr;  // recorded on it when another stream must wait for it
+        bool dirty = false;       // queued slot work since the last record
+        bool idle = false;        // the last record completed and nothing was queued since
+        bool retired = false;     // destroyed by the runtime
+    };
+    // A run of copies of one layer's first expert tensor: one layer's routing of one batch.
+    struct LayerStep {
+        uint32_t model = UINT32_MAX;
+        int32_t layer = -1;
+        uint32_t tensor = UINT32_MAX;  // of the last copy on the device
+        uint32_t experts = 0;          // first-tensor slices copied so far in this step
+    };
+    struct DevicePool {
+        int device = 0;
+        std::mutex mu;  // everything below that is not atomic
+        VramPool pool;
+        ExpertHeat heat;
+        std::vector<CUdeviceptr> arenas;
+        std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled
+        std::vector<std::vector<uint8_t>> seen;  // [model][layer slot]: this device copies its experts
+        std::vector<PlacementEvent> placements;  // for the background thread
+        std::unordered_map<CUstream, StreamId> stream_ids;  // live streams
+        std::vector<StreamState> streams;
+        LayerStep step;
+        std::atomic<uint64_t> seen_bytes{0};  // expert bytes of the layers seen
+        std::atomic<uint64_t> bytes{0};       // allocated; written under mu, read anywhere
+        std::atomic<bool> staged{false};      // misses go through `staging`
+        std::unique_ptr<StagingRing> staging; // set by the background thread before `staged`
+        // How it served expert copies (slices; bytes), for the daemon's metrics.
+        std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
+        std::atomic<uint64_t> sized_for{0};  // seen_bytes when last sized (by the background thread)
+        // Background thread only.
+        uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;
+        uint64_t daemon_budget = 0;  // applied; 0: none, else bytes + 1
 
-    explicit Engine(EngineConfig cfg);
+        StreamId stream_id(CUstream s);  // under mu
+        void mark_dirty(StreamId id);    // under mu
+    };
+    class Joiner;
+    static constexpr size_t kPlacementQueue = 8192;
+    static constexpr int kMaxDevices = kMaxHookDevices;
+
+    explicit Engine(HookConfig cfg);
     void start();
     void run();
     void request_scan();
+    // models.cpp
     void scan();
     Model* open_model(const MapsEntry& e);
+    void tell_unmapped();
+    // pools.cpp
     bool allocate_pool(int device);  // false: nothing to size it by yet
     void resize_pool(DevicePool& dp);
-    [[nodiscard]] uint64_t pool_target(uint64_t expert_bytes, int device) const;
-    void note_expert(DevicePool& dp, const Model& m, uint32_t expert);  // under mu_
+    [[nodiscard]] uint64_t pool_target(const DevicePool& dp) const;
+    void add_model_to(DevicePool& dp, const Model& m);  // under dp.mu
+    void note_expert(DevicePool& dp, const Model& m, uint32_t expert);  // under dp.mu
+    void note_all(DevicePool& dp);  // under dp.mu
+    void free_arenas(DevicePool& dp, const std::vector<uint64_t>& bases);
+    // staging.cpp
+    void set_up_copies(DevicePool& dp);
+    void pin_models();
+    // daemon_link.cpp
+    void apply_daemon_budgets();
     void drain_placements();
     void rezap_pooled();
     void drop_host_copy(const Model& m, uint32_t block, uint32_t expert);
-    void pin_models(int device);
     void poll_directives();
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
     void report_pools();
+    [[nodiscard]] bool daemon_wants_one_place(int device) const;
+    // serve.cpp
+    CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream);
 
-    EngineConfig cfg_;
+    HookConfig cfg_;
     int wake_fd_ = -1;
     std::atomic<const Snapshot*> snapshot_{nullptr};
     std::atomic<bool> scan_requested_{true};
@@ -143,21 +191,19 @@ private:
     std::vector<InodeId> not_models_;
     std::vector<MappedRange> mapped_;
     std::vector<std::pair<void*, size_t>> pinned_;
+    bool pinned_all_ = false;  // every mapped expert byte registered for DMA
+    bool told_unmapped_ = false;
     moecache_client* client_ = nullptr;
-    std::array<uint64_t, kMaxDevices> daemon_budget_{};  // applied; 0: none
+    CopyCrew crew_;
 
-    // Runtime threads, under mu_.
-    std::mutex mu_;
-    ExpertHeat heat_;
-    std::array<PlacementEvent, kPlacementQueue> placements_{};
-    size_t n_placements_ = 0;
     std::mutex report_mu_;
     std::mutex sync_mu_;
     std::condition_variable sync_cv_;
 
     std::atomic<uint64_t> copies_{0}, expert_copies_{0}, served_{0}, hits_{0}, misses_{0}, bytes_pool_{0},
-        bytes_host_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0}, yielded_{0},
-        n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0};
+        bytes_host_{0}, bytes_staged_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0},
+        yielded_{0}, n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0}, joins_{0},
+        unmapped_copies_{0}, unmapped_bytes_{0};
 };
 
 }  // namespace moecache::cuda::hook

@@ -27,7 +27,8 @@
       (dst, dpitch, src, spitch, w, h, kind, s))                                                               \
     X(cudaMalloc, (void** p, size_t n), (p, n))                                                                \
     X(cudaFree, (void* p), (p))                                                                                \
-    X(cudaMemGetInfo, (size_t* free_bytes, size_t* total_bytes), (free_bytes, total_bytes))
+    X(cudaMemGetInfo, (size_t* free_bytes, size_t* total_bytes), (free_bytes, total_bytes))                    \
+    X(cudaStreamDestroy, (cudaStream_t s), (s))
 
 // Driver API: X(exported name, name given to cuGetProcAddress, first CUDA version of this ABI,
 // per-thread default stream variant, parameters, arguments). All return CUresult.
@@ -52,4 +53,5 @@
     X(cuMemAlloc_v2, "cuMemAlloc", 3020, false, (CUdeviceptr* p, size_t n), (p, n))                            \
     X(cuMemFree_v2, "cuMemFree", 3020, false, (CUdeviceptr p), (p))                                            \
     X(cuMemGetInfo_v2, "cuMemGetInfo", 3020, false, (size_t* free_bytes, size_t* total_bytes),                 \
-      (free_bytes, total_bytes))
+      (free_bytes, total_bytes))                                                                               \
+    X(cuStreamDestroy_v2, "cuStreamDestroy", 4000, false, (CUstream s), (s))

@@ -122,6 +122,13 @@ bool yield_memory(size_t bytes) noexcept {
     }
 }
 
+void stream_destroyed(CUstream s) noexcept {
+    try {
+        if (Engine* e = Engine::peek()) e->on_stream_destroy(s);
+    } catch (...) {
+    }
+}
+
 size_t pool_bytes() noexcept {
     try {
         Engine* e = Engine::peek();
@@ -224,6 +231,15 @@ cudaError_t on_cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
     return r;
 }
 
+// A stream the pool's slots remember is about to go: its work stays ordered for whoever comes next.
+cudaError_t on_cudaStreamDestroy(cudaStream_t s) {
+    Nest nest;
+    auto real = REAL_RT(cudaStreamDestroy);
+    if (real == nullptr) return MISSING_RT;
+    if (Nest::outer()) stream_destroyed(reinterpret_cast<CUstream>(s));
+    return real(s);
+}
+
 #define CU_COPY(name, async, ptds, dst_is_device, src_expr, call_args)                                      \
     auto real = REAL_CU(name);                                                                              \
     if (real == nullptr) return MISSING_CU;                                                                 \
@@ -277,6 +293,13 @@ CUresult on_cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     return r;
 }
 CUresult on_cuMemFree_v2(CUdeviceptr p) { PASS_CU(cuMemFree_v2, (p)); }
+CUresult on_cuStreamDestroy_v2(CUstream s) {
+    Nest nest;
+    auto real = REAL_CU(cuStreamDestroy_v2);
+    if (real == nullptr) return MISSING_CU;
+    if (Nest::outer()) stream_destroyed(s);
+    return real(s);
+}
 CUresult on_cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
     Nest nest;
     auto real = REAL_CU(cuMemGetInfo_v2);
@@ -379,6 +402,15 @@ MOECACHE_EXPORT void moecache_cuda_stats_get(moecache_cuda_stats* out) {
     try {
         if (auto* e = moecache::cuda::hook::Engine::peek()) e->stats(out);
     } catch (...) {
+    }
+}
+
+MOECACHE_EXPORT uint64_t moecache_cuda_pool_bytes(int device) {
+    try {
+        auto* e = moecache::cuda::hook::Engine::peek();
+        return e == nullptr ? 0 : e->pool_bytes(device);
+    } catch (...) {
+        return 0;
     }
 }
 

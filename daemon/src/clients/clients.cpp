@@ -187,6 +187,7 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
     }
     if (auto* x = std::get_if<ExpertPlacement>(&m->body)) return on_placement(c, *x);
     if (auto* x = std::get_if<PoolStats>(&m->body)) return on_pool_stats(c, *x);
+    if (auto* x = std::get_if<Unmapped>(&m->body)) return on_unmapped(c, *x);
     if (std::holds_alternative<Goodbye>(m->body)) {
         reply(c, rq, Ok{});
         drop_client(c, "it said goodbye");
@@ -247,6 +248,14 @@ bool Daemon::on_pool_stats(Client& c, const PoolStats& x) {
     t.hit_bytes += grow(x.hit_bytes, last.hit_bytes);
     t.miss_bytes += grow(x.miss_bytes, last.miss_bytes);
     last = x;
+    return true;
+}
+
+// A hook whose runtime copies model-sized buffers from memory that maps no model: counted like the
+// pool counters (cumulative per client, the daemon adds what grew).
+bool Daemon::on_unmapped(Client& c, const Unmapped& x) {
+    unmapped_bytes_ += x.bytes >= c.unmapped.bytes ? x.bytes - c.unmapped.bytes : x.bytes;
+    c.unmapped = x;
     return true;
 }
 

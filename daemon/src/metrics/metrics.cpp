@@ -191,6 +191,12 @@ std::string render_metrics(const DaemonStatus& s) {
     }
     w.scalar("moecache_vram_releases_total", "counter",
              "Experts unlocked and dropped from RAM because a VRAM pool took them.", s.vram_releases);
+    w.scalar("moecache_hook_unmapped_copy_bytes_total", "counter",
+             "Bytes CUDA hooks saw copied to the GPU in large copies from memory that maps no model: a runtime that "
+             "loaded its model without mmap (llama.cpp --load-mode none/dio/mlock, --no-mmap), whose experts moecache cannot see.",
+             s.unmapped_copy_bytes);
+    w.scalar("moecache_hook_clients_without_model_mapping", "gauge",
+             "Connected CUDA hooks whose runtime copies large buffers to the GPU but maps no model.", s.clients_without_model);
 
     static constexpr std::array<const char*, 4> kKinds = {"added", "deleted", "fault", "mapped"};
     w.family("moecache_page_cache_events_total", "counter", "Page-cache events the kernel sent, per kind.");

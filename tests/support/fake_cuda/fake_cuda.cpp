@@ -1,42 +1,211 @@
-// A fake libcuda.so.1 for CI, which has no GPU: "device memory" is host memory, every stream runs
-// its work at once, and a few knobs (an allocation limit, stream capture) let tests drive the hook
-// through the paths a GPU would. It implements the driver functions the hook and its tests use,
-// with the real ABI (signatures from cuda.h), and hands them out through cuGetProcAddress as the
-// real driver does, per-thread-stream variants included.
+// A fake libcuda.so.1 for CI, which has no GPU: "device memory" is host memory. It implements the
+// driver functions the hook and its tests use, with the real ABI (signatures from cuda.h), and
+// hands them out through cuGetProcAddress as the real driver does, per-thread-stream variants
+// included. Knobs (exported variables a test sets through dlsym) drive the hook through what a GPU
+// would do to it:
+//   fake_cuda_devices      how many devices (1); each has a primary context, the current one is
+//                          per thread (cuCtxSetCurrent, push/pop) and allocations belong to it
+//   fake_cuda_async        0: every stream runs its work at once. 1: streams queue their work and
+//                          run it as late as the API allows: only a synchronisation, or another
+//                          stream's wait on an event recorded in it, runs a queue, and a context
+//                          synchronisation runs the newest stream first. Work on two streams that
+//                          nothing ordered then runs in the order that breaks a missing wait, and
+//                          a copy from pinned host memory reads it when it runs (pageable memory is
+//                          read when the copy is queued, as the driver stages it).
+//                          An event query completes the work up to its record every other time.
+//   fake_cuda_capturing    every stream reports an active capture
+//   fake_cuda_memory_limit bytes per device
+// Stream handles are reused as soon as a stream is destroyed, as a real driver may.
 #include <cuda.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #undef cuGetProcAddress
 
 extern "C" {
 
 struct fake_cuda_counters {
-    unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs;
+    unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
 };
 __attribute__((visibility("default"))) fake_cuda_counters fake_cuda_counts;
 __attribute__((visibility("default"))) int fake_cuda_capturing = 0;
+__attribute__((visibility("default"))) int fake_cuda_async = 0;
+__attribute__((visibility("default"))) int fake_cuda_devices = 1;
 __attribute__((visibility("default"))) unsigned long long fake_cuda_memory_limit = 8ull << 30;
-
 }
 
 namespace {
 
-std::mutex mu;
-std::map<CUdeviceptr, size_t> allocations;
-size_t allocated = 0;
-int ctx_token = 0;
+constexpr int kMaxDevices = 8;
 
-bool is_device(CUdeviceptr p) {
-    std::lock_guard lock(mu);
+struct Event;
+struct Op {
+    enum Kind { Copy, Record, Wait } kind = Copy;
+    CUdeviceptr dst = 0;
+    const void* src = nullptr;              // read when the op runs (device or pinned memory)
+    std::shared_ptr<std::vector<uint8_t>> staged;  // or these bytes, read when it was queued
+    size_t n = 0;
+    bool htod = false;
+    Event* event = nullptr;
+    uint64_t generation = 0;  // Record: the generation it completes; Wait: the one it waits for
+};
+struct Stream {
+    int device = 0;
+    unsigned order = 0;  // creation order, for the adversarial drain
+    bool alive = true;
+    std::deque<Op> queue;
+};
+struct Event {
+    int device = 0;
+    Stream* stream = nullptr;  // where the last record was queued
+    uint64_t recorded = 0;     // generations queued
+    uint64_t done = 0;         // generations completed
+};
+
+std::recursive_mutex mu;
+struct Allocation {
+    size_t bytes;
+    int device;
+};
+std::map<CUdeviceptr, Allocation> allocations;
+std::map<uintptr_t, size_t> pinned;  // host ranges registered or allocated for DMA
+size_t allocated[kMaxDevices] = {};
+int ctx_token[kMaxDevices];
+thread_local std::vector<int> ctx_stack;  // current context: the back (device index)
+std::vector<Stream*> streams;             // every stream ever made, by handle - 16
+std::vector<size_t> free_handles;
+unsigned stream_order = 0;
+Stream* legacy[kMaxDevices] = {};
+
+int current_device() { return ctx_stack.empty() ? 0 : ctx_stack.back(); }
+
+const Allocation* allocation_of(CUdeviceptr p, size_t n = 1) {
     auto it = allocations.upper_bound(p);
-    if (it == allocations.begin()) return false;
+    if (it == allocations.begin()) return nullptr;
     --it;
-    return p < it->first + it->second;
+    return p >= it->first && p + n <= it->first + it->second.bytes ? &it->second : nullptr;
+}
+bool is_device(CUdeviceptr p, size_t n = 1) { return allocation_of(p, n) != nullptr; }
+bool is_pinned(const void* p, size_t n) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    auto it = pinned.upper_bound(a);
+    if (it == pinned.begin()) return false;
+    --it;
+    return a >= it->first && a + n <= it->first + it->second;
+}
+
+// The per-device stream that handle 0 (and the legacy/per-thread handles) means.
+Stream* stream_of(CUstream s) {
+    const auto h = reinterpret_cast<uintptr_t>(s);
+    if (h >= 16 && h - 16 < streams.size() && streams[h - 16]->alive) return streams[h - 16];
+    const int d = current_device();
+    if (legacy[d] == nullptr) legacy[d] = new Stream{d, stream_order++, true, {}};
+    return legacy[d];
+}
+
+void run(Stream* s, const Op* upto = nullptr);
+void run_op(const Op& op) {
+    switch (op.kind) {
+        case Op::Copy:
+            memmove(reinterpret_cast<void*>(op.dst), op.staged ? op.staged->data() : op.src, op.n);
+            break;
+        case Op::Record:
+            op.event->done = std::max(op.event->done, op.generation);
+            break;
+        case Op::Wait:
+            // Runs the recording stream up to the record this wait is for: the real dependency.
+            while (op.event->done < op.generation && op.event->stream != nullptr) {
+                Stream* other = op.event->stream;
+                const Op* rec = nullptr;
+                for (const auto& o : other->queue)
+                    if (o.kind == Op::Record && o.event == op.event && o.generation >= op.generation) {
+                        rec = &o;
+                        break;
+                    }
+                if (rec == nullptr) break;
+                run(other, rec);
+            }
+            break;
+    }
+}
+// Runs a stream's queue in order, up to and including `upto` (all of it when null).
+void run(Stream* s, const Op* upto) {
+    while (!s->queue.empty()) {
+        const Op op = s->queue.front();
+        const bool last = &s->queue.front() == upto;
+        s->queue.pop_front();
+        run_op(op);
+        if (last) break;
+    }
+}
+void run_device(int device) {
+    // Newest stream first: work that nothing ordered runs in the order that shows a missing wait.
+    std::vector<Stream*> order;
+    for (auto* s : streams)
+        if (s->device == device) order.push_back(s);
+    if (legacy[device] != nullptr) order.push_back(legacy[device]);
+    std::sort(order.begin(), order.end(), [](Stream* a, Stream* b) { return a->order > b->order; });
+    for (auto* s : order) run(s);
+}
+void run_all() {
+    for (int d = 0; d < kMaxDevices; ++d) run_device(d);
+}
+
+CUresult enqueue(CUstream st, Op op) {
+    Stream* s = stream_of(st);
+    if (!fake_cuda_async) {
+        run_op(op);
+        return CUDA_SUCCESS;
+    }
+    s->queue.push_back(std::move(op));
+    return CUDA_SUCCESS;
+}
+
+CUresult htod(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool sync) {
+    std::lock_guard lock(mu);
+    if (n == 0) return CUDA_SUCCESS;
+    if (!is_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    ++fake_cuda_counts.htod_calls;
+    fake_cuda_counts.htod_bytes += n;
+    Op op{Op::Copy, dst, src, nullptr, n, true};
+    if (fake_cuda_async && !is_pinned(src, n))
+        op.staged = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(src), static_cast<const uint8_t*>(src) + n);
+    if (sync) {
+        run_all();
+        run_op(op);
+        return CUDA_SUCCESS;
+    }
+    return enqueue(stream, std::move(op));
+}
+
+CUresult dtod(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
+    std::lock_guard lock(mu);
+    if (n == 0) return CUDA_SUCCESS;
+    if (!is_device(d, n) || !is_device(s, n)) return CUDA_ERROR_INVALID_VALUE;
+    ++fake_cuda_counts.dtod_calls;
+    fake_cuda_counts.dtod_bytes += n;
+    return enqueue(stream, Op{Op::Copy, d, reinterpret_cast<const void*>(s), nullptr, n});
+}
+
+CUresult unified(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream, bool sync) {
+    std::unique_lock lock(mu);
+    if (is_device(d) && !is_device(s)) return htod(d, reinterpret_cast<const void*>(s), n, stream, sync);
+    if (is_device(d) && is_device(s)) {
+        const CUresult r = dtod(d, s, n, stream);
+        if (sync) run_all();
+        return r;
+    }
+    run_all();
+    memmove(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), n);
+    return CUDA_SUCCESS;
 }
 
 }  // namespace
@@ -45,31 +214,133 @@ bool is_device(CUdeviceptr p) {
 
 API cuInit(unsigned int) { return CUDA_SUCCESS; }
 API cuDriverGetVersion(int* v) { *v = CUDA_VERSION; return CUDA_SUCCESS; }
-API cuDeviceGet(CUdevice* d, int ordinal) { if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE; *d = 0; return CUDA_SUCCESS; }
-API cuDeviceGetCount(int* n) { *n = 1; return CUDA_SUCCESS; }
-API cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice) { *c = reinterpret_cast<CUcontext>(&ctx_token); return CUDA_SUCCESS; }
+API cuDeviceGet(CUdevice* d, int ordinal) {
+    if (ordinal < 0 || ordinal >= std::min(fake_cuda_devices, kMaxDevices)) return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+API cuDeviceGetCount(int* n) { *n = std::min(fake_cuda_devices, kMaxDevices); return CUDA_SUCCESS; }
+API cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+    if (d < 0 || d >= std::min(fake_cuda_devices, kMaxDevices)) return CUDA_ERROR_INVALID_DEVICE;
+    *c = reinterpret_cast<CUcontext>(&ctx_token[d]);
+    return CUDA_SUCCESS;
+}
 API cuDevicePrimaryCtxRelease_v2(CUdevice) { return CUDA_SUCCESS; }
-API cuCtxSetCurrent(CUcontext) { return CUDA_SUCCESS; }
-API cuCtxGetCurrent(CUcontext* c) { *c = reinterpret_cast<CUcontext>(&ctx_token); return CUDA_SUCCESS; }
-API cuCtxGetDevice(CUdevice* d) { *d = 0; return CUDA_SUCCESS; }
-API cuCtxPushCurrent_v2(CUcontext) { return CUDA_SUCCESS; }
-API cuCtxPopCurrent_v2(CUcontext* c) { if (c) *c = reinterpret_cast<CUcontext>(&ctx_token); return CUDA_SUCCESS; }
-API cuCtxSynchronize() { ++fake_cuda_counts.syncs; return CUDA_SUCCESS; }
-API cuStreamCreate(CUstream* s, unsigned int) { *s = reinterpret_cast<CUstream>(new int(0)); return CUDA_SUCCESS; }
-API cuStreamDestroy_v2(CUstream s) { delete reinterpret_cast<int*>(s); return CUDA_SUCCESS; }
-API cuStreamSynchronize(CUstream) { ++fake_cuda_counts.syncs; return CUDA_SUCCESS; }
+static int device_of_ctx(CUcontext c) {
+    for (int d = 0; d < kMaxDevices; ++d)
+        if (c == reinterpret_cast<CUcontext>(&ctx_token[d])) return d;
+    return -1;
+}
+API cuCtxSetCurrent(CUcontext c) {
+    const int d = device_of_ctx(c);
+    if (d < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (ctx_stack.empty()) ctx_stack.push_back(d);
+    else ctx_stack.back() = d;
+    return CUDA_SUCCESS;
+}
+API cuCtxGetCurrent(CUcontext* c) { *c = reinterpret_cast<CUcontext>(&ctx_token[current_device()]); return CUDA_SUCCESS; }
+API cuCtxGetDevice(CUdevice* d) { *d = current_device(); return CUDA_SUCCESS; }
+API cuCtxPushCurrent_v2(CUcontext c) {
+    const int d = device_of_ctx(c);
+    if (d < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_stack.push_back(d);
+    return CUDA_SUCCESS;
+}
+API cuCtxPopCurrent_v2(CUcontext* c) {
+    if (c) *c = reinterpret_cast<CUcontext>(&ctx_token[current_device()]);
+    if (!ctx_stack.empty()) ctx_stack.pop_back();
+    return CUDA_SUCCESS;
+}
+API cuCtxSynchronize() {
+    std::lock_guard lock(mu);
+    ++fake_cuda_counts.syncs;
+    run_device(current_device());
+    return CUDA_SUCCESS;
+}
+API cuStreamCreate(CUstream* s, unsigned int) {
+    std::lock_guard lock(mu);
+    size_t index = 0;
+    if (!free_handles.empty()) {
+        index = free_handles.back();
+        free_handles.pop_back();
+        // The old stream's queue lives on (its work still runs); the handle is new.
+        auto* old = streams[index];
+        streams[index] = new Stream{current_device(), stream_order++, true, {}};
+        old->alive = false;
+        streams.push_back(old);  // kept, under a handle nobody has
+    } else {
+        index = streams.size();
+        streams.push_back(new Stream{current_device(), stream_order++, true, {}});
+    }
+    *s = reinterpret_cast<CUstream>(index + 16);
+    return CUDA_SUCCESS;
+}
+API cuStreamDestroy_v2(CUstream s) {
+    std::lock_guard lock(mu);
+    const auto h = reinterpret_cast<uintptr_t>(s);
+    if (h < 16 || h - 16 >= streams.size() || !streams[h - 16]->alive) return CUDA_ERROR_INVALID_HANDLE;
+    free_handles.push_back(h - 16);
+    return CUDA_SUCCESS;
+}
+API cuStreamSynchronize(CUstream s) {
+    std::lock_guard lock(mu);
+    ++fake_cuda_counts.syncs;
+    run(stream_of(s));
+    return CUDA_SUCCESS;
+}
 API cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* st) {
     *st = fake_cuda_capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
     return CUDA_SUCCESS;
 }
+API cuEventCreate(CUevent* e, unsigned int) {
+    std::lock_guard lock(mu);
+    *e = reinterpret_cast<CUevent>(new Event{current_device()});
+    return CUDA_SUCCESS;
+}
+API cuEventDestroy_v2(CUevent e) {
+    std::lock_guard lock(mu);
+    (void)e;  // queued ops may still name it: kept
+    return CUDA_SUCCESS;
+}
+API cuEventRecord(CUevent e, CUstream s) {
+    std::lock_guard lock(mu);
+    auto* ev = reinterpret_cast<Event*>(e);
+    Stream* st = stream_of(s);
+    if (st->device != ev->device) return CUDA_ERROR_INVALID_HANDLE;
+    ev->stream = st;
+    return enqueue(s, Op{Op::Record, 0, nullptr, nullptr, 0, false, ev, ++ev->recorded});
+}
+// Every other query finds the device done up to the record (as time passes on a GPU); the others
+// find it busy: both of a caller's paths run.
+API cuEventQuery(CUevent e) {
+    std::lock_guard lock(mu);
+    static unsigned queries = 0;
+    auto* ev = reinterpret_cast<Event*>(e);
+    if (ev->done < ev->recorded && ++queries % 2 == 0) run_op(Op{Op::Wait, 0, nullptr, nullptr, 0, false, ev, ev->recorded});
+    return ev->done >= ev->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+API cuEventSynchronize(CUevent e) {
+    std::lock_guard lock(mu);
+    auto* ev = reinterpret_cast<Event*>(e);
+    Op wait{Op::Wait, 0, nullptr, nullptr, 0, false, ev, ev->recorded};
+    run_op(wait);
+    return CUDA_SUCCESS;
+}
+API cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
+    std::lock_guard lock(mu);
+    auto* ev = reinterpret_cast<Event*>(e);
+    ++fake_cuda_counts.event_waits;
+    return enqueue(s, Op{Op::Wait, 0, nullptr, nullptr, 0, false, ev, ev->recorded});
+}
 API cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     std::lock_guard lock(mu);
-    if (allocated + n > fake_cuda_memory_limit) return CUDA_ERROR_OUT_OF_MEMORY;
+    const int d = current_device();
+    if (allocated[d] + n > fake_cuda_memory_limit) return CUDA_ERROR_OUT_OF_MEMORY;
     void* m = malloc(n ? n : 1);
     if (m == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
     *p = reinterpret_cast<CUdeviceptr>(m);
-    allocations[*p] = n;
-    allocated += n;
+    allocations[*p] = {n, d};
+    allocated[d] += n;
     ++fake_cuda_counts.allocs;
     return CUDA_SUCCESS;
 }
@@ -77,7 +348,8 @@ API cuMemFree_v2(CUdeviceptr p) {
     std::lock_guard lock(mu);
     auto it = allocations.find(p);
     if (it == allocations.end()) return CUDA_ERROR_INVALID_VALUE;
-    allocated -= it->second;
+    run_all();  // as cudaFree: nothing queued may still touch it
+    allocated[it->second.device] -= it->second.bytes;
     allocations.erase(it);
     free(reinterpret_cast<void*>(p));
     ++fake_cuda_counts.frees;
@@ -86,61 +358,75 @@ API cuMemFree_v2(CUdeviceptr p) {
 API cuMemGetInfo_v2(size_t* f, size_t* t) {
     std::lock_guard lock(mu);
     *t = fake_cuda_memory_limit;
-    *f = fake_cuda_memory_limit - allocated;
+    *f = fake_cuda_memory_limit - allocated[current_device()];
     return CUDA_SUCCESS;
 }
-static CUresult htod(CUdeviceptr dst, const void* src, size_t n) {
-    if (!is_device(dst) || !is_device(dst + n - 1)) return CUDA_ERROR_INVALID_VALUE;
-    memcpy(reinterpret_cast<void*>(dst), src, n);
-    ++fake_cuda_counts.htod_calls;
-    fake_cuda_counts.htod_bytes += n;
+API cuMemHostAlloc(void** p, size_t n, unsigned int) {
+    std::lock_guard lock(mu);
+    *p = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
+    if (*p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    pinned[reinterpret_cast<uintptr_t>(*p)] = n;
     return CUDA_SUCCESS;
 }
-API cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return htod(d, s, n); }
-API cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void* s, size_t n) { return htod(d, s, n); }
-API cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream) { return htod(d, s, n); }
-API cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void* s, size_t n, CUstream) { return htod(d, s, n); }
-API cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) {
-    if (!is_device(d) || !is_device(s)) return CUDA_ERROR_INVALID_VALUE;
-    memmove(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), n);
-    ++fake_cuda_counts.dtod_calls;
-    fake_cuda_counts.dtod_bytes += n;
+API cuMemFreeHost(void* p) {
+    std::lock_guard lock(mu);
+    if (pinned.erase(reinterpret_cast<uintptr_t>(p)) == 0) return CUDA_ERROR_INVALID_VALUE;
+    run_all();
+    free(p);
     return CUDA_SUCCESS;
 }
+// As the real driver: a range that overlaps one registered already is refused with 712 (and
+// PORTABLE memory is registered for every device at once).
+API cuMemHostRegister_v2(void* p, size_t n, unsigned int) {
+    std::lock_guard lock(mu);
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    auto it = pinned.upper_bound(a + n - 1);
+    if (it != pinned.begin() && std::prev(it)->first + std::prev(it)->second > a)
+        return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    pinned[a] = n;
+    ++fake_cuda_counts.registered;
+    return CUDA_SUCCESS;
+}
+API cuMemHostUnregister(void* p) {
+    std::lock_guard lock(mu);
+    run_all();
+    return pinned.erase(reinterpret_cast<uintptr_t>(p)) != 0 ? CUDA_SUCCESS : CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+}
+API cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return htod(d, s, n, nullptr, true); }
+API cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void* s, size_t n) { return htod(d, s, n, nullptr, true); }
+API cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream st) { return htod(d, s, n, st, false); }
+API cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void* s, size_t n, CUstream st) { return htod(d, s, n, st, false); }
+API cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return dtod(d, s, n, st); }
 API cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) {
-    if (!is_device(s)) return CUDA_ERROR_INVALID_VALUE;
+    std::lock_guard lock(mu);
+    if (!is_device(s, n)) return CUDA_ERROR_INVALID_VALUE;
+    run_all();
     memcpy(d, reinterpret_cast<const void*>(s), n);
     return CUDA_SUCCESS;
 }
-static CUresult unified(CUdeviceptr d, CUdeviceptr s, size_t n) {
-    if (is_device(d) && !is_device(s)) return htod(d, reinterpret_cast<const void*>(s), n);
-    memmove(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), n);
-    return CUDA_SUCCESS;
-}
-API cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return unified(d, s, n); }
-API cuMemcpy_ptds(CUdeviceptr d, CUdeviceptr s, size_t n) { return unified(d, s, n); }
-API cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return unified(d, s, n); }
-API cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return unified(d, s, n); }
-API cuMemHostRegister_v2(void*, size_t, unsigned int) { return CUDA_SUCCESS; }
-API cuMemHostUnregister(void*) { return CUDA_SUCCESS; }
+API cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return unified(d, s, n, nullptr, true); }
+API cuMemcpy_ptds(CUdeviceptr d, CUdeviceptr s, size_t n) { return unified(d, s, n, nullptr, true); }
+API cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return unified(d, s, n, st, false); }
+API cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return unified(d, s, n, st, false); }
 API cuPointerGetAttributes(unsigned int n, CUpointer_attribute* attrs, void** data, CUdeviceptr p) {
-    const bool dev = is_device(p);
+    std::lock_guard lock(mu);
+    const Allocation* a = allocation_of(p);
     for (unsigned i = 0; i < n; ++i) {
         if (attrs[i] == CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
-            *static_cast<CUmemorytype*>(data[i]) = dev ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
+            *static_cast<CUmemorytype*>(data[i]) = a != nullptr ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
         else if (attrs[i] == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
-            *static_cast<int*>(data[i]) = dev ? 0 : -1;
+            *static_cast<int*>(data[i]) = a != nullptr ? a->device : -1;
         else
             return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;
 }
 
-// The same functions under names no hook interposes, for benchmarks that compare a hooked call
-// with the bare one.
+// The same copy under a name no hook interposes, for benchmarks that compare a hooked call with the
+// bare one.
 extern "C" __attribute__((visibility("default"))) CUresult fake_bare_htod_async(CUdeviceptr d, const void* s, size_t n,
-                                                                                 CUstream) {
-    return htod(d, s, n);
+                                                                                 CUstream st) {
+    return htod(d, s, n, st, false);
 }
 
 namespace {
@@ -160,8 +446,10 @@ const Entry table[] = {
     V("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2), E(cuCtxSetCurrent), E(cuCtxGetCurrent),
     E(cuCtxGetDevice), V("cuCtxPushCurrent", cuCtxPushCurrent_v2), V("cuCtxPopCurrent", cuCtxPopCurrent_v2),
     E(cuCtxSynchronize), E(cuStreamCreate), V("cuStreamDestroy", cuStreamDestroy_v2), E(cuStreamSynchronize),
-    E(cuStreamIsCapturing), V("cuMemAlloc", cuMemAlloc_v2), V("cuMemFree", cuMemFree_v2),
-    V("cuMemGetInfo", cuMemGetInfo_v2), V("cuMemcpyHtoD", cuMemcpyHtoD_v2), P("cuMemcpyHtoD", cuMemcpyHtoD_v2_ptds),
+    E(cuStreamIsCapturing), E(cuEventCreate), V("cuEventDestroy", cuEventDestroy_v2), E(cuEventRecord),
+    E(cuEventQuery), E(cuEventSynchronize), E(cuStreamWaitEvent), V("cuMemAlloc", cuMemAlloc_v2),
+    V("cuMemFree", cuMemFree_v2), V("cuMemGetInfo", cuMemGetInfo_v2), E(cuMemHostAlloc), E(cuMemFreeHost),
+    V("cuMemcpyHtoD", cuMemcpyHtoD_v2), P("cuMemcpyHtoD", cuMemcpyHtoD_v2_ptds),
     V("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2), P("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2_ptsz),
     V("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2), V("cuMemcpyDtoH", cuMemcpyDtoH_v2), E(cuMemcpy),
     P("cuMemcpy", cuMemcpy_ptds), E(cuMemcpyAsync), P("cuMemcpyAsync", cuMemcpyAsync_ptsz),
@@ -170,6 +458,7 @@ const Entry table[] = {
 
 CUresult CUDAAPI get_proc(const char* symbol, void** pfn, int version, cuuint64_t flags,
                           CUdriverProcAddressQueryResult* status) {
+    (void)version;
     if (symbol == nullptr || pfn == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (strcmp(symbol, "cuGetProcAddress") == 0) {
         *pfn = version >= 12000 ? reinterpret_cast<void*>(&get_proc) : reinterpret_cast<void*>(&get_proc_v1);

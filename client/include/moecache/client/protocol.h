@@ -33,6 +33,7 @@ enum class Type : uint16_t {
     Goodbye = 5,
     ExpertPlacement = 6,
     PoolStats = 7,
+    Unmapped = 8,
     // daemon -> client
     HelloReply = 128,
     Ok = 129,
@@ -88,6 +89,14 @@ struct PoolStats {
     uint64_t pool_bytes = 0;                  // allocated now
     bool operator==(const PoolStats&) const = default;
 };
+// Host-to-device copies of a megabyte or more from memory that maps no model the client knows
+// (cumulative, since the client started), and whether it maps any model at all: a runtime that
+// loaded its model without mmap, whose experts moecache cannot see. One-way, resent as it grows.
+struct Unmapped {
+    uint64_t copies = 0, bytes = 0;
+    bool no_model = false;
+    bool operator==(const Unmapped&) const = default;
+};
 struct HelloReply {
     uint16_t version = kVersion;
     uint32_t client_id = 0;
@@ -127,8 +136,8 @@ struct VramPolicy {
     bool operator==(const VramPolicy&) const = default;
 };
 
-using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, ExpertPlacement, PoolStats, HelloReply,
-                          Ok, Failure, ModelRegistered, Directive, VramPolicy>;
+using Body = std::variant<Hello, RegisterModel, DescribeMapping, TelemetrySetup, Goodbye, ExpertPlacement, PoolStats, Unmapped,
+                          HelloReply, Ok, Failure, ModelRegistered, Directive, VramPolicy>;
 
 struct Message {
     uint32_t request = 0;  // chosen by the client; a reply carries the request it answers

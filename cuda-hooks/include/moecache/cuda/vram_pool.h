@@ -2,10 +2,12 @@
 // is away: which expert slices sit in which slot, what a miss may evict. Pure bookkeeping over
 // device addresses the caller allocated: no CUDA here, so CI tests every rule without a GPU.
 //
-// Ordering, the rule that keeps copies byte-identical: a slot is filled and read in the order of
-// one stream. A slice filled on stream A is a hit only for copies on A (others copy from the host
-// as before), and a slot is given to another slice only by a copy on the stream that last used it,
-// so no fill can overtake a read still queued elsewhere.
+// Ordering, the rule that keeps copies byte-identical: every slot remembers the stream that last
+// queued work on it (a fill or a read). A copy on another stream uses the slot only after its
+// stream has been ordered after that work (StreamOrder::join, an event wait on a GPU); the slot is
+// then its stream's. So no read overtakes the fill it needs and no fill overtakes a read queued
+// elsewhere, whichever stream comes next: a runtime's new context (new streams) finds the pool as
+// the old one left it. A slot being filled is nobody else's until the fill is queued (commit).
 #pragma once
 
 #include <cstdint>
@@ -44,11 +46,26 @@ struct SliceRef {
     uint32_t expert = 0;
 };
 
-using StreamId = uintptr_t;
+// A stream as the pool's user names it: never reused for another stream (0: none).
+using StreamId = uint64_t;
+
+// Orders the calling copy's stream after another stream's work queued so far. false: it could not,
+// and the slot is left as it is (a miss).
+class StreamOrder {
+public:
+    virtual bool join(StreamId from) = 0;
+
+protected:
+    ~StreamOrder() = default;
+};
+// Orders nothing: only slots last used on the caller's own stream are used (the replay, tests).
+StreamOrder& same_stream_only();
 
 struct VramPoolStats {
     uint64_t slots = 0, used = 0, bytes = 0;
-    uint64_t admitted = 0, evicted = 0, declined = 0, cross_stream = 0;
+    uint64_t admitted = 0, evicted = 0, declined = 0;
+    uint64_t joined = 0;        // slots taken over from another stream
+    uint64_t cross_stream = 0;  // slots another stream held that could not be taken over
 };
 
 class VramPool {
@@ -57,14 +74,19 @@ public:
     void add_arena(uint64_t slot_bytes, uint64_t base, uint32_t count);
     void add_model(uint32_t model, uint32_t n_slices, uint32_t n_experts);
 
-    // The device address of the slice when it is pooled and readable on `stream`, else 0.
-    [[nodiscard]] uint64_t lookup(const SliceRef& s, StreamId stream);
-    // A slot for a slice that missed, whose bytes the caller copies in on `stream` right after the
-    // runtime's own copy; 0 when the policy declines (no slot of that size, or every candidate
-    // victim is as hot as the slice or busy on another stream).
-    // `evicted`, when given, learns which slice made room (model kNoSlot: none did).
+    // The device address of the slice when it is pooled and readable on `stream` (taken over from
+    // another stream through `order` where needed), else 0.
+    [[nodiscard]] uint64_t lookup(const SliceRef& s, StreamId stream, StreamOrder& order = same_stream_only());
+    // A slot for a slice that missed, whose bytes the caller copies in on `stream` after the
+    // runtime's own copy, then says so with commit(); until then the slot is nobody's. 0 when the
+    // policy declines: no slot of that size, or (evict false, or every sampled victim as hot as the
+    // slice) no free one. `evicted`, when given, learns which slice made room (model kNoSlot: none).
     [[nodiscard]] uint64_t admit(const SliceRef& s, uint64_t slice_bytes, StreamId stream, const ExpertHeat& heat,
-                                 SliceRef* evicted = nullptr);
+                                 StreamOrder& order = same_stream_only(), SliceRef* evicted = nullptr,
+                                 bool evict = true);
+    // The fill of an admitted slice is queued: the slot serves lookups from now on. Returns its
+    // address, or 0 when the slot was taken away meanwhile (released, dropped): then copy nothing.
+    uint64_t commit(const SliceRef& s);
     // Empties the slice's slot (an admission whose copy failed, or a demotion).
     void drop(uint32_t model, uint32_t slice);
     // Empties every slot of the expert; returns how many.
@@ -84,9 +106,9 @@ private:
         uint64_t address = 0;
         uint32_t arena = 0;
         uint32_t model = kNoSlot, slice = 0, expert = 0;  // model == kNoSlot: empty
-        StreamId stream = 0;
+        StreamId stream = 0;  // the last stream that queued work on it; 0: never used
         bool live = true;
-        bool used = false;  // ever held a slice (its stream then matters)
+        bool filling = false;  // admitted, its fill not queued yet
     };
     struct SizeClass {
         uint64_t slot_bytes = 0;
@@ -99,6 +121,8 @@ private:
         bool live = true;
     };
     void empty_slot(uint32_t slot);
+    // Makes the slot `stream`'s, ordering after its last stream where that is another.
+    bool take(uint32_t slot, StreamId stream, StreamOrder& order);
     SizeClass* class_for(uint64_t slot_bytes);
     uint64_t next_random();
 

@@ -121,6 +121,10 @@ struct DaemonStatus {
     uint64_t clients_refused = 0;  // connections turned away (not allowed, too many)
     uint64_t vram_releases = 0;    // experts unlocked and dropped because a VRAM pool took them
     std::vector<PoolDeviceStatus> vram_pools;  // by device
+    // Large host-to-device copies CUDA hooks saw from memory that maps no model (a runtime that
+    // loaded its model without mmap), since the daemon started; clients connected now that map none.
+    uint64_t unmapped_copy_bytes = 0;
+    uint32_t clients_without_model = 0;
     std::string bus;               // the D-Bus name's bus ("" when not on one)
     bool tracing = false;
     uint64_t trace_records = 0;
@@ -220,6 +224,7 @@ private:
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
     bool on_placement(Client& c, const protocol::ExpertPlacement& x);
     bool on_pool_stats(Client& c, const protocol::PoolStats& x);
+    bool on_unmapped(Client& c, const protocol::Unmapped& x);
     void direct_pools();
     void reply(Client& c, uint32_t request, const protocol::Body& body);
     bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
@@ -273,6 +278,7 @@ private:
     uint64_t clients_refused_ = 0;
     uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
     std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
+    uint64_t unmapped_bytes_ = 0;                        // accumulated from Unmapped
     bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
     [[nodiscard]] int loop_timeout() const;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;

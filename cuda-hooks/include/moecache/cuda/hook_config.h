@@ -1,0 +1,58 @@
+// The CUDA hook's settings, read from the environment (moecache/cuda_hook.h lists them). Pure
+// parsing, no CUDA: CI tests every rule. A bad value is reported (what, which variable, what is
+// expected) and the default is used: a runtime never stops for a typo in a variable.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace moecache::cuda {
+
+inline constexpr int kMaxHookDevices = 64;
+
+// How large one device's VRAM pool is.
+struct PoolSize {
+    enum class Kind { Auto, Percent, Bytes };
+    Kind kind = Kind::Auto;
+    double value = 0;  // percent (0..100) of the expert bytes the device serves, or bytes
+    bool operator==(const PoolSize&) const = default;
+};
+
+// MOECACHE_CUDA_POOL: comma-separated items, each a size for every device or "DEVICE:size" for
+// one: "25%", "8G", "0:12G,1:6G", "20%,1:4GiB", "auto". Sizes take K, M, G, T (binary) with an
+// optional "iB" or "B".
+struct PoolSizes {
+    PoolSize all;
+    std::array<std::optional<PoolSize>, kMaxHookDevices> device{};
+    [[nodiscard]] const PoolSize& of(int d) const {
+        return d >= 0 && d < kMaxHookDevices && device[static_cast<size_t>(d)] ? *device[static_cast<size_t>(d)] : all;
+    }
+};
+
+// How copies that miss the pool reach the device. off: as the runtime asked (pageable: the
+// driver stages them, one thread). staging: the hook's own threads copy them into pinned buffers
+// that the device reads at DMA speed. all: every expert byte registered for DMA (page-locked; for
+// machines whose RAM holds the model). auto: staging where a measurement at start shows it faster.
+enum class PinMode { Off, Auto, Staging, All };
+
+struct HookConfig {
+    PoolSizes pool;
+    PinMode pin = PinMode::Auto;
+    bool log = false;
+    bool client = true;
+    bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
+};
+
+// Parses one MOECACHE_CUDA_POOL value; nullopt and a reason in *error when it is not one.
+std::optional<PoolSizes> parse_pool_sizes(const std::string& text, std::string* error);
+// A size with an optional binary unit suffix ("8G", "512MiB", "1.5T", "4096").
+std::optional<double> parse_size(const std::string& text);
+// The settings from variables read through `get` (getenv in the hook; null: unset); each problem
+// goes to `warn` as one line.
+HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
+                            const std::function<void(const std::string&)>& warn);
+
+}  // namespace moecache::cuda

@@ -1,0 +1,169 @@
+// What the hook and moecached say to each other, through the client runtime: router decisions
+// (one event per layer and batch), each pool's counters, the experts whose every slice is in a
+// pool (and, for one place, this process's pages of them dropped), the daemon's VRAM budget per
+// device and its promote/demote directives.
+#include "driver.h"
+#include "engine.h"
+#include "moecache/client.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace moecache::cuda::hook {
+
+void Engine::report(Model& m, uint32_t block, uint32_t first, uint32_t n) {
+    if (client_ == nullptr) return;
+    const uint32_t h = m.client_handle.load(std::memory_order_relaxed);
+    if (h == UINT32_MAX) return;
+    uint32_t ids[22];
+    for (uint32_t done = 0; done < n;) {
+        const uint32_t k = std::min<uint32_t>(n - done, 22);
+        for (uint32_t i = 0; i < k; ++i) ids[i] = first + done + i;
+        // The client's ring has one writer at a time; a report never waits for another.
+        std::unique_lock lock(report_mu_, std::try_to_lock);
+        if (!lock.owns_lock()) return;
+        if (moecache_client_report(client_, h, block, ids, k, 1) == 1) reported_.fetch_add(1, std::memory_order_relaxed);
+        done += k;
+    }
+}
+
+bool Engine::daemon_wants_one_place(int device) const {
+    int one_place = 0;
+    return cfg_.one_place && !pinned_all_ && client_ != nullptr &&
+           moecache_client_vram_policy(client_, static_cast<uint32_t>(device), nullptr, &one_place) == 1 && one_place == 1;
+}
+
+// The daemon's budget for each device's pool, when it sets or changes one.
+void Engine::apply_daemon_budgets() {
+    if (client_ == nullptr) return;
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        uint64_t b = 0;
+        int one_place = 0;
+        if (dp == nullptr || moecache_client_vram_policy(client_, static_cast<uint32_t>(d), &b, &one_place) == 0) continue;
+        const uint64_t applied = b == UINT64_MAX ? 0 : b + 1;
+        if (dp->daemon_budget == applied) continue;
+        dp->daemon_budget = applied;
+        resize_pool(*dp);
+    }
+}
+
+// One place: the bytes of an expert the pool holds need not stay in RAM. Its pages are paged out of
+// this process (the mapping is shared and read-only, so they read back the same if ever touched
+// again) and the daemon, told of it, unlocks and drops what is left. The page cache works in
+// folios: a large folio that also holds a neighbour some other process maps stays whole.
+void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    for (const auto& r : m.map.ranges(block, expert)) {
+        for (const auto& mr : mapped_) {
+            if (mr.model != m.id || mr.file != r.file || mr.mapping.perms.size() < 4 || mr.mapping.perms[3] != 's' ||
+                mr.mapping.perms[1] == 'w')
+                continue;
+            const uint64_t lo = std::max(r.offset, mr.mapping.file_offset);
+            const uint64_t hi = std::min(r.offset + r.length, mr.mapping.file_offset + (mr.mapping.end - mr.mapping.start));
+            if (lo >= hi) continue;
+            // Whole pages only: the pages at the ends may hold a neighbour's bytes.
+            const uintptr_t a = (mr.mapping.address_of(lo) + page - 1) & ~(page - 1);
+            const uintptr_t b = mr.mapping.address_of(hi) & ~(page - 1);
+            if (b <= a) continue;
+            // MADV_PAGEOUT reclaims the pages only this process maps, splitting a large folio that
+            // straddles the expert's edge where it can (Linux >= 5.4); MADV_DONTNEED then unmaps
+            // the rest (the daemon maps them too, while it holds them locked), for the daemon to drop.
+            (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_PAGEOUT);
+            if (madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED) == 0)
+                dropped_host_bytes_.fetch_add(b - a, std::memory_order_relaxed);
+        }
+    }
+}
+
+// Each pool's counters to the daemon (its metrics), when they moved or the pool's size did.
+void Engine::report_pools() {
+    if (client_ == nullptr) return;
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        if (dp == nullptr) continue;
+        moecache_pool_stats s{dp->hits.load(), dp->misses.load(), dp->hit_bytes.load(), dp->miss_bytes.load(),
+                              dp->bytes.load()};
+        if (s.hits == dp->reported_hits && s.misses == dp->reported_misses && s.pool_bytes == dp->reported_bytes) continue;
+        if (moecache_client_report_pool(client_, static_cast<uint32_t>(d), &s) == 0) {
+            dp->reported_hits = s.hits;
+            dp->reported_misses = s.misses;
+            dp->reported_bytes = s.pool_bytes;
+        }
+    }
+}
+
+void Engine::rezap_pooled() {
+    if (client_ == nullptr) return;
+    std::vector<std::pair<uint32_t, uint32_t>> pooled;  // (model, model-local expert)
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        if (dp == nullptr || !daemon_wants_one_place(d)) continue;
+        std::lock_guard lock(dp->mu);
+        for (uint32_t m = 0; m < dp->full.size(); ++m)
+            for (uint32_t e = 0; e < dp->full[m].size(); ++e)
+                if (dp->full[m][e]) pooled.emplace_back(m, e);
+    }
+    for (const auto& [mi, e] : pooled) {
+        const Model& m = *models_[mi];
+        drop_host_copy(m, m.map.layers[e / m.map.n_experts].index, e % m.map.n_experts);
+    }
+}
+
+void Engine::drain_placements() {
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        if (dp == nullptr) continue;
+        std::vector<PlacementEvent> batch;
+        {
+            std::lock_guard lock(dp->mu);
+            batch.swap(dp->placements);
+        }
+        const bool one_place = daemon_wants_one_place(d);
+        for (const auto& ev : batch) {
+            const Model& m = *models_[ev.model];
+            const uint32_t block = m.map.layers[ev.expert / m.map.n_experts].index;
+            const uint32_t e = ev.expert % m.map.n_experts;
+            // Only with a daemon that asked for one place: it also decides when the expert comes back.
+            if (ev.in_vram && one_place) drop_host_copy(m, block, e);
+            if (client_ != nullptr && m.client_handle.load() != UINT32_MAX)
+                (void)moecache_client_report_placement(client_, m.client_handle.load(), block, e, ev.in_vram ? d : -1);
+        }
+    }
+}
+
+void Engine::poll_directives() {
+    if (client_ == nullptr) return;
+    moecache_directive d[64];
+    const size_t n = moecache_client_poll(client_, d, 64);
+    for (size_t i = 0; i < n; ++i) {
+        Model* m = nullptr;
+        for (auto* x : models_)
+            if (x->client_handle.load() == d[i].model) m = x;
+        if (m == nullptr || d[i].block >= m->layer_slot.size() || m->layer_slot[d[i].block] < 0 ||
+            d[i].expert >= m->map.n_experts)
+            continue;
+        const uint32_t e = m->expert(m->layer_slot[d[i].block], d[i].expert);
+        if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) continue;  // about RAM
+        directives_.fetch_add(1, std::memory_order_relaxed);
+        for (auto& p : pools_) {
+            DevicePool* dp = p.load();
+            if (dp == nullptr) continue;
+            std::lock_guard lock(dp->mu);
+            if (d[i].action == MOECACHE_PROMOTE) {
+                dp->heat.set_promoted(m->id, e, true);
+            } else if (d[i].action == MOECACHE_UNPROMOTE) {
+                dp->heat.set_promoted(m->id, e, false);
+            } else if (d[i].action == MOECACHE_DEMOTE) {
+                dp->heat.set_promoted(m->id, e, false);
+                dp->heat.set(m->id, e, 0);
+                dp->pool.drop_expert(m->id, e);
+                note_expert(*dp, *m, e);
+            }
+        }
+    }
+}
+
+}  // namespace moecache::cuda::hook

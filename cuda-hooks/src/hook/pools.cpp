@@ -1,0 +1,233 @@
+// A device's VRAM pool: its size (the experts of the layers this device copies, within the
+// settings, the daemon's budget and free memory less a reserve), its arenas, the streams that
+// queue work on its slots, and giving memory back to the runtime.
+#include "driver.h"
+#include "engine.h"
+#include "log.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace moecache::cuda::hook {
+namespace {
+
+constexpr uint64_t kArenaBytes = 1ull << 30;
+
+}  // namespace
+
+StreamId Engine::DevicePool::stream_id(CUstream s) {
+    auto [it, inserted] = stream_ids.try_emplace(s, 0);
+    if (inserted) {
+        streams.push_back(StreamState{s});
+        it->second = streams.size();
+    }
+    return it->second;
+}
+
+void Engine::DevicePool::mark_dirty(StreamId id) {
+    auto& st = streams[id - 1];
+    st.dirty = true;
+    st.idle = false;
+}
+
+// The runtime is about to destroy `stream`: what it queued on pool slots is recorded in its event
+// now (a later stream orders after that), and its handle, which a new stream may get, names
+// another stream from here on.
+void Engine::on_stream_destroy(CUstream stream) {
+    const Driver* drv = driver();
+    if (drv == nullptr) return;
+    for (auto& slot : pools_) {
+        DevicePool* dp = slot.load(std::memory_order_acquire);
+        if (dp == nullptr) continue;
+        std::lock_guard lock(dp->mu);
+        auto it = dp->stream_ids.find(stream);
+        if (it == dp->stream_ids.end()) continue;
+        auto& st = dp->streams[it->second - 1];
+        if (st.dirty) {
+            DeviceContext ctx(drv, dp->device);
+            if (st.event == nullptr) (void)drv->event_create(&st.event, CU_EVENT_DISABLE_TIMING);
+            // If this fails the slots it used stay its own: no other stream can be ordered after it.
+            if (st.event != nullptr && drv->event_record(st.event, stream) == CUDA_SUCCESS) st.dirty = false;
+        }
+        st.retired = true;
+        st.handle = nullptr;
+        dp->stream_ids.erase(it);
+    }
+}
+
+void Engine::add_model_to(DevicePool& dp, const Model& m) {
+    dp.pool.add_model(m.id, m.n_slices, m.n_experts);
+    dp.heat.add_model(m.id, m.n_experts);
+    if (dp.full.size() <= m.id) dp.full.resize(m.id + 1);
+    dp.full[m.id].assign(m.n_experts, 0);
+    if (dp.seen.size() <= m.id) dp.seen.resize(m.id + 1);
+    dp.seen[m.id].assign(m.map.layers.size(), 0);
+}
+
+bool Engine::allocate_pool(int device) {
+    if (driver() == nullptr || models_.empty()) return false;
+    auto* dp = new DevicePool;
+    dp->device = device;
+    {
+        std::lock_guard lock(dp->mu);
+        for (const auto* m : models_) add_model_to(*dp, *m);
+    }
+    set_up_copies(*dp);
+    pools_[device].store(dp, std::memory_order_release);
+    resize_pool(*dp);
+    return true;
+}
+
+uint64_t Engine::pool_target(const DevicePool& dp) const {
+    const uint64_t experts = dp.seen_bytes.load();
+    const PoolSize& size = cfg_.pool.of(dp.device);
+    uint64_t budget = experts;
+    if (size.kind == PoolSize::Kind::Percent)
+        budget = static_cast<uint64_t>(static_cast<double>(experts) * size.value / 100.0);
+    if (size.kind == PoolSize::Kind::Bytes) budget = std::min(experts, static_cast<uint64_t>(size.value));
+    if (dp.daemon_budget != 0) budget = std::min(budget, dp.daemon_budget - 1);
+    return budget;
+}
+
+void Engine::note_all(DevicePool& dp) {
+    for (const Model* m : models_)
+        for (uint32_t e = 0; e < m->n_experts; ++e) note_expert(dp, *m, e);
+}
+
+// Frees arenas the pool gave up, once the device has finished what it queued on them.
+void Engine::free_arenas(DevicePool& dp, const std::vector<uint64_t>& bases) {
+    if (bases.empty()) return;
+    const Driver* drv = driver();
+    (void)drv->ctx_synchronize();
+    for (auto b : bases) (void)drv->mem_free(b);
+    std::lock_guard lock(dp.mu);
+    for (auto b : bases) dp.arenas.erase(std::remove(dp.arenas.begin(), dp.arenas.end(), b), dp.arenas.end());
+    dp.bytes.store(dp.pool.stats().bytes);
+}
+
+// Grows or shrinks a device's pool to its target. Slots of each size get the share of the target
+// that their expert tensors have of the expert bytes of the layers this device copies.
+void Engine::resize_pool(DevicePool& dp) {
+    const Driver* drv = driver();
+    if (drv == nullptr) return;
+    DeviceContext ctx(drv, dp.device);
+    if (!ctx.ok()) return;
+    std::vector<std::pair<uint64_t, uint64_t>> classes;  // slot bytes, expert bytes of that size
+    uint64_t expert_bytes = 0;
+    {
+        std::lock_guard lock(dp.mu);
+        for (const auto* m : models_)
+            for (size_t ls = 0; ls < m->map.layers.size(); ++ls) {
+                if (m->id >= dp.seen.size() || !dp.seen[m->id][ls]) continue;
+                for (const auto& t : m->map.layers[ls].tensors) {
+                    const uint64_t b = t.bytes_per_expert * m->map.n_experts;
+                    expert_bytes += b;
+                    auto it = std::find_if(classes.begin(), classes.end(),
+                                           [&](auto& c) { return c.first == t.bytes_per_expert; });
+                    if (it == classes.end()) classes.emplace_back(t.bytes_per_expert, b);
+                    else it->second += b;
+                }
+            }
+    }
+    dp.sized_for.store(expert_bytes);
+    const uint64_t target = pool_target(dp);
+    // Whole arenas go; what that gives back beyond the target is allocated again below.
+    if (dp.bytes > target) {
+        std::vector<uint64_t> bases;
+        {
+            std::lock_guard lock(dp.mu);
+            bases = dp.pool.release(dp.bytes - target, dp.heat);
+            note_all(dp);
+        }
+        free_arenas(dp, bases);
+    }
+    size_t free_bytes = 0, total_bytes = 0;
+    (void)drv->mem_get_info(&free_bytes, &total_bytes);
+    const uint64_t before = dp.bytes;
+    if (dp.bytes < target) {
+        const uint64_t reserve = std::max<uint64_t>(1ull << 30, total_bytes / 20);
+        uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
+        for (const auto& [slot, covered] : classes) {
+            const auto want = static_cast<uint64_t>(static_cast<double>(target) * static_cast<double>(covered) /
+                                                    static_cast<double>(std::max<uint64_t>(expert_bytes, 1)));
+            uint64_t have = 0;
+            {
+                std::lock_guard lock(dp.mu);
+                have = dp.pool.class_bytes(slot);
+            }
+            uint64_t slots = want > have ? (want - have) / slot : 0;
+            const uint64_t per_arena = std::max<uint64_t>(1, kArenaBytes / slot);
+            while (slots > 0) {
+                const uint64_t n = std::min({slots, per_arena, room / slot});
+                CUdeviceptr p = 0;
+                if (n == 0 || drv->mem_alloc(&p, n * slot) != CUDA_SUCCESS) break;
+                std::lock_guard lock(dp.mu);
+                dp.arenas.push_back(p);
+                dp.pool.add_arena(slot, p, static_cast<uint32_t>(n));
+                dp.bytes += n * slot;
+                room -= n * slot;
+                slots -= n;
+            }
+        }
+    }
+    if (cfg_.log && dp.bytes != before)
+        say("device %d: pool of %.2f GiB for %.2f GiB of experts in the layers it copies (%.0f%%), %.2f GiB free before",
+            dp.device, static_cast<double>(dp.bytes) / 1073741824.0, static_cast<double>(expert_bytes) / 1073741824.0,
+            100.0 * static_cast<double>(dp.bytes) / static_cast<double>(std::max<uint64_t>(expert_bytes, 1)),
+            static_cast<double>(free_bytes) / 1073741824.0);
+}
+
+void Engine::note_expert(DevicePool& dp, const Model& m, uint32_t expert) {
+    if (m.id >= dp.full.size() || expert >= dp.full[m.id].size()) return;
+    const uint32_t ls = expert / m.map.n_experts;
+    const bool now = dp.pool.pooled_slices(m.id, expert) == m.slices_per_expert[ls];
+    auto& f = dp.full[m.id][expert];
+    if ((f != 0) == now) return;
+    f = now ? 1 : 0;
+    if (now) in_vram_.fetch_add(1, std::memory_order_relaxed);
+    else in_vram_.fetch_sub(1, std::memory_order_relaxed);
+    if (dp.placements.size() >= kPlacementQueue) {
+        placements_lost_.fetch_add(1, std::memory_order_relaxed);
+        return;
+    }
+    dp.placements.push_back(PlacementEvent{m.id, expert, now});
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof one);
+}
+
+bool Engine::yield_memory(size_t bytes) {
+    const Driver* drv = driver();
+    CUdevice device = 0;
+    if (drv == nullptr || drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices) return false;
+    DevicePool* dp = pools_[device].load();
+    if (dp == nullptr) return false;
+    std::vector<uint64_t> bases;
+    {
+        std::lock_guard lock(dp->mu);
+        bases = dp->pool.release(bytes + (64ull << 20), dp->heat);
+        for (const Model* m : snapshot_.load()->models)
+            for (uint32_t e = 0; e < m->n_experts; ++e) note_expert(*dp, *m, e);
+    }
+    if (bases.empty()) return false;
+    const uint64_t had = dp->bytes.load();
+    free_arenas(*dp, bases);
+    yielded_.fetch_add(had - dp->bytes.load());
+    return true;
+}
+
+uint64_t Engine::pool_bytes(int device) {
+    if (device < 0 || device >= kMaxDevices) return 0;
+    DevicePool* dp = pools_[device].load();
+    return dp == nullptr ? 0 : dp->bytes.load();
+}
+
+size_t Engine::pool_bytes_current_device() {
+    const Driver* drv = driver();
+    CUdevice device = 0;
+    if (drv == nullptr || drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices) return 0;
+    DevicePool* dp = pools_[device].load();
+    return dp == nullptr ? 0 : dp->bytes.load();
+}
+
+}  // namespace moecache::cuda::hook

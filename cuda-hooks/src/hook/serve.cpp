@@ -1,0 +1,250 @@
+// The copy path: a host-to-device copy out of a mapped model, split into pieces that come from the
+// device's VRAM pool (device-to-device) and pieces that come from the host (through pinned staging
+// where that is faster), with the slices that missed admitted into the pool from where they landed.
+//
+// Three short steps under the device's lock, none of which waits for the device: plan the pieces,
+// take the pool slots (ordering this stream after whichever stream used them last) and queue the
+// pool's pieces; then, without the lock, the host's pieces; then, under the lock again, the copies
+// into the slots admitted. A slot admitted in the first step is nobody else's until the last.
+#include "driver.h"
+#include "engine.h"
+#include "moecache/cuda/copy_plan.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace moecache::cuda::hook {
+namespace {
+
+constexpr size_t kMaxPieces = 2 * 256 + 2;
+constexpr size_t kMaxAdmits = 256;
+constexpr uint64_t kLargeCopy = 1 << 20;      // a copy this large from unmapped memory may be a model
+constexpr size_t kMinStaged = 256 << 10;      // smaller host pieces go the driver's way
+
+CUstream effective_stream(const HostToDeviceCopy& c) {
+    return c.per_thread && c.stream == nullptr ? CU_STREAM_PER_THREAD : c.stream;
+}
+
+}  // namespace
+
+// Orders the copy's stream after another stream's work on pool slots, at most once per stream and
+// copy: the other stream's event is recorded if it queued slot work since its last record, and
+// waited for unless it has completed already.
+class Engine::Joiner final : public StreamOrder {
+public:
+    Joiner(DevicePool& dp, const Driver* drv, CUstream mine) : dp_(dp), drv_(drv), mine_(mine) {}
+    bool join(StreamId from) override {
+        for (int i = 0; i < n_; ++i)
+            if (joined_[i] == from) return true;
+        if (from == 0 || from > dp_.streams.size()) return false;
+        auto& st = dp_.streams[from - 1];
+        if (!st.idle) {
+            if (st.dirty) {
+                if (st.retired || (st.event == nullptr && drv_->event_create(&st.event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) ||
+                    drv_->event_record(st.event, st.handle) != CUDA_SUCCESS)
+                    return false;
+                st.dirty = false;
+            }
+            if (st.event == nullptr) return false;
+            const CUresult q = drv_->event_query(st.event);
+            if (q == CUDA_SUCCESS) st.idle = true;
+            else if (q != CUDA_ERROR_NOT_READY || drv_->stream_wait_event(mine_, st.event, 0) != CUDA_SUCCESS) return false;
+        }
+        if (n_ < kRemembered) joined_[n_++] = from;
+        ++joins;
+        return true;
+    }
+    uint64_t joins = 0;
+
+private:
+    static constexpr int kRemembered = 8;
+    DevicePool& dp_;
+    const Driver* drv_;
+    CUstream mine_;
+    StreamId joined_[kRemembered] = {};
+    int n_ = 0;
+};
+
+CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream) {
+    const Driver* drv = driver();
+    if (bytes >= kMinStaged && dp.staged.load(std::memory_order_acquire)) {
+        uint64_t staged = 0;
+        const CUresult r = dp.staging->copy(dst, src, bytes, stream, &staged);
+        bytes_staged_.fetch_add(staged, std::memory_order_relaxed);
+        return r;
+    }
+    return drv->memcpy_htod_async(dst, src, bytes, stream);
+}
+
+bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
+    const Snapshot* snap = snapshot_.load(std::memory_order_acquire);
+    if (snap == nullptr) {
+        request_scan();
+        return false;
+    }
+    const auto cls = snap->classifier.classify(c.src, c.bytes);
+    if (!cls) {
+        if (!snap->classifier.covers(c.src)) {
+            request_scan();
+            if (c.bytes >= kLargeCopy && c.dst_checked) {
+                unmapped_copies_.fetch_add(1, std::memory_order_relaxed);
+                unmapped_bytes_.fetch_add(c.bytes, std::memory_order_relaxed);
+            }
+        }
+        return false;
+    }
+    expert_copies_.fetch_add(1, std::memory_order_relaxed);
+    Model& m = *snap->models[cls->model];
+    const int32_t ls = cls->block < m.layer_slot.size() ? m.layer_slot[cls->block] : -1;
+    if (ls < 0) return false;
+    // A copy of every expert of a tensor is a weight upload, not a routing decision.
+    const bool routing = cls->n_experts < m.map.n_experts;
+    if (routing && cls->tensor == 0) report(m, cls->block, cls->first_expert, cls->n_experts);
+    const Driver* drv = driver();
+    if (drv == nullptr) return false;
+    const CUstream stream = effective_stream(c);
+    CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (drv->stream_is_capturing(stream, &capture) != CUDA_SUCCESS || capture != CU_STREAM_CAPTURE_STATUS_NONE) {
+        captured_.fetch_add(1, std::memory_order_relaxed);
+        return false;
+    }
+    CUdevice device = 0;
+    if (drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices) return false;
+    if (!c.dst_checked) {
+        CUmemorytype type{};
+        int ordinal = -1;
+        CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+        void* values[2] = {&type, &ordinal};
+        if (drv->pointer_get_attributes(2, attrs, values, c.dst) != CUDA_SUCCESS || type != CU_MEMORYTYPE_DEVICE ||
+            ordinal != device)
+            return false;
+    }
+    DevicePool* dp = pools_[device].load(std::memory_order_acquire);
+    if (dp == nullptr) {
+        if ((devices_wanted_.fetch_or(uint64_t{1} << device) >> device & 1) == 0) {
+            const uint64_t one = 1;
+            (void)!write(wake_fd_, &one, sizeof one);
+        }
+        return false;
+    }
+    const uint32_t nexp = m.map.n_experts;
+    const bool pad_next = cls->padding > 0 && cls->padding_in_tensor(m.map);
+    const auto* src = static_cast<const uint8_t*>(c.src);
+
+    struct Admit {
+        SliceRef ref;
+        uint64_t offset;
+    };
+    CopyPiece pieces[kMaxPieces];
+    Admit admits[kMaxAdmits];
+    size_t n_pieces = 0;
+    uint32_t n_admits = 0, hit_slices = 0;
+    StreamId sid = 0;
+    CUresult rc = CUDA_SUCCESS;
+    uint64_t from_pool = 0, from_host = 0;
+    {
+        std::lock_guard lock(dp->mu);
+        sid = dp->stream_id(stream);
+        Joiner order(*dp, drv, stream);
+        // A run of copies of one layer's first expert tensor (nothing else between them) is that
+        // layer's routing of one batch.
+        // Once it carries more than half the layer's experts (and more than one token routes to),
+        // it is a batch of many tokens, a prompt: its slices fill free slots but displace nothing
+        // and add no heat, so that a prompt, whose batches touch nearly every expert, leaves the
+        // decoding hot set alone. A few sequences decoded together stay well under that.
+        auto& step = dp->step;
+        if (cls->tensor == 0) {
+            if (step.model != m.id || step.layer != ls || step.tensor != 0) step = LayerStep{m.id, ls, 0, 0};
+            step.experts += cls->n_experts;
+        }
+        step.tensor = cls->tensor;
+        const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
+        const bool batch = !routing || cls->n_experts > wide || (step.model == m.id && step.layer == ls && step.experts > wide);
+        if (m.id < dp->seen.size() && !dp->seen[m.id][static_cast<size_t>(ls)]) {
+            dp->seen[m.id][static_cast<size_t>(ls)] = 1;
+            dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].bytes_per_expert * nexp);
+            const uint64_t one = 1;
+            (void)!write(wake_fd_, &one, sizeof one);
+        }
+        if (routing && cls->tensor == 0 && !batch)
+            for (uint32_t i = 0; i < cls->n_experts; ++i) dp->heat.touch(m.id, m.expert(ls, cls->first_expert + i));
+        n_pieces = plan_copy(
+            cls->n_experts, cls->slice_bytes, cls->padding, pad_next,
+            [&](uint32_t i) -> uint64_t {
+                const uint32_t e = cls->first_expert + i;
+                if (e >= nexp) return 0;
+                const uint64_t a = dp->pool.lookup({m.id, m.slice(ls, cls->tensor, e), m.expert(ls, e)}, sid, order);
+                if (a != 0 && i < cls->n_experts) ++hit_slices;
+                return a;
+            },
+            pieces, kMaxPieces);
+        if (n_pieces == 0) return false;
+        // Admissions: slices that come from the host, copied on into the pool from where they land.
+        for (size_t p = 0; p < n_pieces; ++p) {
+            if (pieces[p].pool_address != 0) continue;
+            for (uint64_t off = pieces[p].offset; off + cls->slice_bytes <= pieces[p].offset + pieces[p].bytes &&
+                                                  off < uint64_t{cls->n_experts} * cls->slice_bytes && n_admits < kMaxAdmits;
+                 off += cls->slice_bytes) {
+                const uint32_t e = cls->first_expert + static_cast<uint32_t>(off / cls->slice_bytes);
+                const SliceRef ref{m.id, m.slice(ls, cls->tensor, e), m.expert(ls, e)};
+                SliceRef evicted;
+                if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, !batch) == 0) continue;
+                admits[n_admits++] = {ref, off};
+                if (evicted.model != kNoSlot && evicted.model < snap->models.size())
+                    note_expert(*dp, *snap->models[evicted.model], evicted.expert);
+            }
+        }
+        joins_.fetch_add(order.joins, std::memory_order_relaxed);
+        if (hit_slices == 0 && n_admits == 0 && !dp->staged.load(std::memory_order_relaxed)) {
+            misses_.fetch_add(cls->n_experts, std::memory_order_relaxed);
+            bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
+            dp->misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
+            dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
+            return false;
+        }
+        for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
+            if (pieces[p].pool_address != 0) {
+                rc = drv->memcpy_dtod_async(c.dst + pieces[p].offset, pieces[p].pool_address, pieces[p].bytes, stream);
+                from_pool += pieces[p].bytes;
+            }
+        if (hit_slices > 0 || n_admits > 0) dp->mark_dirty(sid);
+    }
+    for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
+        if (pieces[p].pool_address == 0) {
+            rc = copy_from_host(*dp, c.dst + pieces[p].offset, src + pieces[p].offset, pieces[p].bytes, stream);
+            from_host += pieces[p].bytes;
+        }
+    if (n_admits > 0) {
+        std::lock_guard lock(dp->mu);
+        for (uint32_t i = 0; i < n_admits; ++i) {
+            if (rc != CUDA_SUCCESS) {
+                dp->pool.drop(m.id, admits[i].ref.slice);
+                continue;
+            }
+            const uint64_t slot = dp->pool.commit(admits[i].ref);
+            if (slot == 0) continue;  // taken away meanwhile (the pool shrank or yielded)
+            rc = drv->memcpy_dtod_async(slot, c.dst + admits[i].offset, cls->slice_bytes, stream);
+            if (rc != CUDA_SUCCESS) dp->pool.drop(m.id, admits[i].ref.slice);
+        }
+        for (uint32_t i = 0; i < n_admits; ++i) note_expert(*dp, m, admits[i].ref.expert);
+        dp->mark_dirty(sid);
+    }
+    if (rc != CUDA_SUCCESS) {
+        fallbacks_.fetch_add(1, std::memory_order_relaxed);
+        return false;  // the runtime's own copy, issued after ours, writes every byte again
+    }
+    served_.fetch_add(1, std::memory_order_relaxed);
+    hits_.fetch_add(hit_slices, std::memory_order_relaxed);
+    misses_.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
+    bytes_pool_.fetch_add(from_pool, std::memory_order_relaxed);
+    bytes_host_.fetch_add(from_host, std::memory_order_relaxed);
+    dp->hits.fetch_add(hit_slices, std::memory_order_relaxed);
+    dp->misses.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
+    dp->hit_bytes.fetch_add(from_pool, std::memory_order_relaxed);
+    dp->miss_bytes.fetch_add(from_host, std::memory_order_relaxed);
+    *result = c.async ? CUDA_SUCCESS : drv->stream_synchronize(stream);
+    return true;
+}
+
+}  // namespace moecache::cuda::hook

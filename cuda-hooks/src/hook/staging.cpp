@@ -1,0 +1,292 @@
+#include "staging.h"
+
+#include "driver.h"
+#include "engine.h"
+#include "log.h"
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MOECACHE_PAUSE() _mm_pause()
+#else
+#define MOECACHE_PAUSE() ((void)0)
+#endif
+
+namespace moecache::cuda::hook {
+namespace {
+
+constexpr size_t kPartBytes = 256 << 10;  // what one thread takes at a time
+constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr auto kMaxBufferWait = std::chrono::milliseconds(20);
+
+}  // namespace
+
+// --- CopyCrew -----------------------------------------------------------------------------------
+
+CopyCrew::~CopyCrew() {
+    stopping_.store(true);
+    generation_.fetch_add(1);
+    generation_.notify_all();
+    for (auto& t : threads_) t.detach();  // they may be in the middle of nothing: let them go with the process
+}
+
+void CopyCrew::start(unsigned helpers) {
+    for (unsigned i = 0; i < helpers; ++i) threads_.emplace_back([this] { work(); });
+}
+
+// The part counter carries the job's generation in its high half: a thread that wakes late for a
+// finished job cannot take a part of the next one with the old job in mind.
+bool CopyCrew::take_part(uint32_t generation) {
+    uint64_t v = next_.load(std::memory_order_acquire);
+    for (;;) {
+        if (static_cast<uint32_t>(v >> 32) != generation || static_cast<uint32_t>(v) >= parts_) return false;
+        if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) break;
+    }
+    const size_t off = size_t{static_cast<uint32_t>(v)} * part_;
+    memcpy(dst_ + off, src_ + off, std::min(part_, n_ - off));
+    done_parts_.fetch_add(1, std::memory_order_acq_rel);
+    return true;
+}
+
+void CopyCrew::work() {
+    pthread_setname_np(pthread_self(), "moecache-copy");
+    uint32_t seen = generation_.load();
+    while (!stopping_.load(std::memory_order_relaxed)) {
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        uint32_t g = generation_.load(std::memory_order_acquire);
+        while (g == seen && std::chrono::steady_clock::now() < until) {
+            MOECACHE_PAUSE();
+            g = generation_.load(std::memory_order_acquire);
+        }
+        if (g == seen) {
+            generation_.wait(seen);
+            continue;
+        }
+        seen = g;
+        while (take_part(g)) {
+        }
+    }
+}
+
+void CopyCrew::copy(void* dst, const void* src, size_t n) {
+    std::unique_lock lock(busy_, std::try_to_lock);
+    if (!lock.owns_lock() || threads_.empty() || n < 2 * kPartBytes) {
+        memcpy(dst, src, n);
+        return;
+    }
+    dst_ = static_cast<uint8_t*>(dst);
+    src_ = static_cast<const uint8_t*>(src);
+    n_ = n;
+    // Parts small enough for every thread to get some, large enough to be worth a thread.
+    part_ = std::max<size_t>(kPartBytes, (n / (threads_.size() + 1) + 4095) & ~size_t{4095});
+    parts_ = static_cast<uint32_t>((n + part_ - 1) / part_);
+    done_parts_.store(0, std::memory_order_relaxed);
+    const uint32_t g = generation_.load(std::memory_order_relaxed) + 1;
+    next_.store(uint64_t{g} << 32, std::memory_order_release);
+    generation_.store(g, std::memory_order_release);
+    generation_.notify_all();
+    while (take_part(g)) {
+    }
+    while (done_parts_.load(std::memory_order_acquire) < parts_) MOECACHE_PAUSE();
+}
+
+// --- StagingRing --------------------------------------------------------------------------------
+
+std::unique_ptr<StagingRing> StagingRing::create(const Driver* drv, CopyCrew* crew, size_t buffer_bytes, int buffers) {
+    std::unique_ptr<StagingRing> r(new StagingRing(drv, crew, buffer_bytes));
+    for (int i = 0; i < buffers; ++i) {
+        Buffer b;
+        void* p = nullptr;
+        if (drv->mem_host_alloc(&p, buffer_bytes, CU_MEMHOSTALLOC_PORTABLE) != CUDA_SUCCESS) return nullptr;
+        b.host = static_cast<uint8_t*>(p);
+        r->buffers_.push_back(b);  // owned from here: freed by the destructor if what follows fails
+        if (drv->event_create(&r->buffers_.back().read, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return nullptr;
+    }
+    return r;
+}
+
+StagingRing::~StagingRing() {
+    for (auto& b : buffers_) {
+        if (b.queued && b.read != nullptr) (void)drv_->event_synchronize(b.read);
+        if (b.host != nullptr) (void)drv_->mem_free_host(b.host);
+    }
+}
+
+bool StagingRing::wait_free(Buffer& b) {
+    if (!b.queued) return true;
+    const auto until = std::chrono::steady_clock::now() + kMaxBufferWait;
+    for (;;) {
+        const CUresult q = drv_->event_query(b.read);
+        if (q == CUDA_SUCCESS) {
+            b.queued = false;
+            return true;
+        }
+        if (q != CUDA_ERROR_NOT_READY || std::chrono::steady_clock::now() >= until) return false;
+        MOECACHE_PAUSE();
+    }
+}
+
+CUresult StagingRing::copy(CUdeviceptr dst, const uint8_t* src, size_t n, CUstream stream, uint64_t* staged) {
+    std::lock_guard lock(mu_);
+    for (size_t off = 0; off < n;) {
+        const size_t len = std::min(buffer_bytes_, n - off);
+        Buffer& b = buffers_[next_];
+        CUresult r = CUDA_SUCCESS;
+        if (wait_free(b)) {
+            crew_->copy(b.host, src + off, len);
+            r = drv_->memcpy_htod_async(dst + off, b.host, len, stream);
+            if (r == CUDA_SUCCESS) r = drv_->event_record(b.read, stream);
+            if (r == CUDA_SUCCESS) {
+                b.queued = true;
+                next_ = (next_ + 1) % buffers_.size();
+                *staged += len;
+            }
+        } else {
+            r = drv_->memcpy_htod_async(dst + off, src + off, len, stream);
+        }
+        if (r != CUDA_SUCCESS) return r;
+        off += len;
+    }
+    return CUDA_SUCCESS;
+}
+
+// --- Engine: how misses reach a device ----------------------------------------------------------
+
+namespace {
+
+constexpr size_t kStagingBuffer = 8 << 20;
+constexpr int kStagingBuffers = 6;
+constexpr size_t kProbeBytes = 64 << 20;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+// For MOECACHE_CUDA_PIN=all: every mapped expert byte registered for DMA, once, for every device
+// (PORTABLE): a second device finds it registered already (CUDA error 712), which is no failure.
+void Engine::pin_models() {
+    const Driver* drv = driver();
+    if (drv == nullptr || pinned_all_) return;
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    bool all = !mapped_.empty();
+    for (const auto& r : mapped_) {
+        const Model* m = models_[r.model];
+        uint64_t lo = UINT64_MAX, hi = 0;
+        for (const auto& l : m->map.layers)
+            for (const auto& t : l.tensors)
+                if (t.file == r.file) {
+                    lo = std::min(lo, t.offset);
+                    hi = std::max(hi, t.offset + t.bytes_per_expert * m->map.n_experts);
+                }
+        const uint64_t map_lo = r.mapping.file_offset, map_hi = r.mapping.file_offset + (r.mapping.end - r.mapping.start);
+        lo = std::max(lo, map_lo);
+        hi = std::min(hi, map_hi);
+        if (lo >= hi) continue;
+        uintptr_t a = r.mapping.address_of(lo) & ~(page - 1);
+        uintptr_t b = (r.mapping.address_of(hi) + page - 1) & ~(page - 1);
+        b = std::min<uintptr_t>(b, r.mapping.end);
+        const auto t0 = std::chrono::steady_clock::now();
+        const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
+                                                   CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
+        if (rc == CUDA_SUCCESS) {
+            pinned_.emplace_back(reinterpret_cast<void*>(a), b - a);
+            pinned_bytes_.fetch_add(b - a);
+            if (cfg_.log)
+                say("registered %.2f GiB of %s for DMA in %.1f s", static_cast<double>(b - a) / 1073741824.0,
+                    m->path.c_str(), seconds_since(t0));
+        } else if (rc != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
+            all = false;
+            say("%s: registering the expert bytes for DMA failed (CUDA error %d); misses go through pinned staging",
+                m->path.c_str(), static_cast<int>(rc));
+        }
+    }
+    pinned_all_ = all;
+}
+
+// How copies that miss the pool reach the device: from the registered model (PIN=all), through
+// pinned staging, or as the runtime asked. For auto the hook measures both on the model's own
+// bytes and keeps staging only where it is faster by a clear margin.
+void Engine::set_up_copies(DevicePool& dp) {
+    const Driver* drv = driver();
+    if (drv == nullptr || cfg_.pin == PinMode::Off) return;
+    if (cfg_.pin == PinMode::All) {
+        pin_models();
+        if (pinned_all_) return;
+    }
+    DeviceContext ctx(drv, dp.device);
+    if (!ctx.ok()) return;
+    if (crew_.helpers() == 0) {
+        const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+        crew_.start(std::min(7u, std::max(1u, cores / 2)) - (cores <= 2 ? 1u : 0u));
+    }
+    auto ring = StagingRing::create(drv, &crew_, kStagingBuffer, kStagingBuffers);
+    if (ring == nullptr) {
+        say("device %d: no pinned staging buffers (%zu MiB): misses are copied as the runtime asks", dp.device,
+            kStagingBuffer * kStagingBuffers >> 20);
+        return;
+    }
+    bool use = cfg_.pin == PinMode::Staging || cfg_.pin == PinMode::All;
+    if (cfg_.pin == PinMode::Auto) {
+        // The largest expert tensor, read as a runtime's miss would read it, through a mapping of
+        // the hook's own (the runtime's would keep the pages mapped: one place drops them).
+        const ExpertTensor* largest = nullptr;
+        const Model* owner = nullptr;
+        for (const Model* m : models_)
+            for (const auto& l : m->map.layers)
+                for (const auto& t : l.tensors)
+                    if (largest == nullptr || t.bytes_per_expert * m->map.n_experts >
+                                                  largest->bytes_per_expert * owner->map.n_experts) {
+                        largest = &t;
+                        owner = m;
+                    }
+        const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+        const uint64_t lo = largest != nullptr ? largest->offset & ~(page - 1) : 0;
+        const size_t n = largest != nullptr ? std::min<uint64_t>(largest->bytes_per_expert * owner->map.n_experts, kProbeBytes) : 0;
+        void* view = MAP_FAILED;
+        if (n >= kStagingBuffer) {
+            UniqueFd fd(::open(owner->map.files[largest->file].path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+            if (fd) view = mmap(nullptr, n + (largest->offset - lo), PROT_READ, MAP_SHARED, fd.get(), static_cast<off_t>(lo));
+        }
+        const uint8_t* src = view == MAP_FAILED ? nullptr : static_cast<const uint8_t*>(view) + (largest->offset - lo);
+        CUdeviceptr scratch = 0;
+        CUstream s = nullptr;
+        if (src == nullptr || drv->mem_alloc(&scratch, n) != CUDA_SUCCESS ||
+            drv->stream_create(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+            use = true;  // nothing to measure on: staging, which is never much slower
+        } else {
+            double direct = 1e9, staged = 1e9;
+            uint64_t ignored = 0;
+            for (int round = 0; round < 3; ++round) {
+                auto t0 = std::chrono::steady_clock::now();
+                if (drv->memcpy_htod_async(scratch, src, n, s) == CUDA_SUCCESS && drv->stream_synchronize(s) == CUDA_SUCCESS)
+                    direct = std::min(direct, seconds_since(t0));
+                t0 = std::chrono::steady_clock::now();
+                if (ring->copy(scratch, src, n, s, &ignored) == CUDA_SUCCESS && drv->stream_synchronize(s) == CUDA_SUCCESS)
+                    staged = std::min(staged, seconds_since(t0));
+            }
+            use = staged * 1.15 < direct;
+            if (cfg_.log || !use)
+                say("device %d: misses %s: pinned staging %.1f GB/s (%u threads), as the runtime asks %.1f GB/s", dp.device,
+                    use ? "go through pinned staging" : "are copied as the runtime asks", static_cast<double>(n) / staged / 1e9,
+                    crew_.helpers() + 1, static_cast<double>(n) / direct / 1e9);
+        }
+        if (view != MAP_FAILED) munmap(view, n + (largest->offset - lo));
+        if (s != nullptr) (void)drv->stream_destroy(s);
+        if (scratch != 0) (void)drv->mem_free(scratch);
+    }
+    if (!use) return;
+    dp.staging = std::move(ring);
+    dp.staged.store(true, std::memory_order_release);
+}
+
+}  // namespace moecache::cuda::hook

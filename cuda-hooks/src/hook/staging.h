@@ -1,0 +1,89 @@
+// Copies that miss the pool, at DMA speed without page-locking the model: the hook's own threads
+// copy the bytes into a few pinned buffers, and the device reads each buffer while the next one
+// is filled. The driver stages a copy from pageable memory too, but with one thread (about 10 GB/s
+// on an H200 host against ~47 GB/s from pinned memory); several threads reading the page cache
+// keep up with the DMA.
+#pragma once
+
+#include "cuda_api.h"
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace moecache::cuda::hook {
+
+struct Driver;
+
+// memcpy by several threads at once. The threads spin briefly after a copy (the next one often
+// comes within microseconds) and then sleep.
+class CopyCrew {
+public:
+    CopyCrew() = default;
+    ~CopyCrew();
+    CopyCrew(const CopyCrew&) = delete;
+    CopyCrew& operator=(const CopyCrew&) = delete;
+    // Starts `helpers` threads (0: the caller copies alone). Once, before any copy.
+    void start(unsigned helpers);
+    [[nodiscard]] unsigned helpers() const { return static_cast<unsigned>(threads_.size()); }
+    // Returns when all `n` bytes are copied; the caller copies a share. Copies that come while
+    // another is under way are done by their caller alone.
+    void copy(void* dst, const void* src, size_t n);
+
+private:
+    void work();
+    bool take_part(uint32_t generation);
+
+    std::vector<std::thread> threads_;
+    std::mutex busy_;
+    std::atomic<uint32_t> generation_{0};
+    std::atomic<uint64_t> next_{0};  // generation << 32 | the next part to take
+    std::atomic<uint32_t> done_parts_{0};
+    std::atomic<bool> stopping_{false};
+    uint8_t* dst_ = nullptr;
+    const uint8_t* src_ = nullptr;
+    size_t n_ = 0, part_ = 0;
+    uint32_t parts_ = 0;
+};
+
+// A device's pinned buffers. One copy at a time (a lock of its own, never the pool's); a buffer is
+// reused once the device has read it, and a buffer the device has not read within a bound (its
+// stream waits on something the runtime has yet to do) is not waited for: that piece goes the
+// driver's way.
+class StagingRing {
+public:
+    // In the device's context (current on the calling thread). Null when pinned memory or events
+    // cannot be had.
+    static std::unique_ptr<StagingRing> create(const Driver* drv, CopyCrew* crew, size_t buffer_bytes, int buffers);
+    ~StagingRing();
+    StagingRing(const StagingRing&) = delete;
+    StagingRing& operator=(const StagingRing&) = delete;
+
+    // Queues the copy of [src, src + n) to dst on `stream`, in order with what the stream has queued.
+    // Returns when the bytes are in pinned buffers (the source may change after that, as with the
+    // driver's own copies from pageable memory). *staged counts what went through the buffers.
+    CUresult copy(CUdeviceptr dst, const uint8_t* src, size_t n, CUstream stream, uint64_t* staged);
+    [[nodiscard]] size_t buffer_bytes() const { return buffer_bytes_; }
+
+private:
+    struct Buffer {
+        uint8_t* host = nullptr;
+        CUevent read = nullptr;  // recorded after the device's read of it
+        bool queued = false;
+    };
+    StagingRing(const Driver* drv, CopyCrew* crew, size_t buffer_bytes) : drv_(drv), crew_(crew), buffer_bytes_(buffer_bytes) {}
+    bool wait_free(Buffer& b);
+
+    const Driver* drv_;
+    CopyCrew* crew_;
+    size_t buffer_bytes_;
+    std::mutex mu_;
+    std::vector<Buffer> buffers_;
+    size_t next_ = 0;
+};
+
+}  // namespace moecache::cuda::hook

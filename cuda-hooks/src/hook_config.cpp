@@ -1,0 +1,107 @@
+#include "moecache/cuda/hook_config.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace moecache::cuda {
+namespace {
+
+bool off_value(const char* v) {
+    return !strcmp(v, "off") || !strcmp(v, "0") || !strcmp(v, "no") || !strcmp(v, "false");
+}
+
+std::optional<PoolSize> parse_pool_size(const std::string& s) {
+    if (s == "auto") return PoolSize{};
+    if (!s.empty() && s.back() == '%') {
+        const auto v = parse_size(s.substr(0, s.size() - 1));
+        if (!v || *v > 100 || s.find_first_not_of("0123456789.%") != std::string::npos) return std::nullopt;
+        return PoolSize{PoolSize::Kind::Percent, *v};
+    }
+    const auto v = parse_size(s);
+    if (!v) return std::nullopt;
+    return PoolSize{PoolSize::Kind::Bytes, *v};
+}
+
+}  // namespace
+
+std::optional<double> parse_size(const std::string& text) {
+    const char* s = text.c_str();
+    char* end = nullptr;
+    const double v = strtod(s, &end);
+    if (end == s || !(v >= 0) || v > 1e18 || *s == '-' || *s == '+' || *s == ' ') return std::nullopt;
+    double mult = 1;
+    switch (*end) {
+        case 'k': case 'K': mult = 1024.0; ++end; break;
+        case 'm': case 'M': mult = 1024.0 * 1024; ++end; break;
+        case 'g': case 'G': mult = 1024.0 * 1024 * 1024; ++end; break;
+        case 't': case 'T': mult = 1024.0 * 1024 * 1024 * 1024; ++end; break;
+        default: break;
+    }
+    if (end[0] == 'i' && end[1] == 'B') end += 2;
+    else if (*end == 'B') ++end;
+    if (*end != '\0') return std::nullopt;
+    return v * mult;
+}
+
+std::optional<PoolSizes> parse_pool_sizes(const std::string& text, std::string* error) {
+    PoolSizes out;
+    bool have_all = false;
+    std::array<bool, kMaxHookDevices> have{};
+    size_t at = 0;
+    while (at <= text.size()) {
+        size_t comma = text.find(',', at);
+        if (comma == std::string::npos) comma = text.size();
+        const std::string item = text.substr(at, comma - at);
+        at = comma + 1;
+        auto bad = [&](const std::string& why) {
+            if (error != nullptr) *error = "'" + item + "': " + why;
+            return std::nullopt;
+        };
+        if (item.empty()) return bad("an empty item");
+        const size_t colon = item.find(':');
+        const std::string size_text = colon == std::string::npos ? item : item.substr(colon + 1);
+        const auto size = parse_pool_size(size_text);
+        if (!size) return bad("expected auto, a percentage (25%) or a size (8G, 512MiB)");
+        if (colon == std::string::npos) {
+            if (have_all) return bad("a size for every device is given twice");
+            have_all = true;
+            out.all = *size;
+            continue;
+        }
+        const std::string dev = item.substr(0, colon);
+        char* end = nullptr;
+        const long d = strtol(dev.c_str(), &end, 10);
+        if (dev.empty() || *end != '\0' || d < 0 || d >= kMaxHookDevices || dev[0] == '+' || dev[0] == '-')
+            return bad("a device is a number from 0 to " + std::to_string(kMaxHookDevices - 1));
+        if (have[static_cast<size_t>(d)]) return bad("device " + dev + " is given twice");
+        have[static_cast<size_t>(d)] = true;
+        out.device[static_cast<size_t>(d)] = *size;
+    }
+    return out;
+}
+
+HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
+                            const std::function<void(const std::string&)>& warn) {
+    HookConfig c;
+    if (const char* p = get("MOECACHE_CUDA_POOL"); p != nullptr && *p != '\0') {
+        std::string why;
+        if (auto sizes = parse_pool_sizes(p, &why)) c.pool = *sizes;
+        else warn(std::string("MOECACHE_CUDA_POOL=") + p + ": " + why + "; using auto");
+    }
+    if (const char* p = get("MOECACHE_CUDA_PIN"); p != nullptr && *p != '\0') {
+        if (!strcmp(p, "all")) c.pin = PinMode::All;
+        else if (!strcmp(p, "staging")) c.pin = PinMode::Staging;
+        else if (!strcmp(p, "auto")) c.pin = PinMode::Auto;
+        else if (off_value(p)) c.pin = PinMode::Off;
+        else warn(std::string("MOECACHE_CUDA_PIN=") + p + ": expected auto, staging, all or off; using auto");
+    }
+    const char* log = get("MOECACHE_CUDA_LOG");
+    c.log = log != nullptr && *log != '\0' && strcmp(log, "0") != 0;
+    const char* client = get("MOECACHE_CUDA_CLIENT");
+    c.client = client == nullptr || !off_value(client);
+    const char* one = get("MOECACHE_CUDA_ONE_PLACE");
+    c.one_place = one == nullptr || !off_value(one);
+    return c;
+}
+
+}  // namespace moecache::cuda
