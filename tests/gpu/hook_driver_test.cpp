@@ -2,48 +2,20 @@
 // dlopen("libcuda.so.1"), dlsym cuGetProcAddress_v2, entry points through it. ctest runs this twice:
 // against tests' fake libcuda (label unit: CI has no GPU) and against the real driver (label gpu).
 // The destination of every expert copy is read back and compared with the model's bytes.
+#include "hook/cuda_driver.h"
 #include "model_fixture.h"
 #include "preload_main.h"
-#include "moecache/cuda_hook.h"
-#include "moecache/model.h"
 #include "temp_dir.h"
 
-#include <cuda.h>
 #include <dlfcn.h>
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <random>
 
-#undef cuGetProcAddress
-
 namespace moecache::test {
 namespace {
-
-using GetProc = CUresult(CUDAAPI*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
-
-struct Cu {
-    CUresult(CUDAAPI* init)(unsigned);
-    CUresult(CUDAAPI* device_get)(CUdevice*, int);
-    CUresult(CUDAAPI* primary_ctx_retain)(CUcontext*, CUdevice);
-    CUresult(CUDAAPI* ctx_set_current)(CUcontext);
-    CUresult(CUDAAPI* stream_create)(CUstream*, unsigned);
-    CUresult(CUDAAPI* stream_synchronize)(CUstream);
-    CUresult(CUDAAPI* ctx_synchronize)();
-    CUresult(CUDAAPI* mem_alloc)(CUdeviceptr*, size_t);
-    CUresult(CUDAAPI* mem_free)(CUdeviceptr);
-    CUresult(CUDAAPI* mem_get_info)(size_t*, size_t*);
-    CUresult(CUDAAPI* htod)(CUdeviceptr, const void*, size_t);
-    CUresult(CUDAAPI* htod_async)(CUdeviceptr, const void*, size_t, CUstream);
-    CUresult(CUDAAPI* htod_async_ptsz)(CUdeviceptr, const void*, size_t, CUstream);
-    CUresult(CUDAAPI* memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-    CUresult(CUDAAPI* memcpy_sync)(CUdeviceptr, CUdeviceptr, size_t);
-    CUresult(CUDAAPI* dtoh)(void*, CUdeviceptr, size_t);
-};
 
 std::string object_of(void* fn) {
     Dl_info info{};
@@ -53,37 +25,10 @@ std::string object_of(void* fn) {
 class HookDriver : public ::testing::Test {
 protected:
     void SetUp() override {
-        stats_get_ = reinterpret_cast<decltype(stats_get_)>(dlsym(RTLD_DEFAULT, "moecache_cuda_stats_get"));
-        sync_ = reinterpret_cast<decltype(sync_)>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
-        ASSERT_NE(stats_get_, nullptr) << "libmoecache-cuda.so is not preloaded (ctest sets LD_PRELOAD)";
-        lib_ = dlopen("libcuda.so.1", RTLD_NOW);
-        if (lib_ == nullptr) GTEST_SKIP() << "no libcuda.so.1 here: " << dlerror();
-        fake_ = dlsym(lib_, "fake_cuda_counts") != nullptr;
-        get_proc_ = reinterpret_cast<GetProc>(dlsym(lib_, "cuGetProcAddress_v2"));
-        ASSERT_NE(get_proc_, nullptr);
-        get(cu_.init, "cuInit");
-        if (cu_.init(0) != CUDA_SUCCESS) GTEST_SKIP() << "cuInit failed: no usable CUDA device here";
-        get(cu_.device_get, "cuDeviceGet");
-        get(cu_.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
-        get(cu_.ctx_set_current, "cuCtxSetCurrent");
-        get(cu_.stream_create, "cuStreamCreate");
-        get(cu_.stream_synchronize, "cuStreamSynchronize");
-        get(cu_.ctx_synchronize, "cuCtxSynchronize");
-        get(cu_.mem_alloc, "cuMemAlloc");
-        get(cu_.mem_free, "cuMemFree");
-        get(cu_.mem_get_info, "cuMemGetInfo");
-        get(cu_.htod, "cuMemcpyHtoD");
-        get(cu_.htod_async, "cuMemcpyHtoDAsync");
-        get(cu_.htod_async_ptsz, "cuMemcpyHtoDAsync", CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM);
-        get(cu_.memcpy_async, "cuMemcpyAsync");
-        get(cu_.memcpy_sync, "cuMemcpy");
-        get(cu_.dtoh, "cuMemcpyDtoH");
-        CUdevice dev = 0;
-        CUcontext ctx = nullptr;
-        ASSERT_EQ(cu_.device_get(&dev, 0), CUDA_SUCCESS);
-        ASSERT_EQ(cu_.primary_ctx_retain(&ctx, dev), CUDA_SUCCESS);
-        ASSERT_EQ(cu_.ctx_set_current(ctx), CUDA_SUCCESS);
-
+        ASSERT_TRUE(hook_.load()) << "libmoecache-cuda.so is not preloaded (ctest sets LD_PRELOAD)";
+        if (auto why = cu_.load(); !why.empty()) GTEST_SKIP() << why;
+        // Streams that run their work as late as allowed: a missing wait shows as wrong bytes.
+        if (auto* async = cu_.knob<int>("fake_cuda_async")) *async = 1;
         auto spec = small_spec();
         spec.n_layers = 4;
         spec.n_experts = 32;
@@ -91,103 +36,24 @@ protected:
         spec.n_ff_exp = 256;
         spec.n_embd = 256;
         files_ = write_model(spec, dir_.path() + "/hook.gguf");
-        auto parts = open_gguf_model(files_[0]);
-        ASSERT_TRUE(parts) << parts.error().message;
-        auto map = ExpertMap::build(*parts);
-        ASSERT_TRUE(map) << map.error().message;
-        map_ = std::move(*map);
-        const int fd = open(files_[0].c_str(), O_RDONLY | O_CLOEXEC);
-        ASSERT_GE(fd, 0);
-        size_ = static_cast<size_t>(lseek(fd, 0, SEEK_END));
-        base_ = static_cast<const uint8_t*>(mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0));
-        close(fd);
-        ASSERT_NE(base_, MAP_FAILED);
+        ASSERT_EQ(model_.open(files_[0]), "");
     }
-    void TearDown() override {
-        if (base_ != nullptr && base_ != MAP_FAILED) munmap(const_cast<uint8_t*>(base_), size_);
-    }
-
-    // At CUDA 12.0's ABI: CUDA 13 gave cuCtxSynchronize a context argument (cuCtxSynchronize_v2).
-    template <class F>
-    void get(F& fn, const char* name, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT) {
-        void* p = nullptr;
-        ASSERT_EQ(get_proc_(name, &p, 12000, flags, nullptr), CUDA_SUCCESS) << name;
-        fn = reinterpret_cast<F>(p);
-    }
-    moecache_cuda_stats stats() {
-        moecache_cuda_stats s{};
-        stats_get_(&s);
-        return s;
-    }
-    // Copies the chosen experts of tensor `t` of layer slot `l` as llama.cpp groups them, then reads
-    // the destination back and compares it with the file. Returns the number of grouped copies.
+    moecache_cuda_stats stats() { return hook_.stats(); }
     int copy_and_check(CUdeviceptr dst, uint32_t l, uint32_t t, std::vector<uint32_t> ids, CUstream stream, int how) {
-        const auto& tensor = map_.layers[l].tensors[t];
-        const uint64_t slice = tensor.bytes_per_expert;
-        const uint32_t n = map_.n_experts;
-        std::sort(ids.begin(), ids.end());
-        ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-        std::vector<std::pair<uint32_t, uint32_t>> groups;
-        for (uint32_t id : ids) {
-            if (!groups.empty() && groups.back().second + 1 == id) groups.back().second = id;
-            else groups.emplace_back(id, id);
-        }
-        std::vector<uint8_t> garbage(slice * n + 512, 0xA5), back(slice * n + 512);
-        EXPECT_EQ(cu_.htod(dst, garbage.data(), garbage.size()), CUDA_SUCCESS);
-        for (auto [first, last] : groups) {
-            const uint64_t off = first * slice;
-            const uint64_t bytes = (last - first + 1) * slice + (last < n - 1 ? std::min<uint64_t>(slice, 512) : 0);
-            const void* src = base_ + tensor.offset + off;
-            CUresult r = CUDA_SUCCESS;
-            switch (how) {
-                case 0: r = cu_.htod_async(dst + off, src, bytes, stream); break;
-                case 1: r = cu_.htod_async_ptsz(dst + off, src, bytes, nullptr); break;
-                case 2: r = cu_.htod(dst + off, src, bytes); break;
-                default: r = cu_.memcpy_async(dst + off, reinterpret_cast<CUdeviceptr>(src), bytes, stream); break;
-            }
-            EXPECT_EQ(r, CUDA_SUCCESS);
-        }
-        EXPECT_EQ(cu_.ctx_synchronize(), CUDA_SUCCESS);
-        EXPECT_EQ(cu_.dtoh(back.data(), dst, back.size()), CUDA_SUCCESS);
-        for (auto [first, last] : groups) {
-            const uint64_t off = first * slice;
-            const uint64_t bytes = (last - first + 1) * slice + (last < n - 1 ? std::min<uint64_t>(slice, 512) : 0);
-            if (memcmp(back.data() + off, base_ + tensor.offset + off, bytes) != 0) {
-                ADD_FAILURE() << "layer slot " << l << " tensor " << t << " experts " << first << ".." << last
-                              << " (copy kind " << how << "): destination differs from the file";
-                return -1;
-            }
-        }
-        // Bytes no copy wrote are untouched.
-        uint64_t pos = 0;
-        for (auto [first, last] : groups) {
-            const uint64_t off = first * slice;
-            for (uint64_t i = pos; i < off; i += 4096)
-                if (back[i] != 0xA5) {
-                    ADD_FAILURE() << "a byte outside every copy changed at " << i;
-                    return -1;
-                }
-            pos = (last + 1) * slice + (last < n - 1 ? std::min<uint64_t>(slice, 512) : 0);
-        }
-        return static_cast<int>(groups.size());
+        return test::copy_and_check(cu_, model_, dst, l, t, std::move(ids), stream, static_cast<CopyKind>(how));
     }
 
     TempDir dir_;
-    void* lib_ = nullptr;
-    bool fake_ = false;
-    GetProc get_proc_ = nullptr;
-    Cu cu_{};
-    void (*stats_get_)(moecache_cuda_stats*) = nullptr;
-    int (*sync_)(int) = nullptr;
+    CudaDriver cu_;
+    HookProbe hook_;
     std::vector<std::string> files_;
-    ExpertMap map_;
-    const uint8_t* base_ = nullptr;
-    size_t size_ = 0;
+    MappedModel model_;
+    const ExpertMap& map_ = model_.map;
 };
 
 TEST_F(HookDriver, EntryPointsComeFromTheHook) {
-    EXPECT_NE(object_of(reinterpret_cast<void*>(get_proc_)).find("libmoecache-cuda"), std::string::npos)
-        << "dlsym(libcuda, cuGetProcAddress_v2) gave " << object_of(reinterpret_cast<void*>(get_proc_));
+    EXPECT_NE(object_of(reinterpret_cast<void*>(cu_.get_proc)).find("libmoecache-cuda"), std::string::npos)
+        << "dlsym(libcuda, cuGetProcAddress_v2) gave " << object_of(reinterpret_cast<void*>(cu_.get_proc));
     for (void* fn : {reinterpret_cast<void*>(cu_.htod_async), reinterpret_cast<void*>(cu_.htod_async_ptsz),
                      reinterpret_cast<void*>(cu_.htod), reinterpret_cast<void*>(cu_.memcpy_async),
                      reinterpret_cast<void*>(cu_.mem_alloc)})
@@ -212,9 +78,9 @@ TEST_F(HookDriver, ExpertCopiesAreByteIdentical) {
     ASSERT_EQ(cu_.stream_create(&streams[1], 0), CUDA_SUCCESS);
     // The first expert copies make the hook find the model and ask for a pool.
     ASSERT_GE(copy_and_check(dst[0], 0, 0, {1, 2}, streams[0], 0), 1);
-    ASSERT_GE(sync_(10000), 1) << "the hook did not find the mapped model";
+    ASSERT_GE(hook_.sync(10000), 1) << "the hook did not find the mapped model";
     ASSERT_GE(copy_and_check(dst[0], 0, 0, {1, 2}, streams[0], 0), 1);
-    ASSERT_GE(sync_(10000), 1);
+    ASSERT_GE(hook_.sync(10000), 1);
     ASSERT_GT(stats().pool_bytes, 0u) << "no pool was allocated";
 
     std::mt19937 rng(42);
@@ -264,20 +130,20 @@ TEST_F(HookDriver, CopiesFromElsewherePassThrough) {
     // A host-to-host copy out of the model (cuMemcpy with a host destination) is no device copy.
     std::vector<uint8_t> h2h(4096);
     ASSERT_EQ(cu_.memcpy_sync(reinterpret_cast<CUdeviceptr>(h2h.data()),
-                              reinterpret_cast<CUdeviceptr>(base_ + map_.layers[0].tensors[0].offset), h2h.size()),
+                              reinterpret_cast<CUdeviceptr>(model_.base + map_.layers[0].tensors[0].offset), h2h.size()),
               CUDA_SUCCESS);
-    EXPECT_EQ(memcmp(h2h.data(), base_ + map_.layers[0].tensors[0].offset, h2h.size()), 0);
+    EXPECT_EQ(memcmp(h2h.data(), model_.base + map_.layers[0].tensors[0].offset, h2h.size()), 0);
     cu_.mem_free(d);
 }
 
 TEST_F(HookDriver, StreamCapturePassesThrough) {
-    auto* capturing = static_cast<int*>(dlsym(lib_, "fake_cuda_capturing"));
+    auto* capturing = cu_.knob<int>("fake_cuda_capturing");
     if (capturing == nullptr) GTEST_SKIP() << "needs the fake driver's capture switch (the real one is covered by llama.cpp's graphs)";
     CUdeviceptr d = 0;
     const auto& t = map_.layers[0].tensors[0];
     ASSERT_EQ(cu_.mem_alloc(&d, t.bytes_per_expert * map_.n_experts + 512), CUDA_SUCCESS);
     ASSERT_GE(copy_and_check(d, 0, 0, {3}, nullptr, 0), 1);
-    ASSERT_GE(sync_(10000), 1);
+    ASSERT_GE(hook_.sync(10000), 1);
     *capturing = 1;
     const auto before = stats();
     ASSERT_GE(copy_and_check(d, 0, 0, {3, 4}, nullptr, 0), 1);
@@ -289,15 +155,15 @@ TEST_F(HookDriver, StreamCapturePassesThrough) {
 }
 
 TEST_F(HookDriver, PoolYieldsToAnAllocationThatWouldFail) {
-    auto* limit = static_cast<unsigned long long*>(dlsym(lib_, "fake_cuda_memory_limit"));
+    auto* limit = cu_.knob<unsigned long long>("fake_cuda_memory_limit");
     if (limit == nullptr) GTEST_SKIP() << "needs the fake driver's memory limit (filling a real GPU takes too long for a test)";
     CUdeviceptr d = 0;
     const auto& t = map_.layers[0].tensors[0];
     ASSERT_EQ(cu_.mem_alloc(&d, t.bytes_per_expert * map_.n_experts + 512), CUDA_SUCCESS);
     ASSERT_GE(copy_and_check(d, 0, 0, {5}, nullptr, 0), 1);
-    ASSERT_GE(sync_(10000), 1);  // the pool, then sized for the layer its next copy shows
+    ASSERT_GE(hook_.sync(10000), 1);  // the pool, then sized for the layer its next copy shows
     ASSERT_GE(copy_and_check(d, 0, 0, {5}, nullptr, 0), 1);
-    ASSERT_GE(sync_(10000), 1);
+    ASSERT_GE(hook_.sync(10000), 1);
     ASSERT_GT(stats().pool_bytes, 0u);
     size_t free_bytes = 0, total = 0;
     ASSERT_EQ(cu_.mem_get_info(&free_bytes, &total), CUDA_SUCCESS);

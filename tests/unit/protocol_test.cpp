@@ -29,6 +29,8 @@ std::vector<Message> samples() {
         {0, ExpertPlacement{9, 12, 255, kHostTier}},
         {0, PoolStats{0, 90, 10, 9000, 1000, 1ull << 30}},
         {0, PoolStats{kMaxPoolDevices - 1, ~0ull, 0, ~0ull, 0, 0}},
+        {0, Unmapped{12, 3ull << 30, true}},
+        {0, Unmapped{0, 0, false}},
         {0, VramPolicy{kAllDevices, 8ull << 30, true}},
         {0, VramPolicy{3, kNoPoolLimit, false}},
     };
@@ -93,6 +95,9 @@ TEST(Protocol, BodiesAreCheckedFieldByField) {
     expect_refused(action, 0, {"Directive action 9"});
     // Devices bound the daemon's metrics labels.
     expect_refused(encode({0, PoolStats{kMaxPoolDevices, 1, 1, 1, 1, 1}}), 0, {"PoolStats device 64", "below 64"});
+    auto unmapped = encode({0, Unmapped{1, 1, true}});
+    unmapped.back() = 2;
+    expect_refused(unmapped, 0, {"Unmapped no_model is 2", "byte 32"});
 }
 
 TEST(Protocol, DescriptorCountsMustMatchTheMessage) {

@@ -1,0 +1,372 @@
+// The CUDA hook under real serving, driven as llama.cpp drives it: decoding on one stream, then a
+// new context (new streams: llama-bench runs its prompt and generation tests in separate ones),
+// prompt batches that copy nearly every expert, several GPUs that each copy their own layers, and
+// the ways misses reach the device. Over tests' fake libcuda.so.1 (label unit) its streams run
+// their work as late as the API allows, so a missing wait shows as wrong bytes; against the real
+// driver (label gpu) on the GPU machine. Each test sets the hook's variables first: ctest runs each
+// in a process of its own.
+#include "hook/cuda_driver.h"
+#include "model_fixture.h"
+#include "preload_main.h"
+#include "temp_dir.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+namespace moecache::test {
+namespace {
+
+// The fake driver's counters (support/fake_cuda).
+struct FakeCounts {
+    unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
+};
+
+class HookServing : public ::testing::Test {
+protected:
+    // The hook's variables for this test, and how many devices the fake driver shows.
+    virtual std::vector<std::pair<const char*, const char*>> env() const { return {}; }
+    virtual int devices() const { return 1; }
+    virtual bool map_model() const { return true; }
+
+    void SetUp() override {
+        ASSERT_TRUE(hook_.load()) << "libmoecache-cuda.so is not preloaded (ctest sets LD_PRELOAD)";
+        if (hook_.stats().copies != 0)
+            GTEST_SKIP() << "the hook reads its variables once per process: run this test alone (ctest does)";
+        setenv("MOECACHE_CUDA_PIN", "off", 1);
+        for (const auto& [k, v] : env()) setenv(k, v, 1);
+        if (auto why = cu_.load(); !why.empty()) GTEST_SKIP() << why;
+        if (auto* async = cu_.knob<int>("fake_cuda_async")) *async = 1;
+        if (auto* n = cu_.knob<int>("fake_cuda_devices")) *n = devices();
+        int have = 0;
+        ASSERT_EQ(cu_.device_count(&have), CUDA_SUCCESS);
+        if (have < devices()) GTEST_SKIP() << "needs " << devices() << " GPUs, this machine has " << have;
+        if (!map_model()) return;
+        auto spec = small_spec();
+        spec.n_layers = 4;
+        spec.n_experts = 32;
+        spec.n_experts_used = 4;
+        spec.n_ff_exp = 256;
+        spec.n_embd = 512;
+        files_ = write_model(spec, dir_.path() + "/serve.gguf");
+        ASSERT_EQ(model_.open(files_[0]), "");
+        slice_ = model_.map.layers[0].tensors[0].bytes_per_expert;
+        for (uint32_t l = 0; l < 4; ++l) {
+            ASSERT_TRUE(cu_.use_device(device_of(l)));
+            for (uint32_t t = 0; t < 3; ++t) ASSERT_EQ(cu_.mem_alloc(&dst_[l][t], slice_ * 32 + 512), CUDA_SUCCESS);
+        }
+        ASSERT_TRUE(cu_.use_device(0));
+    }
+    // With two devices, split by layer as llama.cpp splits: layers 0-1 on device 0, 2-3 on 1.
+    [[nodiscard]] int device_of(uint32_t layer) const { return devices() > 1 && layer >= 2 ? 1 : 0; }
+    // Expert ids one token routes each layer to: skewed, so that the pool has hits and evictions.
+    std::vector<uint32_t> token_ids() {
+        std::vector<uint32_t> ids;
+        while (ids.size() < 4) {
+            const uint32_t e = std::min<uint32_t>(pick_(rng_), 31);
+            if (std::find(ids.begin(), ids.end(), e) == ids.end()) ids.push_back(e);
+        }
+        return ids;
+    }
+    // One decoded token: every layer's routed experts, every expert tensor, on `streams[device]`.
+    // With `check`, each copy's destination is read back and compared with the file.
+    void token(const std::vector<CUstream>& streams, bool check = false) {
+        for (uint32_t l = 0; l < 4 && !HasFailure(); ++l) {
+            const int d = device_of(l);
+            ASSERT_TRUE(cu_.use_device(d));
+            const auto ids = token_ids();
+            for (uint32_t t = 0; t < 3; ++t) {
+                if (check) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, ids, streams[static_cast<size_t>(d)]), 1);
+                else ASSERT_TRUE(copy_experts(cu_, model_, dst_[l][t], l, t, ids, streams[static_cast<size_t>(d)]));
+            }
+        }
+        ASSERT_TRUE(cu_.use_device(0));
+    }
+    std::vector<CUstream> new_streams() {
+        std::vector<CUstream> s(static_cast<size_t>(devices()));
+        for (int d = 0; d < devices(); ++d) {
+            EXPECT_TRUE(cu_.use_device(d));
+            EXPECT_EQ(cu_.stream_create(&s[static_cast<size_t>(d)], 0), CUDA_SUCCESS);
+        }
+        EXPECT_TRUE(cu_.use_device(0));
+        return s;
+    }
+    void destroy(const std::vector<CUstream>& streams) {
+        for (int d = 0; d < devices(); ++d) {
+            ASSERT_TRUE(cu_.use_device(d));
+            ASSERT_EQ(cu_.stream_destroy(streams[static_cast<size_t>(d)]), CUDA_SUCCESS);
+        }
+        ASSERT_TRUE(cu_.use_device(0));
+    }
+    // The hook finds the model (first token), makes a pool for each device that copied experts
+    // (second), sized for the layers each device copied (third).
+    void warm_up(const std::vector<CUstream>& streams) {
+        token(streams);
+        ASSERT_GE(hook_.sync(10000), 1) << "the hook did not find the mapped model";
+        for (int i = 0; i < 2; ++i) {
+            token(streams);
+            ASSERT_GE(hook_.sync(10000), 1);
+        }
+    }
+    // Expert bytes of the layers device `d` copies.
+    uint64_t expert_bytes_of(int d) const {
+        uint64_t b = 0;
+        for (uint32_t l = 0; l < 4; ++l)
+            if (device_of(l) == d) b += model_.map.layers[l].bytes_per_expert * model_.map.n_experts;
+        return b;
+    }
+    double hit_rate(const moecache_cuda_stats& a, const moecache_cuda_stats& b) const {
+        const double hits = static_cast<double>(b.slice_hits - a.slice_hits);
+        const double all = hits + static_cast<double>(b.slice_misses - a.slice_misses);
+        return all > 0 ? hits / all : 0;
+    }
+    void sync_all() {
+        for (int d = 0; d < devices(); ++d) {
+            ASSERT_TRUE(cu_.use_device(d));
+            ASSERT_EQ(cu_.ctx_synchronize(), CUDA_SUCCESS);
+        }
+        ASSERT_TRUE(cu_.use_device(0));
+    }
+
+    TempDir dir_;
+    CudaDriver cu_;
+    HookProbe hook_;
+    std::vector<std::string> files_;
+    MappedModel model_;
+    uint64_t slice_ = 0;
+    CUdeviceptr dst_[4][3] = {};
+    std::mt19937 rng_{7};
+    std::geometric_distribution<uint32_t> pick_{0.15};
+};
+
+class NewContexts : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "40%"}}; }
+};
+
+TEST_F(NewContexts, ANewContextFindsThePoolItsPredecessorFilled) {
+    auto a = new_streams();
+    warm_up(a);
+    for (int i = 0; i < 150; ++i) token(a, i % 25 == 0);
+    const auto warm = hook_.stats();
+    for (int i = 0; i < 30; ++i) token(a);
+    const auto before = hook_.stats();
+    const double rate_a = hit_rate(warm, before);
+    ASSERT_GT(rate_a, 0.3) << "the pool did not warm up on the first context";
+    // llama-bench frees its prompt test's context and makes a new one: new streams (the driver may
+    // hand out the same handles again).
+    destroy(a);
+    auto b = new_streams();
+    token(b, true);
+    for (int i = 0; i < 29; ++i) token(b, i % 10 == 0);
+    const auto after = hook_.stats();
+    const double rate_b = hit_rate(before, after);
+    EXPECT_GT(rate_b, 0.8 * rate_a) << "the new context's hit rate " << rate_b << " against " << rate_a << " before";
+    EXPECT_GT(after.stream_joins, before.stream_joins) << "the new stream took over the old one's slots";
+    EXPECT_EQ(after.fallbacks, 0u);
+    destroy(b);
+}
+
+TEST_F(NewContexts, TwoLiveContextsShareThePoolByteForByte) {
+    auto a = new_streams(), b = new_streams();
+    warm_up(a);
+    const auto before = hook_.stats();
+    // Tokens alternate between two contexts that both stay alive (two requests served at once).
+    for (int i = 0; i < 120 && !HasFailure(); ++i) token(i % 2 ? b : a, i % 4 < 2);
+    const auto after = hook_.stats();
+    EXPECT_GT(hit_rate(before, after), 0.3);
+    EXPECT_GT(after.stream_joins, before.stream_joins + 20) << "slots pass between the streams";
+    if (cu_.fake()) {
+        EXPECT_GT(cu_.knob<FakeCounts>("fake_cuda_counts")->event_waits, 0u) << "a stream waited for the other";
+    }
+    destroy(a);
+    destroy(b);
+}
+
+class Prompts : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "25%"}}; }
+};
+
+TEST_F(Prompts, APromptBatchDisplacesNothingOfTheDecodingHotSet) {
+    auto s = new_streams();
+    warm_up(s);
+    for (int i = 0; i < 200; ++i) token(s);
+    const auto decoded = hook_.stats();
+    ASSERT_GT(decoded.evicted, 0u) << "the decoding hot set should have been chosen by eviction";
+    // Three prompt batches: every layer copies nearly every expert (the few no token routed to
+    // break it into groups), then one copies whole tensors, each read back.
+    for (int batch = 0; batch < 3 && !HasFailure(); ++batch)
+        for (uint32_t l = 0; l < 4; ++l) {
+            std::vector<uint32_t> ids;
+            for (uint32_t e = 0; e < 32; ++e)
+                if (batch == 2 || e % 11 != static_cast<uint32_t>(batch) + 3) ids.push_back(e);
+            for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, ids, s[0]), 1);
+        }
+    const auto prompted = hook_.stats();
+    EXPECT_EQ(prompted.evicted, decoded.evicted) << "a prompt batch displaced pooled experts";
+    EXPECT_GT(prompted.slice_hits, decoded.slice_hits) << "the prompt's copies are served from the pool too";
+    for (int i = 0; i < 40; ++i) token(s, i % 10 == 0);
+    EXPECT_GT(hit_rate(prompted, hook_.stats()), 0.3);
+    destroy(s);
+}
+
+class TwoDevices : public HookServing {
+    int devices() const override { return 2; }
+    std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "50%"}}; }
+};
+
+TEST_F(TwoDevices, EachDeviceSizesItsPoolForTheLayersItCopies) {
+    auto s = new_streams();
+    warm_up(s);
+    for (int i = 0; i < 60; ++i) token(s, i % 20 == 0);
+    ASSERT_GE(hook_.sync(10000), 1);
+    for (int d = 0; d < 2; ++d) {
+        const double share = static_cast<double>(hook_.pool_bytes(d)) / static_cast<double>(expert_bytes_of(d));
+        EXPECT_GT(share, 0.45) << "device " << d;
+        EXPECT_LE(share, 0.5) << "device " << d << ": a pool for the experts of layers it never copies";
+    }
+    const auto st = hook_.stats();
+    EXPECT_EQ(st.devices, 2u);
+    EXPECT_GT(st.slice_hits, 0u);
+    EXPECT_EQ(st.fallbacks, 0u);
+    destroy(s);
+}
+
+class DeviceSizes : public TwoDevices {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        static const std::string sizes = "25%,0:" + std::to_string(12 * 139264);  // 12 slices on device 0
+        return {{"MOECACHE_CUDA_POOL", sizes.c_str()}};
+    }
+};
+
+TEST_F(DeviceSizes, EachDeviceGetsItsOwnSize) {
+    ASSERT_EQ(slice_, 139264u) << "the sizes above assume this slice";
+    auto s = new_streams();
+    warm_up(s);
+    ASSERT_GE(hook_.sync(10000), 1);
+    EXPECT_EQ(hook_.pool_bytes(0), 12 * slice_);
+    const double share = static_cast<double>(hook_.pool_bytes(1)) / static_cast<double>(expert_bytes_of(1));
+    EXPECT_GT(share, 0.2);
+    EXPECT_LE(share, 0.25);
+    destroy(s);
+}
+
+class PinAll : public TwoDevices {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "25%"}, {"MOECACHE_CUDA_PIN", "all"}};
+    }
+};
+
+TEST_F(PinAll, ExpertBytesAreRegisteredOnceForEveryDevice) {
+    auto s = new_streams();
+    warm_up(s);
+    for (int i = 0; i < 20; ++i) token(s, i % 5 == 0);
+    const auto st = hook_.stats();
+    EXPECT_GE(st.pinned_bytes, model_.map.expert_bytes_total) << "every expert byte registered";
+    EXPECT_EQ(st.devices, 2u);
+    EXPECT_EQ(st.staged_devices, 0u) << "registered memory needs no staging";
+    if (cu_.fake()) {
+        EXPECT_EQ(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 1u) << "one registration serves both devices";
+    }
+    destroy(s);
+}
+
+class Staging : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "staging"}};
+    }
+};
+
+TEST_F(Staging, StagedMissesAreByteIdentical) {
+    auto s = new_streams();
+    auto t2 = new_streams();
+    warm_up(s);
+    ASSERT_EQ(hook_.stats().staged_devices, 1u);
+    // Many copies queued before anything is read back: a staging buffer reused before the device
+    // read it would leave another copy's bytes behind. Wide groups (whole tensors too) so that the
+    // pieces from the host are large enough to stage, on two streams.
+    std::vector<std::vector<uint8_t>> copied(12, std::vector<uint8_t>(32, 0));
+    for (int round = 0; round < 40; ++round)
+        for (uint32_t l = 0; l < 4; ++l) {
+            std::vector<uint32_t> ids;
+            const uint32_t first = (static_cast<uint32_t>(round) * 7 + l * 5) % 24;
+            const uint32_t n = round % 5 == 0 ? 32 : 3 + static_cast<uint32_t>(round) % 6;
+            for (uint32_t e = first; e < std::min<uint32_t>(first + n, 32); ++e) ids.push_back(e);
+            if (n == 32) ids = [] { std::vector<uint32_t> all(32); for (uint32_t e = 0; e < 32; ++e) all[e] = e; return all; }();
+            for (uint32_t t = 0; t < 3; ++t) {
+                ASSERT_TRUE(copy_experts(cu_, model_, dst_[l][t], l, t, ids, (round % 3 ? s : t2)[0]));
+                for (uint32_t e : ids) copied[l * 3 + t][e] = 1;
+            }
+        }
+    sync_all();
+    for (uint32_t l = 0; l < 4; ++l)
+        for (uint32_t t = 0; t < 3; ++t) {
+            const auto& tensor = model_.map.layers[l].tensors[t];
+            std::vector<uint8_t> back(slice_ * 32);
+            ASSERT_EQ(cu_.dtoh(back.data(), dst_[l][t], back.size()), CUDA_SUCCESS);
+            for (uint32_t e = 0; e < 32; ++e) {
+                if (!copied[l * 3 + t][e]) continue;
+                ASSERT_EQ(memcmp(back.data() + e * slice_, model_.base + tensor.offset + e * slice_, slice_), 0)
+                    << "layer " << l << " tensor " << t << " expert " << e;
+            }
+        }
+    const auto st = hook_.stats();
+    EXPECT_GT(st.bytes_staged, 8ull * (8 << 20)) << "the staging buffers were used, and reused";
+    EXPECT_EQ(st.fallbacks, 0u);
+    destroy(s);
+    destroy(t2);
+}
+
+class Unmapped : public HookServing {
+    bool map_model() const override { return false; }
+};
+
+TEST_F(Unmapped, LargeCopiesFromMemoryThatMapsNoModelAreNamed) {
+    // What a runtime that read its model into its own memory does (llama.cpp --load-mode none).
+    constexpr size_t kChunk = 16 << 20;
+    std::vector<uint8_t> host(kChunk, 0x5a);
+    CUdeviceptr d = 0;
+    ASSERT_EQ(cu_.mem_alloc(&d, kChunk), CUDA_SUCCESS);
+    char log[] = "/tmp/moecache-unmapped-XXXXXX";
+    const int fd = mkstemp(log);
+    ASSERT_GE(fd, 0);
+    const int saved = dup(STDERR_FILENO);
+    ASSERT_GE(dup2(fd, STDERR_FILENO), 0);
+    (void)hook_.sync(3000);  // the hook has looked at this process's mappings: none is a model
+    for (int i = 0; i < 65; ++i) ASSERT_EQ(cu_.htod_async(d, host.data(), kChunk, nullptr), CUDA_SUCCESS);
+    std::string said;
+    for (int i = 0; i < 50 && said.find("without mmap") == std::string::npos; ++i) {
+        (void)hook_.sync(200);
+        std::ifstream in(log);
+        std::stringstream ss;
+        ss << in.rdbuf();
+        said = ss.str();
+    }
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    close(fd);
+    unlink(log);
+    const auto st = hook_.stats();
+    EXPECT_EQ(st.unmapped_copies, 65u);
+    EXPECT_EQ(st.unmapped_bytes, 65ull * kChunk);
+    EXPECT_NE(said.find("maps no GGUF model"), std::string::npos) << said;
+    EXPECT_NE(said.find("--load-mode"), std::string::npos) << said;
+    EXPECT_NE(said.find("--no-mmap"), std::string::npos) << said;
+    EXPECT_EQ(std::count(said.begin(), said.end(), '\n'), 1) << "said once: " << said;
+    cu_.mem_free(d);
+}
+
+}  // namespace
+}  // namespace moecache::test
+
+int main(int argc, char** argv) {
+    return moecache::test::preloaded_test_main(argc, argv, {{"MOECACHE_CUDA_CLIENT", "off"}});
+}
