@@ -5,7 +5,7 @@
 // whole file is read at load, and every later fault on it reads ahead. When the model is larger
 // than the memory the runtime may use, that load alone evicts what moecached prefetched and
 // locked for it, and each read-ahead drags cold neighbours in over hot experts. With lazy load,
-// for shared mappings of *.gguf files only: MAP_POPULATE is left out, WILLNEED is not passed on,
+// for shared mappings of GGUF files only (by their magic, whatever their names): MAP_POPULATE is left out, WILLNEED is not passed on,
 // and the mapping is marked MADV_RANDOM (no read-ahead on its faults): the daemon decides what is
 // read ahead of use. Where the runtime asked for MAP_POPULATE, what is in the page cache already
 // (what a warm daemon read) is mapped at once (mincore, then MADV_POPULATE_READ over each run of
@@ -76,11 +76,13 @@ bool in_model(const void* addr, size_t len) {
     return false;
 }
 
+// A model is known by its first bytes, not its name: Hugging Face's cache and ollama keep models as
+// blobs without a .gguf suffix. Regular files only.
 bool is_gguf(int fd) {
-    char link[64], path[4096];
-    std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    const ssize_t n = ::readlink(link, path, sizeof path - 1);
-    return n > 5 && std::memcmp(path + n - 5, ".gguf", 5) == 0;
+    struct stat st {};
+    char magic[4];
+    return ::syscall(SYS_fstat, fd, &st) == 0 && S_ISREG(st.st_mode) &&
+           ::syscall(SYS_pread64, fd, magic, 4, 0) == 4 && std::memcmp(magic, "GGUF", 4) == 0;
 }
 
 void* sys_mmap(void* addr, size_t len, int prot, int flags, int fd, off_t off) {

@@ -1,7 +1,7 @@
 // libmoecache-rearm.so: the re-armer (rearm.h) for any runtime that maps GGUF models, loaded with
 // LD_PRELOAD; nothing in the runtime changes. A background thread finds the runtime's shared
-// mappings of *.gguf files in /proc/self/maps (every 20 ms until one appears, then every 10 s
-// for new models and changed mappings), reads each model's expert map, and re-arms one page per
+// mappings of GGUF files (by their magic, whatever their names) in /proc/self/maps (every 20 ms
+// until one appears, then every 10 s for new models and changed mappings), reads each model's expert map, and re-arms one page per
 // expert every MOECACHE_REARM_MS milliseconds (default 1000; 0 turns it off), at most
 // MOECACHE_REARM_RATE pages a second (default 400; 0: no limit), in slices (RearmPace, rearm.h;
 // what it costs: bench/rearm-overhead.sh). It says what it does once,
@@ -10,6 +10,7 @@
 #include "moecache/model.h"
 #include "moecache/process_maps.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,8 +42,21 @@ struct Model {
     std::chrono::steady_clock::time_point due;
 };
 
-// The paths of *.gguf files this process maps shared.
-std::set<std::string> mapped_models(const std::string& maps) {
+// Whether the file at `path` is a GGUF file (its magic; regular files only, never blocking).
+bool is_gguf(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return false;
+    struct stat st {};
+    char magic[4];
+    const bool yes = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::pread(fd, magic, 4, 0) == 4 &&
+                     std::memcmp(magic, "GGUF", 4) == 0;
+    ::close(fd);
+    return yes;
+}
+
+// The paths of GGUF files this process maps shared (by their magic: Hugging Face's cache and
+// ollama keep models as blobs without a .gguf suffix). `not_gguf` remembers the others.
+std::set<std::string> mapped_models(const std::string& maps, std::set<std::string>& not_gguf) {
     std::set<std::string> out;
     size_t at = 0;
     while (at < maps.size()) {
@@ -55,14 +69,17 @@ std::set<std::string> mapped_models(const std::string& maps) {
         const std::string path = line.substr(slash);
         const size_t sp = line.find(' ');
         if (sp == std::string::npos || sp + 4 >= line.size() || line[sp + 4] != 's') continue;
-        if (path.size() > 5 && path.compare(path.size() - 5, 5, ".gguf") == 0) out.insert(path);
+        if (out.count(path) || not_gguf.count(path)) continue;
+        if (path.size() > 10 && path.compare(path.size() - 10, 10, " (deleted)") == 0) continue;
+        if (is_gguf(path)) out.insert(path);
+        else not_gguf.insert(path);
     }
     return out;
 }
 
 void run(unsigned period_ms, unsigned rate) {
     std::map<std::string, std::unique_ptr<Model>> models;  // by the path of the part mapped first
-    std::set<std::string> failed;
+    std::set<std::string> failed, not_gguf;
     auto next_scan = std::chrono::steady_clock::now();
     for (;;) {
         const auto now = std::chrono::steady_clock::now();
@@ -73,7 +90,7 @@ void run(unsigned period_ms, unsigned rate) {
             next_scan = now + (models.empty() ? std::chrono::milliseconds(20) : std::chrono::milliseconds(10000));
             auto text = moecache::read_proc_text("/proc/self/maps");
             if (!text) return;
-            for (const auto& path : mapped_models(*text)) {
+            for (const auto& path : mapped_models(*text, not_gguf)) {
                 if (failed.count(path)) continue;
                 bool known = false;
                 for (const auto& [p, m] : models)

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -361,6 +362,49 @@ TEST_F(Unmapped, LargeCopiesFromMemoryThatMapsNoModelAreNamed) {
     EXPECT_NE(said.find("--load-mode"), std::string::npos) << said;
     EXPECT_NE(said.find("--no-mmap"), std::string::npos) << said;
     EXPECT_EQ(std::count(said.begin(), said.end(), '\n'), 1) << "said once: " << said;
+    cu_.mem_free(d);
+}
+
+class ModelsByContent : public HookServing {
+    bool map_model() const override { return false; }
+};
+
+// A split set kept as blobs (an ollama store, a Hugging Face cache's blobs/), every part mapped as
+// llama.cpp maps it: the hook knows it as one model from any part's copies.
+TEST_F(ModelsByContent, ABlobNamedSplitSetIsOneModel) {
+    auto spec = small_spec();
+    spec.n_layers = 6;
+    std::filesystem::create_directories(dir_.path() + "/gen");
+    std::filesystem::create_directories(dir_.path() + "/blobs");
+    auto parts = write_model(spec, dir_.path() + "/gen/model.gguf", 3);
+    ASSERT_EQ(parts.size(), 3u);
+    std::vector<std::string> blobs;
+    for (int i = 0; i < 3; ++i) {
+        blobs.push_back(dir_.path() + "/blobs/sha256-" + std::string(8, static_cast<char>('f' - i)));
+        std::filesystem::rename(parts[static_cast<size_t>(i)], blobs.back());
+    }
+    std::vector<MappedModel> mapped(3);
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(mapped[static_cast<size_t>(i)].open(blobs[static_cast<size_t>(i)]), "");
+    // Layers whose experts lie in the second and third parts.
+    const ExpertMap& map = mapped[0].map;
+    ASSERT_EQ(map.files.size(), 3u);
+    CUdeviceptr d = 0;
+    ASSERT_EQ(cu_.mem_alloc(&d, map.layers[0].tensors[0].bytes_per_expert * map.n_experts + 512), CUDA_SUCCESS);
+    int copies = 0;
+    for (int round = 0; round < 3; ++round) {
+        for (uint32_t l = 0; l < map.layers.size(); ++l) {
+            const auto& t = map.layers[l].tensors[0];
+            if (t.file == 0) continue;
+            const uint8_t* base = mapped[t.file].base;
+            ASSERT_EQ(cu_.htod_async(d, base + t.offset, t.bytes_per_expert, nullptr), CUDA_SUCCESS);
+            ++copies;
+        }
+        (void)hook_.sync(5000);
+    }
+    ASSERT_GT(copies, 0) << "the generator put every layer in the first part";
+    const auto st = hook_.stats();
+    EXPECT_EQ(st.models, 1u) << "three blobs, one model";
+    EXPECT_GT(st.expert_copies, 0u) << "copies out of the second and third blobs are expert copies";
     cu_.mem_free(d);
 }
 

@@ -33,8 +33,11 @@ protected:
         std::mt19937_64 rng(7);
         std::string bytes(32u << 20, '\0');
         for (auto& c : bytes) c = static_cast<char>(rng());
-        test::write_file(dir_.file("model.gguf"), bytes);
         test::write_file(dir_.file("other.bin"), bytes);
+        test::write_file(dir_.file("named.gguf"), bytes);  // a .gguf name, but not a GGUF file
+        bytes.replace(0, 4, "GGUF");                      // models are known by their magic
+        test::write_file(dir_.file("model.gguf"), bytes);
+        test::write_file(dir_.file("sha256-0f3a9c"), bytes);  // as ollama and Hugging Face's cache keep them
     }
     // cached_share: the share of the file (from its start) read into the page cache first.
     Probe probe(const std::string& file, const std::vector<std::string>& env, double cached_share = 0) {
@@ -76,6 +79,14 @@ TEST_F(LazyLoad, OtherFilesAreLoadedAsAsked) {
     EXPECT_TRUE(other.same);
     const auto typo = probe(dir_.file("model.gguf"), {preload_, "MOECACHE_REARM_MS=0", "MOECACHE_LOAD=lazzy", no_daemon_});
     EXPECT_EQ(typo.resident, typo.pages) << "an unknown setting means auto: without a daemon, native";
+}
+
+TEST_F(LazyLoad, ModelsAreKnownByTheirBytesNotTheirNames) {
+    const auto blob = probe(dir_.file("sha256-0f3a9c"), {preload_, "MOECACHE_REARM_MS=0", "MOECACHE_LOAD=lazy"});
+    EXPECT_LT(blob.resident, blob.pages / 10) << "a model without the .gguf suffix was read at load";
+    EXPECT_TRUE(blob.same);
+    const auto named = probe(dir_.file("named.gguf"), {preload_, "MOECACHE_REARM_MS=0", "MOECACHE_LOAD=lazy"});
+    EXPECT_EQ(named.resident, named.pages) << "a file that is no GGUF file is loaded as asked, whatever its name";
 }
 
 // What is cached already (what a warm daemon read) is mapped at load, and nothing else is read.

@@ -1,5 +1,5 @@
-// A GGUF model as the runtime sees it: one file, or a split set NAME-0000i-of-0000N.gguf opened
-// from any one of its parts, and the map of its routed experts.
+// A GGUF model as the runtime sees it: one file, or a split set opened from any one of its parts
+// (found by name or by metadata), and the map of its routed experts.
 #pragma once
 
 #include "moecache/error.h"
@@ -21,9 +21,17 @@ struct SplitName {
 std::optional<SplitName> parse_split_name(const std::string& path);
 std::string split_path(const std::string& prefix, uint32_t index, uint32_t count);
 
-// Opens every part of the model that `path` belongs to, in order, and checks that they form one
-// set: each part's split.no / split.count / split.tensors.count agree with its name and with the
-// others, and no tensor name appears in two parts.
+// The paths of every part of the split set that `part` (read from `path`) belongs to, in order;
+// just `path` for a model of one file. By name where the parts follow NAME-0000i-of-0000N.gguf
+// (for a Hugging Face cache blob, the name a snapshots/ symlink gives it), else by content: the
+// GGUF files beside it (where it is named and where it really lies) whose split.count and
+// split.tensors.count match and whose split.no is the part wanted. Never opens anything but
+// regular files for reading; two files claiming one part is an error naming both.
+Result<std::vector<std::string>> find_split_parts(const std::string& path, const GgufFile& part);
+
+// Opens every part of the model that `path` belongs to (any part; see find_split_parts), in order,
+// and checks that they form one set: each part's split.no / split.count / split.tensors.count agree
+// with the others, and no tensor name appears in two parts.
 Result<std::vector<GgufFile>> open_gguf_model(const std::string& path);
 
 // One expert tensor of a layer, e.g. blk.7.ffn_up_exps.weight: expert e is the byte slice

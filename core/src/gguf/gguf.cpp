@@ -452,7 +452,9 @@ Result<GgufFile> read_gguf(int fd, std::string path, const GgufLimits& limits) {
 }
 
 Result<GgufFile> read_gguf(const std::string& path, const GgufLimits& limits) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    // O_NONBLOCK: a FIFO in a model's place opens at once (and is refused as no regular file)
+    // instead of blocking until a writer comes; reads of a regular file are unaffected.
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
     if (!fd) return fail_errno("{}: cannot open", path);
     return read_gguf(fd.get(), path, limits);
 }

@@ -1,9 +1,16 @@
 #include "moecache/model.h"
 
+#include "moecache/unique_fd.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cstring>
+#include <filesystem>
 #include <unordered_map>
 
 namespace moecache {
@@ -62,6 +69,124 @@ std::string split_path(const std::string& prefix, uint32_t index, uint32_t count
     return fmt::format("{}-{:05d}-of-{:05d}.gguf", prefix, index + 1, count);
 }
 
+namespace {
+
+namespace fs = std::filesystem;
+
+struct SplitKey {
+    uint64_t count = 0;
+    std::optional<uint64_t> tensors;  // split.tensors.count
+};
+
+// The split metadata of a GGUF file, if it is one (a quick look: the file's first bytes, then the
+// header). Only regular files; a FIFO or a device is never opened for reading.
+std::optional<std::pair<uint64_t, GgufFile>> split_part_at(const fs::path& p, const SplitKey& want) {
+    UniqueFd fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+    struct stat st {};
+    char magic[4];
+    if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || ::pread(fd.get(), magic, 4, 0) != 4 ||
+        std::memcmp(magic, "GGUF", 4) != 0)
+        return std::nullopt;
+    auto f = read_gguf(fd.get(), p.string());
+    if (!f) return std::nullopt;
+    const auto no = f->get_uint_opt("split.no"), cnt = f->get_uint_opt("split.count"), tc = f->get_uint_opt("split.tensors.count");
+    if (!no || !cnt || !tc || !*no || !*cnt || **cnt != want.count || (want.tensors && *tc && **tc != *want.tensors)) return std::nullopt;
+    return std::make_pair(**no, std::move(*f));
+}
+
+struct InodeKey {
+    dev_t dev;
+    ino_t ino;
+    bool operator==(const InodeKey&) const = default;
+};
+std::optional<InodeKey> inode_of(const fs::path& p) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) return std::nullopt;
+    return InodeKey{st.st_dev, st.st_ino};
+}
+
+// A Hugging Face cache keeps a file as blobs/<hash> behind snapshots/<revision>/NAME symlinks: the
+// name of a blob, where one of the snapshots gives it one.
+std::optional<std::string> named_in_hf_snapshot(const fs::path& real) {
+    const fs::path blobs = real.parent_path();
+    if (blobs.filename() != "blobs") return std::nullopt;
+    const fs::path snapshots = blobs.parent_path() / "snapshots";
+    std::error_code ec;
+    const auto me = inode_of(real);
+    if (!me) return std::nullopt;
+    size_t seen = 0;
+    for (auto it = fs::recursive_directory_iterator(snapshots, fs::directory_options::skip_permission_denied, ec);
+         !ec && it != fs::recursive_directory_iterator() && seen < 100000; it.increment(ec), ++seen) {
+        if (it.depth() > 3) it.disable_recursion_pending();
+        if (!it->is_symlink(ec) && !it->is_regular_file(ec)) continue;
+        if (!parse_split_name(it->path().string())) continue;
+        if (inode_of(it->path()) == me) return it->path().string();
+    }
+    return std::nullopt;
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> find_split_parts(const std::string& path, const GgufFile& part) {
+    const auto count = MC_TRY(part.get_uint_opt("split.count"));
+    const auto no = MC_TRY(part.get_uint_opt("split.no"));
+    const auto tensors = MC_TRY(part.get_uint_opt("split.tensors.count"));
+    if (!count || *count <= 1) return std::vector<std::string>{path};
+    if (*count > 4096) return failf("{}: split.count is {}: more parts than any model has", path, *count);
+    std::error_code ec;
+    const fs::path real = fs::canonical(path, ec);
+    if (ec) return fail(ec.value(), fmt::format("{}: cannot resolve the path: {}", path, ec.message()));
+    // By name first: the path itself, or the name a Hugging Face snapshot gives the blob.
+    for (const auto& named : {std::optional<std::string>(path), named_in_hf_snapshot(real)}) {
+        if (!named) continue;
+        const auto name = parse_split_name(*named);
+        if (!name || name->count != *count) continue;
+        std::vector<std::string> out;
+        for (uint32_t i = 0; i < name->count; ++i) out.push_back(split_path(name->prefix, i, name->count));
+        return out;  // a part missing by its name is named as missing when it is opened
+    }
+    // By content: the files beside it (where it is named, and where it really is) whose metadata
+    // says they are the other parts of a set of the same size and tensor count.
+    const SplitKey want{*count, tensors};
+    std::vector<std::optional<std::string>> found(*count);
+    std::vector<std::optional<InodeKey>> found_inode(*count);
+    if (no && *no < *count) {
+        found[*no] = path;
+        found_inode[*no] = inode_of(path);
+    }
+    std::vector<fs::path> dirs{fs::path(path).parent_path(), real.parent_path()};
+    if (dirs[0].empty()) dirs[0] = ".";
+    if (fs::equivalent(dirs[0], dirs[1], ec)) dirs.pop_back();
+    for (const auto& dir : dirs) {
+        size_t seen = 0;
+        for (auto it = fs::directory_iterator(dir, fs::directory_options::skip_permission_denied, ec);
+             !ec && it != fs::directory_iterator() && seen < 100000; it.increment(ec), ++seen) {
+            auto hit = split_part_at(it->path(), want);
+            if (!hit || hit->first >= *count) continue;
+            const auto ino = inode_of(it->path());
+            auto& slot = found[hit->first];
+            if (slot && found_inode[hit->first] == ino) continue;  // the same file by another name
+            if (slot)
+                return failf("{}: part {} of {} is ambiguous: both {} and {} say they are it; name the parts "
+                             "NAME-0000i-of-0000N.gguf or keep one set per folder", path, hit->first + 1, *count, *slot,
+                             it->path().string());
+            slot = it->path().string();
+            found_inode[hit->first] = ino;
+        }
+    }
+    std::vector<std::string> out;
+    for (uint64_t i = 0; i < *count; ++i) {
+        if (!found[i])
+            return fail(ENOENT, fmt::format("{}: the metadata says this is part {} of {}, but part {} is in none of {}: "
+                                            "its name does not follow NAME-0000i-of-0000N.gguf and no file beside it "
+                                            "says it is that part",
+                                            path, no ? *no + 1 : 0, *count, i + 1,
+                                            dirs.size() == 1 ? dirs[0].string() : dirs[0].string() + " and " + dirs[1].string()));
+        out.push_back(*found[i]);
+    }
+    return out;
+}
+
 Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
     auto first = MC_TRY(read_gguf(path));
     const auto count_kv = MC_TRY(first.get_uint_opt("split.count"));
@@ -75,31 +200,31 @@ Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
         one.push_back(std::move(first));
         return one;
     }
-    if (!name)
-        return failf("{}: the metadata says this is one of {} split parts, but the name does not "
-                     "follow NAME-0000i-of-0000N.gguf, so the other parts cannot be found",
-                     path, *count_kv);
+    // Any part opens the set: by the parts' names where they follow NAME-0000i-of-0000N.gguf, else
+    // by their metadata (a Hugging Face cache's blobs, an ollama store's sha256-... files).
+    const auto paths = MC_TRY(find_split_parts(path, first));
+    const auto count = static_cast<uint32_t>(paths.size());
 
     std::vector<GgufFile> parts;
-    parts.reserve(name->count);
+    parts.reserve(count);
     uint64_t total_tensors = 0;
     std::optional<uint64_t> declared_tensors;
     std::unordered_map<std::string, uint32_t> seen;
-    for (uint32_t i = 0; i < name->count; ++i) {
-        const std::string part_path = split_path(name->prefix, i, name->count);
+    for (uint32_t i = 0; i < count; ++i) {
+        const std::string& part_path = paths[i];
         Result<GgufFile> part = part_path == path ? Result<GgufFile>(std::move(first)) : read_gguf(part_path);
         if (!part) {
             if (part.error().errnum == ENOENT)
                 return fail(ENOENT, fmt::format("split model {}: part {} of {} is missing: {}",
-                                                 path, i + 1, name->count, part_path));
+                                                 path, i + 1, count, part_path));
             return tl::unexpected(with_context(part.error(), fmt::format("split model {}", path)));
         }
         const auto no = MC_TRY(part->get_uint_opt("split.no"));
         const auto cnt = MC_TRY(part->get_uint_opt("split.count"));
         const auto tcount = MC_TRY(part->get_uint_opt("split.tensors.count"));
-        if (!no || !cnt || *no != i || *cnt != name->count)
+        if (!no || !cnt || *no != i || *cnt != count)
             return failf("{}: does not belong to this split set: expected split.no {} of split.count "
-                         "{}, found {} of {}", part_path, i, name->count,
+                         "{}, found {} of {}", part_path, i, count,
                          no ? fmt::to_string(*no) : "none", cnt ? fmt::to_string(*cnt) : "none");
         if (tcount) {
             if (declared_tensors && *declared_tensors != *tcount)
@@ -118,7 +243,7 @@ Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
     }
     if (declared_tensors && *declared_tensors != total_tensors)
         return failf("split model {}: split.tensors.count says {} tensors but the {} parts hold {}",
-                     path, *declared_tensors, name->count, total_tensors);
+                     path, *declared_tensors, count, total_tensors);
     return parts;
 }
 
