@@ -181,6 +181,23 @@ TEST_F(ConfigTest, VramPoolIsASizeAndKeepRamCopyABool) {
     expect_rejected("[vram]\nkeep_ram_copy = \"yes\"\n", {"vram.keep_ram_copy", "expected"});
 }
 
+TEST_F(ConfigTest, VramPoolMayBeGivenPerDevice) {
+    const auto c = load("[vram]\npool = \"0:12GiB,1:6GiB\"\n");
+    ASSERT_TRUE(c) << c.error().what();
+    EXPECT_FALSE(c->vram_pool) << "devices not named: the hook decides";
+    EXPECT_EQ(c->vram_pool_device, (std::map<uint32_t, uint64_t>{{0, 12ull << 30}, {1, 6ull << 30}}));
+    const auto d = load("[vram]\npool = \"8GiB,3:2GiB\"\n");
+    ASSERT_TRUE(d) << d.error().what();
+    EXPECT_EQ(d->vram_pool, 8ull << 30);
+    EXPECT_EQ(d->vram_pool_device, (std::map<uint32_t, uint64_t>{{3, 2ull << 30}}));
+    expect_rejected("[vram]\npool = \"0:12GiB,0:1GiB\"\n", {main_ + ":2:", "vram.pool", "device 0 is given twice"});
+    expect_rejected("[vram]\npool = \"64:1GiB\"\n", {"vram.pool", "'64:1GiB'", "0 to 63"});
+    expect_rejected("[vram]\npool = \"x:1GiB\"\n", {"vram.pool", "a device is a number"});
+    expect_rejected("[vram]\npool = \"1:10%\"\n", {"vram.pool", "not a share of RAM"});
+    expect_rejected("[vram]\npool = \"1:lots\"\n", {"vram.pool", "'1:lots'"});
+    expect_rejected("[vram]\npool = \"1GiB,2GiB,0:1GiB\"\n", {"vram.pool", "given twice"});
+}
+
 TEST_F(ConfigTest, AModelsFamilyIsANameAndItsBudgetASize) {
     const auto c = load("[[model]]\npath = \"/m/q4.gguf\"\nfamily = \"ds-v4\"\nfamily_budget = \"40%\"\n");
     ASSERT_TRUE(c) << c.error().what();

@@ -156,6 +156,8 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         c.name = h->name;
         reply(c, rq, HelloReply{kVersion, c.id});
         reply(c, 0, VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), !config_.keep_ram_copy});
+        for (const auto& [device, bytes] : config_.vram_pool_device)
+            reply(c, 0, VramPolicy{device, bytes, !config_.keep_ram_copy});
         return true;
     }
     if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);

@@ -11,6 +11,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cctype>
 #include <cstdlib>
 #include <cmath>
@@ -403,10 +404,44 @@ const Key<Config> kClientKeys[] = {
     MC_KEY("uid_budgets", Config, t.uid_budgets = MC_TRY(read_uid_budgets(v))),
 };
 
-Result<uint64_t> read_vram_pool(const Value& v) {
-    const auto amount = MC_TRY(read_byte_amount(v));
-    if (amount.percent) return v.fail("a VRAM pool is a size (\"8GiB\"), not a share of RAM");
-    return amount.bytes;
+// "8GiB" for every device, or a list of "DEVICE:SIZE" items with at most one plain size (every
+// other device): "0:12GiB,1:6GiB", "8GiB,1:4GiB".
+Result<void> read_vram_pool(const Value& v, Config& t) {
+    const auto* s = v.node.as_string();
+    if (s == nullptr || s->get().find(':') == std::string::npos) {
+        const auto amount = MC_TRY(read_byte_amount(v));
+        if (amount.percent) return v.fail("a VRAM pool is a size (\"8GiB\"), not a share of RAM");
+        t.vram_pool = amount.bytes;
+        return {};
+    }
+    const std::string text = s->get();
+    std::optional<uint64_t> all;
+    std::map<uint32_t, uint64_t> devices;
+    size_t at = 0;
+    while (at <= text.size()) {
+        size_t comma = text.find(',', at);
+        if (comma == std::string::npos) comma = text.size();
+        const std::string item = text.substr(at, comma - at);
+        at = comma + 1;
+        const size_t colon = item.find(':');
+        auto size = parse_byte_amount(colon == std::string::npos ? item : item.substr(colon + 1));
+        if (!size) return v.fail("'{}': {}", item, size.error().what());
+        if (size->percent) return v.fail("'{}': a VRAM pool is a size (\"8GiB\"), not a share of RAM", item);
+        if (colon == std::string::npos) {
+            if (all) return v.fail("'{}': a size for every device is given twice", item);
+            all = size->bytes;
+            continue;
+        }
+        uint32_t d = 0;
+        const std::string dev = item.substr(0, colon);
+        const auto [p, ec] = std::from_chars(dev.data(), dev.data() + dev.size(), d);
+        if (dev.empty() || ec != std::errc{} || p != dev.data() + dev.size() || d >= 64)
+            return v.fail("'{}': a device is a number from 0 to 63, as in \"0:12GiB,1:6GiB\"", item);
+        if (!devices.emplace(d, size->bytes).second) return v.fail("'{}': device {} is given twice", item, d);
+    }
+    t.vram_pool = all;
+    t.vram_pool_device = std::move(devices);
+    return {};
 }
 
 Result<std::string> read_listen(const Value& v) {
@@ -448,7 +483,7 @@ const Key<Config> kDbusKeys[] = {
 };
 
 const Key<Config> kVramKeys[] = {
-    MC_KEY("pool", Config, t.vram_pool = MC_TRY(read_vram_pool(v))),
+    MC_KEY("pool", Config, MC_TRY_VOID(read_vram_pool(v, t))),
     MC_KEY("keep_ram_copy", Config, t.keep_ram_copy = MC_TRY(read_bool(v))),
 };
 

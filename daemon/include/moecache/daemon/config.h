@@ -111,8 +111,10 @@ struct Config {
 
     // [vram]
     // The VRAM pool each CUDA hook may hold per device; unset: the hook decides (its own
-    // MOECACHE_CUDA_POOL, default as much as its experts need within free memory).
+    // MOECACHE_CUDA_POOL, default as much as its experts need within free memory). Devices named
+    // in vram_pool_device ("0:12GiB,1:6GiB") have their own.
     std::optional<uint64_t> vram_pool;
+    std::map<uint32_t, uint64_t> vram_pool_device;
     // Keep the RAM copy of an expert that sits in a VRAM pool (the one-place rule off): for runtimes
     // that also compute experts on the CPU, e.g. llama.cpp below its offload batch threshold.
     bool keep_ram_copy = false;
