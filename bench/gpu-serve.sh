@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The CUDA hook under real serving (GPU machine): stock CUDA llama.cpp on a generated MoE model of
+# the bench/cuda-pool.sh shape (19.3 GiB q8_0, DeepSeek-V4-Flash routing skew), as users run it:
+#   pg     llama-bench -pg 512,128: a prompt and then decode, in one context
+#   sep    llama-bench -p 512 -n 128: the prompt test and the generation test in separate contexts
+#   compl  llama-completion: a prompt of PROMPT_TOKENS (3072) tokens, then 128 greedy tokens
+# against what users have today, in the same run:
+#   limit       every expert in VRAM (-ngl 99, nothing on the CPU): the ceiling
+#   cpu         -ot exps=CPU at llama.cpp's default offload threshold: the anchor (ratios are to it)
+#   static      the same VRAM bytes spent statically: the last quarter of the layers' experts on
+#               the GPU that runs those layers, the rest as cpu; static-mb1 the same with
+#               GGML_OP_OFFLOAD_MIN_BATCH=1 (the recipe's form)
+#   recipe      the unified-memory recipe of DESIGN.md: GGML_OP_OFFLOAD_MIN_BATCH=1, experts in
+#               pageable host memory, every token's expert math on the GPU
+#   hookP-MODE  the recipe with libmoecache-cuda.so preloaded: a pool of P % of the experts of the
+#               layers each GPU serves, misses copied with MOECACHE_CUDA_PIN=MODE (off, auto, all)
+# Rounds interleaved; medians; greedy text of every hook configuration compared with the recipe's
+# (the same computation without the hook: it must be byte-identical).
+#
+#   bench/gpu-serve.sh LLAMA_BIN [WORKDIR]
+# LLAMA_BIN: a folder with llama-bench and llama-completion of a CUDA build (and its libraries).
+# Environment: CONFIGS, WORKLOADS (pg sep compl), ROUNDS (2), THREADS (all cores), PROMPT_TOKENS,
+# MOECACHE_BUILD (build: the hook and moecache-mkmodel), LAYERS EXPERTS USED EMBD FF (the shape).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+bin=$(realpath "${1:?usage: bench/gpu-serve.sh LLAMA_BIN [WORKDIR]}")
+work=${2:-/tmp/moecache-gpu-serve}
+build=${MOECACHE_BUILD:-build}
+hook=$(realpath "$build/cuda-hooks/libmoecache-cuda.so")
+mkmodel=$build/tools/mkmodel/moecache-mkmodel
+rounds=${ROUNDS:-2}
+threads=${THREADS:-$(nproc)}
+prompt_tokens=${PROMPT_TOKENS:-3072}
+layers=${LAYERS:-32}
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$gpus" -ge 1 ] || { echo "gpu-serve: no GPU (nvidia-smi -L lists none)" >&2; exit 2; }
+configs=(${CONFIGS:-limit cpu static static-mb1 recipe hook10-auto hook25-off hook25-auto hook25-all hook50-auto})
+workloads=(${WORKLOADS:-pg sep compl})
+mkdir -p "$work"
+model=$work/serve-${layers}.gguf
+if [ ! -f "$model" ]; then
+  "$mkmodel" --output "$model" --layers "$layers" --experts "${EXPERTS:-128}" --experts-used "${USED:-8}" \
+    --embd "${EMBD:-2048}" --ff "${FF:-768}" --preset deepseek-v4-flash >/dev/null
+fi
+cat "$model" >/dev/null  # in the page cache: every configuration starts from the same warm cache
+# A prompt of ordinary words: the generated model's tokenizer makes about one token of each.
+python3 - "$work/prompt.txt" "$prompt_tokens" <<'EOF'
+import random, sys
+random.seed(7)
+words = "the of and to in is was for on that with as by at from his her they this which or an be are".split()
+open(sys.argv[1], "w").write(" ".join(random.choice(words) for _ in range(int(sys.argv[2]))))
+EOF
+
+last=$((layers - 1)); first=$((layers - layers / 4))
+static_ot="blk\.($(seq -s '|' "$first" "$last"))\.ffn_.*_exps\.=CUDA$((gpus - 1))"
+# setup NAME: the environment (env_) and arguments (args_) of a configuration.
+setup() {
+  env_=(MOECACHE_UNUSED=1)
+  args_=(-ngl 99 -ot exps=CPU)
+  case $1 in
+    limit) args_=(-ngl 99) ;;
+    cpu) ;;
+    static) args_=(-ngl 99 -ot "$static_ot" -ot exps=CPU) ;;
+    static-mb1) args_=(-ngl 99 -ot "$static_ot" -ot exps=CPU); env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
+    recipe) env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
+    hook*-*) local p=${1#hook}; p=${p%-*}
+      env_=(LD_PRELOAD="$hook" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_PIN="${1##*-}"
+            MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_CLIENT=off) ;;
+    *) echo "gpu-serve: unknown configuration $1" >&2; exit 2 ;;
+  esac
+}
+export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+run() {  # run CONFIG WORKLOAD ROUND
+  local c=$1 w=$2 r=$3 out=$work/$1.$2.$3
+  setup "$c"
+  case $w in
+    pg) env "${env_[@]}" "$bin/llama-bench" -m "$model" "${args_[@]}" -fa 0 -t "$threads" -p 0 -n 0 -pg 512,128 -r 2 -o jsonl ;;
+    sep) env "${env_[@]}" "$bin/llama-bench" -m "$model" "${args_[@]}" -fa 0 -t "$threads" -p 512 -n 128 -r 2 -o jsonl ;;
+    compl) env "${env_[@]}" "$bin/llama-completion" -m "$model" "${args_[@]}" -fa off -t "$threads" -c $((prompt_tokens + 512)) \
+             -f "$work/prompt.txt" -n 128 --temp 0 --ignore-eos -no-cnv --no-display-prompt --seed 1 </dev/null ;;
+  esac >"$out.out" 2>"$out.err" || echo "gpu-serve: $c $w round $r failed: $(tail -n 3 "$out.err")" >&2
+}
+for r in $(seq "$rounds"); do
+  for w in "${workloads[@]}"; do
+    for c in "${configs[@]}"; do run "$c" "$w" "$r"; done
+  done
+done
+
+python3 - "$work" "$rounds" "$gpus" "${configs[*]}" "${workloads[*]}" <<'EOF'
+import json, os, re, statistics, sys
+work, rounds, gpus, configs, workloads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(), sys.argv[5].split()
+def med(xs): return statistics.median(xs) if xs else float("nan")
+def read(path):
+    try: return open(path, errors="replace").read()
+    except OSError: return ""
+rows = {}
+for c in configs:
+    for w in workloads:
+        for r in range(1, rounds + 1):
+            out, err = read(f"{work}/{c}.{w}.{r}.out"), read(f"{work}/{c}.{w}.{r}.err")
+            got = rows.setdefault((c, w), {})
+            if w in ("pg", "sep"):
+                for line in out.splitlines():
+                    try: j = json.loads(line)
+                    except ValueError: continue
+                    key = "pg" if j["n_prompt"] and j["n_gen"] else ("pp" if j["n_prompt"] else "tg")
+                    got.setdefault(key, []).append(j["avg_ts"])
+            else:
+                m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", err)
+                e = re.search(r"\n[^\n]*\beval time =\s*([\d.]+) ms /\s*(\d+) runs", err)
+                if m: got.setdefault("pp", []).append(int(m.group(2)) / float(m.group(1)) * 1000); got["prompt_tokens"] = int(m.group(2))
+                if e: got.setdefault("tg", []).append(int(e.group(2)) / float(e.group(1)) * 1000)
+                got.setdefault("text", []).append(out)
+            h = re.search(r"slices (\d+) hit / (\d+) missed; ([\d.]+) GiB from the pool, ([\d.]+) GiB from the host", err)
+            if h:
+                hits, miss = int(h.group(1)), int(h.group(2))
+                got.setdefault("hit", []).append(100.0 * hits / max(hits + miss, 1))
+                got.setdefault("host_gib", []).append(float(h.group(4)))
+def val(c, w, k):
+    return med(rows.get((c, w), {}).get(k, []))
+print(f"\n{gpus} GPU(s); medians of {rounds} round(s); tok/s, and the ratio to cpu (-ot exps=CPU, default threshold)")
+cols = [("pg", "pg"), ("sep", "pp"), ("sep", "tg"), ("compl", "pp"), ("compl", "tg")]
+cols = [x for x in cols if x[0] in workloads]
+head = "| config | " + " | ".join(f"{w} {k}" for w, k in cols) + " | hit % (compl) | host GiB/token (compl) | greedy text = recipe |"
+print(head); print("|" + "---|" * (head.count("|") - 1))
+for c in configs:
+    cells = []
+    for w, k in cols:
+        v, a = val(c, w, k), val("cpu", w, k)
+        cells.append(f"{v:.1f} ({v / a:.2f}x)" if a == a and a > 0 and v == v else f"{v:.1f}")
+    text = rows.get((c, "compl"), {}).get("text", [])
+    ref = rows.get(("recipe", "compl"), {}).get("text", [])
+    same = "-" if not c.startswith("hook") or not text or not ref else ("yes" if all(t == ref[0] and t for t in text) else "NO")
+    g = rows.get((c, "compl"), {})
+    tokens = g.get("prompt_tokens", 0) + 128
+    host = med(g.get("host_gib", []))
+    print(f"| {c} | " + " | ".join(cells) + f" | {val(c, 'compl', 'hit'):.1f} | " +
+          (f"{host / tokens:.3f}" if host == host and tokens else "-") + f" | {same} |")
+if "compl" in workloads:
+    print(f"(compl: prompt of {rows.get(('cpu', 'compl'), {}).get('prompt_tokens', '?')} tokens)")
+EOF
