@@ -108,6 +108,7 @@ private:
         bool dirty = false;       // queued slot work since the last record
         bool idle = false;        // the last record completed and nothing was queued since
         bool retired = false;     // destroyed by the runtime
+        bool eager = false;       // recorded after its own slot work (another thread cannot)
     };
     // A run of copies of one layer's first expert tensor: one layer's routing of one batch.
     struct LayerStep {
@@ -175,6 +176,7 @@ private:
     void report_pools();
     [[nodiscard]] bool daemon_wants_one_place(int device) const;
     // serve.cpp
+    void settle(DevicePool& dp, const Driver* drv, StreamId sid);  // under dp.mu
     CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream);
 
     HookConfig cfg_;

@@ -16,10 +16,16 @@ constexpr uint64_t kArenaBytes = 1ull << 30;
 
 }  // namespace
 
+// The per-thread default stream is one stream per thread under one handle, and only its own
+// thread can record on it: each thread's is a stream of its own here, recorded eagerly.
 StreamId Engine::DevicePool::stream_id(CUstream s) {
-    auto [it, inserted] = stream_ids.try_emplace(s, 0);
+    static thread_local const auto tid = static_cast<uintptr_t>(gettid());
+    const bool per_thread = s == CU_STREAM_PER_THREAD;
+    const auto key = per_thread ? reinterpret_cast<CUstream>(~(tid << 4)) : s;
+    auto [it, inserted] = stream_ids.try_emplace(key, 0);
     if (inserted) {
         streams.push_back(StreamState{s});
+        streams.back().eager = per_thread;
         it->second = streams.size();
     }
     return it->second;

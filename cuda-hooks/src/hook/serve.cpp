@@ -41,7 +41,7 @@ public:
         auto& st = dp_.streams[from - 1];
         if (!st.idle) {
             if (st.dirty) {
-                if (st.retired || (st.event == nullptr && drv_->event_create(&st.event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) ||
+                if (st.retired || st.eager || (st.event == nullptr && drv_->event_create(&st.event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) ||
                     drv_->event_record(st.event, st.handle) != CUDA_SUCCESS)
                     return false;
                 st.dirty = false;
@@ -65,6 +65,16 @@ private:
     StreamId joined_[kRemembered] = {};
     int n_ = 0;
 };
+
+// After a copy queued work on pool slots: the stream is dirty (another stream must order after it),
+// or, for a per-thread default stream, recorded now by its own thread.
+void Engine::settle(DevicePool& dp, const Driver* drv, StreamId sid) {
+    dp.mark_dirty(sid);
+    auto& st = dp.streams[sid - 1];
+    if (!st.eager) return;
+    if (st.event == nullptr && drv->event_create(&st.event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return;
+    if (drv->event_record(st.event, st.handle) == CUDA_SUCCESS) st.dirty = false;
+}
 
 CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream) {
     const Driver* drv = driver();
@@ -208,7 +218,7 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
                 rc = drv->memcpy_dtod_async(c.dst + pieces[p].offset, pieces[p].pool_address, pieces[p].bytes, stream);
                 from_pool += pieces[p].bytes;
             }
-        if (hit_slices > 0 || n_admits > 0) dp->mark_dirty(sid);
+        if (hit_slices > 0) settle(*dp, drv, sid);
     }
     for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
         if (pieces[p].pool_address == 0) {
@@ -228,7 +238,7 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
             if (rc != CUDA_SUCCESS) dp->pool.drop(m.id, admits[i].ref.slice);
         }
         for (uint32_t i = 0; i < n_admits; ++i) note_expert(*dp, m, admits[i].ref.expert);
-        dp->mark_dirty(sid);
+        settle(*dp, drv, sid);
     }
     if (rc != CUDA_SUCCESS) {
         fallbacks_.fetch_add(1, std::memory_order_relaxed);
