@@ -1,10 +1,12 @@
 // Generates text from a GGUF model with node-llama-cpp (llama.cpp, CPU) and prints JSON:
 //   node generate.mjs --model M.gguf [--tokens N] [--threads T] [--seed S] [--prompt TEXT]
 //                     [--max-seconds T] [--warmup N]
-// Decoding samples at temperature 1: synthetic models loop under greedy decoding.
+// Decoding samples at temperature 1: synthetic models loop under greedy decoding. The end-of-text
+// token is never sampled (--eos true allows it): a run decodes the tokens it was asked for, so that
+// its figures and the tests that count them do not depend on where a sample happens to stop.
 // --max-seconds stops decoding after T seconds (a squeezed run may crawl); --warmup N (50) splits
 // the decode speed into the first N tokens and the rest ("steady").
-import {getLlama, LlamaCompletion} from "node-llama-cpp";
+import {getLlama, LlamaCompletion, TokenBias} from "node-llama-cpp";
 import {readFileSync} from "node:fs";
 
 // This process's anonymous resident memory (what a memory cgroup must hold beside the model's pages).
@@ -37,12 +39,13 @@ let first = null;
 let produced = 0;
 const stamps = [];  // ms since the first token, per token
 const stop = new AbortController();
-const text = await completion.generateCompletion(args.prompt ?? "the", {
-    maxTokens: tokens,
+const options = (round) => ({
+    maxTokens: tokens - produced,
     temperature: 1.0,
     topK: 0,
     topP: 1.0,
-    seed: Number(args.seed ?? 1),
+    seed: Number(args.seed ?? 1) + round,
+    tokenBias: args.eos === "true" || model.tokens.eos == null ? undefined : TokenBias.for(model).set(model.tokens.eos, "never"),
     signal: stop.signal,
     stopOnAbortSignal: true,
     onToken(tokens) {
@@ -53,6 +56,15 @@ const text = await completion.generateCompletion(args.prompt ?? "the", {
         if (maxSeconds > 0 && (now - first) / 1000 >= maxSeconds) stop.abort();
     },
 });
+// Where a sample ends the text early anyway, decoding goes on from it (another seed) until it has
+// the tokens asked for.
+const prompt = args.prompt ?? "the";
+let text = "";
+for (let round = 0; round < 1000 && produced < tokens && !stop.signal.aborted; ++round) {
+    const before = produced;
+    text += await completion.generateCompletion(prompt + text, options(round));
+    if (produced === before || args.eos === "true") break;
+}
 const t2 = performance.now();
 const decodeSeconds = first === null ? 0 : (t2 - first) / 1000;
 // tokens/s between token a and token b (0-based, b exclusive), from the stamps
