@@ -295,6 +295,38 @@ TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
     moecache_client_close(other);
 }
 
+// A runtime that copies large buffers from memory that maps no model (it loaded its model without
+// mmap): the hook tells the daemon, which counts the bytes on /metrics.
+TEST_F(HookDaemon, LargeCopiesFromUnmappedMemoryReachTheMetrics) {
+    use(3, 1);
+    using SyncFn = int (*)(int);
+    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
+    ASSERT_GE(sync(10000), 1);
+    constexpr size_t kChunk = 16 << 20;
+    std::vector<uint8_t> host(kChunk, 0x5a);
+    CUdeviceptr d = 0;
+    ASSERT_EQ(alloc_(&d, kChunk), CUDA_SUCCESS);
+    for (int i = 0; i < 8; ++i) ASSERT_EQ(htod_async_(d, host.data(), kChunk, nullptr), CUDA_SUCCESS);
+    std::smatch port;
+    const std::string out = log();
+    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    const std::regex bytes("moecache_hook_unmapped_copy_bytes_total (\\d+)");
+    std::string metrics;
+    std::smatch m;
+    for (int i = 0; i < 100; ++i) {
+        (void)sync(200);
+        httplib::Client c("127.0.0.1", std::stoi(port[1]));
+        auto r = c.Get("/metrics");
+        if (r && r->status == 200) metrics = r->body;
+        if (std::regex_search(metrics, m, bytes) && std::stoull(m[1]) >= 8 * kChunk) break;
+    }
+    ASSERT_TRUE(std::regex_search(metrics, m, bytes)) << metrics;
+    EXPECT_EQ(std::stoull(m[1]), stats().unmapped_bytes);
+    EXPECT_GE(std::stoull(m[1]), 8 * kChunk);
+    EXPECT_NE(metrics.find("moecache_hook_clients_without_model_mapping 0\n"), std::string::npos)
+        << "this process maps a model: it is no client without one";
+}
+
 }  // namespace
 }  // namespace moecache::test
 
