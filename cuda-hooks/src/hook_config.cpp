@@ -1,5 +1,7 @@
 #include "moecache/cuda/hook_config.h"
 
+#include "moecache/device_list.h"
+
 #include <cstdlib>
 #include <cstring>
 
@@ -44,38 +46,20 @@ std::optional<double> parse_size(const std::string& text) {
 }
 
 std::optional<PoolSizes> parse_pool_sizes(const std::string& text, std::string* error) {
+    auto items = parse_device_list(text, kMaxHookDevices);
+    if (!items) {
+        if (error != nullptr) *error = items.error().what();
+        return std::nullopt;
+    }
     PoolSizes out;
-    bool have_all = false;
-    std::array<bool, kMaxHookDevices> have{};
-    size_t at = 0;
-    while (at <= text.size()) {
-        size_t comma = text.find(',', at);
-        if (comma == std::string::npos) comma = text.size();
-        const std::string item = text.substr(at, comma - at);
-        at = comma + 1;
-        auto bad = [&](const std::string& why) {
-            if (error != nullptr) *error = "'" + item + "': " + why;
+    for (const auto& item : *items) {
+        const auto size = parse_pool_size(item.value);
+        if (!size) {
+            if (error != nullptr) *error = "'" + item.text + "': expected auto, a percentage (25%) or a size (8G, 512MiB)";
             return std::nullopt;
-        };
-        if (item.empty()) return bad("an empty item");
-        const size_t colon = item.find(':');
-        const std::string size_text = colon == std::string::npos ? item : item.substr(colon + 1);
-        const auto size = parse_pool_size(size_text);
-        if (!size) return bad("expected auto, a percentage (25%) or a size (8G, 512MiB)");
-        if (colon == std::string::npos) {
-            if (have_all) return bad("a size for every device is given twice");
-            have_all = true;
-            out.all = *size;
-            continue;
         }
-        const std::string dev = item.substr(0, colon);
-        char* end = nullptr;
-        const long d = strtol(dev.c_str(), &end, 10);
-        if (dev.empty() || *end != '\0' || d < 0 || d >= kMaxHookDevices || dev[0] == '+' || dev[0] == '-')
-            return bad("a device is a number from 0 to " + std::to_string(kMaxHookDevices - 1));
-        if (have[static_cast<size_t>(d)]) return bad("device " + dev + " is given twice");
-        have[static_cast<size_t>(d)] = true;
-        out.device[static_cast<size_t>(d)] = *size;
+        if (item.device) out.device[*item.device] = *size;
+        else out.all = *size;
     }
     return out;
 }

@@ -6,12 +6,12 @@
 // toml++ is the Debian build, compiled with exceptions: its parse_error is caught here, and
 // parse_config_text catches anything else (std::bad_alloc), so no exception leaves the library.
 #include "moecache/daemon/config.h"
+#include "moecache/device_list.h"
 
 #include <fmt/ranges.h>
 #include <toml++/toml.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cctype>
 #include <cstdlib>
 #include <cmath>
@@ -414,30 +414,16 @@ Result<void> read_vram_pool(const Value& v, Config& t) {
         t.vram_pool = amount.bytes;
         return {};
     }
-    const std::string text = s->get();
+    auto items = parse_device_list(s->get(), 64);
+    if (!items) return v.fail("{}", items.error().what());
     std::optional<uint64_t> all;
     std::map<uint32_t, uint64_t> devices;
-    size_t at = 0;
-    while (at <= text.size()) {
-        size_t comma = text.find(',', at);
-        if (comma == std::string::npos) comma = text.size();
-        const std::string item = text.substr(at, comma - at);
-        at = comma + 1;
-        const size_t colon = item.find(':');
-        auto size = parse_byte_amount(colon == std::string::npos ? item : item.substr(colon + 1));
-        if (!size) return v.fail("'{}': {}", item, size.error().what());
-        if (size->percent) return v.fail("'{}': a VRAM pool is a size (\"8GiB\"), not a share of RAM", item);
-        if (colon == std::string::npos) {
-            if (all) return v.fail("'{}': a size for every device is given twice", item);
-            all = size->bytes;
-            continue;
-        }
-        uint32_t d = 0;
-        const std::string dev = item.substr(0, colon);
-        const auto [p, ec] = std::from_chars(dev.data(), dev.data() + dev.size(), d);
-        if (dev.empty() || ec != std::errc{} || p != dev.data() + dev.size() || d >= 64)
-            return v.fail("'{}': a device is a number from 0 to 63, as in \"0:12GiB,1:6GiB\"", item);
-        if (!devices.emplace(d, size->bytes).second) return v.fail("'{}': device {} is given twice", item, d);
+    for (const auto& item : *items) {
+        auto size = parse_byte_amount(item.value);
+        if (!size) return v.fail("'{}': {}", item.text, size.error().what());
+        if (size->percent) return v.fail("'{}': a VRAM pool is a size (\"8GiB\"), not a share of RAM", item.text);
+        if (item.device) devices.emplace(*item.device, size->bytes);
+        else all = size->bytes;
     }
     t.vram_pool = all;
     t.vram_pool_device = std::move(devices);

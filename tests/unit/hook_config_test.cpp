@@ -1,0 +1,77 @@
+// The CUDA hook's settings from its variables: pool sizes for every device and per device, the
+// pinning modes, and a clear line (and the default) for anything else.
+#include "moecache/cuda/hook_config.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace moecache::cuda {
+namespace {
+
+using Kind = PoolSize::Kind;
+
+TEST(HookConfig, PoolSizesForEveryDeviceAndPerDevice) {
+    std::string why;
+    auto p = parse_pool_sizes("25%", &why);
+    ASSERT_TRUE(p) << why;
+    EXPECT_EQ(p->of(0), (PoolSize{Kind::Percent, 25}));
+    EXPECT_EQ(p->of(63), (PoolSize{Kind::Percent, 25}));
+    p = parse_pool_sizes("0:12G,1:6GiB", &why);
+    ASSERT_TRUE(p) << why;
+    EXPECT_EQ(p->of(0), (PoolSize{Kind::Bytes, 12.0 * (1 << 30)}));
+    EXPECT_EQ(p->of(1), (PoolSize{Kind::Bytes, 6.0 * (1 << 30)}));
+    EXPECT_EQ(p->of(2), PoolSize{}) << "a device not named: auto";
+    p = parse_pool_sizes("20%,1:4096", &why);
+    ASSERT_TRUE(p) << why;
+    EXPECT_EQ(p->of(0), (PoolSize{Kind::Percent, 20}));
+    EXPECT_EQ(p->of(1), (PoolSize{Kind::Bytes, 4096}));
+    p = parse_pool_sizes("auto,3:0", &why);
+    ASSERT_TRUE(p) << why;
+    EXPECT_EQ(p->of(3), (PoolSize{Kind::Bytes, 0})) << "0: telemetry only";
+    for (const char* bad : {"", "0:", "a:1G", "101%", "0:1G,0:2G", "1G,2G", "64:1G", "-1G", "1G,", "12 G", "x%"}) {
+        why.clear();
+        EXPECT_FALSE(parse_pool_sizes(bad, &why)) << bad;
+        EXPECT_FALSE(why.empty()) << bad;
+    }
+}
+
+TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
+    std::map<std::string, std::string> env;
+    std::vector<std::string> said;
+    auto read = [&] {
+        said.clear();
+        return hook_config_from([&](const char* k) { return env.count(k) ? env[k].c_str() : nullptr; },
+                                [&](const std::string& line) { said.push_back(line); });
+    };
+    auto c = read();
+    EXPECT_EQ(c.pin, PinMode::Auto) << "staging where it pays, by default";
+    EXPECT_EQ(c.pool.of(0), PoolSize{});
+    EXPECT_TRUE(c.client);
+    EXPECT_TRUE(c.one_place);
+    EXPECT_FALSE(c.log);
+    env = {{"MOECACHE_CUDA_PIN", "all"}, {"MOECACHE_CUDA_POOL", "1:2G"}, {"MOECACHE_CUDA_CLIENT", "off"},
+           {"MOECACHE_CUDA_ONE_PLACE", "0"}, {"MOECACHE_CUDA_LOG", "1"}};
+    c = read();
+    EXPECT_EQ(c.pin, PinMode::All);
+    EXPECT_EQ(c.pool.of(1), (PoolSize{Kind::Bytes, 2.0 * (1 << 30)}));
+    EXPECT_FALSE(c.client);
+    EXPECT_FALSE(c.one_place);
+    EXPECT_TRUE(c.log);
+    EXPECT_TRUE(said.empty());
+    env = {{"MOECACHE_CUDA_PIN", "staging"}};
+    EXPECT_EQ(read().pin, PinMode::Staging);
+    env = {{"MOECACHE_CUDA_PIN", "off"}};
+    EXPECT_EQ(read().pin, PinMode::Off);
+    env = {{"MOECACHE_CUDA_PIN", "sometimes"}, {"MOECACHE_CUDA_POOL", "0:1G,0:2G"}};
+    c = read();
+    EXPECT_EQ(c.pin, PinMode::Auto);
+    EXPECT_EQ(c.pool.of(0), PoolSize{});
+    ASSERT_EQ(said.size(), 2u);
+    EXPECT_NE(said[0].find("MOECACHE_CUDA_POOL=0:1G,0:2G"), std::string::npos) << said[0];
+    EXPECT_NE(said[0].find("device 0 is given twice"), std::string::npos) << said[0];
+    EXPECT_NE(said[1].find("MOECACHE_CUDA_PIN=sometimes"), std::string::npos) << said[1];
+}
+
+}  // namespace
+}  // namespace moecache::cuda
