@@ -53,15 +53,15 @@ EOF
 
 last=$((layers - 1)); first=$((layers - layers / 4))
 static_ot="blk\.($(seq -s '|' "$first" "$last"))\.ffn_.*_exps\.=CUDA$((gpus - 1))"
-# setup NAME: the environment (env_) and arguments (args_) of a configuration.
+# setup NAME: the environment (env_) and tensor overrides (ot_) of a configuration.
 setup() {
   env_=(MOECACHE_UNUSED=1)
-  args_=(-ngl 99 -ot exps=CPU)
+  ot_=(exps=CPU)
   case $1 in
-    limit) args_=(-ngl 99) ;;
+    limit) ot_=() ;;
     cpu) ;;
-    static) args_=(-ngl 99 -ot "$static_ot" -ot exps=CPU) ;;
-    static-mb1) args_=(-ngl 99 -ot "$static_ot" -ot exps=CPU); env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
+    static) ot_=("$static_ot" exps=CPU) ;;
+    static-mb1) ot_=("$static_ot" exps=CPU); env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
     recipe) env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
     hook*-*) local p=${1#hook}; p=${p%-*}
       env_=(LD_PRELOAD="$hook" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_PIN="${1##*-}"
@@ -73,10 +73,16 @@ export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 run() {  # run CONFIG WORKLOAD ROUND
   local c=$1 w=$2 r=$3 out=$work/$1.$2.$3
   setup "$c"
+  # llama-bench takes one -ot whose ';' joins overrides (',' makes another test); llama-completion ','.
+  local bench_ot=() compl_ot=()
+  if [ ${#ot_[@]} -gt 0 ]; then
+    bench_ot=(-ot "$(IFS=';'; echo "${ot_[*]}")")
+    compl_ot=(-ot "$(IFS=','; echo "${ot_[*]}")")
+  fi
   case $w in
-    pg) env "${env_[@]}" "$bin/llama-bench" -m "$model" "${args_[@]}" -fa 0 -t "$threads" -p 0 -n 0 -pg 512,128 -r 2 -o jsonl ;;
-    sep) env "${env_[@]}" "$bin/llama-bench" -m "$model" "${args_[@]}" -fa 0 -t "$threads" -p 512 -n 128 -r 2 -o jsonl ;;
-    compl) env "${env_[@]}" "$bin/llama-completion" -m "$model" "${args_[@]}" -fa off -t "$threads" -c $((prompt_tokens + 512)) \
+    pg) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" -fa 0 -t "$threads" -p 0 -n 0 -pg 512,128 -r 2 -o jsonl ;;
+    sep) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" -fa 0 -t "$threads" -p 512 -n 128 -r 2 -o jsonl ;;
+    compl) env "${env_[@]}" "$bin/llama-completion" -m "$model" -ngl 99 "${compl_ot[@]}" -fa off -t "$threads" -c $((prompt_tokens + 512)) \
              -f "$work/prompt.txt" -n 128 --temp 0 --ignore-eos -no-cnv --no-display-prompt --seed 1 </dev/null ;;
   esac >"$out.out" 2>"$out.err" || echo "gpu-serve: $c $w round $r failed: $(tail -n 3 "$out.err")" >&2
 }
@@ -121,7 +127,7 @@ def val(c, w, k):
 print(f"\n{gpus} GPU(s); medians of {rounds} round(s); tok/s, and the ratio to cpu (-ot exps=CPU, default threshold)")
 cols = [("pg", "pg"), ("sep", "pp"), ("sep", "tg"), ("compl", "pp"), ("compl", "tg")]
 cols = [x for x in cols if x[0] in workloads]
-head = "| config | " + " | ".join(f"{w} {k}" for w, k in cols) + " | hit % (compl) | host GiB/token (compl) | greedy text = recipe |"
+head = "| config | " + " | ".join(f"{w} {k}" for w, k in cols) + " | hit % sep | hit % compl | host MiB/token compl | greedy text = recipe |"
 print(head); print("|" + "---|" * (head.count("|") - 1))
 for c in configs:
     cells = []
@@ -134,8 +140,9 @@ for c in configs:
     g = rows.get((c, "compl"), {})
     tokens = g.get("prompt_tokens", 0) + 128
     host = med(g.get("host_gib", []))
-    print(f"| {c} | " + " | ".join(cells) + f" | {val(c, 'compl', 'hit'):.1f} | " +
-          (f"{host / tokens:.3f}" if host == host and tokens else "-") + f" | {same} |")
+    hit = lambda w: f"{val(c, w, 'hit'):.1f}" if val(c, w, 'hit') == val(c, w, 'hit') else "-"
+    print(f"| {c} | " + " | ".join(cells) + f" | {hit('sep')} | {hit('compl')} | " +
+          (f"{host * 1024 / tokens:.1f}" if host == host and tokens else "-") + f" | {same} |")
 if "compl" in workloads:
     print(f"(compl: prompt of {rows.get(('cpu', 'compl'), {}).get('prompt_tokens', '?')} tokens)")
 EOF
