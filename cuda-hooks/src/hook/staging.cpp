@@ -23,8 +23,10 @@
 namespace moecache::cuda::hook {
 namespace {
 
-constexpr size_t kPartBytes = 256 << 10;  // what one thread takes at a time
-constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr size_t kPartBytes = 128 << 10;  // what one thread takes at a time
+// Decoding copies a layer's experts, computes it (a few hundred microseconds), copies the next
+// layer's: threads that spin that long are awake for the next layer's copies.
+constexpr auto kSpin = std::chrono::microseconds(400);
 constexpr auto kMaxBufferWait = std::chrono::milliseconds(20);
 
 }  // namespace
@@ -226,8 +228,9 @@ void Engine::set_up_copies(DevicePool& dp) {
     DeviceContext ctx(drv, dp.device);
     if (!ctx.ok()) return;
     if (crew_.helpers() == 0) {
+        // The runtime's own threads wait while the GPU computes: every core but one copies.
         const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-        crew_.start(std::min(7u, std::max(1u, cores / 2)) - (cores <= 2 ? 1u : 0u));
+        crew_.start(std::min(15u, cores - 1));
     }
     auto ring = StagingRing::create(drv, &crew_, kStagingBuffer, kStagingBuffers);
     if (ring == nullptr) {
