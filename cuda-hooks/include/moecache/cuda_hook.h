@@ -54,6 +54,8 @@ typedef struct moecache_cuda_stats {
     uint64_t staged_devices;  /* of them, copying misses through pinned staging */
     uint64_t unmapped_copies; /* large host-to-device copies from memory that maps no model */
     uint64_t unmapped_bytes;
+    uint64_t serve_ns;        /* host time spent deciding and queueing expert copies */
+    uint64_t pieces;          /* copies queued for them (device-to-device and from the host) */
 } moecache_cuda_stats;
 
 void moecache_cuda_stats_get(moecache_cuda_stats* out);

@@ -176,6 +176,7 @@ private:
     void report_pools();
     [[nodiscard]] bool daemon_wants_one_place(int device) const;
     // serve.cpp
+    bool serve_copy(const HostToDeviceCopy& c, CUresult* result);
     void settle(DevicePool& dp, const Driver* drv, StreamId sid);  // under dp.mu
     CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream);
 
@@ -205,7 +206,7 @@ private:
     std::atomic<uint64_t> copies_{0}, expert_copies_{0}, served_{0}, hits_{0}, misses_{0}, bytes_pool_{0},
         bytes_host_{0}, bytes_staged_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0},
         yielded_{0}, n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0}, joins_{0},
-        unmapped_copies_{0}, unmapped_bytes_{0};
+        unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0};
 };
 
 }  // namespace moecache::cuda::hook

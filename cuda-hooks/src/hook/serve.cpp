@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 
 namespace moecache::cuda::hook {
 namespace {
@@ -88,6 +89,15 @@ CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* 
 }
 
 bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool served = serve_copy(c, result);
+    serve_ns_.fetch_add(static_cast<uint64_t>(
+                            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()),
+                        std::memory_order_relaxed);
+    return served;
+}
+
+bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     const Snapshot* snap = snapshot_.load(std::memory_order_acquire);
     if (snap == nullptr) {
         request_scan();
@@ -152,7 +162,7 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
     uint32_t n_admits = 0, hit_slices = 0;
     StreamId sid = 0;
     CUresult rc = CUDA_SUCCESS;
-    uint64_t from_pool = 0, from_host = 0;
+    uint64_t from_pool = 0, from_host = 0, n_calls = 0;
     {
         std::lock_guard lock(dp->mu);
         sid = dp->stream_id(stream);
@@ -217,6 +227,7 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
             if (pieces[p].pool_address != 0) {
                 rc = drv->memcpy_dtod_async(c.dst + pieces[p].offset, pieces[p].pool_address, pieces[p].bytes, stream);
                 from_pool += pieces[p].bytes;
+                ++n_calls;
             }
         if (hit_slices > 0) settle(*dp, drv, sid);
     }
@@ -224,6 +235,7 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
         if (pieces[p].pool_address == 0) {
             rc = copy_from_host(*dp, c.dst + pieces[p].offset, src + pieces[p].offset, pieces[p].bytes, stream);
             from_host += pieces[p].bytes;
+            ++n_calls;
         }
     if (n_admits > 0) {
         std::lock_guard lock(dp->mu);
@@ -235,6 +247,7 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
             const uint64_t slot = dp->pool.commit(admits[i].ref);
             if (slot == 0) continue;  // taken away meanwhile (the pool shrank or yielded)
             rc = drv->memcpy_dtod_async(slot, c.dst + admits[i].offset, cls->slice_bytes, stream);
+            ++n_calls;
             if (rc != CUDA_SUCCESS) dp->pool.drop(m.id, admits[i].ref.slice);
         }
         for (uint32_t i = 0; i < n_admits; ++i) note_expert(*dp, m, admits[i].ref.expert);
@@ -245,6 +258,7 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
         return false;  // the runtime's own copy, issued after ours, writes every byte again
     }
     served_.fetch_add(1, std::memory_order_relaxed);
+    pieces_.fetch_add(n_calls, std::memory_order_relaxed);
     hits_.fetch_add(hit_slices, std::memory_order_relaxed);
     misses_.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
     bytes_pool_.fetch_add(from_pool, std::memory_order_relaxed);
