@@ -79,6 +79,14 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
         else if (off_value(p)) c.pin = PinMode::Off;
         else warn(std::string("MOECACHE_CUDA_PIN=") + p + ": expected auto, staging, all or off; using auto");
     }
+    if (const char* p = get("MOECACHE_CUDA_STAGING_THREADS"); p != nullptr && *p != '\0') {
+        char* end = nullptr;
+        const long n = strtol(p, &end, 10);
+        if (*end != '\0' || n < 1 || n > 256 || *p == '+' || *p == '-')
+            warn(std::string("MOECACHE_CUDA_STAGING_THREADS=") + p + ": expected a number of threads, 1 to 256; using every core but one");
+        else
+            c.staging_threads = static_cast<unsigned>(n);
+    }
     const char* log = get("MOECACHE_CUDA_LOG");
     c.log = log != nullptr && *log != '\0' && strcmp(log, "0") != 0;
     const char* client = get("MOECACHE_CUDA_CLIENT");

@@ -55,7 +55,14 @@ protected:
         get(init_, "cuInit");
         get(alloc_, "cuMemAlloc");
         get(htod_async_, "cuMemcpyHtoDAsync");
+        CUresult(CUDAAPI * retain)(CUcontext*, CUdevice) = nullptr;
+        CUresult(CUDAAPI * set_current)(CUcontext) = nullptr;
+        get(retain, "cuDevicePrimaryCtxRetain");
+        get(set_current, "cuCtxSetCurrent");
         ASSERT_EQ(init_(0), CUDA_SUCCESS);
+        CUcontext ctx = nullptr;
+        ASSERT_EQ(retain(&ctx, 0), CUDA_SUCCESS);
+        ASSERT_EQ(set_current(ctx), CUDA_SUCCESS);
 
         auto spec = small_spec();
         spec.n_experts = 16;

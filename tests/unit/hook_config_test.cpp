@@ -59,8 +59,12 @@ TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
     EXPECT_FALSE(c.one_place);
     EXPECT_TRUE(c.log);
     EXPECT_TRUE(said.empty());
-    env = {{"MOECACHE_CUDA_PIN", "staging"}};
+    env = {{"MOECACHE_CUDA_PIN", "staging"}, {"MOECACHE_CUDA_STAGING_THREADS", "4"}};
     EXPECT_EQ(read().pin, PinMode::Staging);
+    EXPECT_EQ(read().staging_threads, 4u);
+    env = {{"MOECACHE_CUDA_STAGING_THREADS", "0"}};
+    EXPECT_EQ(read().staging_threads, 0u);
+    EXPECT_EQ(said.size(), 1u) << "0 threads is no number of threads";
     env = {{"MOECACHE_CUDA_PIN", "off"}};
     EXPECT_EQ(read().pin, PinMode::Off);
     env = {{"MOECACHE_CUDA_PIN", "sometimes"}, {"MOECACHE_CUDA_POOL", "0:1G,0:2G"}};

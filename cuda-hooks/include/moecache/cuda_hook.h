@@ -15,6 +15,8 @@
  *                            "staging" (always), "off" (as the runtime asks), or "all" (register
  *                            every expert byte of mapped models for DMA: page-locks them all, for
  *                            machines whose RAM holds the model)
+ *   MOECACHE_CUDA_STAGING_THREADS=N  threads that copy misses into pinned buffers (the caller
+ *                            included; default: every core but one, at most 16)
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even
  *                            when the daemon asks for one place (its [vram] keep_ram_copy unset);
  *                            without a daemon the mapping is never touched

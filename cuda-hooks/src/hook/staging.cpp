@@ -221,16 +221,16 @@ void Engine::pin_models() {
 void Engine::set_up_copies(DevicePool& dp) {
     const Driver* drv = driver();
     if (drv == nullptr || cfg_.pin == PinMode::Off) return;
+    DeviceContext ctx(drv, dp.device);  // registration and pinned buffers need a current context
+    if (!ctx.ok()) return;
     if (cfg_.pin == PinMode::All) {
         pin_models();
         if (pinned_all_) return;
     }
-    DeviceContext ctx(drv, dp.device);
-    if (!ctx.ok()) return;
     if (crew_.helpers() == 0) {
         // The runtime's own threads wait while the GPU computes: every core but one copies.
         const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-        crew_.start(std::min(15u, cores - 1));
+        crew_.start(cfg_.staging_threads != 0 ? cfg_.staging_threads - 1 : std::min(15u, cores - 1));
     }
     auto ring = StagingRing::create(drv, &crew_, kStagingBuffer, kStagingBuffers);
     if (ring == nullptr) {

@@ -15,7 +15,8 @@
 //                          An event query completes the work up to its record every other time.
 //   fake_cuda_capturing    every stream reports an active capture
 //   fake_cuda_memory_limit bytes per device
-// Stream handles are reused as soon as a stream is destroyed, as a real driver may.
+// Stream handles are reused as soon as a stream is destroyed, as a real driver may. Allocations,
+// registrations, streams and events need a current context on the calling thread, as there.
 #include <cuda.h>
 
 #include <algorithm>
@@ -86,6 +87,8 @@ unsigned stream_order = 0;
 Stream* legacy[kMaxDevices] = {};
 
 int current_device() { return ctx_stack.empty() ? 0 : ctx_stack.back(); }
+// As the real driver: what makes or registers memory or events needs a current context.
+bool no_context() { return ctx_stack.empty(); }
 
 const Allocation* allocation_of(CUdeviceptr p, size_t n = 1) {
     auto it = allocations.upper_bound(p);
@@ -259,6 +262,7 @@ API cuCtxSynchronize() {
 }
 API cuStreamCreate(CUstream* s, unsigned int) {
     std::lock_guard lock(mu);
+    if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
     size_t index = 0;
     if (!free_handles.empty()) {
         index = free_handles.back();
@@ -294,6 +298,7 @@ API cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* st) {
 }
 API cuEventCreate(CUevent* e, unsigned int) {
     std::lock_guard lock(mu);
+    if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
     *e = reinterpret_cast<CUevent>(new Event{current_device()});
     return CUDA_SUCCESS;
 }
@@ -334,6 +339,7 @@ API cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
 }
 API cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     std::lock_guard lock(mu);
+    if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
     const int d = current_device();
     if (allocated[d] + n > fake_cuda_memory_limit) return CUDA_ERROR_OUT_OF_MEMORY;
     void* m = malloc(n ? n : 1);
@@ -363,6 +369,7 @@ API cuMemGetInfo_v2(size_t* f, size_t* t) {
 }
 API cuMemHostAlloc(void** p, size_t n, unsigned int) {
     std::lock_guard lock(mu);
+    if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
     *p = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
     if (*p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
     pinned[reinterpret_cast<uintptr_t>(*p)] = n;
@@ -379,6 +386,7 @@ API cuMemFreeHost(void* p) {
 // PORTABLE memory is registered for every device at once).
 API cuMemHostRegister_v2(void* p, size_t n, unsigned int) {
     std::lock_guard lock(mu);
+    if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
     const auto a = reinterpret_cast<uintptr_t>(p);
     auto it = pinned.upper_bound(a + n - 1);
     if (it != pinned.begin() && std::prev(it)->first + std::prev(it)->second > a)

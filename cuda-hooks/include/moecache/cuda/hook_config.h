@@ -41,6 +41,7 @@ enum class PinMode { Off, Auto, Staging, All };
 struct HookConfig {
     PoolSizes pool;
     PinMode pin = PinMode::Auto;
+    unsigned staging_threads = 0;  // threads that copy misses into pinned buffers; 0: every core but one
     bool log = false;
     bool client = true;
     bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
