@@ -76,8 +76,9 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
         if (!strcmp(p, "all")) c.pin = PinMode::All;
         else if (!strcmp(p, "staging")) c.pin = PinMode::Staging;
         else if (!strcmp(p, "auto")) c.pin = PinMode::Auto;
+        else if (!strcmp(p, "register")) c.pin = PinMode::Register;
         else if (off_value(p)) c.pin = PinMode::Off;
-        else warn(std::string("MOECACHE_CUDA_PIN=") + p + ": expected auto, staging, all or off; using auto");
+        else warn(std::string("MOECACHE_CUDA_PIN=") + p + ": expected auto, staging, register, all or off; using auto");
     }
     if (const char* p = get("MOECACHE_CUDA_STAGING_THREADS"); p != nullptr && *p != '\0') {
         char* end = nullptr;
@@ -86,6 +87,10 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
             warn(std::string("MOECACHE_CUDA_STAGING_THREADS=") + p + ": expected a number of threads, 1 to 256; using every core but one");
         else
             c.staging_threads = static_cast<unsigned>(n);
+    }
+    if (const char* p = get("MOECACHE_CUDA_PIN_BUDGET"); p != nullptr && *p != '\0') {
+        if (const auto v = parse_size(p)) c.pin_budget = static_cast<uint64_t>(*v);
+        else warn(std::string("MOECACHE_CUDA_PIN_BUDGET=") + p + ": expected a size (8G, 512MiB); using half of memory");
     }
     const char* log = get("MOECACHE_CUDA_LOG");
     c.log = log != nullptr && *log != '\0' && strcmp(log, "0") != 0;

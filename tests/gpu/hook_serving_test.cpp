@@ -326,6 +326,32 @@ TEST_F(Staging, StagedMissesAreByteIdentical) {
     destroy(t2);
 }
 
+class Register : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "register"}};
+    }
+};
+
+// PIN=register: a slice that misses is registered for DMA on its own (its page-aligned inside), and
+// its later copies come straight from those pages, split at the registration's edges.
+TEST_F(Register, SlicesThatMissAreRegisteredAndCopiedStraightFromThem) {
+    auto s = new_streams();
+    warm_up(s);
+    for (int i = 0; i < 40; ++i) token(s, i % 8 == 0);
+    (void)hook_.sync(5000);
+    const auto before = hook_.stats();
+    EXPECT_GT(before.pinned_bytes, 0u) << "no slice was registered";
+    for (int i = 0; i < 20 && !HasFailure(); ++i) token(s, true);  // every copy read back
+    const auto after = hook_.stats();
+    EXPECT_GT(after.slice_misses, before.slice_misses);
+    EXPECT_LT(after.pinned_bytes, model_.map.expert_bytes_total) << "only slices that missed";
+    if (cu_.fake()) {
+        EXPECT_GT(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 10u);
+    }
+    EXPECT_EQ(after.fallbacks, 0u);
+    destroy(s);
+}
+
 class Unmapped : public HookServing {
     bool map_model() const override { return false; }
 };

@@ -112,6 +112,7 @@ void Engine::run() {
         // A device that copies experts of layers it had not copied before needs a larger pool.
         for (auto& slot : pools_)
             if (DevicePool* dp = slot.load(); dp != nullptr && dp->seen_bytes.load() != dp->sized_for) resize_pool(*dp);
+        if (cfg_.pin == PinMode::Register) register_wanted();
         apply_daemon_budgets();
         poll_directives();
         drain_placements();

@@ -84,6 +84,8 @@ private:
         std::vector<uint32_t> slices_per_expert;  // by layer slot
         uint32_t n_slices = 0, n_experts = 0;
         std::atomic<uint32_t> client_handle{UINT32_MAX};
+        // PIN=register, per slice: 0 not registered, 1 asked for, 2 registered, 3 never (failed, budget).
+        std::unique_ptr<std::atomic<uint8_t>[]> registered;
         [[nodiscard]] uint32_t slice(int32_t ls, uint32_t tensor, uint32_t e) const {
             return slice_base[ls] + tensor * map.n_experts + e;
         }
@@ -166,6 +168,12 @@ private:
     // staging.cpp
     void set_up_copies(DevicePool& dp);
     void pin_models();
+    void register_wanted();  // PIN=register: the slices the copy path asked for
+    // serve.cpp: the host's pieces of slices [first, first + n) of a copy (PIN=register splits them
+    // at registered slices' page-aligned edges); `bytes` may run past the last slice (padding).
+    CUresult copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,
+                                   uint64_t slice_bytes, CUdeviceptr dst, const uint8_t* src, uint64_t offset,
+                                   uint64_t bytes, CUstream stream);
     // daemon_link.cpp
     void apply_daemon_budgets();
     void drain_placements();
@@ -200,6 +208,8 @@ private:
     CopyCrew crew_;
 
     std::mutex report_mu_;
+    std::mutex wanted_mu_;
+    std::vector<std::pair<uint32_t, uint32_t>> wanted_;  // (model, slice) to register
     std::mutex sync_mu_;
     std::condition_variable sync_cv_;
 

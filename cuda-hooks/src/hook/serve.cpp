@@ -88,6 +88,51 @@ CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* 
     return drv->memcpy_htod_async(dst, src, bytes, stream);
 }
 
+// The host's bytes [offset, offset + bytes) of a copy whose slices start at `first_expert`. With
+// PIN=register a registered slice's page-aligned inside goes straight from the registered pages
+// (the device reads it at DMA speed, nothing waits for a memcpy), its edges and every other slice
+// the usual way; a slice not registered yet is asked for (the background thread registers it).
+CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,
+                                       uint64_t slice_bytes, CUdeviceptr dst, const uint8_t* src, uint64_t offset,
+                                       uint64_t bytes, CUstream stream) {
+    if (cfg_.pin != PinMode::Register) return copy_from_host(dp, dst + offset, src + offset, bytes, stream);
+    const Driver* drv = driver();
+    const uint64_t page = 4096;
+    uint64_t run = offset;  // start of bytes not yet queued
+    CUresult r = CUDA_SUCCESS;
+    auto flush = [&](uint64_t to) {
+        if (r == CUDA_SUCCESS && to > run) r = copy_from_host(dp, dst + run, src + run, to - run, stream);
+        run = std::max(run, to);
+    };
+    for (uint64_t at = offset; at < offset + bytes && r == CUDA_SUCCESS;) {
+        const uint64_t k = at / slice_bytes;
+        const uint64_t s0 = k * slice_bytes, s1 = s0 + slice_bytes;
+        const uint32_t e = first_expert + static_cast<uint32_t>(k);
+        if (s1 > offset + bytes || e >= m.map.n_experts) break;  // padding, or past the tensor: the usual way
+        auto& flag = m.registered[m.slice(ls, tensor, e)];
+        const uint8_t state = flag.load(std::memory_order_acquire);
+        if (state == 2) {
+            const auto a = reinterpret_cast<uintptr_t>(src + s0), b = reinterpret_cast<uintptr_t>(src + s1);
+            const uint64_t lo = ((a + page - 1) & ~(page - 1)) - reinterpret_cast<uintptr_t>(src);
+            const uint64_t hi = (b & ~(page - 1)) - reinterpret_cast<uintptr_t>(src);
+            if (hi > lo) {
+                flush(lo);
+                if (r == CUDA_SUCCESS) r = drv->memcpy_htod_async(dst + lo, src + lo, hi - lo, stream);
+                run = hi;
+            }
+        } else if (state == 0) {
+            uint8_t expected = 0;
+            if (flag.compare_exchange_strong(expected, 1)) {
+                std::lock_guard lock(wanted_mu_);
+                wanted_.emplace_back(m.id, m.slice(ls, tensor, e));
+            }
+        }
+        at = s1;
+    }
+    flush(offset + bytes);
+    return r;
+}
+
 bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
     const auto t0 = std::chrono::steady_clock::now();
     const bool served = serve_copy(c, result);
@@ -216,7 +261,8 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
             }
         }
         joins_.fetch_add(order.joins, std::memory_order_relaxed);
-        if (hit_slices == 0 && n_admits == 0 && !dp->staged.load(std::memory_order_relaxed)) {
+        if (hit_slices == 0 && n_admits == 0 && !dp->staged.load(std::memory_order_relaxed) &&
+            cfg_.pin != PinMode::Register) {
             misses_.fetch_add(cls->n_experts, std::memory_order_relaxed);
             bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
             dp->misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
@@ -233,7 +279,8 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     }
     for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
         if (pieces[p].pool_address == 0) {
-            rc = copy_from_host(*dp, c.dst + pieces[p].offset, src + pieces[p].offset, pieces[p].bytes, stream);
+            rc = copy_slices_from_host(*dp, m, ls, cls->tensor, cls->first_expert, cls->slice_bytes, c.dst, src,
+                                       pieces[p].offset, pieces[p].bytes, stream);
             from_host += pieces[p].bytes;
             ++n_calls;
         }

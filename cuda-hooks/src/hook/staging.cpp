@@ -215,6 +215,54 @@ void Engine::pin_models() {
     pinned_all_ = all;
 }
 
+// PIN=register: each slice the copy path asked for, registered for DMA on its own (its page-aligned
+// inside; the pages at its edges may hold a neighbour's bytes), once, within the budget. Pages it
+// registers stay resident while registered.
+void Engine::register_wanted() {
+    std::vector<std::pair<uint32_t, uint32_t>> wanted;
+    {
+        std::lock_guard lock(wanted_mu_);
+        wanted.swap(wanted_);
+    }
+    if (wanted.empty()) return;
+    const Driver* drv = driver();
+    int device = -1;
+    for (int d = 0; d < kMaxDevices && device < 0; ++d)
+        if (pools_[d].load() != nullptr) device = d;
+    if (drv == nullptr || device < 0) return;
+    DeviceContext ctx(drv, device);
+    if (!ctx.ok()) return;
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    uint64_t budget = cfg_.pin_budget;
+    if (budget == 0) budget = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page / 2;
+    for (const auto& [mi, slice] : wanted) {
+        Model& m = *models_[mi];
+        auto& flag = m.registered[slice];
+        // Which layer, tensor and expert the slice is.
+        const auto ls = static_cast<size_t>(std::upper_bound(m.slice_base.begin(), m.slice_base.end(), slice) - m.slice_base.begin() - 1);
+        const uint32_t within = slice - m.slice_base[ls];
+        const auto& t = m.map.layers[ls].tensors[within / m.map.n_experts];
+        const uint64_t off = t.offset + uint64_t{within % m.map.n_experts} * t.bytes_per_expert;
+        uint8_t next = 3;
+        for (const auto& r : mapped_) {
+            if (r.model != mi || r.file != t.file || off < r.mapping.file_offset ||
+                off + t.bytes_per_expert > r.mapping.file_offset + (r.mapping.end - r.mapping.start))
+                continue;
+            const uintptr_t a = (r.mapping.address_of(off) + page - 1) & ~(page - 1);
+            const uintptr_t b = r.mapping.address_of(off + t.bytes_per_expert) & ~(page - 1);
+            if (b <= a || pinned_bytes_.load() + (b - a) > budget) break;
+            const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
+                                                       CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
+            if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
+                if (rc == CUDA_SUCCESS) pinned_bytes_.fetch_add(b - a);
+                next = 2;
+            }
+            break;
+        }
+        flag.store(next, std::memory_order_release);
+    }
+}
+
 // How copies that miss the pool reach the device: from the registered model (PIN=all), through
 // pinned staging, or as the runtime asked. For auto the hook measures both on the model's own
 // bytes and keeps staging only where it is faster by a clear margin.
@@ -238,7 +286,7 @@ void Engine::set_up_copies(DevicePool& dp) {
             kStagingBuffer * kStagingBuffers >> 20);
         return;
     }
-    bool use = cfg_.pin == PinMode::Staging || cfg_.pin == PinMode::All;
+    bool use = cfg_.pin == PinMode::Staging || cfg_.pin == PinMode::All || cfg_.pin == PinMode::Register;
     if (cfg_.pin == PinMode::Auto) {
         // The largest expert tensor, read as a runtime's miss would read it, through a mapping of
         // the hook's own (the runtime's would keep the pages mapped: one place drops them).

@@ -36,12 +36,15 @@ struct PoolSizes {
 // driver stages them, one thread). staging: the hook's own threads copy them into pinned buffers
 // that the device reads at DMA speed. all: every expert byte registered for DMA (page-locked; for
 // machines whose RAM holds the model). auto: staging where a measurement at start shows it faster.
-enum class PinMode { Off, Auto, Staging, All };
+// register: the slices that miss registered one by one as they miss, within a budget, their copies
+// split at the registrations' edges; the rest staged as in auto.
+enum class PinMode { Off, Auto, Staging, All, Register };
 
 struct HookConfig {
     PoolSizes pool;
     PinMode pin = PinMode::Auto;
-    unsigned staging_threads = 0;  // threads that copy misses into pinned buffers; 0: every core but one
+    unsigned staging_threads = 0;
+    uint64_t pin_budget = 0;  // bytes PIN=register may register; 0: half of the machine's memory  // threads that copy misses into pinned buffers; 0: every core but one
     bool log = false;
     bool client = true;
     bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
