@@ -12,9 +12,12 @@
  *   MOECACHE_CUDA_PIN=MODE   how copies that miss the pool reach the GPU: "auto" (the default:
  *                            through pinned staging buffers that several threads fill, where a
  *                            measurement at start shows that faster than the driver's own copy),
- *                            "staging" (always), "off" (as the runtime asks), or "all" (register
+ *                            "staging" (always), "off" (as the runtime asks), "all" (register
  *                            every expert byte of mapped models for DMA: page-locks them all, for
- *                            machines whose RAM holds the model)
+ *                            machines whose RAM holds the model), or "register" (experimental: each
+ *                            slice that misses is registered on its own, within
+ *                            MOECACHE_CUDA_PIN_BUDGET=SIZE, default half of RAM, and copied
+ *                            straight from its pages from then on; the rest staged)
  *   MOECACHE_CUDA_STAGING_THREADS=N  threads that copy misses into pinned buffers (the caller
  *                            included; default: every core but one, at most 16)
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even
