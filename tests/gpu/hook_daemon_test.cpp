@@ -334,6 +334,48 @@ TEST_F(HookDaemon, LargeCopiesFromUnmappedMemoryReachTheMetrics) {
         << "this process maps a model: it is no client without one";
 }
 
+// PIN=register with a daemon: the registered tier is what the daemon keeps locked. The expert the
+// daemon locks (B, copied from the host) is registered for DMA; when B takes the pool and leaves
+// RAM, its registration goes, and A, locked again, is registered instead.
+class HookDaemonRegister : public HookDaemon {
+protected:
+    void SetUp() override {
+        setenv("MOECACHE_CUDA_PIN", "register", 1);  // read at the hook's first copy, after this
+        HookDaemon::SetUp();
+    }
+    // Whether the middle page of every slice of the expert is registered for DMA (the fake driver says).
+    bool pinned(uint32_t e) {
+        auto is_pinned = reinterpret_cast<int (*)(const void*)>(dlsym(dlopen("libcuda.so.1", RTLD_NOW), "fake_cuda_is_pinned"));
+        bool all = is_pinned != nullptr;
+        for (const auto& r : map_.ranges(map_.layers[0].index, e)) all = all && is_pinned(base_ + r.offset + r.length / 2) == 1;
+        return all;
+    }
+    // Bytes of the expert's slices that whole pages hold (what registering the expert pins).
+    uint64_t inner_bytes(uint32_t e) {
+        uint64_t n = 0;
+        for (const auto& r : map_.ranges(map_.layers[0].index, e))
+            n += ((r.offset + r.length) & ~uint64_t{4095}) - ((r.offset + 4095) & ~uint64_t{4095});
+        return n;
+    }
+};
+
+TEST_F(HookDaemonRegister, TheRegisteredTierFollowsTheDaemonsLocks) {
+    constexpr uint32_t kA = 3, kB = 9;
+    use(kA, 1);
+    using SyncFn = int (*)(int);
+    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
+    ASSERT_GE(sync(10000), 1);
+    // A in the pool, B from the host and locked by the daemon: B registered, A not.
+    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && cached(kB) == 1.0 && stats().pinned_bytes == inner_bytes(kB) &&
+                                   pinned(kB) && !pinned(kA); },
+                      kA, 4, kB, 2))
+        << "pinned " << stats().pinned_bytes << " bytes, B's pages " << inner_bytes(kB) << "\n" << log();
+    // B grows hotter and takes the pool: the daemon unlocks B and locks A again.
+    ASSERT_TRUE(until([&] { return cached(kB) <= kLeft && stats().pinned_bytes == inner_bytes(kA) && pinned(kA) && !pinned(kB); },
+                      kB, 12, kA, 1))
+        << "pinned " << stats().pinned_bytes << " bytes, A's pages " << inner_bytes(kA) << "\n" << log();
+}
+
 }  // namespace
 }  // namespace moecache::test
 

@@ -17,7 +17,8 @@
  *                            machines whose RAM holds the model), or "register" (experimental: each
  *                            slice that misses is registered on its own, within
  *                            MOECACHE_CUDA_PIN_BUDGET=SIZE, default half of RAM, and copied
- *                            straight from its pages from then on; the rest staged)
+ *                            straight from its pages from then on; the rest staged; with a daemon
+ *                            connected, what it keeps locked is registered instead)
  *   MOECACHE_CUDA_STAGING_THREADS=N  threads that copy misses into pinned buffers (the caller
  *                            included; default: every core but one, at most 16)
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even

@@ -35,9 +35,23 @@ bool Engine::daemon_wants_one_place(int device) const {
            moecache_client_vram_policy(client_, static_cast<uint32_t>(device), nullptr, &one_place) == 1 && one_place == 1;
 }
 
-// The daemon's budget for each device's pool, when it sets or changes one.
+// The daemon's budget for each device's pool, when it sets or changes one. And PIN=register: with a
+// daemon connected, what is registered is what it keeps locked (its Lock and Unlock directives);
+// what misses registered before it came is let go.
 void Engine::apply_daemon_budgets() {
     if (client_ == nullptr) return;
+    if (cfg_.pin == PinMode::Register) {
+        const bool daemon = moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1;
+        if (daemon && !follow_locks_.exchange(true)) {
+            for (Model* m : models_)
+                for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
+                    uint8_t asked = 1;
+                    if (!m->registered[slice].compare_exchange_strong(asked, 0)) unregister_slice(*m, slice);
+                }
+        } else if (!daemon) {
+            follow_locks_.store(false);
+        }
+    }
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
         uint64_t b = 0;
@@ -128,6 +142,12 @@ void Engine::drain_placements() {
             const uint32_t e = ev.expert % m.map.n_experts;
             // Only with a daemon that asked for one place: it also decides when the expert comes back.
             if (ev.in_vram && one_place) drop_host_copy(m, block, e);
+            // An expert in the pool is copied from the pool: its pages need no registration.
+            if (ev.in_vram && cfg_.pin == PinMode::Register) {
+                const uint32_t ls = ev.expert / m.map.n_experts;
+                for (uint32_t t = 0; t < m.slices_per_expert[ls]; ++t)
+                    unregister_slice(*models_[ev.model], m.slice(static_cast<int32_t>(ls), t, e));
+            }
             if (client_ != nullptr && m.client_handle.load() != UINT32_MAX)
                 (void)moecache_client_report_placement(client_, m.client_handle.load(), block, e, ev.in_vram ? d : -1);
         }
@@ -145,8 +165,26 @@ void Engine::poll_directives() {
         if (m == nullptr || d[i].block >= m->layer_slot.size() || m->layer_slot[d[i].block] < 0 ||
             d[i].expert >= m->map.n_experts)
             continue;
-        const uint32_t e = m->expert(m->layer_slot[d[i].block], d[i].expert);
-        if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) continue;  // about RAM
+        const int32_t ls = m->layer_slot[d[i].block];
+        const uint32_t e = m->expert(ls, d[i].expert);
+        if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) {
+            // PIN=register with a daemon: the registered tier is what the daemon keeps locked.
+            if (cfg_.pin == PinMode::Register) {
+                for (uint32_t t = 0; t < m->slices_per_expert[static_cast<size_t>(ls)]; ++t) {
+                    const uint32_t slice = m->slice(ls, t, d[i].expert);
+                    if (d[i].action == MOECACHE_LOCK) {
+                        uint8_t expected = 0;
+                        if (m->registered[slice].compare_exchange_strong(expected, 1)) {
+                            std::lock_guard lock(wanted_mu_);
+                            wanted_.emplace_back(m->id, slice);
+                        }
+                    } else {
+                        unregister_slice(*m, slice);
+                    }
+                }
+            }
+            continue;
+        }
         directives_.fetch_add(1, std::memory_order_relaxed);
         for (auto& p : pools_) {
             DevicePool* dp = p.load();

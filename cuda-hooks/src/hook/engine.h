@@ -168,7 +168,10 @@ private:
     // staging.cpp
     void set_up_copies(DevicePool& dp);
     void pin_models();
-    void register_wanted();  // PIN=register: the slices the copy path asked for
+    void register_wanted();  // PIN=register: the slices the copy path or the daemon's locks asked for
+    // The page-aligned inside of a slice in this process's mapping of it ({0, 0}: not mapped).
+    std::pair<uintptr_t, uintptr_t> slice_pages(const Model& m, uint32_t slice) const;
+    void unregister_slice(Model& m, uint32_t slice);
     // serve.cpp: the host's pieces of slices [first, first + n) of a copy (PIN=register splits them
     // at registered slices' page-aligned edges); `bytes` may run past the last slice (padding).
     CUresult copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,
@@ -210,6 +213,7 @@ private:
     std::mutex report_mu_;
     std::mutex wanted_mu_;
     std::vector<std::pair<uint32_t, uint32_t>> wanted_;  // (model, slice) to register
+    std::atomic<bool> follow_locks_{false};  // PIN=register: a daemon's locks, not misses, choose
     std::mutex sync_mu_;
     std::condition_variable sync_cv_;
 

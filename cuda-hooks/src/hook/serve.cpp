@@ -91,7 +91,8 @@ CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* 
 // The host's bytes [offset, offset + bytes) of a copy whose slices start at `first_expert`. With
 // PIN=register a registered slice's page-aligned inside goes straight from the registered pages
 // (the device reads it at DMA speed, nothing waits for a memcpy), its edges and every other slice
-// the usual way; a slice not registered yet is asked for (the background thread registers it).
+// the usual way. Without a daemon a slice not registered yet is asked for (the background thread
+// registers it); with one, the daemon's locks choose.
 CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,
                                        uint64_t slice_bytes, CUdeviceptr dst, const uint8_t* src, uint64_t offset,
                                        uint64_t bytes, CUstream stream) {
@@ -120,7 +121,7 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
                 if (r == CUDA_SUCCESS) r = drv->memcpy_htod_async(dst + lo, src + lo, hi - lo, stream);
                 run = hi;
             }
-        } else if (state == 0) {
+        } else if (state == 0 && !follow_locks_.load(std::memory_order_relaxed)) {
             uint8_t expected = 0;
             if (flag.compare_exchange_strong(expected, 1)) {
                 std::lock_guard lock(wanted_mu_);

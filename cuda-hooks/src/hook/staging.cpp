@@ -238,29 +238,53 @@ void Engine::register_wanted() {
     for (const auto& [mi, slice] : wanted) {
         Model& m = *models_[mi];
         auto& flag = m.registered[slice];
-        // Which layer, tensor and expert the slice is.
-        const auto ls = static_cast<size_t>(std::upper_bound(m.slice_base.begin(), m.slice_base.end(), slice) - m.slice_base.begin() - 1);
-        const uint32_t within = slice - m.slice_base[ls];
-        const auto& t = m.map.layers[ls].tensors[within / m.map.n_experts];
-        const uint64_t off = t.offset + uint64_t{within % m.map.n_experts} * t.bytes_per_expert;
+        if (flag.load() != 1) continue;  // let go meanwhile
+        const auto [a, b] = slice_pages(m, slice);
         uint8_t next = 3;
-        for (const auto& r : mapped_) {
-            if (r.model != mi || r.file != t.file || off < r.mapping.file_offset ||
-                off + t.bytes_per_expert > r.mapping.file_offset + (r.mapping.end - r.mapping.start))
-                continue;
-            const uintptr_t a = (r.mapping.address_of(off) + page - 1) & ~(page - 1);
-            const uintptr_t b = r.mapping.address_of(off + t.bytes_per_expert) & ~(page - 1);
-            if (b <= a || pinned_bytes_.load() + (b - a) > budget) break;
+        if (b > a && pinned_bytes_.load() + (b - a) <= budget) {
             const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
                                                        CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
-            if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
-                if (rc == CUDA_SUCCESS) pinned_bytes_.fetch_add(b - a);
+            if (rc == CUDA_SUCCESS) {
+                pinned_bytes_.fetch_add(b - a);
                 next = 2;
             }
-            break;
+        } else if (follow_locks_.load()) {
+            next = 0;  // over the budget now; a later lock may fit
         }
         flag.store(next, std::memory_order_release);
     }
+}
+
+std::pair<uintptr_t, uintptr_t> Engine::slice_pages(const Model& m, uint32_t slice) const {
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const auto ls = static_cast<size_t>(std::upper_bound(m.slice_base.begin(), m.slice_base.end(), slice) - m.slice_base.begin() - 1);
+    const uint32_t within = slice - m.slice_base[ls];
+    const auto& t = m.map.layers[ls].tensors[within / m.map.n_experts];
+    const uint64_t off = t.offset + uint64_t{within % m.map.n_experts} * t.bytes_per_expert;
+    for (const auto& r : mapped_) {
+        if (r.model != m.id || r.file != t.file || off < r.mapping.file_offset ||
+            off + t.bytes_per_expert > r.mapping.file_offset + (r.mapping.end - r.mapping.start))
+            continue;
+        return {(r.mapping.address_of(off) + page - 1) & ~(page - 1), r.mapping.address_of(off + t.bytes_per_expert) & ~(page - 1)};
+    }
+    return {0, 0};
+}
+
+// The daemon let the expert go from RAM: its pages are no longer held for DMA. What the device may
+// still read from them is finished first.
+void Engine::unregister_slice(Model& m, uint32_t slice) {
+    auto& flag = m.registered[slice];
+    uint8_t state = flag.exchange(0);
+    if (state != 2) return;
+    const Driver* drv = driver();
+    const auto [a, b] = slice_pages(m, slice);
+    if (drv == nullptr || b <= a) return;
+    int device = -1;
+    for (int d = 0; d < kMaxDevices && device < 0; ++d)
+        if (pools_[d].load() != nullptr) device = d;
+    DeviceContext ctx(drv, std::max(device, 0));
+    (void)drv->ctx_synchronize();
+    if (drv->mem_host_unregister(reinterpret_cast<void*>(a)) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(b - a);
 }
 
 // How copies that miss the pool reach the device: from the registered model (PIN=all), through

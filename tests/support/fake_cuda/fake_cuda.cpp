@@ -430,6 +430,12 @@ API cuPointerGetAttributes(unsigned int n, CUpointer_attribute* attrs, void** da
     return CUDA_SUCCESS;
 }
 
+// Whether `p` lies in memory registered or allocated for DMA (for tests that check what is pinned).
+extern "C" __attribute__((visibility("default"))) int fake_cuda_is_pinned(const void* p) {
+    std::lock_guard lock(mu);
+    return is_pinned(p, 1) ? 1 : 0;
+}
+
 // The same copy under a name no hook interposes, for benchmarks that compare a hooked call with the
 // bare one.
 extern "C" __attribute__((visibility("default"))) CUresult fake_bare_htod_async(CUdeviceptr d, const void* s, size_t n,
