@@ -13,7 +13,7 @@
 #   recipe      the unified-memory recipe of DESIGN.md: GGML_OP_OFFLOAD_MIN_BATCH=1, experts in
 #               pageable host memory, every token's expert math on the GPU
 #   hookP-MODE  the recipe with libmoecache-cuda.so preloaded: a pool of P % of the experts of the
-#               layers each GPU serves, misses copied with MOECACHE_CUDA_PIN=MODE (off, auto, all)
+#               layers each GPU serves, misses copied with MOECACHE_CUDA_PIN=MODE (off, auto, register, all)
 # Rounds interleaved; medians; greedy text of every hook configuration compared with the recipe's
 # (the same computation without the hook: it must be byte-identical).
 #
