@@ -14,6 +14,8 @@
 // Prints one JSON object.
 #include "moecache/model.h"
 
+#include "cuda_bench.h"
+
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -32,17 +34,6 @@
 using namespace moecache;
 
 namespace {
-
-#define CHECK(x)                                                                                       \
-    do {                                                                                               \
-        const cudaError_t e_ = (x);                                                                    \
-        if (e_ != cudaSuccess) {                                                                       \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));        \
-            exit(1);                                                                                   \
-        }                                                                                              \
-    } while (0)
-
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 struct Copy {
     uint64_t offset, bytes;  // in the file
