@@ -173,6 +173,11 @@ protected:
         stats_get_(&s);
         return s;
     }
+    // The hook's moecache_cuda_sync: rescans and waits for its pools; the number of models found.
+    static int sync(int timeout_ms) {
+        static const auto fn = reinterpret_cast<int (*)(int)>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
+        return fn != nullptr ? fn(timeout_ms) : 0;
+    }
     // Keeps using the experts (as decoding would) until `done` holds or 15 s pass.
     bool until(const std::function<bool()>& done, uint32_t hot, int hot_times, uint32_t warm, int warm_times) {
         const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
@@ -202,8 +207,6 @@ protected:
 TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
     constexpr uint32_t kA = 3, kB = 9;
     use(kA, 1);
-    using SyncFn = int (*)(int);
-    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
     ASSERT_GE(sync(10000), 1);
     // A is hotter than B: the pool (one expert) holds A; B is copied from the host and locked.
     ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * slice_; }, kA, 4, kB, 2))
@@ -254,8 +257,6 @@ class HookDaemonKeepBoth : public HookDaemon {
 TEST_F(HookDaemonKeepBoth, AnExpertInVramKeepsItsRamCopy) {
     constexpr uint32_t kA = 3, kB = 9;
     use(kA, 1);
-    using SyncFn = int (*)(int);
-    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
     ASSERT_GE(sync(10000), 1);
     ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * slice_; }, kA, 4, kB, 2))
         << log();
@@ -286,8 +287,6 @@ TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
         for (int i = 0; i < 200; ++i) (void)moecache_client_report(other, h, map_.layers[0].index, hot, 2, 1);
     };
     use(kA, 1);
-    using SyncFn = int (*)(int);
-    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
     ASSERT_GE(sync(10000), 1);
     // Here A is used 4 times for each use of C; elsewhere C and D are used far more.
     ASSERT_TRUE(until(
@@ -306,8 +305,6 @@ TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
 // mmap): the hook tells the daemon, which counts the bytes on /metrics.
 TEST_F(HookDaemon, LargeCopiesFromUnmappedMemoryReachTheMetrics) {
     use(3, 1);
-    using SyncFn = int (*)(int);
-    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
     ASSERT_GE(sync(10000), 1);
     constexpr size_t kChunk = 16 << 20;
     std::vector<uint8_t> host(kChunk, 0x5a);
@@ -362,8 +359,6 @@ protected:
 TEST_F(HookDaemonRegister, TheRegisteredTierFollowsTheDaemonsLocks) {
     constexpr uint32_t kA = 3, kB = 9;
     use(kA, 1);
-    using SyncFn = int (*)(int);
-    auto sync = reinterpret_cast<SyncFn>(dlsym(RTLD_DEFAULT, "moecache_cuda_sync"));
     ASSERT_GE(sync(10000), 1);
     // A in the pool, B from the host and locked by the daemon: B registered, A not.
     ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && cached(kB) == 1.0 && stats().pinned_bytes == inner_bytes(kB) &&
