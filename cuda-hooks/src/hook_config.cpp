@@ -96,6 +96,8 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
     c.log = log != nullptr && *log != '\0' && strcmp(log, "0") != 0;
     const char* client = get("MOECACHE_CUDA_CLIENT");
     c.client = client == nullptr || !off_value(client);
+    const char* peer = get("MOECACHE_CUDA_PEER");
+    c.peers = peer == nullptr || !off_value(peer);
     const char* one = get("MOECACHE_CUDA_ONE_PLACE");
     c.one_place = one == nullptr || !off_value(one);
     return c;

@@ -30,6 +30,7 @@ namespace {
 // The fake driver's counters (support/fake_cuda).
 struct FakeCounts {
     unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
+    unsigned long long peer_calls, peer_bytes;
 };
 
 class HookServing : public ::testing::Test {
@@ -328,12 +329,14 @@ TEST_F(Staging, StagedMissesAreByteIdentical) {
 
 class Register : public HookServing {
     std::vector<std::pair<const char*, const char*>> env() const override {
-        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "register"}};
+        // A budget below the model's expert bytes (53.5 MB): only what misses is registered.
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "register"}, {"MOECACHE_CUDA_PIN_BUDGET", "40M"}};
     }
 };
 
-// PIN=register: a slice that misses is registered for DMA on its own (its page-aligned inside), and
-// its later copies come straight from those pages, split at the registration's edges.
+// The registered tier when the budget cannot hold the model: a slice that misses is registered for
+// DMA on its own (its page-aligned inside), and its later copies come straight from those pages,
+// split at the registration's edges.
 TEST_F(Register, SlicesThatMissAreRegisteredAndCopiedStraightFromThem) {
     auto s = new_streams();
     warm_up(s);
@@ -349,6 +352,163 @@ TEST_F(Register, SlicesThatMissAreRegisteredAndCopiedStraightFromThem) {
         EXPECT_GT(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 10u);
     }
     EXPECT_EQ(after.fallbacks, 0u);
+    destroy(s);
+}
+
+class RegisterAhead : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "auto"}};
+    }
+};
+
+// The default (auto) when the budget holds every expert slice: every expert tensor is registered
+// whole in the background (those of slices that missed first), so that decoding soon copies every
+// miss at DMA speed, straight from the pages and in one piece.
+TEST_F(RegisterAhead, TheWholeModelIsRegisteredAheadWhenTheBudgetHoldsIt) {
+    auto s = new_streams();
+    warm_up(s);
+    moecache_cuda_stats st{};
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    do {
+        token(s);
+        (void)hook_.sync(1000);
+        st = hook_.stats();
+    } while (st.pinned_bytes < model_.map.expert_bytes_total * 9 / 10 && std::chrono::steady_clock::now() < until);
+    EXPECT_GE(st.pinned_bytes, model_.map.expert_bytes_total * 9 / 10)
+        << "the slices' page-aligned insides are registered ahead";
+    EXPECT_LE(st.pinned_bytes, model_.map.expert_bytes_total);
+    for (int i = 0; i < 20 && !HasFailure(); ++i) token(s, true);
+    const auto after = hook_.stats();
+    EXPECT_GT(after.slice_misses, st.slice_misses);
+    if (cu_.fake()) {
+        EXPECT_EQ(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 4u * 3u) << "one registration a tensor";
+    }
+    EXPECT_EQ(after.fallbacks, 0u);
+    destroy(s);
+}
+
+// llama.cpp runs the expert products of host-resident weights on its first GPU for every layer:
+// device 0 copies the experts of layers whose other work runs on device 1. With peer access it
+// reads them from device 1's pool, byte for byte, while device 1 goes on using (and evicting from)
+// that pool on its own stream.
+class Peers : public TwoDevices {
+protected:
+    void first_device_copies(const std::vector<CUstream>& s, int tokens) {
+        ASSERT_TRUE(cu_.use_device(0));
+        for (int i = 0; i < tokens && !HasFailure(); ++i) {
+            for (uint32_t l = 2; l < 4; ++l) {
+                const auto ids = token_ids();
+                for (uint32_t t = 0; t < 3; ++t)
+                    ASSERT_GE(copy_and_check(cu_, model_, on_first_[l - 2][t], l, t, ids, s[0]), 1);
+            }
+            token(s, i % 3 == 0);  // device 1's own copies, admissions and evictions, in between
+            ASSERT_TRUE(cu_.use_device(0));
+        }
+    }
+    void allocate_on_first() {
+        ASSERT_TRUE(cu_.use_device(0));
+        for (auto& layer : on_first_)
+            for (auto& d : layer) ASSERT_EQ(cu_.mem_alloc(&d, slice_ * 32 + 512), CUDA_SUCCESS);
+    }
+    CUdeviceptr on_first_[2][3] = {};
+};
+
+TEST_F(Peers, TheFirstDeviceReadsWhatTheOtherPooled) {
+    auto s = new_streams();
+    warm_up(s);
+    for (int i = 0; i < 60; ++i) token(s);
+    allocate_on_first();
+    const auto before = hook_.stats();
+    first_device_copies(s, 40);
+    const auto after = hook_.stats();
+    EXPECT_GT(after.peer_hits, before.peer_hits + 40) << "device 0 read device 1's pool";
+    EXPECT_GT(after.bytes_from_peers, before.bytes_from_peers);
+    EXPECT_GT(hit_rate(before, after), 0.3);
+    if (cu_.fake()) {
+        EXPECT_GT(cu_.knob<FakeCounts>("fake_cuda_counts")->peer_calls, 40u);
+    }
+    EXPECT_EQ(after.fallbacks, 0u);
+    sync_all();
+    destroy(s);
+}
+
+// The ordering rule across devices: device 0's read of a slot device 1 is still filling waits for
+// the fill, and device 1's refill of a slot device 0 is still reading waits for the read, whichever
+// device's queue runs first. Device 0 pools nothing of its own here, and device 1's pool churns
+// (a small pool, experts drawn evenly), so that reads of slots just filled are frequent. (Refills of
+// slots just read are rarer, their experts being the hottest: the eviction side is the same join.)
+class PeerOrder : public Peers {
+    std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "0:0,1:20%"}}; }
+
+protected:
+    std::vector<uint32_t> even_ids() {
+        std::uniform_int_distribution<uint32_t> any(0, 31);
+        std::vector<uint32_t> ids;
+        while (ids.size() < 4)
+            if (const uint32_t e = any(rng_); std::find(ids.begin(), ids.end(), e) == ids.end()) ids.push_back(e);
+        return ids;
+    }
+};
+
+TEST_F(PeerOrder, ReadsAcrossDevicesAreOrderedWithTheOwnersFillsAndEvictions) {
+    auto s = new_streams();
+    warm_up(s);
+    allocate_on_first();
+    const uint64_t bytes = slice_ * 32 + 512;
+    const std::vector<uint8_t> garbage(bytes, 0xA5);
+    std::vector<uint8_t> back(bytes);
+    const auto before = hook_.stats();
+    // One copy per device and step, so that nothing else runs a queue in between: device 1 copies
+    // (filling slots), device 0 copies the same experts (reading them), device 1 copies others
+    // (refilling slots device 0 read); then one device's queue runs first, the other's next time.
+    for (int i = 0; i < 240 && !HasFailure(); ++i) {
+        const uint32_t t = static_cast<uint32_t>(i / 2) % 3;
+        const CUdeviceptr mine = on_first_[0][t];
+        ASSERT_TRUE(cu_.use_device(0));
+        ASSERT_EQ(cu_.htod(mine, garbage.data(), bytes), CUDA_SUCCESS);  // runs every queue
+        const auto ids = even_ids();
+        ASSERT_TRUE(cu_.use_device(1));
+        ASSERT_TRUE(copy_experts(cu_, model_, dst_[2][t], 2, t, ids, s[1]));
+        ASSERT_TRUE(cu_.use_device(0));
+        ASSERT_TRUE(copy_experts(cu_, model_, mine, 2, t, ids, s[0]));
+        ASSERT_TRUE(cu_.use_device(1));
+        ASSERT_TRUE(copy_experts(cu_, model_, dst_[2][t], 2, t, even_ids(), s[1]));
+        for (int k = 0; k < 2; ++k) {
+            ASSERT_TRUE(cu_.use_device((i + k) % 2));
+            ASSERT_EQ(cu_.ctx_synchronize(), CUDA_SUCCESS);
+        }
+        ASSERT_TRUE(cu_.use_device(0));
+        ASSERT_EQ(cu_.dtoh(back.data(), mine, bytes), CUDA_SUCCESS);
+        const auto& tensor = model_.map.layers[2].tensors[t];
+        for (uint32_t e : ids)
+            ASSERT_EQ(memcmp(back.data() + e * slice_, model_.base + tensor.offset + e * slice_, slice_), 0)
+                << "round " << i << " tensor " << t << " expert " << e;
+    }
+    const auto after = hook_.stats();
+    EXPECT_GT(after.peer_hits, before.peer_hits + 40);
+    EXPECT_GT(after.evicted, before.evicted + 20) << "device 1 refilled slots";
+    EXPECT_EQ(after.fallbacks, 0u);
+    destroy(s);
+}
+
+class NoPeers : public Peers {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "50%"}, {"MOECACHE_CUDA_PEER", "off"}};
+    }
+};
+
+TEST_F(NoPeers, EachDeviceReadsItsOwnPoolOnly) {
+    auto s = new_streams();
+    warm_up(s);
+    for (int i = 0; i < 30; ++i) token(s);
+    allocate_on_first();
+    first_device_copies(s, 20);
+    const auto st = hook_.stats();
+    EXPECT_EQ(st.peer_hits, 0u);
+    if (cu_.fake()) {
+        EXPECT_EQ(cu_.knob<FakeCounts>("fake_cuda_counts")->peer_calls, 0u);
+    }
+    EXPECT_EQ(st.fallbacks, 0u);
     destroy(s);
 }
 

@@ -62,6 +62,8 @@ typedef struct moecache_cuda_stats {
     uint64_t unmapped_bytes;
     uint64_t serve_ns;        /* host time spent deciding and queueing expert copies */
     uint64_t pieces;          /* copies queued for them (device-to-device and from the host) */
+    uint64_t peer_hits;       /* of slice_hits, copied from another device's pool */
+    uint64_t bytes_from_peers; /* of bytes_from_pool, from another device's pool */
 } moecache_cuda_stats;
 
 void moecache_cuda_stats_get(moecache_cuda_stats* out);

@@ -40,13 +40,14 @@ bool Engine::daemon_wants_one_place(int device) const {
 // what misses registered before it came is let go.
 void Engine::apply_daemon_budgets() {
     if (client_ == nullptr) return;
-    if (cfg_.pin == PinMode::Register) {
+    if (cfg_.registers()) {
         const bool daemon = moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1;
         if (daemon && !follow_locks_.exchange(true)) {
+            unregister_ahead();
             for (Model* m : models_)
                 for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
-                    uint8_t asked = 1;
-                    if (!m->registered[slice].compare_exchange_strong(asked, 0)) unregister_slice(*m, slice);
+                    uint8_t asked = Model::kAsked;
+                    if (!m->registered[slice].compare_exchange_strong(asked, Model::kNone)) unregister_slice(*m, slice);
                 }
         } else if (!daemon) {
             follow_locks_.store(false);
@@ -142,8 +143,9 @@ void Engine::drain_placements() {
             const uint32_t e = ev.expert % m.map.n_experts;
             // Only with a daemon that asked for one place: it also decides when the expert comes back.
             if (ev.in_vram && one_place) drop_host_copy(m, block, e);
-            // An expert in the pool is copied from the pool: its pages need no registration.
-            if (ev.in_vram && cfg_.pin == PinMode::Register) {
+            // An expert in the pool is copied from the pool: its pages need no registration (with a
+            // daemon, whose locks the tier follows, or when the tier cannot hold every expert).
+            if (ev.in_vram && cfg_.registers() && (follow_locks_.load() || !ahead_)) {
                 const uint32_t ls = ev.expert / m.map.n_experts;
                 for (uint32_t t = 0; t < m.slices_per_expert[ls]; ++t)
                     unregister_slice(*models_[ev.model], m.slice(static_cast<int32_t>(ls), t, e));
@@ -168,13 +170,13 @@ void Engine::poll_directives() {
         const int32_t ls = m->layer_slot[d[i].block];
         const uint32_t e = m->expert(ls, d[i].expert);
         if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) {
-            // PIN=register with a daemon: the registered tier is what the daemon keeps locked.
-            if (cfg_.pin == PinMode::Register) {
+            // With a daemon the registered tier is what the daemon keeps locked.
+            if (cfg_.registers()) {
                 for (uint32_t t = 0; t < m->slices_per_expert[static_cast<size_t>(ls)]; ++t) {
                     const uint32_t slice = m->slice(ls, t, d[i].expert);
                     if (d[i].action == MOECACHE_LOCK) {
-                        uint8_t expected = 0;
-                        if (m->registered[slice].compare_exchange_strong(expected, 1)) {
+                        uint8_t expected = Model::kNone;
+                        if (m->registered[slice].compare_exchange_strong(expected, Model::kAsked)) {
                             std::lock_guard lock(wanted_mu_);
                             wanted_.emplace_back(m->id, slice);
                         }

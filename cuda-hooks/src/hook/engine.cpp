@@ -87,9 +87,10 @@ void Engine::run() {
     }
     auto last_scan = std::chrono::steady_clock::now() - kRescanInterval;
     auto last_rezap = std::chrono::steady_clock::now();
+    bool more = false;  // work left that does not wait for a wake-up
     while (!stopping_.load()) {
         pollfd p{wake_fd_, POLLIN, 0};
-        (void)poll(&p, 1, 50);
+        (void)poll(&p, 1, more ? 0 : 50);
         uint64_t v;
         (void)!read(wake_fd_, &v, sizeof v);
         if (stopping_.load()) break;
@@ -112,7 +113,7 @@ void Engine::run() {
         // A device that copies experts of layers it had not copied before needs a larger pool.
         for (auto& slot : pools_)
             if (DevicePool* dp = slot.load(); dp != nullptr && dp->seen_bytes.load() != dp->sized_for) resize_pool(*dp);
-        if (cfg_.pin == PinMode::Register) register_wanted();
+        more = cfg_.registers() && register_wanted();
         apply_daemon_budgets();
         poll_directives();
         drain_placements();
@@ -151,6 +152,8 @@ void Engine::stats(moecache_cuda_stats* out) {
     out->unmapped_bytes = unmapped_bytes_.load();
     out->serve_ns = serve_ns_.load();
     out->pieces = pieces_.load();
+    out->peer_hits = peer_hits_.load();
+    out->bytes_from_peers = bytes_peer_.load();
     for (auto& p : pools_)
         if (auto* dp = p.load()) {
             std::lock_guard lock(dp->mu);
@@ -191,10 +194,11 @@ void Engine::shutdown() {
         say("%" PRIu64 " host-to-device copies, %" PRIu64 " of experts, %" PRIu64 " served; slices %" PRIu64
             " hit / %" PRIu64 " missed; %.2f GiB from the pool, %.2f GiB from the host (%.2f GiB staged); pool %.2f GiB"
             " on %" PRIu64 " device(s), %" PRIu64 " admitted, %" PRIu64 " evicted; %" PRIu64 " stream joins; %" PRIu64
-            " router events reported; %.1f ms in the hook for expert copies (%.1f us each), %" PRIu64 " copies queued for them",
+            " router events reported; %" PRIu64 " slices (%.2f GiB) from another device's pool; %.1f ms in the hook for expert copies (%.1f us each), %" PRIu64 " copies queued for them",
             s.copies, s.expert_copies, s.served, s.slice_hits, s.slice_misses, s.bytes_from_pool / 1073741824.0,
             s.bytes_from_host / 1073741824.0, s.bytes_staged / 1073741824.0, s.pool_bytes / 1073741824.0, s.devices,
-            s.admitted, s.evicted, s.stream_joins, s.reported, static_cast<double>(s.serve_ns) / 1e6,
+            s.admitted, s.evicted, s.stream_joins, s.reported, s.peer_hits, s.bytes_from_peers / 1073741824.0,
+            static_cast<double>(s.serve_ns) / 1e6,
             static_cast<double>(s.serve_ns) / 1e3 / static_cast<double>(std::max<uint64_t>(s.expert_copies, 1)), s.pieces);
     }
     stopping_.store(true);

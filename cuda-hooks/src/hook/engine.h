@@ -84,8 +84,12 @@ private:
         std::vector<uint32_t> slices_per_expert;  // by layer slot
         uint32_t n_slices = 0, n_experts = 0;
         std::atomic<uint32_t> client_handle{UINT32_MAX};
-        // PIN=register, per slice: 0 not registered, 1 asked for, 2 registered, 3 never (failed, budget).
+        // The registered tier, per slice: not registered, asked for, its page-aligned inside
+        // registered on its own, never (failed, over the budget), all of it inside a registration
+        // of its whole tensor.
+        static constexpr uint8_t kNone = 0, kAsked = 1, kInside = 2, kNever = 3, kWhole = 4;
         std::unique_ptr<std::atomic<uint8_t>[]> registered;
+        std::vector<uint8_t> tensor_registered;  // by tensor (slice / n_experts); background thread only
         [[nodiscard]] uint32_t slice(int32_t ls, uint32_t tensor, uint32_t e) const {
             return slice_base[ls] + tensor * map.n_experts + e;
         }
@@ -121,6 +125,9 @@ private:
     };
     struct DevicePool {
         int device = 0;
+        CUcontext ctx = nullptr;  // the device's primary context (retained)
+        // Devices whose pools this device's copies may read (peer access enabled both ways).
+        std::atomic<uint64_t> peers{0};
         std::mutex mu;  // everything below that is not atomic
         VramPool pool;
         ExpertHeat heat;
@@ -142,7 +149,9 @@ private:
         uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;
         uint64_t daemon_budget = 0;  // applied; 0: none, else bytes + 1
 
-        StreamId stream_id(CUstream s);  // under mu
+        // Under mu. `from` is the device whose context queues on the stream, when it is not this
+        // one (a peer reading this pool): such a stream is recorded after each use (eager).
+        StreamId stream_id(CUstream s, int from = -1);
         void mark_dirty(StreamId id);    // under mu
     };
     class Joiner;
@@ -168,8 +177,11 @@ private:
     // staging.cpp
     void set_up_copies(DevicePool& dp);
     void pin_models();
-    void register_wanted();  // PIN=register: the slices the copy path or the daemon's locks asked for
-    // The page-aligned inside of a slice in this process's mapping of it ({0, 0}: not mapped).
+    bool register_wanted();  // the registered tier: what the copy path or the daemon's locks asked for, and ahead
+    void register_tensor(Model& m, uint32_t tensor, uint64_t budget);
+    void unregister_ahead();
+    // Where a slice lies in this process's mapping of it, and its page-aligned inside ({0, 0}: not mapped).
+    std::pair<uintptr_t, uintptr_t> slice_span(const Model& m, uint32_t slice) const;
     std::pair<uintptr_t, uintptr_t> slice_pages(const Model& m, uint32_t slice) const;
     void unregister_slice(Model& m, uint32_t slice);
     // serve.cpp: the host's pieces of slices [first, first + n) of a copy (PIN=register splits them
@@ -186,6 +198,8 @@ private:
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
     void report_pools();
     [[nodiscard]] bool daemon_wants_one_place(int device) const;
+    // pools.cpp: peer access between a new pool's device and the others'.
+    void connect_peers(DevicePool& dp);
     // serve.cpp
     bool serve_copy(const HostToDeviceCopy& c, CUresult* result);
     void settle(DevicePool& dp, const Driver* drv, StreamId sid);  // under dp.mu
@@ -207,6 +221,11 @@ private:
     std::vector<std::pair<void*, size_t>> pinned_;
     bool pinned_all_ = false;  // every mapped expert byte registered for DMA
     bool told_unmapped_ = false;
+    // Registering ahead (the budget holds every expert slice, no daemon): where it has got to.
+    bool ahead_ = false;
+    size_t ahead_models_ = SIZE_MAX, ahead_model_ = 0;
+    uint32_t ahead_tensor_ = 0;
+    std::vector<std::pair<void*, size_t>> ahead_ranges_;  // registered whole tensors
     moecache_client* client_ = nullptr;
     CopyCrew crew_;
 
@@ -220,7 +239,7 @@ private:
     std::atomic<uint64_t> copies_{0}, expert_copies_{0}, served_{0}, hits_{0}, misses_{0}, bytes_pool_{0},
         bytes_host_{0}, bytes_staged_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0},
         yielded_{0}, n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0}, joins_{0},
-        unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0};
+        unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0}, peer_hits_{0}, bytes_peer_{0};
 };
 
 }  // namespace moecache::cuda::hook

@@ -16,16 +16,27 @@ constexpr uint64_t kArenaBytes = 1ull << 30;
 
 }  // namespace
 
-// The per-thread default stream is one stream per thread under one handle, and only its own
-// thread can record on it: each thread's is a stream of its own here, recorded eagerly.
-StreamId Engine::DevicePool::stream_id(CUstream s) {
+namespace {
+
+// How a pool names a stream in its table: the per-thread default stream is one stream per thread
+// under one handle (each thread's is a stream of its own here), and a stream of another device
+// (a peer reading this pool) is told apart from this device's by that device's number.
+CUstream stream_key(CUstream s, int from) {
     static thread_local const auto tid = static_cast<uintptr_t>(gettid());
-    const bool per_thread = s == CU_STREAM_PER_THREAD;
-    const auto key = per_thread ? reinterpret_cast<CUstream>(~(tid << 4)) : s;
-    auto [it, inserted] = stream_ids.try_emplace(key, 0);
+    auto key = s == CU_STREAM_PER_THREAD ? ~(tid << 4) : reinterpret_cast<uintptr_t>(s);
+    if (from >= 0) key ^= static_cast<uintptr_t>(from + 1) << 56;
+    return reinterpret_cast<CUstream>(key);
+}
+
+}  // namespace
+
+// Only its own thread can record on a per-thread default stream, and only the reading device's
+// context makes events for a peer's stream: both are recorded eagerly, after their own slot work.
+StreamId Engine::DevicePool::stream_id(CUstream s, int from) {
+    auto [it, inserted] = stream_ids.try_emplace(stream_key(s, from), 0);
     if (inserted) {
         streams.push_back(StreamState{s});
-        streams.back().eager = per_thread;
+        streams.back().eager = s == CU_STREAM_PER_THREAD || from >= 0;
         it->second = streams.size();
     }
     return it->second;
@@ -47,18 +58,22 @@ void Engine::on_stream_destroy(CUstream stream) {
         DevicePool* dp = slot.load(std::memory_order_acquire);
         if (dp == nullptr) continue;
         std::lock_guard lock(dp->mu);
-        auto it = dp->stream_ids.find(stream);
-        if (it == dp->stream_ids.end()) continue;
-        auto& st = dp->streams[it->second - 1];
-        if (st.dirty) {
-            DeviceContext ctx(drv, dp->device);
-            if (st.event == nullptr) (void)drv->event_create(&st.event, CU_EVENT_DISABLE_TIMING);
-            // If this fails the slots it used stay its own: no other stream can be ordered after it.
-            if (st.event != nullptr && drv->event_record(st.event, stream) == CUDA_SUCCESS) st.dirty = false;
+        // This device's stream, or another device's that read this pool (eager: recorded already).
+        for (int from = -1; from < kMaxDevices; ++from) {
+            if (from == dp->device) continue;
+            auto it = dp->stream_ids.find(stream_key(stream, from));
+            if (it == dp->stream_ids.end()) continue;
+            auto& st = dp->streams[it->second - 1];
+            if (st.dirty) {
+                DeviceContext ctx(drv, dp->device);
+                if (st.event == nullptr) (void)drv->event_create(&st.event, CU_EVENT_DISABLE_TIMING);
+                // If this fails the slots it used stay its own: no other stream can be ordered after it.
+                if (st.event != nullptr && drv->event_record(st.event, stream) == CUDA_SUCCESS) st.dirty = false;
+            }
+            st.retired = true;
+            st.handle = nullptr;
+            dp->stream_ids.erase(it);
         }
-        st.retired = true;
-        st.handle = nullptr;
-        dp->stream_ids.erase(it);
     }
 }
 
@@ -75,6 +90,7 @@ bool Engine::allocate_pool(int device) {
     if (driver() == nullptr || models_.empty()) return false;
     auto* dp = new DevicePool;
     dp->device = device;
+    if (driver()->primary_ctx_retain(&dp->ctx, device) != CUDA_SUCCESS) dp->ctx = nullptr;
     {
         std::lock_guard lock(dp->mu);
         for (const auto* m : models_) add_model_to(*dp, *m);
@@ -82,7 +98,44 @@ bool Engine::allocate_pool(int device) {
     set_up_copies(*dp);
     pools_[device].store(dp, std::memory_order_release);
     resize_pool(*dp);
+    connect_peers(*dp);
     return true;
+}
+
+// A device's copies may read another device's pool (a slot there is one copy over NVLink or PCIe
+// away, where the host's bytes are one PCIe copy at best): with peer access enabled both ways, so
+// that the copy engines move the bytes directly. The runtime may have enabled it already, which is
+// no failure. Several GPUs then hold one pool between them: llama.cpp runs the expert products of
+// host-resident weights on its first GPU for every layer, and that GPU finds the experts the
+// others pooled.
+void Engine::connect_peers(DevicePool& dp) {
+    const Driver* drv = driver();
+    if (!cfg_.peers || drv->device_can_access_peer == nullptr || drv->ctx_enable_peer_access == nullptr ||
+        drv->memcpy_peer_async == nullptr || dp.ctx == nullptr)
+        return;
+    auto enable = [&](int from, CUcontext peer_ctx) {
+        DeviceContext ctx(drv, from);
+        if (!ctx.ok()) return false;
+        const CUresult r = drv->ctx_enable_peer_access(peer_ctx, 0);
+        return r == CUDA_SUCCESS || r == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+    };
+    for (auto& slot : pools_) {
+        DevicePool* other = slot.load(std::memory_order_acquire);
+        if (other == nullptr || other == &dp || other->ctx == nullptr) continue;
+        int there = 0, back = 0;
+        if (drv->device_can_access_peer(&there, dp.device, other->device) != CUDA_SUCCESS || there == 0 ||
+            drv->device_can_access_peer(&back, other->device, dp.device) != CUDA_SUCCESS || back == 0) {
+            if (cfg_.log) say("devices %d and %d: no peer access; each reads its own pool only", dp.device, other->device);
+            continue;
+        }
+        if (!enable(dp.device, other->ctx) || !enable(other->device, dp.ctx)) {
+            say("devices %d and %d: enabling peer access failed; each reads its own pool only", dp.device, other->device);
+            continue;
+        }
+        dp.peers.fetch_or(uint64_t{1} << other->device);
+        other->peers.fetch_or(uint64_t{1} << dp.device);
+        if (cfg_.log) say("devices %d and %d read each other's pools", dp.device, other->device);
+    }
 }
 
 uint64_t Engine::pool_target(const DevicePool& dp) const {

@@ -1,11 +1,13 @@
 // The copy path: a host-to-device copy out of a mapped model, split into pieces that come from the
-// device's VRAM pool (device-to-device) and pieces that come from the host (through pinned staging
-// where that is faster), with the slices that missed admitted into the pool from where they landed.
+// device's VRAM pool (device-to-device), from another device's pool (peer to peer) and from the
+// host (straight from registered pages, or through pinned staging where that is faster), with the
+// slices no pool held admitted into this device's pool from where they landed.
 //
-// Three short steps under the device's lock, none of which waits for the device: plan the pieces,
-// take the pool slots (ordering this stream after whichever stream used them last) and queue the
-// pool's pieces; then, without the lock, the host's pieces; then, under the lock again, the copies
-// into the slots admitted. A slot admitted in the first step is nobody else's until the last.
+// Short steps, each under one device's lock and none of which waits for a device: this device's
+// slots taken (ordering this stream after whichever stream used them last) and their pieces queued;
+// then each peer's the same way; then the slots for what missed everywhere admitted; then, without
+// a lock, the host's pieces; then, under the lock again, the copies into the slots admitted. A slot
+// admitted is nobody else's until its fill is queued.
 #include "driver.h"
 #include "engine.h"
 #include "moecache/cuda/copy_plan.h"
@@ -18,8 +20,10 @@
 namespace moecache::cuda::hook {
 namespace {
 
-constexpr size_t kMaxPieces = 2 * 256 + 2;
-constexpr size_t kMaxAdmits = 256;
+// On the runtime thread's stack (about 28 KiB): a copy of more experts passes through as it is.
+constexpr uint32_t kMaxSlices = 512 + 1;  // experts of a copy, and the head of the next one
+constexpr size_t kMaxPieces = kMaxSlices + 1;  // pool pieces are one a slice, host runs merge between them
+constexpr size_t kMaxAdmits = 512;
 constexpr uint64_t kLargeCopy = 1 << 20;      // a copy this large from unmapped memory may be a model
 constexpr size_t kMinStaged = 256 << 10;      // smaller host pieces go the driver's way
 
@@ -34,7 +38,8 @@ CUstream effective_stream(const HostToDeviceCopy& c) {
 // waited for unless it has completed already.
 class Engine::Joiner final : public StreamOrder {
 public:
-    Joiner(DevicePool& dp, const Driver* drv, CUstream mine) : dp_(dp), drv_(drv), mine_(mine) {}
+    // `caller`: the device whose context is current (a peer's, when it reads this pool).
+    Joiner(DevicePool& dp, const Driver* drv, CUstream mine, int caller) : dp_(dp), drv_(drv), mine_(mine), caller_(caller) {}
     bool join(StreamId from) override {
         for (int i = 0; i < n_; ++i)
             if (joined_[i] == from) return true;
@@ -42,7 +47,7 @@ public:
         auto& st = dp_.streams[from - 1];
         if (!st.idle) {
             if (st.dirty) {
-                if (st.retired || st.eager || (st.event == nullptr && drv_->event_create(&st.event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) ||
+                if (st.retired || st.eager || (st.event == nullptr && !create_event(st)) ||
                     drv_->event_record(st.event, st.handle) != CUDA_SUCCESS)
                     return false;
                 st.dirty = false;
@@ -59,10 +64,17 @@ public:
     uint64_t joins = 0;
 
 private:
+    // In the context of the stream's own device, whichever device's thread asks.
+    bool create_event(StreamState& st) {
+        if (caller_ == dp_.device) return drv_->event_create(&st.event, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
+        DeviceContext ctx(drv_, dp_.device);
+        return ctx.ok() && drv_->event_create(&st.event, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
+    }
     static constexpr int kRemembered = 8;
     DevicePool& dp_;
     const Driver* drv_;
     CUstream mine_;
+    int caller_;
     StreamId joined_[kRemembered] = {};
     int n_ = 0;
 };
@@ -89,21 +101,32 @@ CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* 
 }
 
 // The host's bytes [offset, offset + bytes) of a copy whose slices start at `first_expert`. With
-// PIN=register a registered slice's page-aligned inside goes straight from the registered pages
+// the registered tier (auto, register) a registered slice's page-aligned inside goes straight from the registered pages
 // (the device reads it at DMA speed, nothing waits for a memcpy), its edges and every other slice
 // the usual way. Without a daemon a slice not registered yet is asked for (the background thread
 // registers it); with one, the daemon's locks choose.
 CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,
                                        uint64_t slice_bytes, CUdeviceptr dst, const uint8_t* src, uint64_t offset,
                                        uint64_t bytes, CUstream stream) {
-    if (cfg_.pin != PinMode::Register) return copy_from_host(dp, dst + offset, src + offset, bytes, stream);
+    if (!cfg_.registers()) return copy_from_host(dp, dst + offset, src + offset, bytes, stream);
     const Driver* drv = driver();
     const uint64_t page = 4096;
-    uint64_t run = offset;  // start of bytes not yet queued
+    // Bytes [run, direct_lo) go the usual way, [direct_lo, direct_hi) straight from registered
+    // pages; each is queued when the next piece does not continue it.
+    uint64_t run = offset, direct_lo = offset, direct_hi = offset;
     CUresult r = CUDA_SUCCESS;
-    auto flush = [&](uint64_t to) {
-        if (r == CUDA_SUCCESS && to > run) r = copy_from_host(dp, dst + run, src + run, to - run, stream);
-        run = std::max(run, to);
+    auto direct = [&](uint64_t lo, uint64_t hi) {
+        if (hi <= lo) return;
+        if (lo == direct_hi && direct_hi > direct_lo) {  // continues the registered run
+            direct_hi = hi;
+            run = hi;
+            return;
+        }
+        if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = drv->memcpy_htod_async(dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
+        if (r == CUDA_SUCCESS && lo > run) r = copy_from_host(dp, dst + run, src + run, lo - run, stream);
+        direct_lo = lo;
+        direct_hi = hi;
+        run = hi;
     };
     for (uint64_t at = offset; at < offset + bytes && r == CUDA_SUCCESS;) {
         const uint64_t k = at / slice_bytes;
@@ -112,25 +135,22 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
         if (s1 > offset + bytes || e >= m.map.n_experts) break;  // padding, or past the tensor: the usual way
         auto& flag = m.registered[m.slice(ls, tensor, e)];
         const uint8_t state = flag.load(std::memory_order_acquire);
-        if (state == 2) {
+        if (state == Model::kWhole) {
+            direct(s0, s1);
+        } else if (state == Model::kInside) {
             const auto a = reinterpret_cast<uintptr_t>(src + s0), b = reinterpret_cast<uintptr_t>(src + s1);
-            const uint64_t lo = ((a + page - 1) & ~(page - 1)) - reinterpret_cast<uintptr_t>(src);
-            const uint64_t hi = (b & ~(page - 1)) - reinterpret_cast<uintptr_t>(src);
-            if (hi > lo) {
-                flush(lo);
-                if (r == CUDA_SUCCESS) r = drv->memcpy_htod_async(dst + lo, src + lo, hi - lo, stream);
-                run = hi;
-            }
-        } else if (state == 0 && !follow_locks_.load(std::memory_order_relaxed)) {
-            uint8_t expected = 0;
-            if (flag.compare_exchange_strong(expected, 1)) {
+            direct(((a + page - 1) & ~(page - 1)) - reinterpret_cast<uintptr_t>(src), (b & ~(page - 1)) - reinterpret_cast<uintptr_t>(src));
+        } else if (state == Model::kNone) {
+            uint8_t expected = Model::kNone;
+            if (!follow_locks_.load(std::memory_order_relaxed) && flag.compare_exchange_strong(expected, Model::kAsked)) {
                 std::lock_guard lock(wanted_mu_);
                 wanted_.emplace_back(m.id, m.slice(ls, tensor, e));
             }
         }
         at = s1;
     }
-    flush(offset + bytes);
+    if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = drv->memcpy_htod_async(dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
+    if (r == CUDA_SUCCESS && offset + bytes > run) r = copy_from_host(dp, dst + run, src + run, offset + bytes - run, stream);
     return r;
 }
 
@@ -197,22 +217,32 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     const uint32_t nexp = m.map.n_experts;
     const bool pad_next = cls->padding > 0 && cls->padding_in_tensor(m.map);
     const auto* src = static_cast<const uint8_t*>(c.src);
+    // Slice i of the copy (i == n_experts: the padding, when it is the head of the next slice).
+    const uint32_t n_slices = cls->n_experts + (pad_next ? 1 : 0);
+    if (n_slices > kMaxSlices) return false;
+    auto ref_of = [&](uint32_t i) {
+        const uint32_t e = cls->first_expert + i;
+        return SliceRef{m.id, m.slice(ls, cls->tensor, e), m.expert(ls, e)};
+    };
+    auto piece_bytes = [&](uint32_t i) { return i < cls->n_experts ? cls->slice_bytes : cls->padding; };
 
     struct Admit {
         SliceRef ref;
         uint64_t offset;
     };
+    uint64_t from_slot[kMaxSlices];  // nonzero: queued from a pool slot (this device's or a peer's)
     CopyPiece pieces[kMaxPieces];
     Admit admits[kMaxAdmits];
-    size_t n_pieces = 0;
-    uint32_t n_admits = 0, hit_slices = 0;
-    StreamId sid = 0;
+    uint32_t n_admits = 0, hit_slices = 0, peer_slices = 0, missed = 0;
     CUresult rc = CUDA_SUCCESS;
-    uint64_t from_pool = 0, from_host = 0, n_calls = 0;
+    uint64_t from_pool = 0, from_peers = 0, from_host = 0, n_calls = 0, joins = 0;
+    bool batch = false;
+    // 1. This device's pool, under its lock: the slices it holds are queued from their slots now
+    //    (a slot is this stream's only while the lock is held, until the stream is marked dirty).
     {
         std::lock_guard lock(dp->mu);
-        sid = dp->stream_id(stream);
-        Joiner order(*dp, drv, stream);
+        const StreamId sid = dp->stream_id(stream);
+        Joiner order(*dp, drv, stream, device);
         // A run of copies of one layer's first expert tensor (nothing else between them) is that
         // layer's routing of one batch.
         // Once it carries more than half the layer's experts (and more than one token routes to),
@@ -226,7 +256,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         }
         step.tensor = cls->tensor;
         const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
-        const bool batch = !routing || cls->n_experts > wide || (step.model == m.id && step.layer == ls && step.experts > wide);
+        batch = !routing || cls->n_experts > wide || (step.model == m.id && step.layer == ls && step.experts > wide);
         if (m.id < dp->seen.size() && !dp->seen[m.id][static_cast<size_t>(ls)]) {
             dp->seen[m.id][static_cast<size_t>(ls)] = 1;
             dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].bytes_per_expert * nexp);
@@ -235,49 +265,86 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         }
         if (routing && cls->tensor == 0 && !batch)
             for (uint32_t i = 0; i < cls->n_experts; ++i) dp->heat.touch(m.id, m.expert(ls, cls->first_expert + i));
-        n_pieces = plan_copy(
-            cls->n_experts, cls->slice_bytes, cls->padding, pad_next,
-            [&](uint32_t i) -> uint64_t {
-                const uint32_t e = cls->first_expert + i;
-                if (e >= nexp) return 0;
-                const uint64_t a = dp->pool.lookup({m.id, m.slice(ls, cls->tensor, e), m.expert(ls, e)}, sid, order);
-                if (a != 0 && i < cls->n_experts) ++hit_slices;
-                return a;
-            },
-            pieces, kMaxPieces);
-        if (n_pieces == 0) return false;
-        // Admissions: slices that come from the host, copied on into the pool from where they land.
-        for (size_t p = 0; p < n_pieces; ++p) {
-            if (pieces[p].pool_address != 0) continue;
-            for (uint64_t off = pieces[p].offset; off + cls->slice_bytes <= pieces[p].offset + pieces[p].bytes &&
-                                                  off < uint64_t{cls->n_experts} * cls->slice_bytes && n_admits < kMaxAdmits;
-                 off += cls->slice_bytes) {
-                const uint32_t e = cls->first_expert + static_cast<uint32_t>(off / cls->slice_bytes);
-                const SliceRef ref{m.id, m.slice(ls, cls->tensor, e), m.expert(ls, e)};
-                SliceRef evicted;
-                if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, !batch) == 0) continue;
-                admits[n_admits++] = {ref, off};
-                if (evicted.model != kNoSlot && evicted.model < snap->models.size())
-                    note_expert(*dp, *snap->models[evicted.model], evicted.expert);
+        for (uint32_t i = 0; i < n_slices; ++i) {
+            from_slot[i] = cls->first_expert + i < nexp ? dp->pool.lookup(ref_of(i), sid, order) : 0;
+            if (from_slot[i] == 0) {
+                missed += i < cls->n_experts ? 1 : 0;
+                continue;
             }
+            if (rc == CUDA_SUCCESS) rc = drv->memcpy_dtod_async(c.dst + uint64_t{i} * cls->slice_bytes, from_slot[i], piece_bytes(i), stream);
+            from_pool += piece_bytes(i);
+            ++n_calls;
+            hit_slices += i < cls->n_experts ? 1 : 0;
+        }
+        if (hit_slices > 0 || from_pool > 0) settle(*dp, drv, sid);
+        joins += order.joins;
+    }
+    // 2. Other devices' pools, one lock at a time: what this device missed may be pooled there.
+    if (missed > 0 && rc == CUDA_SUCCESS) {
+        CUcontext mine = nullptr;
+        const uint64_t peers = dp->peers.load(std::memory_order_relaxed);
+        if (peers != 0 && drv->ctx_get_current(&mine) == CUDA_SUCCESS && mine != nullptr) {
+            for (int p = 0; p < kMaxDevices && missed > 0 && rc == CUDA_SUCCESS; ++p) {
+                DevicePool* peer = (peers >> p & 1) != 0 ? pools_[p].load(std::memory_order_acquire) : nullptr;
+                if (peer == nullptr) continue;
+                std::lock_guard lock(peer->mu);
+                const StreamId sid = peer->stream_id(stream, device);
+                Joiner order(*peer, drv, stream, device);
+                uint32_t here = 0;
+                for (uint32_t i = 0; i < n_slices && rc == CUDA_SUCCESS; ++i) {
+                    if (from_slot[i] != 0 || cls->first_expert + i >= nexp) continue;
+                    const SliceRef ref = ref_of(i);
+                    const uint64_t a = peer->pool.lookup(ref, sid, order);
+                    if (a == 0) continue;
+                    rc = drv->memcpy_peer_async(c.dst + uint64_t{i} * cls->slice_bytes, mine, a, peer->ctx, piece_bytes(i), stream);
+                    from_slot[i] = a;
+                    from_peers += piece_bytes(i);
+                    ++n_calls;
+                    ++here;
+                    if (i < cls->n_experts) {
+                        --missed;
+                        ++peer_slices;
+                        if (routing && cls->tensor == 0 && !batch) peer->heat.touch(m.id, ref.expert);
+                    }
+                }
+                if (here > 0) settle(*peer, drv, sid);
+                joins += order.joins;
+            }
+        }
+    }
+    joins_.fetch_add(joins, std::memory_order_relaxed);
+    // 3. What no pool holds comes from the host, and is admitted into this device's pool from
+    //    where it lands: slots taken under the lock, the host's bytes copied without it, the slots
+    //    filled under it again.
+    StreamId sid = 0;
+    if (missed > 0 && rc == CUDA_SUCCESS) {
+        std::lock_guard lock(dp->mu);
+        sid = dp->stream_id(stream);
+        Joiner order(*dp, drv, stream, device);
+        for (uint32_t i = 0; i < cls->n_experts && n_admits < kMaxAdmits; ++i) {
+            if (from_slot[i] != 0 || cls->first_expert + i >= nexp) continue;
+            const SliceRef ref = ref_of(i);
+            SliceRef evicted;
+            if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, !batch) == 0) continue;
+            admits[n_admits++] = {ref, uint64_t{i} * cls->slice_bytes};
+            if (evicted.model != kNoSlot && evicted.model < snap->models.size())
+                note_expert(*dp, *snap->models[evicted.model], evicted.expert);
         }
         joins_.fetch_add(order.joins, std::memory_order_relaxed);
-        if (hit_slices == 0 && n_admits == 0 && !dp->staged.load(std::memory_order_relaxed) &&
-            cfg_.pin != PinMode::Register) {
-            misses_.fetch_add(cls->n_experts, std::memory_order_relaxed);
-            bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
-            dp->misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
-            dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
-            return false;
-        }
-        for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
-            if (pieces[p].pool_address != 0) {
-                rc = drv->memcpy_dtod_async(c.dst + pieces[p].offset, pieces[p].pool_address, pieces[p].bytes, stream);
-                from_pool += pieces[p].bytes;
-                ++n_calls;
-            }
-        if (hit_slices > 0) settle(*dp, drv, sid);
     }
+    if (hit_slices + peer_slices == 0 && from_pool + from_peers == 0 && n_admits == 0 &&
+        !dp->staged.load(std::memory_order_relaxed) && !cfg_.registers()) {
+        // Nothing to do but the runtime's own copy.
+        misses_.fetch_add(cls->n_experts, std::memory_order_relaxed);
+        bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
+        dp->misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
+        dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
+        return false;
+    }
+    const size_t n_pieces = plan_copy(
+        cls->n_experts, cls->slice_bytes, cls->padding, pad_next, [&](uint32_t i) { return i < n_slices ? from_slot[i] : 0; },
+        pieces, kMaxPieces);
+    if (n_pieces == 0 && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;  // cannot happen: at most 2 pieces a slice
     for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
         if (pieces[p].pool_address == 0) {
             rc = copy_slices_from_host(*dp, m, ls, cls->tensor, cls->first_expert, cls->slice_bytes, c.dst, src,
@@ -305,15 +372,18 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         fallbacks_.fetch_add(1, std::memory_order_relaxed);
         return false;  // the runtime's own copy, issued after ours, writes every byte again
     }
+    hit_slices += peer_slices;
     served_.fetch_add(1, std::memory_order_relaxed);
     pieces_.fetch_add(n_calls, std::memory_order_relaxed);
     hits_.fetch_add(hit_slices, std::memory_order_relaxed);
     misses_.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
-    bytes_pool_.fetch_add(from_pool, std::memory_order_relaxed);
+    peer_hits_.fetch_add(peer_slices, std::memory_order_relaxed);
+    bytes_pool_.fetch_add(from_pool + from_peers, std::memory_order_relaxed);
+    bytes_peer_.fetch_add(from_peers, std::memory_order_relaxed);
     bytes_host_.fetch_add(from_host, std::memory_order_relaxed);
     dp->hits.fetch_add(hit_slices, std::memory_order_relaxed);
     dp->misses.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
-    dp->hit_bytes.fetch_add(from_pool, std::memory_order_relaxed);
+    dp->hit_bytes.fetch_add(from_pool + from_peers, std::memory_order_relaxed);
     dp->miss_bytes.fetch_add(from_host, std::memory_order_relaxed);
     *result = c.async ? CUDA_SUCCESS : drv->stream_synchronize(stream);
     return true;

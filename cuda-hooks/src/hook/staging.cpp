@@ -167,6 +167,8 @@ namespace {
 constexpr size_t kStagingBuffer = 8 << 20;
 constexpr int kStagingBuffers = 6;
 constexpr size_t kProbeBytes = 64 << 20;
+// Registering ahead works this long per turn of the background loop, between its other duties.
+constexpr auto kAheadTurn = std::chrono::milliseconds(10);
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -215,48 +217,113 @@ void Engine::pin_models() {
     pinned_all_ = all;
 }
 
-// PIN=register: each slice the copy path asked for, registered for DMA on its own (its page-aligned
-// inside; the pages at its edges may hold a neighbour's bytes), once, within the budget. Pages it
-// registers stay resident while registered.
-void Engine::register_wanted() {
+// The registered tier (auto, register). With a daemon, or when the budget cannot hold every expert
+// slice of the models mapped: each slice the copy path or the daemon's locks asked for, registered
+// for DMA on its own (its page-aligned inside; the pages at its edges may hold a neighbour's
+// bytes), once, within the budget. Otherwise the tier is every expert tensor, registered whole
+// (its page-aligned inside: every slice but its first and last, edges and all) in the background,
+// a few milliseconds of it per turn of the loop, the tensors of slices that missed first: the
+// first tokens' misses are staged, the rest find their bytes registered. Pages registered stay
+// resident while registered. Returns true while there is more to register ahead.
+bool Engine::register_wanted() {
     std::vector<std::pair<uint32_t, uint32_t>> wanted;
     {
         std::lock_guard lock(wanted_mu_);
         wanted.swap(wanted_);
     }
-    if (wanted.empty()) return;
     const Driver* drv = driver();
     int device = -1;
     for (int d = 0; d < kMaxDevices && device < 0; ++d)
         if (pools_[d].load() != nullptr) device = d;
-    if (drv == nullptr || device < 0) return;
-    DeviceContext ctx(drv, device);
-    if (!ctx.ok()) return;
+    if (drv == nullptr || device < 0) return false;
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     uint64_t budget = cfg_.pin_budget;
     if (budget == 0) budget = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page / 2;
+    if (ahead_models_ != models_.size()) {
+        ahead_models_ = models_.size();
+        uint64_t all = 0;
+        for (const Model* m : models_)
+            for (const auto& l : m->map.layers)
+                for (const auto& t : l.tensors) all += t.bytes_per_expert * m->map.n_experts;
+        ahead_ = all <= budget;
+        ahead_model_ = 0;
+        ahead_tensor_ = 0;
+        if (cfg_.log && ahead_)
+            say("registering the %.2f GiB of expert tensors for DMA, in the background (budget %.2f GiB)",
+                static_cast<double>(all) / 1073741824.0, static_cast<double>(budget) / 1073741824.0);
+    }
+    const bool ahead = ahead_ && !follow_locks_.load();
+    if (wanted.empty() && !(ahead && ahead_model_ < models_.size())) return false;
+    DeviceContext ctx(drv, device);
+    if (!ctx.ok()) return false;
+    if (ahead) {
+        // The tensors of the slices that missed, then every other in order.
+        const auto until = std::chrono::steady_clock::now() + kAheadTurn;
+        for (const auto& [mi, slice] : wanted)
+            register_tensor(*models_[mi], slice / models_[mi]->map.n_experts, budget);
+        while (ahead_model_ < models_.size() && std::chrono::steady_clock::now() < until) {
+            Model& m = *models_[ahead_model_];
+            if (ahead_tensor_ >= m.n_slices / m.map.n_experts) {
+                ++ahead_model_;
+                ahead_tensor_ = 0;
+                continue;
+            }
+            register_tensor(m, ahead_tensor_++, budget);
+        }
+        if (ahead_model_ >= models_.size() && cfg_.log)
+            say("%.2f GiB of expert tensors registered for DMA", static_cast<double>(pinned_bytes_.load()) / 1073741824.0);
+        return ahead_model_ < models_.size();
+    }
     for (const auto& [mi, slice] : wanted) {
         Model& m = *models_[mi];
         auto& flag = m.registered[slice];
-        if (flag.load() != 1) continue;  // let go meanwhile
+        if (flag.load() != Model::kAsked) continue;  // let go meanwhile
         const auto [a, b] = slice_pages(m, slice);
-        uint8_t next = 3;
+        uint8_t next = Model::kNever;
         if (b > a && pinned_bytes_.load() + (b - a) <= budget) {
             const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
                                                        CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
             if (rc == CUDA_SUCCESS) {
                 pinned_bytes_.fetch_add(b - a);
-                next = 2;
+                next = Model::kInside;
             }
         } else if (follow_locks_.load()) {
-            next = 0;  // over the budget now; a later lock may fit
+            next = Model::kNone;  // over the budget now; a later lock may fit
         }
         flag.store(next, std::memory_order_release);
     }
+    return false;
 }
 
-std::pair<uintptr_t, uintptr_t> Engine::slice_pages(const Model& m, uint32_t slice) const {
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+// One expert tensor (model-local: slice / n_experts), registered whole once (its page-aligned
+// inside): its slices that lie inside the registration are copied straight from it, edges and all;
+// the first and last, whose outer edge shares a page with a neighbour, the usual way.
+void Engine::register_tensor(Model& m, uint32_t tensor, uint64_t budget) {
+    const uint32_t n = m.map.n_experts;
+    if (tensor >= m.tensor_registered.size() || m.tensor_registered[tensor]) return;
+    m.tensor_registered[tensor] = 1;
+    const uint32_t first = tensor * n;
+    const auto [a, unused_b] = slice_pages(m, first);
+    const auto [unused_a, b] = slice_pages(m, first + n - 1);
+    bool ok = false;
+    if (a != 0 && b > a && pinned_bytes_.load() + (b - a) <= budget) {
+        ok = driver()->mem_host_register(reinterpret_cast<void*>(a), b - a,
+                                         CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+        if (ok) {
+            pinned_bytes_.fetch_add(b - a);
+            ahead_ranges_.emplace_back(reinterpret_cast<void*>(a), b - a);
+        }
+    }
+    for (uint32_t e = 0; e < n; ++e) {
+        const auto [start, end] = slice_span(m, first + e);
+        const bool inside = ok && start >= a && end <= b;
+        if (m.registered[first + e].load() == Model::kInside) continue;  // registered on its own (a lock)
+        m.registered[first + e].store(inside ? Model::kWhole : Model::kNever, std::memory_order_release);
+    }
+}
+
+// Where the slice's bytes lie in this process ({0, 0}: not mapped).
+std::pair<uintptr_t, uintptr_t> Engine::slice_span(const Model& m, uint32_t slice) const {
     const auto ls = static_cast<size_t>(std::upper_bound(m.slice_base.begin(), m.slice_base.end(), slice) - m.slice_base.begin() - 1);
     const uint32_t within = slice - m.slice_base[ls];
     const auto& t = m.map.layers[ls].tensors[within / m.map.n_experts];
@@ -265,17 +332,57 @@ std::pair<uintptr_t, uintptr_t> Engine::slice_pages(const Model& m, uint32_t sli
         if (r.model != m.id || r.file != t.file || off < r.mapping.file_offset ||
             off + t.bytes_per_expert > r.mapping.file_offset + (r.mapping.end - r.mapping.start))
             continue;
-        return {(r.mapping.address_of(off) + page - 1) & ~(page - 1), r.mapping.address_of(off + t.bytes_per_expert) & ~(page - 1)};
+        return {r.mapping.address_of(off), r.mapping.address_of(off + t.bytes_per_expert)};
     }
     return {0, 0};
+}
+
+// The daemon came: what was registered ahead is let go (its locks choose from now on).
+void Engine::unregister_ahead() {
+    if (ahead_ranges_.empty()) return;
+    const Driver* drv = driver();
+    for (Model* m : models_) {
+        std::fill(m->tensor_registered.begin(), m->tensor_registered.end(), 0);
+        for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
+            uint8_t whole = Model::kWhole;
+            if (!m->registered[slice].compare_exchange_strong(whole, Model::kNone)) {
+                uint8_t never = Model::kNever;
+                (void)m->registered[slice].compare_exchange_strong(never, Model::kNone);
+            }
+        }
+    }
+    int device = -1;
+    for (int d = 0; d < kMaxDevices && device < 0; ++d)
+        if (pools_[d].load() != nullptr) device = d;
+    DeviceContext ctx(drv, std::max(device, 0));
+    for (int d = 0; d < kMaxDevices; ++d)
+        if (pools_[d].load() != nullptr) {
+            DeviceContext on(drv, d);
+            (void)drv->ctx_synchronize();
+        }
+    for (const auto& [p, bytes] : ahead_ranges_)
+        if (drv->mem_host_unregister(p) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
+    ahead_ranges_.clear();
+    ahead_model_ = 0;
+    ahead_tensor_ = 0;
+}
+
+std::pair<uintptr_t, uintptr_t> Engine::slice_pages(const Model& m, uint32_t slice) const {
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const auto [start, end] = slice_span(m, slice);
+    if (start == 0) return {0, 0};
+    return {(start + page - 1) & ~(page - 1), end & ~(page - 1)};
 }
 
 // The daemon let the expert go from RAM: its pages are no longer held for DMA. What the device may
 // still read from them is finished first.
 void Engine::unregister_slice(Model& m, uint32_t slice) {
     auto& flag = m.registered[slice];
-    uint8_t state = flag.exchange(0);
-    if (state != 2) return;
+    uint8_t state = flag.load();
+    do {
+        if (state == Model::kWhole) return;  // its tensor's registration goes as a whole (unregister_ahead)
+    } while (!flag.compare_exchange_weak(state, Model::kNone));
+    if (state != Model::kInside) return;
     const Driver* drv = driver();
     const auto [a, b] = slice_pages(m, slice);
     if (drv == nullptr || b <= a) return;
@@ -310,7 +417,7 @@ void Engine::set_up_copies(DevicePool& dp) {
             kStagingBuffer * kStagingBuffers >> 20);
         return;
     }
-    bool use = cfg_.pin == PinMode::Staging || cfg_.pin == PinMode::All || cfg_.pin == PinMode::Register;
+    bool use = cfg_.pin == PinMode::Staging || cfg_.pin == PinMode::All || cfg_.pin == PinMode::Register;  // auto: measured
     if (cfg_.pin == PinMode::Auto) {
         // The largest expert tensor, read as a runtime's miss would read it, through a mapping of
         // the hook's own (the runtime's would keep the pages mapped: one place drops them).

@@ -15,6 +15,9 @@
 //                          An event query completes the work up to its record every other time.
 //   fake_cuda_capturing    every stream reports an active capture
 //   fake_cuda_memory_limit bytes per device
+//   fake_cuda_peer         0: devices cannot access each other (cuDeviceCanAccessPeer says no);
+//                          else they can once cuCtxEnablePeerAccess enabled it, and peer copies
+//                          (cuMemcpyPeerAsync) check that each side lies on its context's device
 // Stream handles are reused as soon as a stream is destroyed, as a real driver may. Allocations,
 // registrations, streams and events need a current context on the calling thread, as there.
 #include <cuda.h>
@@ -35,12 +38,14 @@ extern "C" {
 
 struct fake_cuda_counters {
     unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
+    unsigned long long peer_calls, peer_bytes;
 };
 __attribute__((visibility("default"))) fake_cuda_counters fake_cuda_counts;
 __attribute__((visibility("default"))) int fake_cuda_capturing = 0;
 __attribute__((visibility("default"))) int fake_cuda_async = 0;
 __attribute__((visibility("default"))) int fake_cuda_devices = 1;
 __attribute__((visibility("default"))) unsigned long long fake_cuda_memory_limit = 8ull << 30;
+__attribute__((visibility("default"))) int fake_cuda_peer = 1;
 }
 
 namespace {
@@ -400,6 +405,35 @@ API cuMemHostUnregister(void* p) {
     run_all();
     return pinned.erase(reinterpret_cast<uintptr_t>(p)) != 0 ? CUDA_SUCCESS : CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
 }
+API cuDeviceCanAccessPeer(int* can, CUdevice d, CUdevice peer) {
+    const int n = std::min(fake_cuda_devices, kMaxDevices);
+    if (d < 0 || d >= n || peer < 0 || peer >= n) return CUDA_ERROR_INVALID_DEVICE;
+    *can = fake_cuda_peer != 0 && d != peer ? 1 : 0;
+    return CUDA_SUCCESS;
+}
+bool peer_enabled[kMaxDevices][kMaxDevices];
+API cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
+    std::lock_guard lock(mu);
+    const int p = device_of_ctx(peer), d = current_device();
+    if (no_context() || p < 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!fake_cuda_peer || p == d) return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+    if (peer_enabled[d][p]) return CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+    peer_enabled[d][p] = true;
+    return CUDA_SUCCESS;
+}
+// As the driver: valid whether or not peer access is enabled (without it a GPU stages the bytes
+// through the host); here each side must lie on its context's device.
+API cuMemcpyPeerAsync(CUdeviceptr d, CUcontext dctx, CUdeviceptr s, CUcontext sctx, size_t n, CUstream st) {
+    std::lock_guard lock(mu);
+    if (n == 0) return CUDA_SUCCESS;
+    const Allocation* da = allocation_of(d, n);
+    const Allocation* sa = allocation_of(s, n);
+    if (da == nullptr || sa == nullptr || da->device != device_of_ctx(dctx) || sa->device != device_of_ctx(sctx))
+        return CUDA_ERROR_INVALID_VALUE;
+    ++fake_cuda_counts.peer_calls;
+    fake_cuda_counts.peer_bytes += n;
+    return enqueue(st, Op{Op::Copy, d, reinterpret_cast<const void*>(s), nullptr, n});
+}
 API cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return htod(d, s, n, nullptr, true); }
 API cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void* s, size_t n) { return htod(d, s, n, nullptr, true); }
 API cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream st) { return htod(d, s, n, st, false); }
@@ -468,6 +502,7 @@ const Entry table[] = {
     V("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2), V("cuMemcpyDtoH", cuMemcpyDtoH_v2), E(cuMemcpy),
     P("cuMemcpy", cuMemcpy_ptds), E(cuMemcpyAsync), P("cuMemcpyAsync", cuMemcpyAsync_ptsz),
     V("cuMemHostRegister", cuMemHostRegister_v2), E(cuMemHostUnregister), E(cuPointerGetAttributes),
+    E(cuDeviceCanAccessPeer), E(cuCtxEnablePeerAccess), E(cuMemcpyPeerAsync),
 };
 
 CUresult CUDAAPI get_proc(const char* symbol, void** pfn, int version, cuuint64_t flags,

@@ -34,19 +34,26 @@ struct PoolSizes {
 
 // How copies that miss the pool reach the device. off: as the runtime asked (pageable: the
 // driver stages them, one thread). staging: the hook's own threads copy them into pinned buffers
-// that the device reads at DMA speed. all: every expert byte registered for DMA (page-locked; for
-// machines whose RAM holds the model). auto: staging where a measurement at start shows it faster.
-// register: the slices that miss registered one by one as they miss, within a budget, their copies
-// split at the registrations' edges; the rest staged as in auto.
+// that the device reads at DMA speed. all: every expert byte registered for DMA at once
+// (page-locked; for machines whose RAM holds the model). register: a registered tier within a
+// budget (MOECACHE_CUDA_PIN_BUDGET, default half of memory), its copies straight from the pages at
+// DMA speed and split at the registrations' page-aligned edges, the rest staged. Without a daemon
+// the tier is the slices that missed, and every expert slice when the budget holds them all
+// (registered ahead in the background); with a daemon it is what the daemon keeps locked (its Lock
+// and Unlock directives). auto, the default: register, with the rest staged only where a
+// measurement at start shows staging faster than the runtime's own copy.
 enum class PinMode { Off, Auto, Staging, All, Register };
 
 struct HookConfig {
     PoolSizes pool;
     PinMode pin = PinMode::Auto;
-    unsigned staging_threads = 0;
-    uint64_t pin_budget = 0;  // bytes PIN=register may register; 0: half of the machine's memory  // threads that copy misses into pinned buffers; 0: every core but one
+    // The registered tier is on (auto and register).
+    [[nodiscard]] bool registers() const { return pin == PinMode::Auto || pin == PinMode::Register; }
+    unsigned staging_threads = 0;  // threads that copy misses into pinned buffers; 0: every core but one
+    uint64_t pin_budget = 0;  // bytes the registered tier may hold; 0: half of the machine's memory
     bool log = false;
     bool client = true;
+    bool peers = true;      // a device's copies read other devices' pools (peer access); MOECACHE_CUDA_PEER=off
     bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
 };
 
