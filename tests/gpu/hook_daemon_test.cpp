@@ -347,11 +347,12 @@ protected:
         for (const auto& r : map_.ranges(map_.layers[0].index, e)) all = all && is_pinned(base_ + r.offset + r.length / 2) == 1;
         return all;
     }
-    // Bytes of the expert's slices that whole pages hold (what registering the expert pins).
+    // Bytes of the expert's slices that whole pages hold, less the first page of a slice that starts
+    // on one (what registering the expert pins: no registration starts where a copy may).
     uint64_t inner_bytes(uint32_t e) {
         uint64_t n = 0;
         for (const auto& r : map_.ranges(map_.layers[0].index, e))
-            n += ((r.offset + r.length) & ~uint64_t{4095}) - ((r.offset + 4095) & ~uint64_t{4095});
+            n += ((r.offset + r.length) & ~uint64_t{4095}) - ((r.offset + 4096) & ~uint64_t{4095});
         return n;
     }
 };

@@ -361,9 +361,9 @@ class RegisterAhead : public HookServing {
     }
 };
 
-// The default (auto) when the budget holds every expert slice: every expert tensor is registered
-// whole in the background (those of slices that missed first), so that decoding soon copies every
-// miss at DMA speed, straight from the pages and in one piece.
+// The default (auto) when the budget holds every expert slice: runs of neighbouring expert tensors
+// are registered whole in the background (those of slices that missed first), so that decoding
+// soon copies every miss at DMA speed, straight from the pages and in one piece.
 TEST_F(RegisterAhead, TheWholeModelIsRegisteredAheadWhenTheBudgetHoldsIt) {
     auto s = new_streams();
     warm_up(s);
@@ -376,12 +376,12 @@ TEST_F(RegisterAhead, TheWholeModelIsRegisteredAheadWhenTheBudgetHoldsIt) {
     } while (st.pinned_bytes < model_.map.expert_bytes_total * 9 / 10 && std::chrono::steady_clock::now() < until);
     EXPECT_GE(st.pinned_bytes, model_.map.expert_bytes_total * 9 / 10)
         << "the slices' page-aligned insides are registered ahead";
-    EXPECT_LE(st.pinned_bytes, model_.map.expert_bytes_total);
+    EXPECT_LE(st.pinned_bytes, model_.map.expert_bytes_total + 12 * 8192) << "a page or two more a run of tensors";
     for (int i = 0; i < 20 && !HasFailure(); ++i) token(s, true);
     const auto after = hook_.stats();
     EXPECT_GT(after.slice_misses, st.slice_misses);
     if (cu_.fake()) {
-        EXPECT_EQ(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 4u * 3u) << "one registration a tensor";
+        EXPECT_LE(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 4u * 3u) << "one registration a run of tensors";
     }
     EXPECT_EQ(after.fallbacks, 0u);
     destroy(s);

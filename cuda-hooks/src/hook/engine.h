@@ -74,6 +74,13 @@ public:
     void shutdown();
 
 private:
+    // Expert tensors (model-local: slice / n_experts) that lie within a page of each other in one
+    // file, in file order, and their file bytes [start, end): registered as one.
+    struct TensorRun {
+        std::vector<uint32_t> tensors;
+        uint64_t start = 0, end = 0;
+        bool done = false;
+    };
     struct Model {
         uint32_t id = 0;
         std::string path;
@@ -89,7 +96,10 @@ private:
         // of its whole tensor.
         static constexpr uint8_t kNone = 0, kAsked = 1, kInside = 2, kNever = 3, kWhole = 4;
         std::unique_ptr<std::atomic<uint8_t>[]> registered;
-        std::vector<uint8_t> tensor_registered;  // by tensor (slice / n_experts); background thread only
+        // Registering ahead (background thread only): runs of neighbouring expert tensors.
+        std::vector<TensorRun> runs;
+        std::vector<uint32_t> run_of_tensor;  // by tensor (slice / n_experts)
+        bool runs_built = false;
         [[nodiscard]] uint32_t slice(int32_t ls, uint32_t tensor, uint32_t e) const {
             return slice_base[ls] + tensor * map.n_experts + e;
         }
@@ -178,7 +188,8 @@ private:
     void set_up_copies(DevicePool& dp);
     void pin_models();
     bool register_wanted();  // the registered tier: what the copy path or the daemon's locks asked for, and ahead
-    void register_tensor(Model& m, uint32_t tensor, uint64_t budget);
+    void build_runs(Model& m);
+    void register_run(Model& m, size_t run, uint64_t budget);
     void unregister_ahead();
     // Where a slice lies in this process's mapping of it, and its page-aligned inside ({0, 0}: not mapped).
     std::pair<uintptr_t, uintptr_t> slice_span(const Model& m, uint32_t slice) const;
@@ -224,7 +235,7 @@ private:
     // Registering ahead (the budget holds every expert slice, no daemon): where it has got to.
     bool ahead_ = false;
     size_t ahead_models_ = SIZE_MAX, ahead_model_ = 0;
-    uint32_t ahead_tensor_ = 0;
+    size_t ahead_run_ = 0;
     std::vector<std::pair<void*, size_t>> ahead_ranges_;  // registered whole tensors
     moecache_client* client_ = nullptr;
     CopyCrew crew_;

@@ -97,7 +97,6 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
     m->n_slices = base;
     m->registered.reset(new std::atomic<uint8_t>[base]);
     for (uint32_t i = 0; i < base; ++i) m->registered[i].store(Model::kNone, std::memory_order_relaxed);
-    m->tensor_registered.assign(base / std::max<uint32_t>(m->map.n_experts, 1), 0);
     m->n_experts = static_cast<uint32_t>(m->map.layers.size()) * m->map.n_experts;
     for (auto& p : pools_)
         if (auto* dp = p.load()) {

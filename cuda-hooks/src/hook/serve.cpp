@@ -139,7 +139,8 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
             direct(s0, s1);
         } else if (state == Model::kInside) {
             const auto a = reinterpret_cast<uintptr_t>(src + s0), b = reinterpret_cast<uintptr_t>(src + s1);
-            direct(((a + page - 1) & ~(page - 1)) - reinterpret_cast<uintptr_t>(src), (b & ~(page - 1)) - reinterpret_cast<uintptr_t>(src));
+            // As slice_pages: a slice that starts on a page boundary keeps its first page out.
+            direct(((a + page) & ~(page - 1)) - reinterpret_cast<uintptr_t>(src), (b & ~(page - 1)) - reinterpret_cast<uintptr_t>(src));
         } else if (state == Model::kNone) {
             uint8_t expected = Model::kNone;
             if (!follow_locks_.load(std::memory_order_relaxed) && flag.compare_exchange_strong(expected, Model::kAsked)) {

@@ -3,6 +3,7 @@
 #include "driver.h"
 #include "engine.h"
 #include "log.h"
+#include "moecache/client.h"
 #include "moecache/unique_fd.h"
 
 #include <fcntl.h>
@@ -219,12 +220,17 @@ void Engine::pin_models() {
 
 // The registered tier (auto, register). With a daemon, or when the budget cannot hold every expert
 // slice of the models mapped: each slice the copy path or the daemon's locks asked for, registered
-// for DMA on its own (its page-aligned inside; the pages at its edges may hold a neighbour's
-// bytes), once, within the budget. Otherwise the tier is every expert tensor, registered whole
-// (its page-aligned inside: every slice but its first and last, edges and all) in the background,
-// a few milliseconds of it per turn of the loop, the tensors of slices that missed first: the
-// first tokens' misses are staged, the rest find their bytes registered. Pages registered stay
-// resident while registered. Returns true while there is more to register ahead.
+// for DMA on its own (slice_pages: its page-aligned inside), once, within the budget. Otherwise the
+// tier is every expert tensor: runs of neighbouring expert tensors (a layer's gate, up and down)
+// registered whole in the background, a few milliseconds of it per turn of the loop, the runs of
+// slices that missed first: the first tokens' misses are staged, the rest find their bytes
+// registered. Pages registered stay resident while registered.
+//
+// The driver refuses a copy that starts in registered memory and ends outside it, so no copy of an
+// expert, the runtime's own included, may: a registration never starts at a slice's first byte
+// (slice_pages leaves out the first page of a slice that starts on one), and a run's registration
+// ends a page past its last tensor (the padding runtimes copy after a tensor's last expert).
+// Returns true while there is more to register ahead.
 bool Engine::register_wanted() {
     std::vector<std::pair<uint32_t, uint32_t>> wanted;
     {
@@ -247,28 +253,35 @@ bool Engine::register_wanted() {
                 for (const auto& t : l.tensors) all += t.bytes_per_expert * m->map.n_experts;
         ahead_ = all <= budget;
         ahead_model_ = 0;
-        ahead_tensor_ = 0;
+        ahead_run_ = 0;
         if (cfg_.log && ahead_)
             say("registering the %.2f GiB of expert tensors for DMA, in the background (budget %.2f GiB)",
                 static_cast<double>(all) / 1073741824.0, static_cast<double>(budget) / 1073741824.0);
     }
-    const bool ahead = ahead_ && !follow_locks_.load();
+    // A daemon connected whose policy has not come yet will have its locks followed: wait for it.
+    moecache_client_stats cs{};
+    if (client_ != nullptr) moecache_client_stats_get(client_, &cs);
+    const bool ahead = ahead_ && !follow_locks_.load() && cs.connected == 0;
     if (wanted.empty() && !(ahead && ahead_model_ < models_.size())) return false;
     DeviceContext ctx(drv, device);
     if (!ctx.ok()) return false;
     if (ahead) {
-        // The tensors of the slices that missed, then every other in order.
+        // The runs of the slices that missed, then every other in order.
         const auto until = std::chrono::steady_clock::now() + kAheadTurn;
-        for (const auto& [mi, slice] : wanted)
-            register_tensor(*models_[mi], slice / models_[mi]->map.n_experts, budget);
+        for (const auto& [mi, slice] : wanted) {
+            Model& m = *models_[mi];
+            build_runs(m);
+            if (slice / m.map.n_experts < m.run_of_tensor.size()) register_run(m, m.run_of_tensor[slice / m.map.n_experts], budget);
+        }
         while (ahead_model_ < models_.size() && std::chrono::steady_clock::now() < until) {
             Model& m = *models_[ahead_model_];
-            if (ahead_tensor_ >= m.n_slices / m.map.n_experts) {
+            build_runs(m);
+            if (ahead_run_ >= m.runs.size()) {
                 ++ahead_model_;
-                ahead_tensor_ = 0;
+                ahead_run_ = 0;
                 continue;
             }
-            register_tensor(m, ahead_tensor_++, budget);
+            register_run(m, ahead_run_++, budget);
         }
         if (ahead_model_ >= models_.size() && cfg_.log)
             say("%.2f GiB of expert tensors registered for DMA", static_cast<double>(pinned_bytes_.load()) / 1073741824.0);
@@ -295,16 +308,56 @@ bool Engine::register_wanted() {
     return false;
 }
 
-// One expert tensor (model-local: slice / n_experts), registered whole once (its page-aligned
-// inside): its slices that lie inside the registration are copied straight from it, edges and all;
-// the first and last, whose outer edge shares a page with a neighbour, the usual way.
-void Engine::register_tensor(Model& m, uint32_t tensor, uint64_t budget) {
+// A model's expert tensors in runs of neighbours: tensors (model-local: slice / n_experts) in file
+// order whose bytes are no more than a page apart, in one file.
+void Engine::build_runs(Model& m) {
+    if (m.runs_built) return;
+    m.runs_built = true;
+    const uint32_t n = std::max<uint32_t>(m.map.n_experts, 1);
+    std::vector<uint32_t> order(m.n_slices / n);
+    for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+    auto tensor_of = [&](uint32_t i) -> const ExpertTensor& {
+        const uint32_t slice = i * n;
+        const auto ls = static_cast<size_t>(std::upper_bound(m.slice_base.begin(), m.slice_base.end(), slice) - m.slice_base.begin() - 1);
+        return m.map.layers[ls].tensors[(slice - m.slice_base[ls]) / n];
+    };
+    std::sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) {
+        const auto &a = tensor_of(x), &b = tensor_of(y);
+        return a.file != b.file ? a.file < b.file : a.offset < b.offset;
+    });
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    m.run_of_tensor.assign(order.size(), 0);
+    uint32_t file = UINT32_MAX;
+    for (uint32_t i : order) {
+        const auto& t = tensor_of(i);
+        const uint64_t end = t.offset + t.bytes_per_expert * n;
+        if (m.runs.empty() || t.file != file || t.offset > m.runs.back().end + page) m.runs.push_back(TensorRun{{}, t.offset, end});
+        file = t.file;
+        auto& r = m.runs.back();
+        r.tensors.push_back(i);
+        r.end = std::max(r.end, end);
+        m.run_of_tensor[i] = static_cast<uint32_t>(m.runs.size() - 1);
+    }
+}
+
+// One run of expert tensors, registered whole once: from the first page boundary past its first
+// byte to a page past its end (see register_wanted). Slices wholly inside are copied straight from
+// it; a first slice that starts before it has its inside copied so (kInside).
+void Engine::register_run(Model& m, size_t run, uint64_t budget) {
+    if (run >= m.runs.size() || m.runs[run].done) return;
+    auto& r = m.runs[run];
+    r.done = true;
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     const uint32_t n = m.map.n_experts;
-    if (tensor >= m.tensor_registered.size() || m.tensor_registered[tensor]) return;
-    m.tensor_registered[tensor] = 1;
-    const uint32_t first = tensor * n;
-    const auto [a, unused_b] = slice_pages(m, first);
-    const auto [unused_a, b] = slice_pages(m, first + n - 1);
+    const auto [first_start, unused] = slice_span(m, r.tensors.front() * n);  // the run's first tensor in file order
+    uintptr_t a = 0, b = 0;
+    for (const auto& mr : mapped_) {
+        if (mr.model != m.id || first_start == 0 || first_start < mr.mapping.start || first_start >= mr.mapping.end) continue;
+        if (!mr.mapping.covers(r.start, r.end - r.start)) break;  // the run runs past the mapping
+        a = (first_start + page) & ~(page - 1);
+        b = std::min<uintptr_t>(((mr.mapping.address_of(r.end) + page - 1) & ~(page - 1)) + page, mr.mapping.end);
+        break;
+    }
     bool ok = false;
     if (a != 0 && b > a && pinned_bytes_.load() + (b - a) <= budget) {
         ok = driver()->mem_host_register(reinterpret_cast<void*>(a), b - a,
@@ -314,12 +367,17 @@ void Engine::register_tensor(Model& m, uint32_t tensor, uint64_t budget) {
             ahead_ranges_.emplace_back(reinterpret_cast<void*>(a), b - a);
         }
     }
-    for (uint32_t e = 0; e < n; ++e) {
-        const auto [start, end] = slice_span(m, first + e);
-        const bool inside = ok && start >= a && end <= b;
-        if (m.registered[first + e].load() == Model::kInside) continue;  // registered on its own (a lock)
-        m.registered[first + e].store(inside ? Model::kWhole : Model::kNever, std::memory_order_release);
-    }
+    for (uint32_t tensor : r.tensors)
+        for (uint32_t e = 0; e < n; ++e) {
+            const uint32_t slice = tensor * n + e;
+            if (m.registered[slice].load() == Model::kInside) continue;  // registered on its own (a lock)
+            const auto [start, end] = slice_span(m, slice);
+            const auto [lo, hi] = slice_pages(m, slice);
+            uint8_t state = Model::kNever;
+            if (ok && start >= a && end <= b) state = Model::kWhole;
+            else if (ok && lo >= a && hi <= b && hi > lo) state = Model::kInside;
+            m.registered[slice].store(state, std::memory_order_release);
+        }
 }
 
 // Where the slice's bytes lie in this process ({0, 0}: not mapped).
@@ -342,7 +400,7 @@ void Engine::unregister_ahead() {
     if (ahead_ranges_.empty()) return;
     const Driver* drv = driver();
     for (Model* m : models_) {
-        std::fill(m->tensor_registered.begin(), m->tensor_registered.end(), 0);
+        for (auto& r : m->runs) r.done = false;
         for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
             uint8_t whole = Model::kWhole;
             if (!m->registered[slice].compare_exchange_strong(whole, Model::kNone)) {
@@ -364,14 +422,16 @@ void Engine::unregister_ahead() {
         if (drv->mem_host_unregister(p) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
     ahead_ranges_.clear();
     ahead_model_ = 0;
-    ahead_tensor_ = 0;
+    ahead_run_ = 0;
 }
 
+// A slice that starts on a page boundary keeps its first page out: a registration never starts
+// where a copy may start.
 std::pair<uintptr_t, uintptr_t> Engine::slice_pages(const Model& m, uint32_t slice) const {
     const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     const auto [start, end] = slice_span(m, slice);
     if (start == 0) return {0, 0};
-    return {(start + page - 1) & ~(page - 1), end & ~(page - 1)};
+    return {(start + page) & ~(page - 1), end & ~(page - 1)};
 }
 
 // The daemon let the expert go from RAM: its pages are no longer held for DMA. What the device may

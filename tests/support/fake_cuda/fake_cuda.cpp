@@ -18,7 +18,9 @@
 //   fake_cuda_peer         0: devices cannot access each other (cuDeviceCanAccessPeer says no);
 //                          else they can once cuCtxEnablePeerAccess enabled it, and peer copies
 //                          (cuMemcpyPeerAsync) check that each side lies on its context's device
-// Stream handles are reused as soon as a stream is destroyed, as a real driver may. Allocations,
+// A host-to-device copy that starts in registered memory and ends outside it is refused, as the
+// real driver refuses it. Stream handles are reused as soon as a stream is destroyed, as a real
+// driver may. Allocations,
 // registrations, streams and events need a current context on the calling thread, as there.
 #include <cuda.h>
 
@@ -181,6 +183,8 @@ CUresult htod(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool 
     std::lock_guard lock(mu);
     if (n == 0) return CUDA_SUCCESS;
     if (!is_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    // As the real driver: a copy that starts in registered memory must end in it.
+    if (is_pinned(src, 1) && !is_pinned(src, n)) return CUDA_ERROR_INVALID_VALUE;
     ++fake_cuda_counts.htod_calls;
     fake_cuda_counts.htod_bytes += n;
     Op op{Op::Copy, dst, src, nullptr, n, true};
