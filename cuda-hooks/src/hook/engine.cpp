@@ -201,6 +201,23 @@ void Engine::shutdown() {
             static_cast<double>(s.serve_ns) / 1e6,
             static_cast<double>(s.serve_ns) / 1e3 / static_cast<double>(std::max<uint64_t>(s.expert_copies, 1)), s.pieces);
     }
+    if (cfg_.log)
+        for (auto& p : pools_)
+            if (DevicePool* dp = p.load()) {
+                uint32_t layers = 0;
+                VramPoolStats ps;
+                {
+                    std::lock_guard lock(dp->mu);
+                    for (const auto& m : dp->seen)
+                        for (uint8_t s : m) layers += s;
+                    ps = dp->pool.stats();
+                }
+                const uint64_t h = dp->hits.load(), m = dp->misses.load();
+                say("device %d: copies of %u layers' experts; slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%); pool %.2f GiB;"
+                    " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64,
+                    dp->device, layers, h, m, 100.0 * static_cast<double>(h) / static_cast<double>(std::max<uint64_t>(h + m, 1)),
+                    static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined, ps.cross_stream, dp->peer_lookups.load());
+            }
     stopping_.store(true);
 }
 

@@ -154,6 +154,7 @@ private:
         std::unique_ptr<StagingRing> staging; // set by the background thread before `staged`
         // How it served expert copies (slices; bytes), for the daemon's metrics.
         std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
+        std::atomic<uint64_t> peer_lookups{0};  // slices another device looked up here
         std::atomic<uint64_t> sized_for{0};  // seen_bytes when last sized (by the background thread)
         // Background thread only.
         uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;

@@ -295,6 +295,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
                 for (uint32_t i = 0; i < n_slices && rc == CUDA_SUCCESS; ++i) {
                     if (from_slot[i] != 0 || cls->first_expert + i >= nexp) continue;
                     const SliceRef ref = ref_of(i);
+                    peer->peer_lookups.fetch_add(1, std::memory_order_relaxed);
                     const uint64_t a = peer->pool.lookup(ref, sid, order);
                     if (a == 0) continue;
                     rc = drv->memcpy_peer_async(c.dst + uint64_t{i} * cls->slice_bytes, mine, a, peer->ctx, piece_bytes(i), stream);
