@@ -491,6 +491,45 @@ TEST_F(PeerOrder, ReadsAcrossDevicesAreOrderedWithTheOwnersFillsAndEvictions) {
     destroy(s);
 }
 
+// llama.cpp on two GPUs runs the down projections of the second GPU's layers there and every other
+// expert product on the first: each device sizes its pool for the expert tensors it copies, and
+// ranks them by its own copies.
+TEST_F(Peers, EachDeviceSizesItsPoolForTheTensorsItCopies) {
+    auto s = new_streams();
+    allocate_on_first();
+    auto split_token = [&] {
+        for (uint32_t l = 0; l < 4 && !HasFailure(); ++l) {
+            const auto ids = token_ids();
+            for (uint32_t t = 0; t < 3; ++t) {
+                const bool second = l >= 2 && t == 2;
+                ASSERT_TRUE(cu_.use_device(second ? 1 : 0));
+                const CUdeviceptr dst = second ? dst_[l][t] : l >= 2 ? on_first_[l - 2][t] : dst_[l][t];
+                ASSERT_TRUE(copy_experts(cu_, model_, dst, l, t, ids, s[second ? 1 : 0]));
+            }
+        }
+        ASSERT_TRUE(cu_.use_device(0));
+    };
+    for (int i = 0; i < 3; ++i) {
+        split_token();
+        ASSERT_GE(hook_.sync(10000), 1);
+    }
+    for (int i = 0; i < 150; ++i) split_token();
+    ASSERT_GE(hook_.sync(10000), 1);
+    const uint64_t tensor_bytes = slice_ * 32;
+    const double first = static_cast<double>(hook_.pool_bytes(0)) / static_cast<double>(10 * tensor_bytes);
+    const double second = static_cast<double>(hook_.pool_bytes(1)) / static_cast<double>(2 * tensor_bytes);
+    EXPECT_GT(first, 0.45);
+    EXPECT_LE(first, 0.5) << "device 0 copies 10 of the 12 expert tensors";
+    EXPECT_GT(second, 0.45);
+    EXPECT_LE(second, 0.5) << "device 1 copies 2 of them";
+    const auto before = hook_.stats();
+    for (int i = 0; i < 40; ++i) split_token();
+    EXPECT_GT(hit_rate(before, hook_.stats()), 0.4);
+    EXPECT_EQ(hook_.stats().fallbacks, 0u);
+    sync_all();
+    destroy(s);
+}
+
 class NoPeers : public Peers {
     std::vector<std::pair<const char*, const char*>> env() const override {
         return {{"MOECACHE_CUDA_POOL", "50%"}, {"MOECACHE_CUDA_PEER", "off"}};

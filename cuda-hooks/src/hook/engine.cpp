@@ -204,22 +204,28 @@ void Engine::shutdown() {
     if (cfg_.log)
         for (auto& p : pools_)
             if (DevicePool* dp = p.load()) {
-                uint32_t layers = 0;
+                uint32_t tensors = 0;
                 VramPoolStats ps;
-                std::string which;  // the first model's layer slots this device copies
+                std::string which;  // the first model's layer slots of which this device copies a tensor
                 {
                     std::lock_guard lock(dp->mu);
                     for (const auto& m : dp->seen)
-                        for (uint8_t s : m) layers += s;
-                    if (!dp->seen.empty())
-                        for (size_t l = 0; l < dp->seen[0].size(); ++l)
-                            if (dp->seen[0][l]) which += (which.empty() ? "" : ",") + std::to_string(l);
+                        for (uint8_t s : m) tensors += s;
+                    if (!dp->seen.empty() && !models_.empty())
+                        for (size_t l = 0; l < models_[0]->map.layers.size(); ++l) {
+                            std::string t;
+                            for (uint32_t k = 0; k < models_[0]->slices_per_expert[l]; ++k) {
+                                const uint32_t id = models_[0]->slice(static_cast<int32_t>(l), k, 0) / models_[0]->map.n_experts;
+                                if (id < dp->seen[0].size() && dp->seen[0][id]) t += static_cast<char>('a' + k);
+                            }
+                            if (!t.empty()) which += (which.empty() ? "" : " ") + std::to_string(l) + t;
+                        }
                     ps = dp->pool.stats();
                 }
                 const uint64_t h = dp->hits.load(), m = dp->misses.load();
-                say("device %d: copies of %u layers' experts (%s); slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%); pool %.2f GiB;"
+                say("device %d: copies %u expert tensors (layer and tensor: %s); slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%); pool %.2f GiB;"
                     " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64,
-                    dp->device, layers, which.c_str(), h, m, 100.0 * static_cast<double>(h) / static_cast<double>(std::max<uint64_t>(h + m, 1)),
+                    dp->device, tensors, which.c_str(), h, m, 100.0 * static_cast<double>(h) / static_cast<double>(std::max<uint64_t>(h + m, 1)),
                     static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined, ps.cross_stream, dp->peer_lookups.load());
             }
     stopping_.store(true);

@@ -126,12 +126,13 @@ private:
         bool retired = false;     // destroyed by the runtime
         bool eager = false;       // recorded after its own slot work (another thread cannot)
     };
-    // A run of copies of one layer's first expert tensor: one layer's routing of one batch.
+    // A run of copies of one layer's expert tensors: that layer's routing of one batch.
     struct LayerStep {
         uint32_t model = UINT32_MAX;
         int32_t layer = -1;
-        uint32_t tensor = UINT32_MAX;  // of the last copy on the device
-        uint32_t experts = 0;          // first-tensor slices copied so far in this step
+        uint32_t tensor = UINT32_MAX;  // of the last copy
+        uint32_t experts = 0;          // its slices copied so far in this step
+        uint32_t most = 0;             // the most of any tensor's in this step
     };
     struct DevicePool {
         int device = 0;
@@ -143,7 +144,7 @@ private:
         ExpertHeat heat;
         std::vector<CUdeviceptr> arenas;
         std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled
-        std::vector<std::vector<uint8_t>> seen;  // [model][layer slot]: this device copies its experts
+        std::vector<std::vector<uint8_t>> seen;  // [model][tensor (slice / n_experts)]: this device copies it
         std::vector<PlacementEvent> placements;  // for the background thread
         std::unordered_map<CUstream, StreamId> stream_ids;  // live streams
         std::vector<StreamState> streams;

@@ -83,7 +83,7 @@ void Engine::add_model_to(DevicePool& dp, const Model& m) {
     if (dp.full.size() <= m.id) dp.full.resize(m.id + 1);
     dp.full[m.id].assign(m.n_experts, 0);
     if (dp.seen.size() <= m.id) dp.seen.resize(m.id + 1);
-    dp.seen[m.id].assign(m.map.layers.size(), 0);
+    dp.seen[m.id].assign(m.n_slices / std::max<uint32_t>(m.map.n_experts, 1), 0);
 }
 
 bool Engine::allocate_pool(int device) {
@@ -177,9 +177,11 @@ void Engine::resize_pool(DevicePool& dp) {
     {
         std::lock_guard lock(dp.mu);
         for (const auto* m : models_)
-            for (size_t ls = 0; ls < m->map.layers.size(); ++ls) {
-                if (m->id >= dp.seen.size() || !dp.seen[m->id][ls]) continue;
-                for (const auto& t : m->map.layers[ls].tensors) {
+            for (size_t ls = 0; ls < m->map.layers.size(); ++ls)
+                for (size_t ti = 0; ti < m->map.layers[ls].tensors.size(); ++ti) {
+                    const uint32_t id = m->slice(static_cast<int32_t>(ls), static_cast<uint32_t>(ti), 0) / m->map.n_experts;
+                    if (m->id >= dp.seen.size() || id >= dp.seen[m->id].size() || !dp.seen[m->id][id]) continue;
+                    const auto& t = m->map.layers[ls].tensors[ti];
                     const uint64_t b = t.bytes_per_expert * m->map.n_experts;
                     expert_bytes += b;
                     auto it = std::find_if(classes.begin(), classes.end(),
@@ -187,7 +189,6 @@ void Engine::resize_pool(DevicePool& dp) {
                     if (it == classes.end()) classes.emplace_back(t.bytes_per_expert, b);
                     else it->second += b;
                 }
-            }
     }
     dp.sized_for.store(expert_bytes);
     const uint64_t target = pool_target(dp);

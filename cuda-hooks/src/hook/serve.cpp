@@ -244,27 +244,30 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         std::lock_guard lock(dp->mu);
         const StreamId sid = dp->stream_id(stream);
         Joiner order(*dp, drv, stream, device);
-        // A run of copies of one layer's first expert tensor (nothing else between them) is that
-        // layer's routing of one batch.
-        // Once it carries more than half the layer's experts (and more than one token routes to),
-        // it is a batch of many tokens, a prompt: its slices fill free slots but displace nothing
-        // and add no heat, so that a prompt, whose batches touch nearly every expert, leaves the
-        // decoding hot set alone. A few sequences decoded together stay well under that.
+        // A run of copies of one layer's expert tensors (nothing else between them) is that layer's
+        // routing of one batch, each tensor's copies the same experts.
+        // Once one tensor's carry more than half the layer's experts (and more than one token
+        // routes to), it is a batch of many tokens, a prompt: its slices fill free slots but
+        // displace nothing and add no heat, so that a prompt, whose batches touch nearly every
+        // expert, leaves the decoding hot set alone. A few sequences decoded together stay well
+        // under that. Every tensor counts: a device may copy only some of a layer's (llama.cpp on
+        // two GPUs runs the last layers' down projections on the second, the rest on the first).
         auto& step = dp->step;
-        if (cls->tensor == 0) {
-            if (step.model != m.id || step.layer != ls || step.tensor != 0) step = LayerStep{m.id, ls, 0, 0};
-            step.experts += cls->n_experts;
-        }
+        if (step.model != m.id || step.layer != ls) step = LayerStep{m.id, ls, cls->tensor, 0, 0};
+        if (step.tensor != cls->tensor) step.experts = 0;
         step.tensor = cls->tensor;
+        step.experts += cls->n_experts;
+        step.most = std::max(step.most, step.experts);
         const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
-        batch = !routing || cls->n_experts > wide || (step.model == m.id && step.layer == ls && step.experts > wide);
-        if (m.id < dp->seen.size() && !dp->seen[m.id][static_cast<size_t>(ls)]) {
-            dp->seen[m.id][static_cast<size_t>(ls)] = 1;
-            dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].bytes_per_expert * nexp);
+        batch = !routing || cls->n_experts > wide || step.most > wide;
+        const uint32_t tensor_id = m.slice(ls, cls->tensor, 0) / nexp;
+        if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
+            dp->seen[m.id][tensor_id] = 1;
+            dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].tensors[cls->tensor].bytes_per_expert * nexp);
             const uint64_t one = 1;
             (void)!write(wake_fd_, &one, sizeof one);
         }
-        if (routing && cls->tensor == 0 && !batch)
+        if (routing && !batch)
             for (uint32_t i = 0; i < cls->n_experts; ++i) dp->heat.touch(m.id, m.expert(ls, cls->first_expert + i));
         for (uint32_t i = 0; i < n_slices; ++i) {
             from_slot[i] = cls->first_expert + i < nexp ? dp->pool.lookup(ref_of(i), sid, order) : 0;
@@ -306,7 +309,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
                     if (i < cls->n_experts) {
                         --missed;
                         ++peer_slices;
-                        if (routing && cls->tensor == 0 && !batch) peer->heat.touch(m.id, ref.expert);
+                        if (routing && !batch) peer->heat.touch(m.id, ref.expert);
                     }
                 }
                 if (here > 0) settle(*peer, drv, sid);
