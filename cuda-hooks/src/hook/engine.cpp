@@ -222,6 +222,10 @@ void Engine::shutdown() {
                         }
                     ps = dp->pool.stats();
                 }
+                std::string why;
+                for (size_t k = 0; k < dp->join_failures.size(); ++k)
+                    if (const uint64_t n = dp->join_failures[k].load()) why += " " + std::to_string(k) + ":" + std::to_string(n);
+                if (!why.empty()) say("device %d: streams not ordered (reason:count)%s", dp->device, why.c_str());
                 const uint64_t h = dp->hits.load(), m = dp->misses.load();
                 say("device %d: copies %u expert tensors (layer and tensor: %s); slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%); pool %.2f GiB;"
                     " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64,

@@ -156,6 +156,10 @@ private:
         // How it served expert copies (slices; bytes), for the daemon's metrics.
         std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
         std::atomic<uint64_t> peer_lookups{0};  // slices another device looked up here
+        // Why a stream could not be ordered after another's slot work: unknown stream, retired
+        // with work unrecorded, eager with work unrecorded, no event, record failed, no event
+        // after all, query failed, wait failed.
+        std::array<std::atomic<uint64_t>, 8> join_failures{};
         std::atomic<uint64_t> sized_for{0};  // seen_bytes when last sized (by the background thread)
         // Background thread only.
         uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;

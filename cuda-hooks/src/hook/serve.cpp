@@ -43,19 +43,21 @@ public:
     bool join(StreamId from) override {
         for (int i = 0; i < n_; ++i)
             if (joined_[i] == from) return true;
-        if (from == 0 || from > dp_.streams.size()) return false;
+        if (from == 0 || from > dp_.streams.size()) return fail(0);
         auto& st = dp_.streams[from - 1];
         if (!st.idle) {
             if (st.dirty) {
-                if (st.retired || st.eager || (st.event == nullptr && !create_event(st)) ||
-                    drv_->event_record(st.event, st.handle) != CUDA_SUCCESS)
-                    return false;
+                if (st.retired) return fail(1);
+                if (st.eager) return fail(2);
+                if (st.event == nullptr && !create_event(st)) return fail(3);
+                if (drv_->event_record(st.event, st.handle) != CUDA_SUCCESS) return fail(4);
                 st.dirty = false;
             }
-            if (st.event == nullptr) return false;
+            if (st.event == nullptr) return fail(5);
             const CUresult q = drv_->event_query(st.event);
             if (q == CUDA_SUCCESS) st.idle = true;
-            else if (q != CUDA_ERROR_NOT_READY || drv_->stream_wait_event(mine_, st.event, 0) != CUDA_SUCCESS) return false;
+            else if (q != CUDA_ERROR_NOT_READY) return fail(6);
+            else if (drv_->stream_wait_event(mine_, st.event, 0) != CUDA_SUCCESS) return fail(7);
         }
         if (n_ < kRemembered) joined_[n_++] = from;
         ++joins;
@@ -64,6 +66,10 @@ public:
     uint64_t joins = 0;
 
 private:
+    bool fail(int why) {
+        dp_.join_failures[why].fetch_add(1, std::memory_order_relaxed);
+        return false;
+    }
     // In the context of the stream's own device, whichever device's thread asks.
     bool create_event(StreamState& st) {
         if (caller_ == dp_.device) return drv_->event_create(&st.event, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
