@@ -249,7 +249,8 @@ private:
     std::mutex report_mu_;
     std::mutex wanted_mu_;
     std::vector<std::pair<uint32_t, uint32_t>> wanted_;  // (model, slice) to register
-    std::atomic<bool> follow_locks_{false};  // PIN=register: a daemon's locks, not misses, choose
+    std::atomic<bool> follow_locks_{false};
+    std::atomic<bool> told_destroy_{false};  // PIN=register: a daemon's locks, not misses, choose
     std::mutex sync_mu_;
     std::condition_variable sync_cv_;
 

@@ -67,8 +67,18 @@ void Engine::on_stream_destroy(CUstream stream) {
             if (st.dirty) {
                 DeviceContext ctx(drv, dp->device);
                 if (st.event == nullptr) (void)drv->event_create(&st.event, CU_EVENT_DISABLE_TIMING);
-                // If this fails the slots it used stay its own: no other stream can be ordered after it.
-                if (st.event != nullptr && drv->event_record(st.event, stream) == CUDA_SUCCESS) st.dirty = false;
+                const CUresult r = st.event != nullptr ? drv->event_record(st.event, stream) : CUDA_ERROR_INVALID_HANDLE;
+                if (r == CUDA_SUCCESS) {
+                    st.dirty = false;
+                } else if (drv->stream_synchronize(stream) == CUDA_SUCCESS || drv->ctx_synchronize() == CUDA_SUCCESS) {
+                    // Seen on a second GPU: the record refused while the runtime tore its context
+                    // down. Waiting once here beats slots that no later stream could take over.
+                    st.dirty = false;
+                    st.idle = true;
+                    if (cfg_.log && !told_destroy_.exchange(true))
+                        say("device %d: recording a stream being destroyed failed (CUDA error %d); waited for it instead",
+                            dp->device, static_cast<int>(r));
+                }
             }
             st.retired = true;
             st.handle = nullptr;
