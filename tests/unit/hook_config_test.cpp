@@ -45,7 +45,9 @@ TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
                                 [&](const std::string& line) { said.push_back(line); });
     };
     auto c = read();
-    EXPECT_EQ(c.pin, PinMode::Auto) << "staging where it pays, by default";
+    EXPECT_EQ(c.pin, PinMode::Auto) << "the registered tier, and staging where it pays, by default";
+    EXPECT_TRUE(c.registers());
+    EXPECT_TRUE(c.peers);
     EXPECT_EQ(c.pool.of(0), PoolSize{});
     EXPECT_TRUE(c.client);
     EXPECT_TRUE(c.one_place);
@@ -59,8 +61,15 @@ TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
     EXPECT_FALSE(c.one_place);
     EXPECT_TRUE(c.log);
     EXPECT_TRUE(said.empty());
+    EXPECT_FALSE(c.registers()) << "all registers everything at once, not a tier";
+    env = {{"MOECACHE_CUDA_PIN", "register"}, {"MOECACHE_CUDA_PIN_BUDGET", "8G"}, {"MOECACHE_CUDA_PEER", "off"}};
+    c = read();
+    EXPECT_TRUE(c.registers());
+    EXPECT_EQ(c.pin_budget, 8ull << 30);
+    EXPECT_FALSE(c.peers);
     env = {{"MOECACHE_CUDA_PIN", "staging"}, {"MOECACHE_CUDA_STAGING_THREADS", "4"}};
     EXPECT_EQ(read().pin, PinMode::Staging);
+    EXPECT_FALSE(read().registers());
     EXPECT_EQ(read().staging_threads, 4u);
     env = {{"MOECACHE_CUDA_STAGING_THREADS", "0"}};
     EXPECT_EQ(read().staging_threads, 0u);

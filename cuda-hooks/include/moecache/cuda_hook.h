@@ -4,21 +4,24 @@
  *
  * Environment (read once, at the first CUDA call):
  *   MOECACHE_CUDA=off        pass everything through untouched
- *   MOECACHE_CUDA_POOL=SIZE  VRAM pool per device: "25%" of the expert bytes of the layers that
- *                            device copies (with several GPUs, each serves its own layers),
- *                            "8G"/"512M"/bytes, "0" for telemetry only, or "auto" (the default: as
- *                            much as those experts need, within free memory less a reserve); one
- *                            device's own as "DEVICE:SIZE", e.g. "0:12G,1:6G" or "25%,1:4G"
- *   MOECACHE_CUDA_PIN=MODE   how copies that miss the pool reach the GPU: "auto" (the default:
- *                            through pinned staging buffers that several threads fill, where a
- *                            measurement at start shows that faster than the driver's own copy),
- *                            "staging" (always), "off" (as the runtime asks), "all" (register
- *                            every expert byte of mapped models for DMA: page-locks them all, for
- *                            machines whose RAM holds the model), or "register" (experimental: each
- *                            slice that misses is registered on its own, within
- *                            MOECACHE_CUDA_PIN_BUDGET=SIZE, default half of RAM, and copied
- *                            straight from its pages from then on; the rest staged; with a daemon
- *                            connected, what it keeps locked is registered instead)
+ *   MOECACHE_CUDA_POOL=SIZE  VRAM pool per device: "25%" of the bytes of the expert tensors that
+ *                            device copies (with several GPUs, each serves its own), "8G"/"512M"/
+ *                            bytes, "0" for telemetry only, or "auto" (the default: as much as
+ *                            those experts need, within free memory less a reserve); one device's
+ *                            own as "DEVICE:SIZE", e.g. "0:12G,1:6G" or "25%,1:4G"
+ *   MOECACHE_CUDA_PIN=MODE   how copies that miss the pool reach the GPU: "auto" (the default) and
+ *                            "register": a registered tier (page-locked for DMA, copied straight
+ *                            from the pages) within MOECACHE_CUDA_PIN_BUDGET=SIZE (default half of
+ *                            RAM): every expert tensor, registered in the background, when the
+ *                            budget holds them all and no daemon is connected; else the slices that
+ *                            miss; with a daemon, what it keeps locked. The rest goes through
+ *                            pinned staging buffers that several threads fill (auto: where a
+ *                            measurement at start shows that faster than the driver's own copy).
+ *                            "staging" (staging only), "off" (as the runtime asks), "all" (every
+ *                            expert byte of mapped models registered at once: for machines whose
+ *                            RAM holds the model; no one place)
+ *   MOECACHE_CUDA_PEER=off   a device's copies read only its own pool (default: other devices'
+ *                            pools too, peer to peer, with peer access enabled between them)
  *   MOECACHE_CUDA_STAGING_THREADS=N  threads that copy misses into pinned buffers (the caller
  *                            included; default: every core but one, at most 16)
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even

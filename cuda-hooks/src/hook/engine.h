@@ -133,6 +133,7 @@ private:
         uint32_t tensor = UINT32_MAX;  // of the last copy
         uint32_t experts = 0;          // its slices copied so far in this step
         uint32_t most = 0;             // the most of any tensor's in this step
+        uint32_t before = 0;           // `most` of the step before (the previous layer's)
     };
     struct DevicePool {
         int device = 0;

@@ -258,14 +258,16 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         // expert, leaves the decoding hot set alone. A few sequences decoded together stay well
         // under that. Every tensor counts: a device may copy only some of a layer's (llama.cpp on
         // two GPUs runs the last layers' down projections on the second, the rest on the first).
+        // A batch runs through every layer: the previous layer's step says what the first copies
+        // of this one are, before they are many.
         auto& step = dp->step;
-        if (step.model != m.id || step.layer != ls) step = LayerStep{m.id, ls, cls->tensor, 0, 0};
+        if (step.model != m.id || step.layer != ls) step = LayerStep{m.id, ls, cls->tensor, 0, 0, step.most};
         if (step.tensor != cls->tensor) step.experts = 0;
         step.tensor = cls->tensor;
         step.experts += cls->n_experts;
         step.most = std::max(step.most, step.experts);
         const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
-        batch = !routing || cls->n_experts > wide || step.most > wide;
+        batch = !routing || cls->n_experts > wide || std::max(step.most, step.before) > wide;
         const uint32_t tensor_id = m.slice(ls, cls->tensor, 0) / nexp;
         if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
             dp->seen[m.id][tensor_id] = 1;
