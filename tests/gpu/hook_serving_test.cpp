@@ -387,6 +387,29 @@ TEST_F(RegisterAhead, TheWholeModelIsRegisteredAheadWhenTheBudgetHoldsIt) {
     destroy(s);
 }
 
+class AutoOverBudget : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "auto"}, {"MOECACHE_CUDA_PIN_BUDGET", "16M"}};
+    }
+};
+
+// auto when the budget cannot hold the model and no daemon is there: nothing is registered (slices
+// pinned in the order they first missed are no hot set); misses are staged or copied as asked.
+TEST_F(AutoOverBudget, NothingIsRegisteredWithoutADaemonToChoose) {
+    auto s = new_streams();
+    warm_up(s);
+    for (int i = 0; i < 30 && !HasFailure(); ++i) token(s, i % 5 == 0);
+    (void)hook_.sync(2000);
+    const auto st = hook_.stats();
+    EXPECT_EQ(st.pinned_bytes, 0u);
+    EXPECT_GT(st.slice_misses, 0u);
+    if (cu_.fake()) {
+        EXPECT_EQ(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 0u);
+    }
+    EXPECT_EQ(st.fallbacks, 0u);
+    destroy(s);
+}
+
 // llama.cpp runs the expert products of host-resident weights on its first GPU for every layer:
 // device 0 copies the experts of layers whose other work runs on device 1. With peer access it
 // reads them from device 1's pool, byte for byte, while device 1 goes on using (and evicting from)

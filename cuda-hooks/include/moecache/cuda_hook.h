@@ -13,8 +13,9 @@
  *                            "register": a registered tier (page-locked for DMA, copied straight
  *                            from the pages) within MOECACHE_CUDA_PIN_BUDGET=SIZE (default half of
  *                            RAM): every expert tensor, registered in the background, when the
- *                            budget holds them all and no daemon is connected; else the slices that
- *                            miss; with a daemon, what it keeps locked. The rest goes through
+ *                            budget holds them all and no daemon is connected; with a daemon, what
+ *                            it keeps locked; else nothing (auto) or the slices that miss
+ *                            (register). The rest goes through
  *                            pinned staging buffers that several threads fill (auto: where a
  *                            measurement at start shows that faster than the driver's own copy).
  *                            "staging" (staging only), "off" (as the runtime asks), "all" (every

@@ -145,7 +145,7 @@ void Engine::drain_placements() {
             if (ev.in_vram && one_place) drop_host_copy(m, block, e);
             // An expert in the pool is copied from the pool: its pages need no registration (with a
             // daemon, whose locks the tier follows, or when the tier cannot hold every expert).
-            if (ev.in_vram && cfg_.registers() && (follow_locks_.load() || !ahead_)) {
+            if (ev.in_vram && cfg_.registers() && (follow_locks_.load() || !ahead_.load())) {
                 const uint32_t ls = ev.expert / m.map.n_experts;
                 for (uint32_t t = 0; t < m.slices_per_expert[ls]; ++t)
                     unregister_slice(*models_[ev.model], m.slice(static_cast<int32_t>(ls), t, e));

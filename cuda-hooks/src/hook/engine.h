@@ -240,7 +240,7 @@ private:
     bool pinned_all_ = false;  // every mapped expert byte registered for DMA
     bool told_unmapped_ = false;
     // Registering ahead (the budget holds every expert slice, no daemon): where it has got to.
-    bool ahead_ = false;
+    std::atomic<bool> ahead_{false};  // the budget holds every expert of the models mapped
     size_t ahead_models_ = SIZE_MAX, ahead_model_ = 0;
     size_t ahead_run_ = 0;
     std::vector<std::pair<void*, size_t>> ahead_ranges_;  // registered whole tensors

@@ -115,6 +115,12 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
                                        uint64_t slice_bytes, CUdeviceptr dst, const uint8_t* src, uint64_t offset,
                                        uint64_t bytes, CUstream stream) {
     if (!cfg_.registers()) return copy_from_host(dp, dst + offset, src + offset, bytes, stream);
+    // What misses ask for: with a daemon, nothing (its locks choose); registering ahead, the runs
+    // of what missed first; PIN=register, each slice that missed. auto when the budget cannot hold
+    // the model and no daemon is there registers nothing: slices pinned in the order they first
+    // missed are no hot set, and they would squeeze the page cache that the rest is read through.
+    const bool asks = !follow_locks_.load(std::memory_order_relaxed) &&
+                      (cfg_.pin == PinMode::Register || ahead_.load(std::memory_order_relaxed));
     const Driver* drv = driver();
     const uint64_t page = 4096;
     // Bytes [run, direct_lo) go the usual way, [direct_lo, direct_hi) straight from registered
@@ -147,9 +153,9 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
             const auto a = reinterpret_cast<uintptr_t>(src + s0), b = reinterpret_cast<uintptr_t>(src + s1);
             // As slice_pages: a slice that starts on a page boundary keeps its first page out.
             direct(((a + page) & ~(page - 1)) - reinterpret_cast<uintptr_t>(src), (b & ~(page - 1)) - reinterpret_cast<uintptr_t>(src));
-        } else if (state == Model::kNone) {
+        } else if (state == Model::kNone && asks) {
             uint8_t expected = Model::kNone;
-            if (!follow_locks_.load(std::memory_order_relaxed) && flag.compare_exchange_strong(expected, Model::kAsked)) {
+            if (flag.compare_exchange_strong(expected, Model::kAsked)) {
                 std::lock_guard lock(wanted_mu_);
                 wanted_.emplace_back(m.id, m.slice(ls, tensor, e));
             }

@@ -251,17 +251,17 @@ bool Engine::register_wanted() {
         for (const Model* m : models_)
             for (const auto& l : m->map.layers)
                 for (const auto& t : l.tensors) all += t.bytes_per_expert * m->map.n_experts;
-        ahead_ = all <= budget;
+        ahead_.store(all <= budget);
         ahead_model_ = 0;
         ahead_run_ = 0;
-        if (cfg_.log && ahead_)
+        if (cfg_.log && ahead_.load())
             say("registering the %.2f GiB of expert tensors for DMA, in the background (budget %.2f GiB)",
                 static_cast<double>(all) / 1073741824.0, static_cast<double>(budget) / 1073741824.0);
     }
     // A daemon connected whose policy has not come yet will have its locks followed: wait for it.
     moecache_client_stats cs{};
     if (client_ != nullptr) moecache_client_stats_get(client_, &cs);
-    const bool ahead = ahead_ && !follow_locks_.load() && cs.connected == 0;
+    const bool ahead = ahead_.load() && !follow_locks_.load() && cs.connected == 0;
     if (wanted.empty() && !(ahead && ahead_model_ < models_.size())) return false;
     DeviceContext ctx(drv, device);
     if (!ctx.ok()) return false;

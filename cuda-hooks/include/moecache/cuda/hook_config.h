@@ -37,11 +37,11 @@ struct PoolSizes {
 // that the device reads at DMA speed. all: every expert byte registered for DMA at once
 // (page-locked; for machines whose RAM holds the model). register: a registered tier within a
 // budget (MOECACHE_CUDA_PIN_BUDGET, default half of memory), its copies straight from the pages at
-// DMA speed and split at the registrations' page-aligned edges, the rest staged. Without a daemon
-// the tier is the slices that missed, and every expert slice when the budget holds them all
-// (registered ahead in the background); with a daemon it is what the daemon keeps locked (its Lock
-// and Unlock directives). auto, the default: register, with the rest staged only where a
-// measurement at start shows staging faster than the runtime's own copy.
+// DMA speed, the rest staged: every expert tensor, registered ahead in the background, when the
+// budget holds them all and no daemon is connected; with a daemon, what it keeps locked (its Lock
+// and Unlock directives); otherwise the slices that miss. auto, the default: the same, except that
+// without a daemon and with a model the budget cannot hold it registers nothing, and the rest is
+// staged only where a measurement at start shows staging faster than the runtime's own copy.
 enum class PinMode { Off, Auto, Staging, All, Register };
 
 struct HookConfig {
