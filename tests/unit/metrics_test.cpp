@@ -44,6 +44,8 @@ DaemonStatus sample() {
     e.tier = Tier::Storage;
     e.vram_holders = 1;
     m.experts.push_back(e);
+    e.tier = Tier::Locked;  // in a pool and locked as well ([vram] keep_ram_copy)
+    m.experts.push_back(e);
     s.models.push_back(m);
     ModelStatus plain;
     plain.id = 4;
@@ -78,6 +80,9 @@ TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
               std::string::npos);
     EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\",tier=\"ram\"} 1\n"),
               std::string::npos);
+    EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\",tier=\"vram+ram\"} 1\n"),
+              std::string::npos)
+        << "an expert in a pool and locked is counted once, as both";
     EXPECT_NE(text.find("moecache_page_cache_events_dropped_total{kind=\"fault\"} 1\n"), std::string::npos);
     EXPECT_NE(text.find("moecache_router_events_total 7\n"), std::string::npos);
     EXPECT_NE(text.find("moecache_vram_pool_hits_total{device=\"1\"} 90\n"), std::string::npos);
@@ -127,6 +132,17 @@ TEST(Metrics, TheDashboardAsksOnlyForWhatIsServedInValidPromQL) {
     test::write_file(dir.file("rules.yml"), rules);
     const auto r = test::run({"promtool", "check", "rules", dir.file("rules.yml")});
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err << rules;
+}
+
+// One word for where an expert is, for /metrics and D-Bus alike (they used to disagree about an
+// expert in a pool that the daemon also keeps locked).
+TEST(Placement, EveryCombinationHasOneWord) {
+    EXPECT_STREQ(to_string(placement(Tier::Storage, 0)), "ssd");
+    EXPECT_STREQ(to_string(placement(Tier::Fetching, 0)), "fetching");
+    EXPECT_STREQ(to_string(placement(Tier::Locked, 0)), "ram");
+    EXPECT_STREQ(to_string(placement(Tier::Storage, 1)), "vram");
+    EXPECT_STREQ(to_string(placement(Tier::Fetching, 2)), "vram") << "read for RAM while a pool holds it: the pool serves it";
+    EXPECT_STREQ(to_string(placement(Tier::Locked, 1)), "vram+ram");
 }
 
 }  // namespace

@@ -289,7 +289,7 @@ struct DbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model
             out.reserve(n);
             for (size_t i = 0; i < n; ++i) {
                 const auto& e = ex[i];
-                const std::string tier = e.tier == Tier::Locked ? "ram" : e.vram_holders > 0 ? "vram" : to_string(e.tier);
+                const std::string tier = to_string(placement(e.tier, e.vram_holders));
                 out.emplace_back(e.block, e.expert, tier, e.heat, e.uses, e.bytes, e.cached_bytes, e.locked_bytes, e.pinned,
                                  e.vram_holders);
             }

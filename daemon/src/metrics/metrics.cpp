@@ -127,13 +127,14 @@ std::string render_metrics(const DaemonStatus& s) {
 
     w.family("moecache_model_loaded", "gauge", "1 when the model is open and managed, 0 when it cannot be (see the log).");
     for (const auto& m : s.models) w.sample("moecache_model_loaded", model_labels(m), uint64_t{m.loaded ? 1u : 0u});
-    w.family("moecache_experts", "gauge", "Routed experts per tier: ssd (storage only), fetching, ram (locked), vram (in a pool).");
+    w.family("moecache_experts", "gauge",
+             "Routed experts per tier: ssd (storage only), fetching, ram (locked), vram (in a pool), vram+ram (in a pool "
+             "and locked in RAM too).");
     for (const auto& m : s.models) {
-        std::map<std::string, uint64_t> tiers{{"ssd", 0}, {"fetching", 0}, {"ram", 0}, {"vram", 0}};
-        for (const auto& e : m.experts) {
-            if (e.vram_holders > 0) ++tiers["vram"];
-            else ++tiers[to_string(e.tier)];
-        }
+        std::map<std::string, uint64_t> tiers;
+        for (auto p : {Placement::Storage, Placement::Fetching, Placement::Ram, Placement::Vram, Placement::VramAndRam})
+            tiers[to_string(p)] = 0;
+        for (const auto& e : m.experts) ++tiers[to_string(placement(e.tier, e.vram_holders))];
         for (const auto& [tier, n] : tiers)
             w.sample("moecache_experts", fmt::format("{},tier=\"{}\"", model_labels(m), tier), n);
     }
