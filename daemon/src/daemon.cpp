@@ -321,7 +321,7 @@ void Daemon::open_model(ModelEntry& m) {
         m.res->share_heat(o->res->shared_heat());
         MC_LOG(LOG_INFO, "model {}: family {}: shares heat with {}", m.path, family, o->path);
         m.warm_pending = config_.warm_start && h.clock() > 0;
-        (void)m.res->refresh_cached();
+        note("reading the page cache's residency", m.res->refresh_cached());
         return;
     }
     const std::string pp = profile_path(m.res->model().profile_key());
@@ -333,7 +333,7 @@ void Daemon::open_model(ModelEntry& m) {
         else MC_LOG(LOG_WARNING, "model {}: heat profile ignored: {}", m.path, ok.error().what());
         m.warm_pending = ok && config_.warm_start;
     }
-    (void)m.res->refresh_cached();
+    note("reading the page cache's residency", m.res->refresh_cached());
 }
 
 void Daemon::close_model(ModelEntry& m, const std::string& why) {
@@ -346,10 +346,10 @@ void Daemon::close_model(ModelEntry& m, const std::string& why) {
         MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
     for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
         if (m.res->state(s).tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, s));
-        (void)m.res->release(s, false);
+        note("unlocking a closed model", m.res->release(s, false));
     }
     if (m.res->state(kDenseSlot).tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, kDenseSlot));
-    (void)m.res->release(kDenseSlot, false);
+    note("unlocking a closed model", m.res->release(kDenseSlot, false));
     unwatch_files(m);
     m.res.reset();
     m.waiting.clear();
@@ -383,7 +383,7 @@ void Daemon::unwatch_files(ModelEntry& m) {
             return std::any_of(o->res->model().files().begin(), o->res->model().files().end(),
                                [&](const ModelFile& of) { return of.identity.dev == f.identity.dev && of.identity.ino == f.identity.ino; });
         });
-        if (!shared) (void)page_cache_->unwatch(f.identity.dev, f.identity.ino);
+        if (!shared) note("unwatching a model file's page cache", page_cache_->unwatch(f.identity.dev, f.identity.ino));
     }
     m.file_ids.clear();
 }
@@ -653,12 +653,26 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
     }
 }
 
+void Daemon::note_error(const char* doing, const std::string& what) {
+    auto& e = errors_[doing];
+    ++e.total;
+    const auto now = std::chrono::steady_clock::now();
+    if (e.total > 1 && now - e.logged < std::chrono::minutes(1)) {
+        ++e.unlogged;
+        return;
+    }
+    if (e.unlogged > 0) MC_LOG(LOG_WARNING, "{} failed: {} (and {} more times since the last report)", doing, what, e.unlogged);
+    else MC_LOG(LOG_WARNING, "{} failed: {}", doing, what);
+    e.logged = now;
+    e.unlogged = 0;
+}
+
 void Daemon::tick() {
     cgroup_ = own_memory_cgroup_limit();
     refresh_models();
     for (auto& m : models_)
         if (m->res) {
-            (void)m->res->refresh_cached();
+            note("reading the page cache's residency", m->res->refresh_cached());
             // One place, again each tick: a runtime's read of a neighbour can map an expert's pages
             // back (fault-around) before they were dropped.
             for (uint32_t s = 0; s < m->res->n_slots(); ++s)
@@ -675,7 +689,7 @@ void Daemon::tick() {
         pressure_cap_ = UINT64_MAX;
     }
     if (now - last_save_ > std::chrono::duration<double>(config_.save_interval_seconds)) {
-        (void)save_profiles();
+        note("saving heat profiles", save_profiles());
         last_save_ = now;
     }
     place();
@@ -872,7 +886,7 @@ Result<void> Daemon::run() {
         if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
     }
     if (auto n = systemd::notify("STOPPING=1"); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
-    if (tracing()) (void)stop_trace();
+    if (tracing()) note("stopping the routing trace", stop_trace());
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_)
         if (m->res) close_model(*m, "the daemon stops");
@@ -999,6 +1013,7 @@ DaemonStatus Daemon::status(bool experts) const {
     }
     s.vram_releases = vram_releases_;
     s.unmapped_copy_bytes = unmapped_bytes_;
+    for (const auto& [doing, e] : errors_) s.errors[doing] = e.total;
     for (const auto& c : clients_)
         if (!c->dead && c->unmapped.no_model && c->unmapped.bytes > 0) ++s.clients_without_model;
     for (const auto& c : clients_) {

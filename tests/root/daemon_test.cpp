@@ -121,6 +121,25 @@ TEST_F(DaemonTest, NeverLocksMoreThanTheBudget) {
     EXPECT_EQ(s.vmlck_bytes - vmlck_before, s.locked_bytes);
 }
 
+// A failure the loop goes on after is counted by what the daemon was doing (and logged), not
+// dropped: here the heat profiles cannot be saved, their folder having become a file.
+TEST_F(DaemonTest, AFailedProfileSaveInATickIsCounted) {
+    auto c = config();
+    c.save_interval_seconds = 0;
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    route(**d, *(*d)->model_id(model_), 0, {1, 2}, 3);
+    (*d)->tick();
+    EXPECT_EQ((*d)->status().errors.count("saving heat profiles"), 0u) << "saving works to begin with";
+    std::filesystem::remove_all(dir_.file("state"));
+    test::write_file(dir_.file("state"), "not a folder");
+    (*d)->tick();
+    (*d)->tick();
+    const auto s = (*d)->status();
+    ASSERT_EQ(s.errors.count("saving heat profiles"), 1u);
+    EXPECT_EQ(s.errors.at("saving heat profiles"), 2u);
+}
+
 TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {
     {
         auto d = Daemon::create(config());

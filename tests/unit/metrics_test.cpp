@@ -66,6 +66,7 @@ DaemonStatus sample() {
     s.reserve = 2ull << 30;
     s.unmapped_copy_bytes = 3ull << 30;
     s.clients_without_model = 1;
+    s.errors["saving heat profiles"] = 2;
     return s;
 }
 
@@ -93,6 +94,7 @@ TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
     EXPECT_NE(text.find("moecache_reserve_bytes 2147483648\n"), std::string::npos);
     EXPECT_NE(text.find("moecache_hook_unmapped_copy_bytes_total 3221225472\n"), std::string::npos);
     EXPECT_NE(text.find("moecache_hook_clients_without_model_mapping 1\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_daemon_errors_total{doing=\"saving heat profiles\"} 2\n"), std::string::npos);
     for (size_t at = 0; (at = text.find('\n', at)) != std::string::npos; ++at)
         ASSERT_TRUE(at + 1 == text.size() || text[at + 1] == '#' || text.compare(at + 1, 9, "moecache_") == 0)
             << "a raw newline inside a sample at byte " << at;

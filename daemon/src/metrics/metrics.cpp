@@ -199,6 +199,10 @@ std::string render_metrics(const DaemonStatus& s) {
     w.scalar("moecache_hook_clients_without_model_mapping", "gauge",
              "Connected CUDA hooks whose runtime copies large buffers to the GPU but maps no model.", s.clients_without_model);
 
+    w.family("moecache_daemon_errors_total", "counter",
+             "Failures the daemon went on after, by what it was doing (the log has the first of each and then one a minute).");
+    for (const auto& [doing, n] : s.errors) w.sample("moecache_daemon_errors_total", fmt::format("doing=\"{}\"", escape_label_value(doing)), n);
+
     static constexpr std::array<const char*, 4> kKinds = {"added", "deleted", "fault", "mapped"};
     w.family("moecache_page_cache_events_total", "counter", "Page-cache events the kernel sent, per kind.");
     for (size_t k = 0; k < kKinds.size(); ++k)

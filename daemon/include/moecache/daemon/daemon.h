@@ -128,6 +128,8 @@ struct DaemonStatus {
     std::string bus;               // the D-Bus name's bus ("" when not on one)
     bool tracing = false;
     uint64_t trace_records = 0;
+    // Failures the loop went on after, by what it was doing (moecache_daemon_errors_total).
+    std::map<std::string, uint64_t> errors;
     std::vector<ClientStatus> clients;
     std::vector<ModelStatus> models;
 };
@@ -279,6 +281,18 @@ private:
     uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
     std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
     uint64_t unmapped_bytes_ = 0;                        // accumulated from Unmapped
+    // Failures the loop goes on after: counted by what it was doing, logged the first time and
+    // then at most once a minute for each, with how many came in between.
+    struct IgnoredErrors {
+        uint64_t total = 0, unlogged = 0;
+        std::chrono::steady_clock::time_point logged{};
+    };
+    std::map<std::string, IgnoredErrors> errors_;
+    template <class T>
+    void note(const char* doing, const Result<T>& r) {
+        if (!r) note_error(doing, r.error().what());
+    }
+    void note_error(const char* doing, const std::string& what);
     bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
     [[nodiscard]] int loop_timeout() const;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
