@@ -87,7 +87,7 @@ Result<uint32_t> Daemon::add_model(const std::string& path) {
     const uint32_t id = e->id;
     MC_LOG(LOG_INFO, "model {} registered by the operator (id {})", path, id);
     models_.push_back(std::move(e));
-    place();
+    request_place();
     return id;
 }
 
@@ -110,7 +110,7 @@ Result<void> Daemon::remove_model(uint32_t id) {
         return fail(EBUSY, fmt::format("model {} is in use by {} connected runtime(s): unregister it when they are done", m.path, users));
     close_model(m, "unregistered by the operator");
     models_.erase(it);
-    place();
+    request_place();
     return {};
 }
 
@@ -125,7 +125,7 @@ Result<void> Daemon::set_budget(const std::string& name, const std::string& amou
     MC_LOG(LOG_INFO, "budget {} set to {} by the operator: lock cap now {} MiB", name, format_bytes(a->resolve(mem_total_)),
            lock_cap() >> 20);
     announce_budget(name, a->resolve(mem_total_));
-    place();
+    request_place();
     return {};
 }
 
@@ -142,7 +142,7 @@ Result<void> Daemon::set_model_budget(uint32_t id, const std::string& amount) {
     MC_LOG(LOG_INFO, "model {}: budget {} by the operator", m->path,
            budget ? format_bytes(budget->resolve(mem_total_)) : std::string("removed"));
     announce_budget(fmt::format("model:{}", id), budget ? budget->resolve(mem_total_) : UINT64_MAX);
-    place();
+    request_place();
     return {};
 }
 
@@ -157,7 +157,7 @@ Result<uint32_t> Daemon::set_pinned(uint32_t id, std::span<const std::string> sp
         m->res->set_pinned(s, pinned);
     }
     MC_LOG(LOG_INFO, "model {}: {} expert(s) {} by the operator", m->path, changed, pinned ? "pinned" : "unpinned");
-    place();
+    request_place();
     return changed;
 }
 
@@ -264,7 +264,7 @@ Result<void> Daemon::import_profile(uint32_t id, const std::string& text) {
     if (auto r = m->res->heat().load_profile(text, key, "the imported profile"); !r) return invalid(r.error().message);
     MC_LOG(LOG_INFO, "model {}: heat profile imported by the operator", m->path);
     m->warm_pending = config_.warm_start;
-    place();
+    request_place();
     return {};
 }
 

@@ -544,6 +544,8 @@ void Daemon::warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index) {
 }
 
 void Daemon::place() {
+    place_requested_ = false;
+    ++plans_;
     std::vector<ModelView> views;
     std::vector<ModelEntry*> loaded;
     std::map<std::string, uint32_t> families;
@@ -692,7 +694,7 @@ void Daemon::tick() {
         note("saving heat profiles", save_profiles());
         last_save_ = now;
     }
-    place();
+    request_place();
     flush_trace();
     if (metrics_) metrics_->publish(render_metrics(status()));
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
@@ -708,7 +710,7 @@ void Daemon::on_pressure(const std::string& source) {
     MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source,
            pressure_cap_ >> 20);
     if (dbus_) dbus_->pressure_backoff(source, pressure_cap_);
-    place();
+    request_place();
 }
 
 void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
@@ -790,7 +792,7 @@ Result<void> Daemon::reload(Config config) {
     for (auto& m : models_)
         if (m->res) m->res->heat().set_half_life(config_.decay_half_life_tokens);
     refresh_models();
-    place();
+    request_place();
     MC_LOG(LOG_INFO, "configuration reloaded: lock budget now {} MiB", lock_cap() >> 20);
     return {};
 }
@@ -821,7 +823,17 @@ Result<void> Daemon::handle_signal() {
     return {};
 }
 
+void Daemon::request_place() {
+    place_requested_ = true;
+    if (!in_step_) place();
+}
+
 Result<void> Daemon::step(int timeout_ms) {
+    struct InStep {
+        bool& flag;
+        explicit InStep(bool& f) : flag(f) { flag = true; }
+        ~InStep() { flag = false; }
+    } in_step(in_step_);
     epoll_event events[16];
     const int n = ::epoll_wait(epoll_.get(), events, 16, timeout_ms);
     if (n < 0) {
@@ -858,11 +870,12 @@ Result<void> Daemon::step(int timeout_ms) {
     if (page_cache_) consume_page_cache();
     consume_client_telemetry();
     reap_clients();
-    if (want_place) place();
+    if (want_place) place_requested_ = true;
     if (dbus_) {
-        if (bus_ready || dbus_->timeout_ms() == 0) dbus_->process();
-        sync_bus();
+        if (bus_ready || dbus_->timeout_ms() == 0) dbus_->process();  // setters request placement
     }
+    if (place_requested_) place();
+    if (dbus_) sync_bus();
     return {};
 }
 

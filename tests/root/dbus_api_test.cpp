@@ -443,5 +443,45 @@ TEST_F(DbusApi, PressureBackoffIsSignalled) {
     EXPECT_TRUE(w.pressure.load());
 }
 
+// A burst of setters over D-Bus is planned once per loop turn, not once per call: setters record
+// what they change and the turn's end plans it.
+TEST_F(DbusApi, ABurstOfSettersIsPlannedOncePerLoopTurn) {
+    bus_ = std::make_unique<test::PrivateBus>(dir_.path(), std::string(MOECACHE_SOURCE_DIR) + "/dbus/org.moecache1.conf");
+    ASSERT_TRUE(bus_->ok()) << bus_->output();
+    daemon::Config c;
+    c.state_dir = dir_.file("state");
+    c.socket_path = "";
+    c.metrics_listen = "";
+    c.page_cache_telemetry = "off";
+    c.pressure_enabled = false;
+    c.dbus_bus = bus_->address();
+    auto d = daemon::Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    auto conn = sdbus::createSessionBusConnectionWithAddress(bus_->address());
+    auto mgr = sdbus::createProxy(*conn, "org.moecache1", "/org/moecache1");
+    std::atomic<int> replies{0}, errors{0};
+    conn->enterEventLoopAsync();
+    constexpr int kCalls = 20;
+    const uint64_t before = (*d)->plans();
+    for (int i = 0; i < kCalls; ++i)
+        mgr->callMethodAsync("SetBudget")
+            .onInterface("org.moecache1.Manager")
+            .withArguments(std::string("lock"), std::to_string(100 + i) + "MiB")
+            .uponReplyInvoke([&](const sdbus::Error* e) {
+                if (e != nullptr) ++errors;
+                ++replies;
+            });
+    uint64_t turns = 0;
+    for (; turns < 500 && replies < kCalls; ++turns) ASSERT_TRUE((*d)->step(10));
+    conn->leaveEventLoop();
+    ASSERT_EQ(replies.load(), kCalls);
+    EXPECT_EQ(errors.load(), 0);
+    const uint64_t plans = (*d)->plans() - before;
+    EXPECT_GE(plans, 1u);
+    EXPECT_LE(plans, turns) << "at most one plan a turn";
+    EXPECT_LT(plans, static_cast<uint64_t>(kCalls)) << "each setter planned on its own";
+    EXPECT_EQ((*d)->config().lock_budget.resolve(1ull << 40), uint64_t{100 + kCalls - 1} << 20) << "the last setter wins";
+}
+
 }  // namespace
 }  // namespace moecache

@@ -142,9 +142,13 @@ public:
     // Runs until SIGINT or SIGTERM (or stop()), then saves heat and unlocks everything.
     Result<void> run();
     // One turn of the loop: waits up to timeout_ms for events and handles them (tests drive this).
+    // What the turn's events asked of the placement (setters, pressure, the tick, reads done) is
+    // planned once, at the end of the turn.
     Result<void> step(int timeout_ms);
     // Housekeeping and placement, as the tick timer does it.
     void tick();
+    // How many times the placement has been planned since the daemon started.
+    [[nodiscard]] uint64_t plans() const { return plans_; }
     void stop() { stopping_ = true; }
 
     // Telemetry: a batch of `tokens` tokens routed block `block` of model `model` to `experts`.
@@ -195,6 +199,9 @@ private:
     void open_model(ModelEntry& m);
     void close_model(ModelEntry& m, const std::string& why);
     void place();
+    // Placement is due: planned at the end of the loop turn, or now when called outside one (a
+    // test or tool driving the daemon directly).
+    void request_place();
     void on_fetched(uint64_t tag, uint64_t bytes, int err);
     void try_lock(ModelEntry& m, uint32_t slot);
     // [policy] predict: scores the last prediction for this layer, learns, predicts the next
@@ -281,6 +288,8 @@ private:
     uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
     std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
     uint64_t unmapped_bytes_ = 0;                        // accumulated from Unmapped
+    bool in_step_ = false, place_requested_ = false;
+    uint64_t plans_ = 0;
     // Failures the loop goes on after: counted by what it was doing, logged the first time and
     // then at most once a minute for each, with how many came in between.
     struct IgnoredErrors {
