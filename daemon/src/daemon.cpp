@@ -1,4 +1,5 @@
 #include "moecache/daemon/daemon.h"
+#include "moecache/daemon/system_memory.h"
 
 #include "daemon_state.h"
 #include "dbus/dbus_service.h"
@@ -30,14 +31,6 @@ namespace {
 
 constexpr uint64_t kLockBytesPerTurn = 512ull << 20;  // bounds how long one turn spends in mlock
 
-uint64_t proc_kib(const char* file, std::string_view key) {
-    std::ifstream f(file);
-    std::string line;
-    while (std::getline(f, line))
-        if (line.compare(0, key.size(), key) == 0) return std::strtoull(line.c_str() + key.size(), nullptr, 10) * 1024;
-    return 0;
-}
-
 // The files a configured path names: a glob expands to its matches; the parts of one split set
 // count once (by part 1). A plain path that does not exist is still returned, to be retried.
 std::vector<std::string> expand(const std::string& pattern) {
@@ -59,9 +52,15 @@ std::vector<std::string> expand(const std::string& pattern) {
 
 }  // namespace
 
-uint64_t mem_total_bytes() { return proc_kib("/proc/meminfo", "MemTotal:"); }
-uint64_t vmlck_bytes() { return proc_kib("/proc/self/status", "VmLck:"); }
-uint64_t mem_available_bytes() { return proc_kib("/proc/meminfo", "MemAvailable:"); }
+uint64_t mem_total_bytes() {
+    const auto m = read_system_memory();
+    return m ? m->total : 0;
+}
+uint64_t vmlck_bytes() { return read_locked_bytes(); }
+uint64_t mem_available_bytes() {
+    const auto m = read_system_memory();
+    return m ? m->available : 0;
+}
 
 
 Daemon::~Daemon() {
@@ -500,7 +499,7 @@ void Daemon::fetch_missed() {
 void Daemon::warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index) {
     m.warm_pending = false;
     auto& r = *m.res;
-    uint64_t room = mem_available_bytes();
+    uint64_t room = memory_now_.available;
     if (cgroup_) room = std::min(room, cgroup_->limit > cgroup_->usage ? cgroup_->limit - cgroup_->usage : 0);
     std::vector<uint8_t> planned(r.n_slots(), 0);
     uint64_t to_lock = 0;
@@ -546,6 +545,8 @@ void Daemon::warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index) {
 void Daemon::place() {
     place_requested_ = false;
     ++plans_;
+    // What the kernel says of memory, read once for the whole plan: no decision below reads /proc.
+    if (const auto m = read_system_memory()) memory_now_ = *m;
     std::vector<ModelView> views;
     std::vector<ModelEntry*> loaded;
     std::map<std::string, uint32_t> families;
@@ -590,7 +591,7 @@ void Daemon::place() {
     // The reserve holds against what the machine has now, not only against RAM: locking cached
     // pages takes them out of MemAvailable, so never lock below reserve.
     const uint64_t reserve = config_.reserve.resolve(mem_total_);
-    const uint64_t available = mem_available_bytes();
+    const uint64_t available = memory_now_.available;
     lockable_this_turn_ = available > reserve ? available - reserve : 0;
     uint64_t budget = kLockBytesPerTurn;
     for (auto* m : loaded) {
@@ -995,7 +996,7 @@ DaemonStatus Daemon::status(bool experts) const {
     s.tracing = tracing();
     s.trace_records = trace_records_;
     s.locked_bytes = total_locked();
-    s.vmlck_bytes = vmlck_bytes();
+    s.vmlck_bytes = read_locked_bytes();
     s.pressure_events = pressure_events_;
     s.under_pressure = pressure_cap_ != UINT64_MAX;
     const auto p = prefetcher_->progress();

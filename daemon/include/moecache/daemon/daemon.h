@@ -11,6 +11,7 @@
 #include "moecache/daemon/memory_cgroup.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
+#include "moecache/daemon/system_memory.h"
 #include "moecache/error.h"
 #include "moecache/systemd.h"
 #include "moecache/unique_fd.h"
@@ -289,6 +290,7 @@ private:
     std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
     uint64_t unmapped_bytes_ = 0;                        // accumulated from Unmapped
     bool in_step_ = false, place_requested_ = false;
+    SystemMemory memory_now_;  // read at the start of each plan
     uint64_t plans_ = 0;
     // Failures the loop goes on after: counted by what it was doing, logged the first time and
     // then at most once a minute for each, with how many came in between.
