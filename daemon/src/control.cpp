@@ -173,20 +173,21 @@ Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> spec
         return r.heat().heat(a / ne, a % ne) > r.heat().heat(b / ne, b % ne);
     });
     uint64_t queued = 0;
-    int32_t priority = 1 << 20;  // behind what the policy wants locked
+    uint32_t order = 0;
     for (uint32_t s : slots) {
         const SlotState& st = r.state(s);
         if (st.tier != Tier::Storage || st.cached_bytes >= r.slot_length(s) || m->prefetching.count(s)) continue;
-        queued += cache_fetch(*m, s, priority++);
+        queued += cache_fetch(*m, s, FetchReason::Operator, order++);
     }
     if (auto sub = prefetcher_->submit(); !sub) return tl::unexpected(sub.error());
     MC_LOG(LOG_INFO, "model {}: prefetch of {} by the operator", m->path, format_bytes(queued));
     return queued;
 }
 
-uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority, bool urgent) {
+uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, uint32_t order) {
+    const int32_t priority = fetch_priority(reason, order);
     if (const auto it = m.prefetching.find(slot); it != m.prefetching.end()) {
-        if (!urgent || it->second.urgent) return 0;
+        if (reason != FetchReason::Miss || it->second.reason == FetchReason::Miss) return 0;
         // Queued behind other work (a warm start, an operator's prefetch) while a runtime waits for
         // it: cancelled (each of its live reads still reports once) and queued again, first.
         prefetcher_->cancel(fetch_tag(m.id, slot, true));
@@ -196,14 +197,14 @@ uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority, boo
     uint32_t reads = 0;
     for (const auto& range : r.ranges(slot)) {
         const auto& f = r.model().files()[range.file];
-        prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, fetch_tag(m.id, slot, true)});
+        prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, fetch_tag(m.id, slot, reason)});
         queued += range.length;
         ++reads;
     }
     if (reads) {
         auto& f = m.prefetching[slot];
         f.reads += reads;
-        f.urgent = f.urgent || urgent;
+        if (f.reads == reads || reason == FetchReason::Miss) f.reason = reason;  // new, or a miss's again
     }
     return queued;
 }

@@ -480,7 +480,7 @@ void Daemon::fetch_missed() {
             if (!m || !m->res || slot >= m->res->n_slots() || !m->res->wanted_in_ram(slot)) continue;
             // Being read for a lock already: that read is as good.
             if (m->res->state(slot).tier != Tier::Storage) continue;
-            const uint64_t q = cache_fetch(*m, slot, std::numeric_limits<int32_t>::min(), /*urgent=*/true);
+            const uint64_t q = cache_fetch(*m, slot, FetchReason::Miss);
             if (q == 0) continue;
             ++miss_fetches_;
             miss_fetch_bytes_ += q;
@@ -531,10 +531,10 @@ void Daemon::warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index) {
         chosen_bytes += need;
     }
     uint64_t queued = 0;
-    int32_t priority = 1 << 19;  // behind what the plan locks, ahead of an operator's prefetch
+    uint32_t n = 0;
     for (size_t i = chosen; i-- > 0;) {
         const uint32_t s = order[i].second;
-        if (r.state(s).cached_bytes < r.slot_length(s)) queued += cache_fetch(m, s, priority++);
+        if (r.state(s).cached_bytes < r.slot_length(s)) queued += cache_fetch(m, s, FetchReason::WarmStart, n++);
     }
     warm_fetch_bytes_ += queued;
     if (queued > 0)
@@ -568,7 +568,7 @@ void Daemon::place() {
         else
             tell_clients(m, r.slot, protocol::Action::Unlock);
     }
-    int32_t priority = 0;
+    uint32_t order = 0;
     for (const auto& r : plan.lock) {
         auto& m = *loaded[r.model];
         SlotState& st = m.res->state(r.slot);
@@ -580,10 +580,11 @@ void Daemon::place() {
         st.tier = Tier::Fetching;
         for (const auto& range : m.res->ranges(r.slot)) {
             const auto& f = m.res->model().files()[range.file];
-            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, priority, fetch_tag(m.id, r.slot)});
+            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, fetch_priority(FetchReason::Plan, order),
+                                  fetch_tag(m.id, r.slot, FetchReason::Plan)});
             ++st.fetches_pending;
         }
-        ++priority;
+        ++order;
     }
     for (uint32_t i = 0; i < loaded.size(); ++i)
         if (loaded[i]->warm_pending) warm_model(*loaded[i], plan, i);
@@ -755,7 +756,7 @@ void Daemon::prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const u
         const SlotState& st = r.state(slot);
         if (st.tier != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.wanted_in_ram(slot)) continue;
         // Behind a runtime's misses, ahead of the plan's locks: the next token is tens of ms away.
-        queued += cache_fetch(m, slot, -(1 << 20));
+        queued += cache_fetch(m, slot, FetchReason::Prediction);
     }
     if (queued == 0) return;
     predict_fetch_bytes_ += queued;

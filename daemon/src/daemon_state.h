@@ -5,6 +5,7 @@
 #include "clients/socket_server.h"
 #include "moecache/client/telemetry_ring.h"
 #include "moecache/daemon/daemon.h"
+#include "moecache/daemon/fetch.h"
 #include "moecache/daemon/predictor.h"
 
 #include <map>
@@ -17,10 +18,11 @@
 namespace moecache::daemon {
 
 // A prefetch request's tag: model id, slot (kDenseSlot included), and whether it is read to stay
-// cached only (an operator's prefetch, a miss, a warm start) rather than to be locked.
+// cached only (every reason but the plan's) rather than to be locked.
 inline uint64_t fetch_tag(uint32_t model, uint32_t slot, bool cache_only = false) {
     return (uint64_t{model} << 32) | slot | (cache_only ? uint64_t{1} << 63 : 0);
 }
+inline uint64_t fetch_tag(uint32_t model, uint32_t slot, FetchReason r) { return fetch_tag(model, slot, cache_only(r)); }
 
 struct Daemon::ModelEntry {
     uint32_t id = 0;
@@ -34,10 +36,10 @@ struct Daemon::ModelEntry {
     uint32_t owner_uid = 0;   // of the client that registered it (registered models only)
     bool operator_added = false;  // registered over D-Bus: stays until unregistered or restart
     // Slots being read into the page cache without a lock (an operator's prefetch, a miss, a warm
-    // start): reads pending, and whether a miss asked for it (read ahead of everything else).
+    // start, a prediction): reads pending, and why (a miss is read ahead of everything else).
     struct CacheFetch {
         uint32_t reads = 0;
-        bool urgent = false;
+        FetchReason reason = FetchReason::Operator;
     };
     std::map<uint32_t, CacheFetch> prefetching;
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement

@@ -8,6 +8,7 @@
 #include "moecache/bpf/page_cache_telemetry.h"
 #include "moecache/client/protocol.h"
 #include "moecache/daemon/config.h"
+#include "moecache/daemon/fetch.h"
 #include "moecache/daemon/memory_cgroup.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
@@ -258,7 +259,8 @@ private:
     void cache_fetched(uint32_t model, uint32_t slot);
     // Reads a slot into the page cache, not locked (tracked in ModelEntry::prefetching): bytes queued.
     // urgent (a miss): a slot already queued behind other work is queued again ahead of it.
-    uint64_t cache_fetch(ModelEntry& m, uint32_t slot, int32_t priority, bool urgent = false);
+    // Reads a slot into the page cache without locking it; returns the bytes queued.
+    uint64_t cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, uint32_t order = 0);
     // A warm start: the profile's used experts beyond the lock plan, as far as free memory goes.
     void warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index);
     void fetch_missed();
