@@ -176,7 +176,7 @@ Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> spec
     uint32_t order = 0;
     for (uint32_t s : slots) {
         const SlotState& st = r.state(s);
-        if (st.tier != Tier::Storage || st.cached_bytes >= r.slot_length(s) || m->prefetching.count(s)) continue;
+        if (st.tier() != Tier::Storage || st.cached_bytes >= r.slot_length(s) || m->prefetching.count(s)) continue;
         queued += cache_fetch(*m, s, FetchReason::Operator, order++);
     }
     if (auto sub = prefetcher_->submit(); !sub) return tl::unexpected(sub.error());
@@ -235,11 +235,11 @@ Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) 
         dropped.push_back(s);
         SlotState& st = r.state(s);
         released += std::max(st.locked_bytes, st.cached_bytes);
-        if (st.tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m->id, s));
+        if (st.tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m->id, s));
         if (m->prefetching.erase(s)) prefetcher_->cancel(fetch_tag(m->id, s, true));
-        const bool was_locked = st.tier == Tier::Locked;
+        const bool was_locked = st.tier() == Tier::Locked;
         if (auto rel = r.release(s, /*drop=*/false); !rel) return tl::unexpected(with_context(rel.error(), m->path));
-        st.tier = Tier::Storage;
+        r.abandon(s);  // a read for a lock, cancelled above
         if (was_locked) tell_clients(*m, s, protocol::Action::Unlock);
     }
     r.drop_cached(dropped);

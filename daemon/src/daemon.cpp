@@ -344,10 +344,10 @@ void Daemon::close_model(ModelEntry& m, const std::string& why) {
     if (auto r = write_file_atomic(profile_path(key), m.res->heat().to_profile(key)); !r)
         MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
     for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
-        if (m.res->state(s).tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, s));
+        if (m.res->state(s).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, s));
         note("unlocking a closed model", m.res->release(s, false));
     }
-    if (m.res->state(kDenseSlot).tier == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, kDenseSlot));
+    if (m.res->state(kDenseSlot).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, kDenseSlot));
     note("unlocking a closed model", m.res->release(kDenseSlot, false));
     unwatch_files(m);
     m.res.reset();
@@ -479,7 +479,7 @@ void Daemon::fetch_missed() {
             ModelEntry* m = find_model(id);
             if (!m || !m->res || slot >= m->res->n_slots() || !m->res->wanted_in_ram(slot)) continue;
             // Being read for a lock already: that read is as good.
-            if (m->res->state(slot).tier != Tier::Storage) continue;
+            if (m->res->state(slot).tier() != Tier::Storage) continue;
             const uint64_t q = cache_fetch(*m, slot, FetchReason::Miss);
             if (q == 0) continue;
             ++miss_fetches_;
@@ -516,7 +516,7 @@ void Daemon::warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index) {
     const uint32_t ne = r.n_experts();
     std::vector<std::pair<double, uint32_t>> order;
     for (uint32_t s = 0; s < r.n_slots(); ++s) {
-        if (planned[s] || r.state(s).tier != Tier::Storage || !r.wanted_in_ram(s)) continue;
+        if (planned[s] || r.state(s).tier() != Tier::Storage || !r.wanted_in_ram(s)) continue;
         if (r.heat().uses(s / ne, s % ne) < config_.admit_after_uses) continue;
         order.emplace_back(r.heat().heat(s / ne, s % ne), s);
     }
@@ -572,12 +572,12 @@ void Daemon::place() {
     for (const auto& r : plan.lock) {
         auto& m = *loaded[r.model];
         SlotState& st = m.res->state(r.slot);
-        if (st.tier != Tier::Storage) continue;
+        if (st.tier() != Tier::Storage) continue;
         if (st.cached_bytes >= m.res->slot_length(r.slot)) {
             m.waiting.push_back(r.slot);  // already cached: lock without reading
             continue;
         }
-        st.tier = Tier::Fetching;
+        m.res->begin_fetch(r.slot);
         for (const auto& range : m.res->ranges(r.slot)) {
             const auto& f = m.res->model().files()[range.file];
             prefetcher_->enqueue({f.fd.get(), range.offset, range.length, fetch_priority(FetchReason::Plan, order),
@@ -613,9 +613,9 @@ void Daemon::place() {
 
 void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
     SlotState& st = m.res->state(slot);
-    if (st.tier == Tier::Locked) return;
+    if (st.tier() == Tier::Locked) return;
     if (!m.res->wanted_in_ram(slot)) {  // a VRAM pool took it while it was being read
-        st.tier = Tier::Storage;
+        m.res->abandon(slot);
         m.res->drop_cached(slot);
         return;
     }
@@ -625,7 +625,7 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
         family_locked(m) + need > family_cap(m) ||
         (ub && uid_locked(m.owner_uid) + need > ub->resolve(mem_total_)) ||
         need > lockable_this_turn_) {
-        st.tier = Tier::Storage;  // the plan will ask again if it still wants it
+        m.res->abandon(slot);  // the plan will ask again if it still wants it
         return;
     }
     auto r = m.res->lock(slot);
@@ -634,7 +634,7 @@ void Daemon::try_lock(ModelEntry& m, uint32_t slot) {
         tell_clients(m, slot, protocol::Action::Lock);
     }
     if (!r) {
-        st.tier = Tier::Storage;
+        m.res->abandon(slot);
         MC_LOG(LOG_WARNING, "model {}: lock: {}", m.path, r.error().what());
         // A file truncated or replaced under us fails here first: look at it again now.
         if (auto same = m.res->model().unchanged(); !same || !*same) close_model(m, "the file changed on disk");
@@ -653,7 +653,7 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
         SlotState& st = m->res->state(slot);
         if (st.fetches_pending > 0) --st.fetches_pending;
         if (err != 0 && err != ECANCELED) MC_LOG(LOG_WARNING, "model {}: prefetch failed: {}", m->path, std::strerror(err));
-        if (st.fetches_pending == 0 && st.tier == Tier::Fetching) m->waiting.push_back(slot);
+        if (st.fetches_pending == 0 && st.tier() == Tier::Fetching) m->waiting.push_back(slot);
     }
 }
 
@@ -680,7 +680,7 @@ void Daemon::tick() {
             // One place, again each tick: a runtime's read of a neighbour can map an expert's pages
             // back (fault-around) before they were dropped.
             for (uint32_t s = 0; s < m->res->n_slots(); ++s)
-                if (!m->res->wanted_in_ram(s) && m->res->state(s).cached_bytes > 0 && m->res->state(s).tier == Tier::Storage)
+                if (!m->res->wanted_in_ram(s) && m->res->state(s).cached_bytes > 0 && m->res->state(s).tier() == Tier::Storage)
                     m->res->drop_cached(s);
         }
     const auto now = std::chrono::steady_clock::now();
@@ -754,7 +754,7 @@ void Daemon::prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const u
     for (uint32_t e : next) {
         const uint32_t slot = layer * ne + e;
         const SlotState& st = r.state(slot);
-        if (st.tier != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.wanted_in_ram(slot)) continue;
+        if (st.tier() != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.wanted_in_ram(slot)) continue;
         // Behind a runtime's misses, ahead of the plan's locks: the next token is tens of ms away.
         queued += cache_fetch(m, slot, FetchReason::Prediction);
     }
@@ -965,8 +965,8 @@ bool Daemon::idle() const {
         if (!m->res) continue;
         if (!m->waiting.empty()) return false;
         for (uint32_t s = 0; s < m->res->n_slots(); ++s)
-            if (m->res->state(s).tier == Tier::Fetching) return false;
-        if (m->res->state(kDenseSlot).tier == Tier::Fetching) return false;
+            if (m->res->state(s).tier() == Tier::Fetching) return false;
+        if (m->res->state(kDenseSlot).tier() == Tier::Fetching) return false;
     }
     return true;
 }
@@ -1080,7 +1080,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
         ms.family = family_of(*m);
         ms.locked_bytes = r.locked_bytes();
         ms.dropped_bytes = r.dropped_bytes();
-        ms.dense_tier = r.state(kDenseSlot).tier;
+        ms.dense_tier = r.state(kDenseSlot).tier();
         ms.dense_bytes = r.slot_bytes(kDenseSlot);
         ms.dense_telemetry = r.telemetry(kDenseSlot);
         const auto& map = r.model().map();
@@ -1092,7 +1092,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
             e.block = map.layers[layer].index;
             e.expert = slot % map.n_experts;
             const auto& st = r.state(slot);
-            e.tier = st.tier;
+            e.tier = st.tier();
             e.heat = r.heat().heat(layer, e.expert);
             e.uses = r.heat().uses(layer, e.expert);
             e.pinned = r.pinned(slot);

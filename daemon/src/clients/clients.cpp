@@ -226,7 +226,7 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
     MC_LOG(LOG_DEBUG, "client {}: expert {} of block {} of {} is in its VRAM pool on device {}", c.id, x.expert, x.block,
            e->path, x.device);
     if (config_.keep_ram_copy || e->res->vram_holders(slot) != 1) return true;
-    if (e->res->state(slot).tier == Tier::Locked) {
+    if (e->res->state(slot).tier() == Tier::Locked) {
         if (auto r = e->res->release(slot, /*drop=*/true); !r)
             MC_LOG(LOG_WARNING, "{}: releasing expert {} of block {} (now in VRAM): {}", e->path, x.expert, x.block,
                    r.error().what());

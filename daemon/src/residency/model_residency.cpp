@@ -103,9 +103,23 @@ std::vector<ByteRange> ModelResidency::ranges(uint32_t slot) const {
 }
 
 
+bool ModelResidency::begin_fetch(uint32_t slot) {
+    SlotState& st = state(slot);
+    if (st.tier_ != Tier::Storage) return false;
+    st.tier_ = Tier::Fetching;
+    return true;
+}
+
+bool ModelResidency::abandon(uint32_t slot) {
+    SlotState& st = state(slot);
+    if (st.tier_ == Tier::Locked) return false;
+    st.tier_ = Tier::Storage;
+    return true;
+}
+
 Result<uint64_t> ModelResidency::lock(uint32_t slot) {
     SlotState& st = state(slot);
-    if (st.tier == Tier::Locked) return uint64_t{0};
+    if (st.tier() == Tier::Locked) return uint64_t{0};
     const auto rs = ranges(slot);
     uint64_t added = 0;
     for (size_t i = 0; i < rs.size(); ++i) {
@@ -116,21 +130,21 @@ Result<uint64_t> ModelResidency::lock(uint32_t slot) {
         }
         added += *r;
     }
-    st.tier = Tier::Locked;
+    st.tier_ = Tier::Locked;
     st.locked_bytes = added;
     return added;
 }
 
 Result<uint64_t> ModelResidency::release(uint32_t slot, bool drop) {
     SlotState& st = state(slot);
-    if (st.tier != Tier::Locked) return uint64_t{0};
+    if (st.tier() != Tier::Locked) return uint64_t{0};
     uint64_t freed = 0;
     for (const auto& r : ranges(slot)) freed += MC_TRY(locker_->unlock(r, drop));
     if (drop) {
         dropped_bytes_ += std::max(st.cached_bytes, freed);
         st.cached_bytes = 0;
     }
-    st.tier = Tier::Storage;
+    st.tier_ = Tier::Storage;
     st.locked_bytes = 0;
     return freed;
 }
@@ -201,7 +215,7 @@ ModelView ModelResidency::view(uint64_t budget) const {
     v.locked.resize(slots_.size());
     v.slot_bytes = slot_bytes_;
     for (uint32_t s = 0; s < slots_.size(); ++s) {
-        v.locked[s] = slots_[s].tier == Tier::Locked;
+        v.locked[s] = slots_[s].tier() == Tier::Locked;
     }
     v.pinned = pinned_;
     if (!keep_ram_copy_ && !vram_.empty()) {
@@ -209,7 +223,7 @@ ModelView ModelResidency::view(uint64_t budget) const {
         for (uint32_t s = 0; s < slots_.size(); ++s) v.in_vram[s] = vram_[s] > 0;
     }
     v.dense_wanted = config_.lock_dense;
-    v.dense_locked = dense_.tier == Tier::Locked;
+    v.dense_locked = dense_.tier() == Tier::Locked;
     v.dense_bytes = dense_bytes_;
     v.budget = budget;
     return v;

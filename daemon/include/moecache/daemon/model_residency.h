@@ -28,11 +28,18 @@ enum class Placement : uint8_t { Storage, Fetching, Ram, Vram, VramAndRam };
 [[nodiscard]] Placement placement(Tier tier, uint32_t vram_holders);
 const char* to_string(Placement p);
 
+class ModelResidency;
+
+// A slot's residency. Its tier changes only through ModelResidency (see "The state machine" there).
 struct SlotState {
-    Tier tier = Tier::Storage;
+    [[nodiscard]] Tier tier() const { return tier_; }
     uint64_t locked_bytes = 0;  // what locking it added to VmLck
     uint64_t cached_bytes = 0;  // in the page cache at the last refresh
     uint32_t fetches_pending = 0;
+
+private:
+    friend class ModelResidency;
+    Tier tier_ = Tier::Storage;
 };
 
 // What the page cache did to a slot's bytes, as eBPF reported it (bpf/).
@@ -92,6 +99,15 @@ public:
         if (rest > 0) fn(kDenseSlot, rest);
     }
 
+    // The state machine of a slot's tier, its transitions here and nowhere else:
+    //   Storage  --begin_fetch-->  Fetching  --lock-->  Locked  --release-->  Storage
+    //   Fetching --abandon-->      Storage   (a pool took it meanwhile, no room this turn, the lock
+    //                                         failed, an operator evicted it)
+    //   Storage  --lock-->         Locked    (its bytes were cached already)
+    // begin_fetch from anything but Storage, and abandon of a locked slot, change nothing and
+    // return false: a locked slot leaves only through release.
+    bool begin_fetch(uint32_t slot);
+    bool abandon(uint32_t slot);
     // Locks every range of a slot (all or nothing).
     Result<uint64_t> lock(uint32_t slot);
     Result<uint64_t> release(uint32_t slot, bool drop);
