@@ -82,10 +82,10 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
 
     d->epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
     if (!d->epoll_) return fail_errno("epoll_create1");
-    auto watch = [&](int fd, uint32_t events) -> Result<void> {
+    auto watch = [&](EventSource source, int fd, uint32_t events) -> Result<void> {
         epoll_event ev{};
         ev.events = events;
-        ev.data.fd = fd;
+        ev.data.u64 = event_data(source, fd);
         if (::epoll_ctl(d->epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) return fail_errno("epoll_ctl add fd {}", fd);
         return {};
     };
@@ -101,12 +101,12 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->sigmask_saved_ = true;
     d->signal_fd_.reset(::signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC));
     if (!d->signal_fd_) return fail_errno("signalfd");
-    MC_TRY_VOID(watch(d->signal_fd_.get(), EPOLLIN));
+    MC_TRY_VOID(watch(EventSource::Signal, d->signal_fd_.get(), EPOLLIN));
 
     d->timer_fd_.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
     if (!d->timer_fd_) return fail_errno("timerfd_create");
     MC_TRY_VOID(d->arm_tick());
-    MC_TRY_VOID(watch(d->timer_fd_.get(), EPOLLIN));
+    MC_TRY_VOID(watch(EventSource::Timer, d->timer_fd_.get(), EPOLLIN));
 
     Prefetcher::Options po;
     po.queue_depth = d->config_.queue_depth;
@@ -115,13 +115,13 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->prefetcher_ = std::make_unique<Prefetcher>(MC_TRY(Prefetcher::create(po)));
     Daemon* self = d.get();
     d->prefetcher_->set_callback([self](uint64_t, uint64_t tag, uint64_t bytes, int err) { self->on_fetched(tag, bytes, err); });
-    MC_TRY_VOID(watch(d->prefetcher_->event_fd(), EPOLLIN));
+    MC_TRY_VOID(watch(EventSource::Reads, d->prefetcher_->event_fd(), EPOLLIN));
 
     if (d->config_.pressure_enabled) {
         auto pm = PressureMonitor::open(d->config_.pressure_stall_us, d->config_.pressure_window_us);
         if (pm) {
             d->pressure_ = std::make_unique<PressureMonitor>(std::move(*pm));
-            for (const auto& trig : d->pressure_->triggers()) MC_TRY_VOID(watch(trig.fd.get(), EPOLLPRI));
+            for (const auto& trig : d->pressure_->triggers()) MC_TRY_VOID(watch(EventSource::Pressure, trig.fd.get(), EPOLLPRI));
         } else {
             MC_LOG(LOG_WARNING, "memory pressure back-off is off: {}", pm.error().what());
         }
@@ -138,7 +138,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         auto pc = bpf::PageCacheTelemetry::open(to, [self](const bpf::PageCacheEvent& e) { self->on_page_cache_event(e); });
         if (pc) {
             d->page_cache_ = std::make_unique<bpf::PageCacheTelemetry>(std::move(*pc));
-            MC_TRY_VOID(watch(d->page_cache_->event_fd(), EPOLLIN));
+            MC_TRY_VOID(watch(EventSource::PageCache, d->page_cache_->event_fd(), EPOLLIN));
             if (!d->page_cache_->faults_attached()) {
                 d->page_cache_off_reason_ = bpf::probe_page_cache_features().missing;
                 MC_LOG(LOG_NOTICE, "page-cache telemetry: reads and evictions only: {}", d->page_cache_off_reason_);
@@ -161,7 +161,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         auto server = SocketServer::listen(d->config_.socket_path);
         if (!server) return tl::unexpected(with_context(server.error(), "the client socket ([daemon] socket)"));
         d->server_ = std::make_unique<SocketServer>(std::move(*server));
-        MC_TRY_VOID(watch(d->server_->fd(), EPOLLIN));
+        MC_TRY_VOID(watch(EventSource::Listener, d->server_->fd(), EPOLLIN));
     }
 
     if (!d->config_.metrics_listen.empty()) {
@@ -180,7 +180,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         if (b) {
             d->dbus_ = std::move(*b);
             d->bus_events_ = d->dbus_->epoll_events();
-            MC_TRY_VOID(watch(d->dbus_->fd(), d->bus_events_));
+            MC_TRY_VOID(watch(EventSource::Bus, d->dbus_->fd(), d->bus_events_));
             MC_LOG(LOG_INFO, "D-Bus: org.moecache1 on the {} bus", d->dbus_->bus());
         } else {
             MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus): {}", b.error().what());
@@ -843,28 +843,41 @@ Result<void> Daemon::step(int timeout_ms) {
         return fail_errno("epoll_wait");
     }
     bool want_place = false, bus_ready = false;
+    // Each event says which source it is (its epoll data): one handler per source.
     for (int i = 0; i < n; ++i) {
-        const int fd = events[i].data.fd;
-        if (fd == signal_fd_.get()) {
-            MC_TRY_VOID(handle_signal());
-        } else if (fd == timer_fd_.get()) {
-            uint64_t expirations;
-            while (::read(fd, &expirations, sizeof expirations) > 0) {}
-            tick();
-        } else if (server_ && fd == server_->fd()) {
-            accept_clients();
-        } else if (auto it = client_by_fd_.find(fd); it != client_by_fd_.end()) {
-            on_client_readable(*it->second);
-        } else if (page_cache_ && fd == page_cache_->event_fd()) {
-            // read below
-        } else if (dbus_ && fd == dbus_->fd()) {
-            bus_ready = true;
-        } else if (fd == prefetcher_->event_fd()) {
-            MC_TRY_VOID(prefetcher_->on_ready());
-            want_place = true;
-        } else if (pressure_) {
-            for (const auto& t : pressure_->triggers())
-                if (t.fd.get() == fd) on_pressure(t.path);
+        const auto source = static_cast<EventSource>(events[i].data.u64 >> 32);
+        const auto fd = static_cast<int>(events[i].data.u64 & 0xffffffffu);
+        switch (source) {
+            case EventSource::Signal:
+                MC_TRY_VOID(handle_signal());
+                break;
+            case EventSource::Timer: {
+                uint64_t expirations;
+                while (::read(fd, &expirations, sizeof expirations) > 0) {}
+                tick();
+                break;
+            }
+            case EventSource::Listener:
+                accept_clients();
+                break;
+            case EventSource::Client:
+                // Looked up by descriptor: a client dropped earlier in this batch is gone.
+                if (auto it = client_by_fd_.find(fd); it != client_by_fd_.end()) on_client_readable(*it->second);
+                break;
+            case EventSource::PageCache:
+                break;  // read below, on every turn
+            case EventSource::Bus:
+                bus_ready = true;
+                break;
+            case EventSource::Reads:
+                MC_TRY_VOID(prefetcher_->on_ready());
+                want_place = true;
+                break;
+            case EventSource::Pressure:
+                if (pressure_)
+                    for (const auto& t : pressure_->triggers())
+                        if (t.fd.get() == fd) on_pressure(t.path);
+                break;
         }
     }
     // Page-cache events wake the loop only in bulk (see bpf/): the rest are read on every turn,
@@ -945,8 +958,8 @@ void Daemon::update_bus_watch() {
     if (want == bus_events_) return;
     epoll_event ev{};
     ev.events = want;
-    ev.data.fd = dbus_->fd();
-    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, ev.data.fd, &ev) == 0) bus_events_ = want;
+    ev.data.u64 = event_data(EventSource::Bus, dbus_->fd());
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, dbus_->fd(), &ev) == 0) bus_events_ = want;
     else MC_LOG(LOG_WARNING, "D-Bus: epoll_ctl: {}", std::strerror(errno));
 }
 

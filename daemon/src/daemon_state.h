@@ -17,6 +17,14 @@
 
 namespace moecache::daemon {
 
+// What woke the loop: each descriptor the loop waits on is registered with its source in the
+// high half of its epoll data and the descriptor in the low half, and step() has one handler per
+// source.
+enum class EventSource : uint32_t { Signal, Timer, Listener, Client, PageCache, Bus, Reads, Pressure };
+inline uint64_t event_data(EventSource source, int fd) {
+    return (uint64_t{static_cast<uint32_t>(source)} << 32) | static_cast<uint32_t>(fd);
+}
+
 // A prefetch request's tag: model id, slot (kDenseSlot included), and whether it is read to stay
 // cached only (every reason but the plan's) rather than to be locked.
 inline uint64_t fetch_tag(uint32_t model, uint32_t slot, bool cache_only = false) {

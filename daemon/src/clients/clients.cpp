@@ -86,7 +86,7 @@ void Daemon::accept_clients() {
         }
         epoll_event ev{};
         ev.events = EPOLLIN;
-        ev.data.fd = c->conn.get();
+        ev.data.u64 = event_data(EventSource::Client, c->conn.get());
         if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, c->conn.get(), &ev) != 0) {
             ++clients_refused_;
             continue;
