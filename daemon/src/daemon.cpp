@@ -698,7 +698,7 @@ void Daemon::tick() {
     }
     request_place();
     flush_trace();
-    if (metrics_) metrics_->publish(render_metrics(status()));
+    if (metrics_) metrics_->publish(render_metrics(status(/*experts=*/false)));  // the counts suffice
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
     if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
 }
@@ -1114,6 +1114,11 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
             e.locked_bytes = st.locked_bytes;
             e.telemetry = r.telemetry(slot);
             e.vram_holders = r.vram_holders(slot);
+            ++ms.placements[static_cast<size_t>(placement(e.tier, e.vram_holders))];
+            ms.expert_telemetry.read_bytes += e.telemetry.read_bytes;
+            ms.expert_telemetry.prefetch_bytes += e.telemetry.prefetch_bytes;
+            ms.expert_telemetry.evicted_bytes += e.telemetry.evicted_bytes;
+            ms.expert_telemetry.faults += e.telemetry.faults;
             ms.experts_in_vram += e.vram_holders > 0;
             ms.experts_locked += e.tier == Tier::Locked;
             ms.experts_pinned += e.pinned;

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <array>
 #include <filesystem>
 #include <thread>
 
@@ -138,6 +139,26 @@ TEST_F(DaemonTest, AFailedProfileSaveInATickIsCounted) {
     const auto s = (*d)->status();
     ASSERT_EQ(s.errors.count("saving heat profiles"), 1u);
     EXPECT_EQ(s.errors.at("saving heat profiles"), 2u);
+}
+
+// The counts /metrics renders (status without the per-expert list) agree with the list.
+TEST_F(DaemonTest, TheCountsAgreeWithTheExperts) {
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    route(**d, *(*d)->model_id(model_), 0, {1, 9}, 5);
+    settle(**d);
+    const auto full = (*d)->status(true).models.at(0);
+    const auto counts = (*d)->status(false).models.at(0);
+    EXPECT_TRUE(counts.experts.empty());
+    std::array<uint32_t, 5> expected{};
+    uint64_t read = 0;
+    for (const auto& e : full.experts) {
+        ++expected[static_cast<size_t>(placement(e.tier, e.vram_holders))];
+        read += e.telemetry.read_bytes;
+    }
+    EXPECT_EQ(counts.placements, expected);
+    EXPECT_GT(expected[static_cast<size_t>(Placement::Ram)], 0u) << "the routed experts are locked";
+    EXPECT_EQ(counts.expert_telemetry.read_bytes, read);
 }
 
 TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {

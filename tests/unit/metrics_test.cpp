@@ -46,6 +46,10 @@ DaemonStatus sample() {
     m.experts.push_back(e);
     e.tier = Tier::Locked;  // in a pool and locked as well ([vram] keep_ram_copy)
     m.experts.push_back(e);
+    for (const auto& x : m.experts) {  // as status() counts them
+        ++m.placements[static_cast<size_t>(placement(x.tier, x.vram_holders))];
+        m.expert_telemetry.read_bytes += x.telemetry.read_bytes;
+    }
     s.models.push_back(m);
     ModelStatus plain;
     plain.id = 4;

@@ -134,7 +134,7 @@ std::string render_metrics(const DaemonStatus& s) {
         std::map<std::string, uint64_t> tiers;
         for (auto p : {Placement::Storage, Placement::Fetching, Placement::Ram, Placement::Vram, Placement::VramAndRam})
             tiers[to_string(p)] = 0;
-        for (const auto& e : m.experts) ++tiers[to_string(placement(e.tier, e.vram_holders))];
+        for (size_t p = 0; p < m.placements.size(); ++p) tiers[to_string(static_cast<Placement>(p))] += m.placements[p];
         for (const auto& [tier, n] : tiers)
             w.sample("moecache_experts", fmt::format("{},tier=\"{}\"", model_labels(m), tier), n);
     }
@@ -154,7 +154,7 @@ std::string render_metrics(const DaemonStatus& s) {
             t.evicted += x.evicted_bytes;
             t.faults += x.faults;
         };
-        for (const auto& e : m.experts) add(e.telemetry);
+        add(m.expert_telemetry);
         add(m.dense_telemetry);
         return t;
     };

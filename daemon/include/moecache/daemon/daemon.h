@@ -19,6 +19,7 @@
 
 #include <signal.h>
 
+#include <array>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -68,6 +69,9 @@ struct ModelStatus {
     Tier dense_tier = Tier::Storage;
     uint64_t dense_bytes = 0;
     SlotTelemetry dense_telemetry;
+    // Counted over every expert whether or not `experts` is filled in (metrics need no more).
+    std::array<uint32_t, 5> placements{};  // experts per Placement, indexed by its value
+    SlotTelemetry expert_telemetry;        // summed over its experts
     std::vector<ExpertStatus> experts;  // MoE layer-major
 };
 
