@@ -420,18 +420,24 @@ TEST_F(DbusApi, SignalsAnnounceBudgetChanges) {
     EXPECT_EQ(w.got.load(), 200u << 20);
 }
 
-// A daemon in this process, on the private bus: a pressure back-off is signalled.
-TEST_F(DbusApi, PressureBackoffIsSignalled) {
-    bus_ = std::make_unique<test::PrivateBus>(dir_.path(), std::string(MOECACHE_SOURCE_DIR) + "/dbus/org.moecache1.conf");
-    ASSERT_TRUE(bus_->ok()) << bus_->output();
+// A daemon in this process, on a private bus of the test's own (no socket, no /metrics, no
+// telemetry, no PSI): tests drive its loop with step().
+Result<std::unique_ptr<daemon::Daemon>> in_process_daemon(std::unique_ptr<test::PrivateBus>& bus, const test::TempDir& dir) {
+    bus = std::make_unique<test::PrivateBus>(dir.path(), std::string(MOECACHE_SOURCE_DIR) + "/dbus/org.moecache1.conf");
+    if (!bus->ok()) return fail(EIO, "private bus: " + bus->output());
     daemon::Config c;
-    c.state_dir = dir_.file("state");
+    c.state_dir = dir.file("state");
     c.socket_path = "";
     c.metrics_listen = "";
     c.page_cache_telemetry = "off";
     c.pressure_enabled = false;
-    c.dbus_bus = bus_->address();
-    auto d = daemon::Daemon::create(c);
+    c.dbus_bus = bus->address();
+    return daemon::Daemon::create(c);
+}
+
+// A daemon in this process, on the private bus: a pressure back-off is signalled.
+TEST_F(DbusApi, PressureBackoffIsSignalled) {
+    auto d = in_process_daemon(bus_, dir_);
     ASSERT_TRUE(d) << d.error().what();
     ASSERT_EQ((*d)->status().bus, bus_->address());
     auto conn = sdbus::createSessionBusConnectionWithAddress(bus_->address());
@@ -446,16 +452,7 @@ TEST_F(DbusApi, PressureBackoffIsSignalled) {
 // A burst of setters over D-Bus is planned once per loop turn, not once per call: setters record
 // what they change and the turn's end plans it.
 TEST_F(DbusApi, ABurstOfSettersIsPlannedOncePerLoopTurn) {
-    bus_ = std::make_unique<test::PrivateBus>(dir_.path(), std::string(MOECACHE_SOURCE_DIR) + "/dbus/org.moecache1.conf");
-    ASSERT_TRUE(bus_->ok()) << bus_->output();
-    daemon::Config c;
-    c.state_dir = dir_.file("state");
-    c.socket_path = "";
-    c.metrics_listen = "";
-    c.page_cache_telemetry = "off";
-    c.pressure_enabled = false;
-    c.dbus_bus = bus_->address();
-    auto d = daemon::Daemon::create(c);
+    auto d = in_process_daemon(bus_, dir_);
     ASSERT_TRUE(d) << d.error().what();
     auto conn = sdbus::createSessionBusConnectionWithAddress(bus_->address());
     auto mgr = sdbus::createProxy(*conn, "org.moecache1", "/org/moecache1");

@@ -249,6 +249,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     uint32_t n_admits = 0, hit_slices = 0, peer_slices = 0, missed = 0;
     CUresult rc = CUDA_SUCCESS;
     uint64_t from_pool = 0, from_peers = 0, from_host = 0, n_calls = 0, joins = 0;
+    const uint32_t tensor_id = m.slice(ls, cls->tensor, 0) / nexp;  // model-local
     bool batch = false;
     // 1. This device's pool, under its lock: the slices it holds are queued from their slots now
     //    (a slot is this stream's only while the lock is held, until the stream is marked dirty).
@@ -274,7 +275,6 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         step.most = std::max(step.most, step.experts);
         const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
         batch = !routing || cls->n_experts > wide || std::max(step.most, step.before) > wide;
-        const uint32_t tensor_id = m.slice(ls, cls->tensor, 0) / nexp;
         if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
             dp->seen[m.id][tensor_id] = 1;
             dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].tensors[cls->tensor].bytes_per_expert * nexp);
@@ -306,6 +306,8 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
                 DevicePool* peer = (peers >> p & 1) != 0 ? pools_[p].load(std::memory_order_acquire) : nullptr;
                 if (peer == nullptr) continue;
                 std::lock_guard lock(peer->mu);
+                // A pool holds only slices of tensors its device copies: none of this one, no lookups.
+                if (m.id >= peer->seen.size() || tensor_id >= peer->seen[m.id].size() || !peer->seen[m.id][tensor_id]) continue;
                 const StreamId sid = peer->stream_id(stream, device);
                 Joiner order(*peer, drv, stream, device);
                 uint32_t here = 0;
