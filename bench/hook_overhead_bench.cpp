@@ -66,7 +66,16 @@ int main(int argc, char** argv) {
     alloc = reinterpret_cast<decltype(alloc)>(p);
     get_proc("cuMemcpyHtoDAsync", &p, 12000, 0, nullptr);
     auto hooked = reinterpret_cast<Htod>(p);
-    init(0);
+    get_proc("cuDevicePrimaryCtxRetain", &p, 12000, 0, nullptr);
+    auto retain = reinterpret_cast<CUresult (*)(CUcontext*, CUdevice)>(p);
+    get_proc("cuCtxSetCurrent", &p, 12000, 0, nullptr);
+    auto set_current = reinterpret_cast<CUresult (*)(CUcontext)>(p);
+    CUcontext ctx = nullptr;
+    // Copies need a current context, as on a real driver.
+    if (init(0) != CUDA_SUCCESS || retain(&ctx, 0) != CUDA_SUCCESS || set_current(ctx) != CUDA_SUCCESS) {
+        fprintf(stderr, "the driver gave no context\n");
+        return 1;
+    }
 
     auto parts = moecache::open_gguf_model(argv[1]);
     if (!parts) return 1;
@@ -78,7 +87,10 @@ int main(int argc, char** argv) {
     const auto& t = map->layers[0].tensors[0];
     const uint64_t slice = t.bytes_per_expert;
     CUdeviceptr dst = 0;
-    alloc(&dst, slice * map->n_experts + 512);
+    if (alloc(&dst, slice * map->n_experts + 512) != CUDA_SUCCESS) {
+        fprintf(stderr, "cuMemAlloc failed\n");
+        return 1;
+    }
     std::vector<uint8_t> other(4 * slice + 512, 7);
 
     // Experts 0..3 of the first tensor, one at a time with llama.cpp's padding: the pool takes them
@@ -94,6 +106,10 @@ int main(int argc, char** argv) {
     const double other_hook = median_us(hooked, dst, other.data(), 64, 64, calls);
     const double expert_bare = median_us(bare, dst, experts, slice + 512, slice, calls);
     const double expert_hook = median_us(hooked, dst, experts, slice + 512, slice, calls);
+    if (other_bare < 0 || other_hook < 0 || expert_bare < 0 || expert_hook < 0) {
+        fprintf(stderr, "a copy failed\n");
+        return 1;
+    }
     moecache_cuda_stats s{};
     reinterpret_cast<void (*)(moecache_cuda_stats*)>(dlsym(RTLD_DEFAULT, "moecache_cuda_stats_get"))(&s);
     printf("{\"slice_bytes\":%llu,\"other_bare_us\":%.4f,\"other_hook_us\":%.4f,\"other_added_us\":%.4f,"
