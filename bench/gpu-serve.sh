@@ -122,12 +122,16 @@ for c in configs:
                 hits, miss = int(h.group(1)), int(h.group(2))
                 got.setdefault("hit", []).append(100.0 * hits / max(hits + miss, 1))
                 got.setdefault("host_gib", []).append(float(h.group(4)))
+            d = re.findall(r"in decode steps (\d+) / (\d+)", err)
+            if d:
+                dh, dm = sum(int(a) for a, _ in d), sum(int(b) for _, b in d)
+                got.setdefault("dhit", []).append(100.0 * dh / max(dh + dm, 1))
 def val(c, w, k):
     return med(rows.get((c, w), {}).get(k, []))
 print(f"\n{gpus} GPU(s); medians of {rounds} round(s); tok/s, and the ratio to cpu (-ot exps=CPU, default threshold)")
 cols = [("pg", "pg"), ("sep", "pp"), ("sep", "tg"), ("compl", "pp"), ("compl", "tg")]
 cols = [x for x in cols if x[0] in workloads]
-head = "| config | " + " | ".join(f"{w} {k}" for w, k in cols) + " | hit % sep | hit % compl | host MiB/token compl | greedy text = recipe |"
+head = "| config | " + " | ".join(f"{w} {k}" for w, k in cols) + " | hit % sep | hit % compl | decode hit % sep / compl | host MiB/token compl | greedy text = recipe |"
 print(head); print("|" + "---|" * (head.count("|") - 1))
 for c in configs:
     cells = []
@@ -142,7 +146,8 @@ for c in configs:
     tokens = g.get("prompt_tokens", 0) + 128
     host = med(g.get("host_gib", []))
     hit = lambda w: f"{val(c, w, 'hit'):.1f}" if val(c, w, 'hit') == val(c, w, 'hit') else "-"
-    print(f"| {c} | " + " | ".join(cells) + f" | {hit('sep')} | {hit('compl')} | " +
+    dhit = lambda w: f"{val(c, w, 'dhit'):.1f}" if val(c, w, 'dhit') == val(c, w, 'dhit') else "-"
+    print(f"| {c} | " + " | ".join(cells) + f" | {hit('sep')} | {hit('compl')} | {dhit('sep')} / {dhit('compl')} | " +
           (f"{host * 1024 / tokens:.1f}" if host == host and tokens else "-") + f" | {same} |")
 if "compl" in workloads:
     print(f"(compl: prompt of {rows.get(('cpu', 'compl'), {}).get('prompt_tokens', '?')} tokens)")

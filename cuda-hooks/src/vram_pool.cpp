@@ -46,26 +46,29 @@ uint32_t ExpertHeat::hottest() const {
     return h;
 }
 
-void VramPool::add_arena(uint64_t slot_bytes, uint64_t base, uint32_t count) {
+void VramPool::add_arena(uint64_t slot_bytes, uint64_t base, uint32_t count, uint32_t tail_room) {
     if (slot_bytes == 0 || count == 0) return;
     auto* c = class_for(slot_bytes);
     if (c == nullptr) {
-        classes_.push_back(SizeClass{slot_bytes, {}, {}});
+        classes_.push_back(SizeClass{slot_bytes, tail_room, {}, {}});
         c = &classes_.back();
     }
+    // One tail room per size class: the first arena's (slots of one class are interchangeable).
+    tail_room = c->tail_room;
+    const uint64_t stride = slot_bytes + tail_room;
     const auto cls = static_cast<uint32_t>(c - classes_.data());
     const auto arena = static_cast<uint32_t>(arenas_.size());
-    arenas_.push_back(Arena{base, slot_bytes * count, cls, static_cast<uint32_t>(slots_.size()), count, true});
+    arenas_.push_back(Arena{base, stride * count, cls, static_cast<uint32_t>(slots_.size()), count, true});
     for (uint32_t i = 0; i < count; ++i) {
         const auto id = static_cast<uint32_t>(slots_.size());
-        slots_.push_back(Slot{base + uint64_t{i} * slot_bytes, arena});
+        slots_.push_back(Slot{base + uint64_t{i} * stride, arena});
         c->slots.push_back(id);
         c->free.push_back(id);
     }
     // Hand out low addresses first (a fresh pool then reads like one array).
     std::reverse(c->free.begin(), c->free.end());
     stats_.slots += count;
-    stats_.bytes += slot_bytes * count;
+    stats_.bytes += stride * count;
 }
 
 void VramPool::add_model(uint32_t model, uint32_t n_slices, uint32_t n_experts) {
@@ -100,11 +103,19 @@ bool VramPool::take(uint32_t id, StreamId stream, StreamOrder& order) {
     return true;
 }
 
-uint64_t VramPool::lookup(const SliceRef& s, StreamId stream, StreamOrder& order) {
+uint64_t VramPool::lookup(const SliceRef& s, StreamId stream, StreamOrder& order, uint32_t* tail) {
+    if (tail != nullptr) *tail = 0;
     if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size()) return 0;
     const uint32_t id = slot_of_[s.model][s.slice];
     if (id == kNoSlot || slots_[id].filling || !take(id, stream, order)) return 0;
+    if (tail != nullptr) *tail = slots_[id].tail;
     return slots_[id].address;
+}
+
+uint32_t VramPool::tail_room(uint64_t slot_bytes) const {
+    for (const auto& c : classes_)
+        if (c.slot_bytes == slot_bytes) return c.tail_room;
+    return 0;
 }
 
 VramPool::SizeClass* VramPool::class_for(uint64_t slot_bytes) {
@@ -119,7 +130,7 @@ bool VramPool::has_class(uint64_t slot_bytes) const {
 
 uint64_t VramPool::class_bytes(uint64_t slot_bytes) const {
     for (const auto& c : classes_)
-        if (c.slot_bytes == slot_bytes) return c.slot_bytes * c.slots.size();
+        if (c.slot_bytes == slot_bytes) return (c.slot_bytes + c.tail_room) * c.slots.size();
     return 0;
 }
 
@@ -133,6 +144,7 @@ uint64_t VramPool::next_random() {
 void VramPool::empty_slot(uint32_t id) {
     auto& sl = slots_[id];
     sl.filling = false;
+    sl.tail = 0;
     if (sl.model == kNoSlot) return;
     slot_of_[sl.model][sl.slice] = kNoSlot;
     auto& n = pooled_[sl.model][sl.expert];
@@ -207,12 +219,14 @@ uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId strea
     return sl.address;
 }
 
-uint64_t VramPool::commit(const SliceRef& s) {
+uint64_t VramPool::commit(const SliceRef& s, uint32_t tail) {
     if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size()) return 0;
     const uint32_t id = slot_of_[s.model][s.slice];
     if (id == kNoSlot || !slots_[id].filling) return 0;
-    slots_[id].filling = false;
-    return slots_[id].address;
+    auto& sl = slots_[id];
+    sl.filling = false;
+    sl.tail = std::min(tail, classes_[arenas_[sl.arena].size_class].tail_room);
+    return sl.address;
 }
 
 void VramPool::drop(uint32_t model, uint32_t slice) {

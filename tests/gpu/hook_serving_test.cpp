@@ -119,11 +119,13 @@ protected:
             ASSERT_GE(hook_.sync(10000), 1);
         }
     }
-    // Expert bytes of the layers device `d` copies.
+    // Expert bytes of the layers device `d` copies, with the 512 bytes of tail room a pool keeps
+    // after each slice (the next slice's head).
     uint64_t expert_bytes_of(int d) const {
         uint64_t b = 0;
         for (uint32_t l = 0; l < 4; ++l)
-            if (device_of(l) == d) b += model_.map.layers[l].bytes_per_expert * model_.map.n_experts;
+            if (device_of(l) == d)
+                b += (model_.map.layers[l].bytes_per_expert + 512ull * model_.map.layers[l].tensors.size()) * model_.map.n_experts;
         return b;
     }
     double hit_rate(const moecache_cuda_stats& a, const moecache_cuda_stats& b) const {
@@ -220,6 +222,40 @@ TEST_F(Prompts, APromptBatchDisplacesNothingOfTheDecodingHotSet) {
     destroy(s);
 }
 
+class WholePool : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "100%"}}; }
+};
+
+// llama.cpp copies each group of experts with 512 bytes of padding, the next expert's head. A slot
+// keeps that head after its slice, so a hit is one device-to-device copy, padding included, and
+// nothing comes from the host: a hit costs the runtime's thread one driver call, not two.
+TEST_F(WholePool, AHitWithItsPaddingIsOneCopyFromOneSlot) {
+    auto s = new_streams();
+    warm_up(s);
+    // Every expert of every tensor, whole: a pool of 100 % takes them all into free slots.
+    std::vector<uint32_t> all(32);
+    for (uint32_t e = 0; e < 32; ++e) all[e] = e;
+    for (uint32_t l = 0; l < 4; ++l)
+        for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, all, s[0]), 1);
+    const auto pooled = hook_.stats();
+    ASSERT_EQ(pooled.admitted, 4u * 3u * 32u) << "a pool of 100 % holds every slice";
+    if (!cu_.fake()) GTEST_SKIP() << "counts driver calls: the fake driver's counters";
+    const auto calls = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    int groups = 0;
+    for (uint32_t l = 0; l < 4; ++l)
+        for (uint32_t t = 0; t < 3; ++t) {
+            const int g = copy_and_check(cu_, model_, dst_[l][t], l, t, {3, 9, 17, 30}, s[0]);
+            ASSERT_EQ(g, 4);
+            groups += g;
+        }
+    const auto after = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    EXPECT_EQ(after.dtod_calls - calls.dtod_calls, static_cast<unsigned long long>(groups)) << "one copy a hit";
+    // copy_and_check writes its poison with one host copy per tensor; nothing else comes from the host.
+    EXPECT_EQ(after.htod_calls - calls.htod_calls, 4ull * 3ull);
+    EXPECT_EQ(hook_.stats().slice_misses, pooled.slice_misses);
+    destroy(s);
+}
+
 class TwoDevices : public HookServing {
     int devices() const override { return 2; }
     std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "50%"}}; }
@@ -244,7 +280,8 @@ TEST_F(TwoDevices, EachDeviceSizesItsPoolForTheLayersItCopies) {
 
 class DeviceSizes : public TwoDevices {
     std::vector<std::pair<const char*, const char*>> env() const override {
-        static const std::string sizes = "25%,0:" + std::to_string(12 * 139264);  // 12 slices on device 0
+        // 12 slots on device 0: a slice and the 512 bytes of the next one's head each.
+        static const std::string sizes = "25%,0:" + std::to_string(12 * (139264 + 512));
         return {{"MOECACHE_CUDA_POOL", sizes.c_str()}};
     }
 };
@@ -254,7 +291,7 @@ TEST_F(DeviceSizes, EachDeviceGetsItsOwnSize) {
     auto s = new_streams();
     warm_up(s);
     ASSERT_GE(hook_.sync(10000), 1);
-    EXPECT_EQ(hook_.pool_bytes(0), 12 * slice_);
+    EXPECT_EQ(hook_.pool_bytes(0), 12 * (slice_ + 512));
     const double share = static_cast<double>(hook_.pool_bytes(1)) / static_cast<double>(expert_bytes_of(1));
     EXPECT_GT(share, 0.2);
     EXPECT_LE(share, 0.25);
@@ -538,7 +575,7 @@ TEST_F(Peers, EachDeviceSizesItsPoolForTheTensorsItCopies) {
     }
     for (int i = 0; i < 150; ++i) split_token();
     ASSERT_GE(hook_.sync(10000), 1);
-    const uint64_t tensor_bytes = slice_ * 32;
+    const uint64_t tensor_bytes = (slice_ + 512) * 32;  // each slot with its tail room
     const double first = static_cast<double>(hook_.pool_bytes(0)) / static_cast<double>(10 * tensor_bytes);
     const double second = static_cast<double>(hook_.pool_bytes(1)) / static_cast<double>(2 * tensor_bytes);
     EXPECT_GT(first, 0.45);

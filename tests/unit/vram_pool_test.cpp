@@ -185,6 +185,39 @@ TEST_F(Pool, APromotedExpertTakesTheSlotOfAHotterOneAndKeepsIt) {
     EXPECT_EQ(pool.lookup(ref(20), 7), 0u);
 }
 
+// A slot keeps the next slice's head after its own (llama.cpp's padding): the lookup says how much
+// of it the fill wrote; slots are spaced by slice and tail room; an emptied slot holds no tail.
+TEST(PoolTail, ASlotKeepsWhatItsFillWroteAfterTheSlice) {
+    ExpertHeat heat;
+    heat.add_model(0, 8);
+    VramPool pool;
+    pool.add_model(0, 8, 8);
+    pool.add_arena(kSlice, 0x100000, 2, 512);
+    EXPECT_EQ(pool.tail_room(kSlice), 512u);
+    EXPECT_EQ(pool.tail_room(kSlice + 1), 0u);
+    EXPECT_EQ(pool.stats().bytes, 2 * (kSlice + 512));
+    const SliceRef a{0, 1, 1}, b{0, 2, 2}, c{0, 3, 3};
+    const uint64_t sa = pool.admit(a, kSlice, 1, heat);
+    const uint64_t sb = pool.admit(b, kSlice, 1, heat);
+    ASSERT_NE(sa, 0u);
+    ASSERT_NE(sb, 0u);
+    EXPECT_EQ(sa > sb ? sa - sb : sb - sa, kSlice + 512) << "slots spaced by the slice and its tail room";
+    EXPECT_EQ(pool.commit(a, 4096), sa);
+    EXPECT_EQ(pool.commit(b), sb);
+    uint32_t tail = 7;
+    EXPECT_EQ(pool.lookup(a, 1, same_stream_only(), &tail), sa);
+    EXPECT_EQ(tail, 512u) << "at most the tail room";
+    EXPECT_EQ(pool.lookup(b, 1, same_stream_only(), &tail), sb);
+    EXPECT_EQ(tail, 0u) << "the fill wrote nothing after the slice";
+    EXPECT_EQ(pool.lookup(c, 1, same_stream_only(), &tail), 0u);
+    EXPECT_EQ(tail, 0u);
+    pool.drop(0, a.slice);
+    ASSERT_EQ(pool.admit(c, kSlice, 1, heat), sa);
+    EXPECT_EQ(pool.commit(c), sa);
+    EXPECT_EQ(pool.lookup(c, 1, same_stream_only(), &tail), sa);
+    EXPECT_EQ(tail, 0u) << "the slot's new slice has no tail of the old one's";
+}
+
 TEST(ExpertHeat, HalvesAfterSixtyFourUsesPerExpert) {
     ExpertHeat h;
     h.add_model(0, 4);

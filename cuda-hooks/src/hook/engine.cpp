@@ -227,9 +227,12 @@ void Engine::shutdown() {
                     if (const uint64_t n = dp->join_failures[k].load()) why += " " + std::to_string(k) + ":" + std::to_string(n);
                 if (!why.empty()) say("device %d: streams not ordered (reason:count)%s", dp->device, why.c_str());
                 const uint64_t h = dp->hits.load(), m = dp->misses.load();
-                say("device %d: copies %u expert tensors (layer and tensor: %s); slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%); pool %.2f GiB;"
+                const uint64_t dh = dp->decode_hits.load(), dm = dp->decode_misses.load();
+                auto pct = [](uint64_t a, uint64_t b) { return 100.0 * static_cast<double>(a) / static_cast<double>(std::max<uint64_t>(a + b, 1)); };
+                say("device %d: copies %u expert tensors (layer and tensor: %s); slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%),"
+                    " in decode steps %" PRIu64 " / %" PRIu64 " (%.1f%%, %" PRIu64 " admitted); pool %.2f GiB;"
                     " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64,
-                    dp->device, tensors, which.c_str(), h, m, 100.0 * static_cast<double>(h) / static_cast<double>(std::max<uint64_t>(h + m, 1)),
+                    dp->device, tensors, which.c_str(), h, m, pct(h, m), dh, dm, pct(dh, dm), dp->decode_admits.load(),
                     static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined, ps.cross_stream, dp->peer_lookups.load());
             }
     stopping_.store(true);

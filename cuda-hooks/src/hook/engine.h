@@ -150,12 +150,15 @@ private:
         std::unordered_map<CUstream, StreamId> stream_ids;  // live streams
         std::vector<StreamState> streams;
         LayerStep step;
-        std::atomic<uint64_t> seen_bytes{0};  // expert bytes of the layers seen
+        std::atomic<uint64_t> seen_bytes{0};   // expert bytes of the layers seen
+        std::atomic<uint64_t> seen_slices{0};  // and their slices
         std::atomic<uint64_t> bytes{0};       // allocated; written under mu, read anywhere
         std::atomic<bool> staged{false};      // misses go through `staging`
         std::unique_ptr<StagingRing> staging; // set by the background thread before `staged`
         // How it served expert copies (slices; bytes), for the daemon's metrics.
         std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
+        // Of those, the copies of decode steps (routing copies outside a prompt batch).
+        std::atomic<uint64_t> decode_hits{0}, decode_misses{0}, decode_admits{0};
         std::atomic<uint64_t> peer_lookups{0};  // slices another device looked up here
         // Why a stream could not be ordered after another's slot work: unknown stream, retired
         // with work unrecorded, eager with work unrecorded, no event, record failed, no event
@@ -173,6 +176,9 @@ private:
     };
     class Joiner;
     static constexpr size_t kPlacementQueue = 8192;
+    // Room after each pool slot for the next slice's head: llama.cpp copies a slice with 512 bytes
+    // of padding that are the next one's head, which a hit then serves from one slot in one copy.
+    static constexpr uint32_t kSlotTail = 512;
     static constexpr int kMaxDevices = kMaxHookDevices;
 
     explicit Engine(HookConfig cfg);

@@ -149,7 +149,8 @@ void Engine::connect_peers(DevicePool& dp) {
 }
 
 uint64_t Engine::pool_target(const DevicePool& dp) const {
-    const uint64_t experts = dp.seen_bytes.load();
+    // What a pool of every expert takes: each slot with its tail room.
+    const uint64_t experts = dp.seen_bytes.load() + dp.seen_slices.load() * kSlotTail;
     const PoolSize& size = cfg_.pool.of(dp.device);
     uint64_t budget = experts;
     if (size.kind == PoolSize::Kind::Percent)
@@ -218,25 +219,30 @@ void Engine::resize_pool(DevicePool& dp) {
     if (dp.bytes < target) {
         const uint64_t reserve = std::max<uint64_t>(1ull << 30, total_bytes / 20);
         uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
+        // Bytes with each slice's tail room, as the target counts them.
+        auto with_tails = [](uint64_t slot, uint64_t bytes) { return bytes + bytes / slot * kSlotTail; };
+        uint64_t expert_room = 0;
+        for (const auto& [slot, covered] : classes) expert_room += with_tails(slot, covered);
         for (const auto& [slot, covered] : classes) {
-            const auto want = static_cast<uint64_t>(static_cast<double>(target) * static_cast<double>(covered) /
-                                                    static_cast<double>(std::max<uint64_t>(expert_bytes, 1)));
+            const auto want = static_cast<uint64_t>(static_cast<double>(target) * static_cast<double>(with_tails(slot, covered)) /
+                                                    static_cast<double>(std::max<uint64_t>(expert_room, 1)));
             uint64_t have = 0;
             {
                 std::lock_guard lock(dp.mu);
                 have = dp.pool.class_bytes(slot);
             }
-            uint64_t slots = want > have ? (want - have) / slot : 0;
-            const uint64_t per_arena = std::max<uint64_t>(1, kArenaBytes / slot);
+            const uint64_t stride = slot + kSlotTail;
+            uint64_t slots = want > have ? (want - have) / stride : 0;
+            const uint64_t per_arena = std::max<uint64_t>(1, kArenaBytes / stride);
             while (slots > 0) {
-                const uint64_t n = std::min({slots, per_arena, room / slot});
+                const uint64_t n = std::min({slots, per_arena, room / stride});
                 CUdeviceptr p = 0;
-                if (n == 0 || drv->mem_alloc(&p, n * slot) != CUDA_SUCCESS) break;
+                if (n == 0 || drv->mem_alloc(&p, n * stride) != CUDA_SUCCESS) break;
                 std::lock_guard lock(dp.mu);
                 dp.arenas.push_back(p);
-                dp.pool.add_arena(slot, p, static_cast<uint32_t>(n));
-                dp.bytes += n * slot;
-                room -= n * slot;
+                dp.pool.add_arena(slot, p, static_cast<uint32_t>(n), kSlotTail);
+                dp.bytes += n * stride;
+                room -= n * stride;
                 slots -= n;
             }
         }

@@ -144,9 +144,13 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
         const uint64_t k = at / slice_bytes;
         const uint64_t s0 = k * slice_bytes, s1 = s0 + slice_bytes;
         const uint32_t e = first_expert + static_cast<uint32_t>(k);
-        if (s1 > offset + bytes || e >= m.map.n_experts) break;  // padding, or past the tensor: the usual way
+        if (e >= m.map.n_experts) break;  // past the tensor: the usual way
         auto& flag = m.registered[m.slice(ls, tensor, e)];
         const uint8_t state = flag.load(std::memory_order_acquire);
+        if (s1 > offset + bytes) {  // the padding, the next slice's head: with the run when registered
+            if (state == Model::kWhole) direct(s0, offset + bytes);
+            break;
+        }
         if (state == Model::kWhole) {
             direct(s0, s1);
         } else if (state == Model::kInside) {
@@ -277,19 +281,32 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         batch = !routing || cls->n_experts > wide || std::max(step.most, step.before) > wide;
         if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
             dp->seen[m.id][tensor_id] = 1;
+            dp->seen_slices.fetch_add(nexp);
             dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].tensors[cls->tensor].bytes_per_expert * nexp);
             const uint64_t one = 1;
             (void)!write(wake_fd_, &one, sizeof one);
         }
         if (routing && !batch)
             for (uint32_t i = 0; i < cls->n_experts; ++i) dp->heat.touch(m.id, m.expert(ls, cls->first_expert + i));
+        bool tail_served = false;  // the padding came with the last slice, from its slot's tail
         for (uint32_t i = 0; i < n_slices; ++i) {
-            from_slot[i] = cls->first_expert + i < nexp ? dp->pool.lookup(ref_of(i), sid, order) : 0;
+            if (tail_served) {  // i == n_experts
+                from_slot[i] = from_slot[i - 1] + cls->slice_bytes;
+                from_pool += piece_bytes(i);
+                continue;
+            }
+            uint32_t tail = 0;
+            from_slot[i] = cls->first_expert + i < nexp ? dp->pool.lookup(ref_of(i), sid, order, &tail) : 0;
             if (from_slot[i] == 0) {
                 missed += i < cls->n_experts ? 1 : 0;
                 continue;
             }
-            if (rc == CUDA_SUCCESS) rc = drv->memcpy_dtod_async(c.dst + uint64_t{i} * cls->slice_bytes, from_slot[i], piece_bytes(i), stream);
+            uint64_t bytes = piece_bytes(i);
+            if (pad_next && i + 1 == cls->n_experts && tail >= cls->padding) {
+                bytes += cls->padding;
+                tail_served = true;
+            }
+            if (rc == CUDA_SUCCESS) rc = drv->memcpy_dtod_async(c.dst + uint64_t{i} * cls->slice_bytes, from_slot[i], bytes, stream);
             from_pool += piece_bytes(i);
             ++n_calls;
             hit_slices += i < cls->n_experts ? 1 : 0;
@@ -360,6 +377,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
         dp->misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
         dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
+        if (routing && !batch) dp->decode_misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
         return false;
     }
     const size_t n_pieces = plan_copy(
@@ -375,14 +393,21 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         }
     if (n_admits > 0) {
         std::lock_guard lock(dp->mu);
+        const uint32_t tail_room = dp->pool.tail_room(cls->slice_bytes);
         for (uint32_t i = 0; i < n_admits; ++i) {
             if (rc != CUDA_SUCCESS) {
                 dp->pool.drop(m.id, admits[i].ref.slice);
                 continue;
             }
-            const uint64_t slot = dp->pool.commit(admits[i].ref);
+            // What follows the slice in this copy is the next slice's head: the slot keeps it too.
+            const uint64_t after = admits[i].offset + cls->slice_bytes;
+            const uint64_t follows = after < uint64_t{cls->n_experts} * cls->slice_bytes ? cls->slice_bytes
+                                     : pad_next                                           ? cls->padding
+                                                                                          : 0;
+            const auto tail = static_cast<uint32_t>(std::min<uint64_t>(follows, tail_room));
+            const uint64_t slot = dp->pool.commit(admits[i].ref, tail);
             if (slot == 0) continue;  // taken away meanwhile (the pool shrank or yielded)
-            rc = drv->memcpy_dtod_async(slot, c.dst + admits[i].offset, cls->slice_bytes, stream);
+            rc = drv->memcpy_dtod_async(slot, c.dst + admits[i].offset, cls->slice_bytes + tail, stream);
             ++n_calls;
             if (rc != CUDA_SUCCESS) dp->pool.drop(m.id, admits[i].ref.slice);
         }
@@ -404,6 +429,11 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     bytes_host_.fetch_add(from_host, std::memory_order_relaxed);
     dp->hits.fetch_add(hit_slices, std::memory_order_relaxed);
     dp->misses.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
+    if (routing && !batch) {
+        dp->decode_hits.fetch_add(hit_slices, std::memory_order_relaxed);
+        dp->decode_misses.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
+        dp->decode_admits.fetch_add(n_admits, std::memory_order_relaxed);
+    }
     dp->hit_bytes.fetch_add(from_pool + from_peers, std::memory_order_relaxed);
     dp->miss_bytes.fetch_add(from_host, std::memory_order_relaxed);
     *result = c.async ? CUDA_SUCCESS : drv->stream_synchronize(stream);

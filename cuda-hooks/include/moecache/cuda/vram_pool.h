@@ -70,13 +70,18 @@ struct VramPoolStats {
 
 class VramPool {
 public:
-    // `count` slots of `slot_bytes` each at base, base + slot_bytes, ... (one device allocation).
-    void add_arena(uint64_t slot_bytes, uint64_t base, uint32_t count);
+    // `count` slots of `slot_bytes` each, plus `tail_room` bytes after each for the head of the
+    // slice that follows it in its tensor, at base, base + slot_bytes + tail_room, ... (one device
+    // allocation). A runtime that copies a slice with the next one's head (llama.cpp's padding)
+    // then gets both from one slot in one copy.
+    void add_arena(uint64_t slot_bytes, uint64_t base, uint32_t count, uint32_t tail_room = 0);
     void add_model(uint32_t model, uint32_t n_slices, uint32_t n_experts);
 
     // The device address of the slice when it is pooled and readable on `stream` (taken over from
-    // another stream through `order` where needed), else 0.
-    [[nodiscard]] uint64_t lookup(const SliceRef& s, StreamId stream, StreamOrder& order = same_stream_only());
+    // another stream through `order` where needed), else 0. `tail`, when given, learns how many
+    // bytes after the slice the slot holds (the next slice's head; see commit).
+    [[nodiscard]] uint64_t lookup(const SliceRef& s, StreamId stream, StreamOrder& order = same_stream_only(),
+                                  uint32_t* tail = nullptr);
     // A slot for a slice that missed, whose bytes the caller copies in on `stream` after the
     // runtime's own copy, then says so with commit(); until then the slot is nobody's. 0 when the
     // policy declines: no slot of that size, or (evict false, or every sampled victim as hot as the
@@ -86,7 +91,10 @@ public:
                                  bool evict = true);
     // The fill of an admitted slice is queued: the slot serves lookups from now on. Returns its
     // address, or 0 when the slot was taken away meanwhile (released, dropped): then copy nothing.
-    uint64_t commit(const SliceRef& s);
+    // `tail`: bytes after the slice the fill also writes (at most the class's tail room).
+    uint64_t commit(const SliceRef& s, uint32_t tail = 0);
+    // Bytes after each slot of this size for the next slice's head (add_arena's tail_room).
+    [[nodiscard]] uint32_t tail_room(uint64_t slot_bytes) const;
     // Empties the slice's slot (an admission whose copy failed, or a demotion).
     void drop(uint32_t model, uint32_t slice);
     // Empties every slot of the expert; returns how many.
@@ -97,7 +105,7 @@ public:
     // addresses, to be freed once the device has finished what it queued.
     std::vector<uint64_t> release(uint64_t bytes, const ExpertHeat& heat);
     [[nodiscard]] bool has_class(uint64_t slot_bytes) const;
-    // Bytes of live slots of this size.
+    // Bytes of live slots of this size, their tail rooms included.
     [[nodiscard]] uint64_t class_bytes(uint64_t slot_bytes) const;
     [[nodiscard]] VramPoolStats stats() const;
 
@@ -106,12 +114,14 @@ private:
         uint64_t address = 0;
         uint32_t arena = 0;
         uint32_t model = kNoSlot, slice = 0, expert = 0;  // model == kNoSlot: empty
+        uint32_t tail = 0;  // bytes after the slice it holds
         StreamId stream = 0;  // the last stream that queued work on it; 0: never used
         bool live = true;
         bool filling = false;  // admitted, its fill not queued yet
     };
     struct SizeClass {
         uint64_t slot_bytes = 0;
+        uint32_t tail_room = 0;
         std::vector<uint32_t> slots;  // live slots of this size
         std::vector<uint32_t> free;
     };
