@@ -31,6 +31,7 @@ namespace {
 struct FakeCounts {
     unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
     unsigned long long peer_calls, peer_bytes;
+    unsigned long long kernel_launches, kernel_bytes;
 };
 
 class HookServing : public ::testing::Test {
@@ -249,10 +250,42 @@ TEST_F(WholePool, AHitWithItsPaddingIsOneCopyFromOneSlot) {
             groups += g;
         }
     const auto after = *cu_.knob<FakeCounts>("fake_cuda_counts");
-    EXPECT_EQ(after.dtod_calls - calls.dtod_calls, static_cast<unsigned long long>(groups)) << "one copy a hit";
+    // By the hook's copy kernel, one launch a hit (the driver's own device-to-device copies cost
+    // the runtime's thread more); none of the driver's.
+    EXPECT_EQ(after.kernel_launches - calls.kernel_launches, static_cast<unsigned long long>(groups)) << "one copy a hit";
+    EXPECT_EQ(after.dtod_calls, calls.dtod_calls);
     // copy_and_check writes its poison with one host copy per tensor; nothing else comes from the host.
     EXPECT_EQ(after.htod_calls - calls.htod_calls, 4ull * 3ull);
     EXPECT_EQ(hook_.stats().slice_misses, pooled.slice_misses);
+    destroy(s);
+}
+
+// Without the copy kernel (a driver that will not load it), a pooled slice is one copy of the driver's.
+class WholePoolNoKernel : public WholePool {
+protected:
+    void SetUp() override {
+        WholePool::SetUp();
+        if (auto* k = cu_.knob<int>("fake_cuda_kernels")) *k = 0;
+    }
+};
+
+TEST_F(WholePoolNoKernel, AHitSliceIsOneDriverCopyWhenTheKernelCannotLoad) {
+    if (!cu_.fake()) GTEST_SKIP() << "needs a driver that refuses the kernel: the fake driver";
+    auto s = new_streams();
+    warm_up(s);
+    std::vector<uint32_t> all(32);
+    for (uint32_t e = 0; e < 32; ++e) all[e] = e;
+    for (uint32_t l = 0; l < 4; ++l)
+        for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, all, s[0]), 1);
+    const auto calls = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    int groups = 0;
+    for (uint32_t l = 0; l < 4; ++l)
+        for (uint32_t t = 0; t < 3; ++t) groups += copy_and_check(cu_, model_, dst_[l][t], l, t, {2, 3, 17, 30}, s[0]);
+    ASSERT_EQ(groups, 3 * 12);
+    const auto after = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    EXPECT_EQ(after.kernel_launches, 0u);
+    // One a slice (2 and 3 are one group of two slots), the last with its padding.
+    EXPECT_EQ(after.dtod_calls - calls.dtod_calls, 4ull * 12ull);
     destroy(s);
 }
 

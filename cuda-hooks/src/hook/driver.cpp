@@ -48,6 +48,10 @@ const Driver* driver() {
         d.device_can_access_peer = reinterpret_cast<decltype(d.device_can_access_peer)>(real_dlsym(lib, "cuDeviceCanAccessPeer"));
         d.ctx_enable_peer_access = reinterpret_cast<decltype(d.ctx_enable_peer_access)>(real_dlsym(lib, "cuCtxEnablePeerAccess"));
         d.memcpy_peer_async = reinterpret_cast<decltype(d.memcpy_peer_async)>(real_dlsym(lib, "cuMemcpyPeerAsync"));
+        d.module_load_data = reinterpret_cast<decltype(d.module_load_data)>(real_dlsym(lib, "cuModuleLoadData"));
+        d.module_unload = reinterpret_cast<decltype(d.module_unload)>(real_dlsym(lib, "cuModuleUnload"));
+        d.module_get_function = reinterpret_cast<decltype(d.module_get_function)>(real_dlsym(lib, "cuModuleGetFunction"));
+        d.launch_kernel = reinterpret_cast<decltype(d.launch_kernel)>(real_dlsym(lib, "cuLaunchKernel"));
     });
     return ok ? &d : nullptr;
 }

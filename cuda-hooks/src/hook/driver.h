@@ -39,6 +39,12 @@ struct Driver {
     CUresult (*device_can_access_peer)(int*, CUdevice, CUdevice);
     CUresult (*ctx_enable_peer_access)(CUcontext, unsigned int);
     CUresult (*memcpy_peer_async)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+    // Optional: the hook's copy kernel (copy_kernel.h).
+    CUresult (*module_load_data)(CUmodule*, const void*);
+    CUresult (*module_unload)(CUmodule);
+    CUresult (*module_get_function)(CUfunction*, CUmodule, const char*);
+    CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                              void**, void**);
 };
 
 // Makes `device`'s primary context current on this thread for the life of the object (the

@@ -194,12 +194,13 @@ void Engine::shutdown() {
         say("%" PRIu64 " host-to-device copies, %" PRIu64 " of experts, %" PRIu64 " served; slices %" PRIu64
             " hit / %" PRIu64 " missed; %.2f GiB from the pool, %.2f GiB from the host (%.2f GiB staged); pool %.2f GiB"
             " on %" PRIu64 " device(s), %" PRIu64 " admitted, %" PRIu64 " evicted; %" PRIu64 " stream joins; %" PRIu64
-            " router events reported; %" PRIu64 " slices (%.2f GiB) from another device's pool; %.1f ms in the hook for expert copies (%.1f us each), %" PRIu64 " copies queued for them",
+            " router events reported; %" PRIu64 " slices (%.2f GiB) from another device's pool; %.1f ms in the hook for expert copies (%.1f us each), %" PRIu64 " copies queued for them (%" PRIu64 " by the copy kernel)",
             s.copies, s.expert_copies, s.served, s.slice_hits, s.slice_misses, s.bytes_from_pool / 1073741824.0,
             s.bytes_from_host / 1073741824.0, s.bytes_staged / 1073741824.0, s.pool_bytes / 1073741824.0, s.devices,
             s.admitted, s.evicted, s.stream_joins, s.reported, s.peer_hits, s.bytes_from_peers / 1073741824.0,
             static_cast<double>(s.serve_ns) / 1e6,
-            static_cast<double>(s.serve_ns) / 1e3 / static_cast<double>(std::max<uint64_t>(s.expert_copies, 1)), s.pieces);
+            static_cast<double>(s.serve_ns) / 1e3 / static_cast<double>(std::max<uint64_t>(s.expert_copies, 1)), s.pieces,
+            kernel_copies_.load());
     }
     if (cfg_.log)
         for (auto& p : pools_)

@@ -154,6 +154,10 @@ private:
         std::atomic<uint64_t> seen_slices{0};  // and their slices
         std::atomic<uint64_t> bytes{0};       // allocated; written under mu, read anywhere
         std::atomic<bool> staged{false};      // misses go through `staging`
+        // The hook's copy kernel in the device's primary context (copy_kernel.h); null: the
+        // driver's device-to-device copies. Set by the background thread before the pool is published.
+        CUfunction copy_fn = nullptr;
+        CUmodule copy_module = nullptr;
         std::unique_ptr<StagingRing> staging; // set by the background thread before `staged`
         // How it served expert copies (slices; bytes), for the daemon's metrics.
         std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
@@ -175,6 +179,8 @@ private:
         void mark_dirty(StreamId id);    // under mu
     };
     class Joiner;
+    // A device-to-device copy within dp's device: the copy kernel where it can, else the driver's.
+    CUresult copy_in_device(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
     static constexpr size_t kPlacementQueue = 8192;
     // Room after each pool slot for the next slice's head: llama.cpp copies a slice with 512 bytes
     // of padding that are the next one's head, which a hit then serves from one slot in one copy.
@@ -264,7 +270,7 @@ private:
     std::atomic<uint64_t> copies_{0}, expert_copies_{0}, served_{0}, hits_{0}, misses_{0}, bytes_pool_{0},
         bytes_host_{0}, bytes_staged_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0},
         yielded_{0}, n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0}, joins_{0},
-        unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0}, peer_hits_{0}, bytes_peer_{0};
+        unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0}, peer_hits_{0}, bytes_peer_{0}, kernel_copies_{0};
 };
 
 }  // namespace moecache::cuda::hook

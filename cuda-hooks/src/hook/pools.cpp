@@ -1,6 +1,7 @@
 // A device's VRAM pool: its size (the experts of the layers this device copies, within the
 // settings, the daemon's budget and free memory less a reserve), its arenas, the streams that
 // queue work on its slots, and giving memory back to the runtime.
+#include "copy_kernel.h"
 #include "driver.h"
 #include "engine.h"
 #include "log.h"
@@ -106,6 +107,16 @@ bool Engine::allocate_pool(int device) {
         for (const auto* m : models_) add_model_to(*dp, *m);
     }
     set_up_copies(*dp);
+    if (cfg_.copy_kernel) {
+        DeviceContext ctx(driver(), device);
+        CopyKernel k;
+        if (ctx.ok() && load_copy_kernel(driver(), &k)) {
+            dp->copy_fn = k.function;
+            dp->copy_module = k.module;
+        } else if (cfg_.log) {
+            say("device %d: the copy kernel did not load; pool hits are the driver's copies", device);
+        }
+    }
     pools_[device].store(dp, std::memory_order_release);
     resize_pool(*dp);
     connect_peers(*dp);

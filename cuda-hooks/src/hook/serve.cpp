@@ -8,6 +8,7 @@
 // then each peer's the same way; then the slots for what missed everywhere admitted; then, without
 // a lock, the host's pieces; then, under the lock again, the copies into the slots admitted. A slot
 // admitted is nobody else's until its fill is queued.
+#include "copy_kernel.h"
 #include "driver.h"
 #include "engine.h"
 #include "moecache/cuda/copy_plan.h"
@@ -93,6 +94,19 @@ void Engine::settle(DevicePool& dp, const Driver* drv, StreamId sid) {
     if (!st.eager) return;
     if (st.event == nullptr && drv->event_create(&st.event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return;
     if (drv->event_record(st.event, st.handle) == CUDA_SUCCESS) st.dirty = false;
+}
+
+CUresult Engine::copy_in_device(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+    const Driver* drv = driver();
+    if (dp.copy_fn != nullptr) {
+        const CUresult r = launch_copy(drv, dp.copy_fn, dst, src, bytes, stream);
+        if (r == CUDA_SUCCESS) {
+            kernel_copies_.fetch_add(1, std::memory_order_relaxed);
+            return r;
+        }
+        // Unaligned, or a context the kernel was not loaded into: the driver's copy.
+    }
+    return drv->memcpy_dtod_async(dst, src, bytes, stream);
 }
 
 CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream) {
@@ -306,7 +320,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
                 bytes += cls->padding;
                 tail_served = true;
             }
-            if (rc == CUDA_SUCCESS) rc = drv->memcpy_dtod_async(c.dst + uint64_t{i} * cls->slice_bytes, from_slot[i], bytes, stream);
+            if (rc == CUDA_SUCCESS) rc = copy_in_device(*dp, c.dst + uint64_t{i} * cls->slice_bytes, from_slot[i], bytes, stream);
             from_pool += piece_bytes(i);
             ++n_calls;
             hit_slices += i < cls->n_experts ? 1 : 0;
@@ -407,7 +421,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
             const auto tail = static_cast<uint32_t>(std::min<uint64_t>(follows, tail_room));
             const uint64_t slot = dp->pool.commit(admits[i].ref, tail);
             if (slot == 0) continue;  // taken away meanwhile (the pool shrank or yielded)
-            rc = drv->memcpy_dtod_async(slot, c.dst + admits[i].offset, cls->slice_bytes + tail, stream);
+            rc = copy_in_device(*dp, slot, c.dst + admits[i].offset, cls->slice_bytes + tail, stream);
             ++n_calls;
             if (rc != CUDA_SUCCESS) dp->pool.drop(m.id, admits[i].ref.slice);
         }

@@ -15,6 +15,10 @@
 //                          An event query completes the work up to its record every other time.
 //   fake_cuda_capturing    every stream reports an active capture
 //   fake_cuda_memory_limit bytes per device
+//   fake_cuda_kernels      0: cuModuleLoadData refuses every image. Else a module loads into the
+//                          current context when its PTX has the hook's copy kernel
+//                          (moecache_copy16), and launching it there queues its copy (16-byte
+//                          words); from another context the launch fails, as a real one would
 //   fake_cuda_peer         0: devices cannot access each other (cuDeviceCanAccessPeer says no);
 //                          else they can once cuCtxEnablePeerAccess enabled it, and peer copies
 //                          (cuMemcpyPeerAsync) check that each side lies on its context's device
@@ -41,8 +45,10 @@ extern "C" {
 struct fake_cuda_counters {
     unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
     unsigned long long peer_calls, peer_bytes;
+    unsigned long long kernel_launches, kernel_bytes;
 };
 __attribute__((visibility("default"))) fake_cuda_counters fake_cuda_counts;
+__attribute__((visibility("default"))) int fake_cuda_kernels = 1;
 __attribute__((visibility("default"))) int fake_cuda_capturing = 0;
 __attribute__((visibility("default"))) int fake_cuda_async = 0;
 __attribute__((visibility("default"))) int fake_cuda_devices = 1;
@@ -443,6 +449,71 @@ API cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void* s, size_t n) { return htod(d
 API cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream st) { return htod(d, s, n, st, false); }
 API cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void* s, size_t n, CUstream st) { return htod(d, s, n, st, false); }
 API cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return dtod(d, s, n, st); }
+
+// Modules: one kernel, the hook's copy kernel, in the context that loaded it.
+namespace {
+struct Module {
+    int device = 0;
+    bool loaded = true;
+};
+std::vector<std::unique_ptr<Module>> modules;
+}  // namespace
+API cuModuleLoadData(CUmodule* m, const void* image) {
+    std::lock_guard lock(mu);
+    if (m == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!fake_cuda_kernels || strstr(static_cast<const char*>(image), ".entry moecache_copy16(") == nullptr)
+        return CUDA_ERROR_INVALID_IMAGE;
+    modules.push_back(std::make_unique<Module>(Module{current_device()}));
+    *m = reinterpret_cast<CUmodule>(modules.back().get());
+    return CUDA_SUCCESS;
+}
+API cuModuleUnload(CUmodule m) {
+    std::lock_guard lock(mu);
+    for (auto& x : modules)
+        if (reinterpret_cast<CUmodule>(x.get()) == m && x->loaded) {
+            x->loaded = false;
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_INVALID_HANDLE;
+}
+API cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+    std::lock_guard lock(mu);
+    if (f == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    for (auto& x : modules)
+        if (reinterpret_cast<CUmodule>(x.get()) == m && x->loaded) {
+            if (strcmp(name, "moecache_copy16") != 0) return CUDA_ERROR_NOT_FOUND;
+            *f = reinterpret_cast<CUfunction>(x.get());
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_INVALID_HANDLE;
+}
+API cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned,
+                   CUstream st, void** params, void** extra) {
+    std::lock_guard lock(mu);
+    Module* mod = nullptr;
+    for (auto& x : modules)
+        if (reinterpret_cast<CUfunction>(x.get()) == f && x->loaded) mod = x.get();
+    if (mod == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (no_context() || mod->device != current_device()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (params == nullptr || extra != nullptr || gx == 0 || gy != 1 || gz != 1 || bx == 0 || by != 1 || bz != 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr d = 0, src = 0;
+    unsigned long long words = 0;
+    memcpy(&d, params[0], sizeof d);
+    memcpy(&src, params[1], sizeof src);
+    memcpy(&words, params[2], sizeof words);
+    const size_t n = words * 16;
+    if (((d | src) & 15) != 0) return CUDA_ERROR_MISALIGNED_ADDRESS;
+    if (n == 0) return CUDA_SUCCESS;
+    const Allocation* da = allocation_of(d, n);
+    const Allocation* sa = allocation_of(src, n);
+    if (da == nullptr || sa == nullptr || da->device != mod->device || sa->device != mod->device)
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    ++fake_cuda_counts.kernel_launches;
+    fake_cuda_counts.kernel_bytes += n;
+    return enqueue(st, Op{Op::Copy, d, reinterpret_cast<const void*>(src), nullptr, n});
+}
 API cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) {
     std::lock_guard lock(mu);
     if (!is_device(s, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -506,7 +577,8 @@ const Entry table[] = {
     V("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2), V("cuMemcpyDtoH", cuMemcpyDtoH_v2), E(cuMemcpy),
     P("cuMemcpy", cuMemcpy_ptds), E(cuMemcpyAsync), P("cuMemcpyAsync", cuMemcpyAsync_ptsz),
     V("cuMemHostRegister", cuMemHostRegister_v2), E(cuMemHostUnregister), E(cuPointerGetAttributes),
-    E(cuDeviceCanAccessPeer), E(cuCtxEnablePeerAccess), E(cuMemcpyPeerAsync),
+    E(cuDeviceCanAccessPeer), E(cuCtxEnablePeerAccess), E(cuMemcpyPeerAsync), E(cuModuleLoadData), E(cuModuleUnload),
+    E(cuModuleGetFunction), E(cuLaunchKernel),
 };
 
 CUresult CUDAAPI get_proc(const char* symbol, void** pfn, int version, cuuint64_t flags,

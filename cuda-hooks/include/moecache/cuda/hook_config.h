@@ -54,6 +54,7 @@ struct HookConfig {
     bool log = false;
     bool client = true;
     bool peers = true;      // a device's copies read other devices' pools (peer access); MOECACHE_CUDA_PEER=off
+    bool copy_kernel = true;  // pool hits copied by the hook's kernel; MOECACHE_CUDA_COPY_KERNEL=off: the driver's copies
     bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
 };
 

@@ -1,0 +1,237 @@
+// What one expert copy costs on this GPU, the host's time to queue it and the device's to run it:
+// device-to-device out of pool slots (as a pool hit is served), host-to-device from registered and
+// pageable memory (a miss), by size and by the slots' spacing; and a decode layer's pattern (hits
+// and misses queued on one stream, then a synchronisation, as llama.cpp reads the router's choice
+// back before the next layer).
+//
+//   moecache-copy-cost-bench [SLICE_BYTES] [ROUNDS]
+// Prints one line per case: microseconds per copy to queue (host) and to complete (wall, after a
+// synchronisation), the median of ROUNDS (5) rounds.
+#include "cuda_bench.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kSlots = 256;
+
+// A copy kernel: 16-byte words, grid-stride (what a pool hit could launch instead of the driver's
+// device-to-device copy).
+const char kCopyPtx[] = R"(
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry copy16(.param .u64 p_dst, .param .u64 p_src, .param .u64 p_words)
+{
+    .reg .pred %p;
+    .reg .u64 %rd<12>;
+    .reg .u32 %r<6>;
+    .reg .b32 %v<4>;
+    ld.param.u64 %rd1, [p_dst];
+    ld.param.u64 %rd2, [p_src];
+    ld.param.u64 %rd3, [p_words];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %nctaid.x;
+    mul.wide.u32 %rd4, %r1, %r2;
+    cvt.u64.u32 %rd5, %r3;
+    add.u64 %rd4, %rd4, %rd5;
+    mul.wide.u32 %rd6, %r4, %r2;
+LOOP:
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    shl.b64 %rd7, %rd4, 4;
+    add.u64 %rd8, %rd2, %rd7;
+    ld.global.v4.u32 {%v0, %v1, %v2, %v3}, [%rd8];
+    add.u64 %rd9, %rd1, %rd7;
+    st.global.v4.u32 [%rd9], {%v0, %v1, %v2, %v3};
+    add.u64 %rd4, %rd4, %rd6;
+    bra LOOP;
+DONE:
+    ret;
+}
+)";
+
+template <class Fn>
+Fn entry(const char* name) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q));
+    if (fn == nullptr) {
+        fprintf(stderr, "no driver entry point %s\n", name);
+        exit(1);
+    }
+    return reinterpret_cast<Fn>(fn);
+}
+
+struct Result {
+    double queue_us, wall_us;
+};
+
+// `copy(i)` queues the i-th copy; `batch` copies are queued, then the stream is synchronised.
+template <class Copy>
+Result measure(cudaStream_t s, int n, int batch, int rounds, Copy copy) {
+    std::vector<double> queue, wall;
+    for (int r = 0; r < rounds; ++r) {
+        CHECK(cudaStreamSynchronize(s));
+        double queued = 0;
+        const double t0 = now();
+        for (int i = 0; i < n;) {
+            const double q0 = now();
+            for (int k = 0; k < batch && i < n; ++k, ++i) copy(i);
+            queued += now() - q0;
+            CHECK(cudaStreamSynchronize(s));
+        }
+        wall.push_back((now() - t0) * 1e6 / n);
+        queue.push_back(queued * 1e6 / n);
+    }
+    std::sort(queue.begin(), queue.end());
+    std::sort(wall.begin(), wall.end());
+    return {queue[queue.size() / 2], wall[wall.size() / 2]};
+}
+
+void print(const std::string& what, Result r) { printf("%-58s queue %7.2f us  wall %7.2f us\n", what.c_str(), r.queue_us, r.wall_us); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const uint64_t slice = argc > 1 ? strtoull(argv[1], nullptr, 10) : 1671168;  // q8_0, 2048 x 768
+    const int rounds = argc > 2 ? atoi(argv[2]) : 5;
+    if (slice < 4096 || rounds < 1) {
+        fprintf(stderr, "usage: %s [SLICE_BYTES >= 4096] [ROUNDS >= 1]\n", argv[0]);
+        return 2;
+    }
+    cudaStream_t s;
+    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const uint64_t tail = 512, stride = slice + tail;
+    void* pool = nullptr;
+    void* dst = nullptr;
+    CHECK(cudaMalloc(&pool, stride * kSlots + 4096));
+    CHECK(cudaMalloc(&dst, slice * 8 + 4096));
+    std::vector<uint8_t> pageable(slice * kSlots / 4 + 4096, 1);
+    void* pinned = nullptr;
+    CHECK(cudaHostAlloc(&pinned, slice * kSlots / 4 + 4096, cudaHostAllocDefault));
+    memset(pinned, 2, slice * kSlots / 4 + 4096);
+    auto* p = static_cast<uint8_t*>(pool);
+    auto* d = static_cast<uint8_t*>(dst);
+    auto* h = static_cast<uint8_t*>(pinned);
+    const int n = 2048, host_slices = kSlots / 4;
+    auto dd = [&](uint64_t spacing, uint64_t bytes) {
+        return [=](int i) { CHECK(cudaMemcpyAsync(d + (i % 8) * slice, p + (i % kSlots) * spacing, bytes, cudaMemcpyDeviceToDevice, s)); };
+    };
+    auto hd = [&](const uint8_t* src, uint64_t bytes) {
+        return [=](int i) { CHECK(cudaMemcpyAsync(d + (i % 8) * slice, src + (i % host_slices) * slice, bytes, cudaMemcpyHostToDevice, s)); };
+    };
+    printf("slice %llu bytes; %d copies a round; median of %d rounds\n", static_cast<unsigned long long>(slice), n, rounds);
+    for (int batch : {24, n}) {
+        const std::string b = batch == n ? " (no sync)" : " (sync every 24)";
+        print("d2d slice, slots spaced by the slice" + b, measure(s, n, batch, rounds, dd(slice, slice)));
+        print("d2d slice, slots spaced by slice+512" + b, measure(s, n, batch, rounds, dd(stride, slice)));
+        print("d2d slice+512, slots spaced by slice+512" + b, measure(s, n, batch, rounds, dd(stride, slice + tail)));
+        print("d2d 512 bytes" + b, measure(s, n, batch, rounds, dd(stride, tail)));
+        print("h2d slice, pinned" + b, measure(s, n, batch, rounds, hd(h, slice)));
+        print("h2d slice+512, pinned" + b, measure(s, n, batch, rounds, hd(h, slice + tail)));
+        print("h2d 512 bytes, pageable" + b, measure(s, n, batch, rounds, hd(pageable.data(), tail)));
+    }
+    // Other ways to queue a device-to-device copy of a slot.
+    for (unsigned flags : {0u, 1u}) {
+        cudaMemcpyAttributes attr{};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        attr.flags = flags;  // 1: cudaMemcpyFlagPreferOverlapWithCompute (a copy engine)
+        for (size_t count : {size_t{1}, size_t{2}}) {
+            auto batch = [&, attr, count](int i) mutable {
+                void* dsts[2] = {d + (i % 8) * slice, d + (i % 8) * slice + slice};
+                const void* srcs[2] = {p + (i % kSlots) * stride, p + ((i + 1) % kSlots) * stride};
+                size_t sizes[2] = {slice, tail};
+                size_t idx = 0;
+                CHECK(cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &idx, 1, s));
+            };
+            print("d2d batch of " + std::to_string(count) + (count == 2 ? " (slice, 512)" : " (slice)") +
+                      (flags ? ", prefer overlap" : ""),
+                  measure(s, n, 24, rounds, batch));
+        }
+    }
+    print("d2d slice+4096, slots spaced by slice+4096", measure(s, n / 2, 24, rounds, [&](int i) {
+              CHECK(cudaMemcpyAsync(d + (i % 4) * slice, p + (i % (kSlots / 2)) * (slice + 4096), slice + 4096,
+                                    cudaMemcpyDeviceToDevice, s));
+          }));
+    print("d2d slice+512 as a peer copy", measure(s, n, 24, rounds, [&](int i) {
+              CHECK(cudaMemcpyPeerAsync(d + (i % 8) * slice, 0, p + (i % kSlots) * stride, 0, slice + tail, s));
+          }));
+    print("d2d slice+512 as a 2D copy of one row", measure(s, n, 24, rounds, [&](int i) {
+              CHECK(cudaMemcpy2DAsync(d + (i % 8) * slice, slice + tail, p + (i % kSlots) * stride, slice + tail, slice + tail, 1,
+                                      cudaMemcpyDeviceToDevice, s));
+          }));
+    // The copy kernel, launched through the driver.
+    {
+        auto load = entry<CUresult (*)(CUmodule*, const void*)>("cuModuleLoadData");
+        auto get = entry<CUresult (*)(CUfunction*, CUmodule, const char*)>("cuModuleGetFunction");
+        auto launch = entry<CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                         CUstream, void**, void**)>("cuLaunchKernel");
+        CHECK(cudaFree(nullptr));
+        CUmodule mod = nullptr;
+        CUfunction fn = nullptr;
+        const double t0 = now();
+        if (load(&mod, kCopyPtx) != CUDA_SUCCESS || get(&fn, mod, "copy16") != CUDA_SUCCESS) {
+            fprintf(stderr, "the copy kernel did not load\n");
+            return 1;
+        }
+        printf("copy kernel loaded (JIT) in %.1f ms\n", (now() - t0) * 1e3);
+        for (unsigned grid : {64u, 132u, 264u}) {
+            print("kernel copy slice+512, grid " + std::to_string(grid) + "x256", measure(s, n, 24, rounds, [&](int i) {
+                      CUdeviceptr dd_ = reinterpret_cast<CUdeviceptr>(d + (i % 8) * slice);
+                      CUdeviceptr ss_ = reinterpret_cast<CUdeviceptr>(p + (i % kSlots) * stride);
+                      unsigned long long words = (slice + tail) / 16;
+                      void* args[] = {&dd_, &ss_, &words};
+                      if (launch(fn, grid, 1, 1, 256, 1, 1, 0, reinterpret_cast<CUstream>(s), args, nullptr) != CUDA_SUCCESS) {
+                          fprintf(stderr, "launch failed\n");
+                          exit(1);
+                      }
+                  }));
+        }
+        // Its bytes are the slot's.
+        std::vector<uint8_t> a(slice + tail), b(slice + tail);
+        CHECK(cudaMemcpy(p + 5 * stride, h, slice + tail, cudaMemcpyHostToDevice));
+        CUdeviceptr dd_ = reinterpret_cast<CUdeviceptr>(d), ss_ = reinterpret_cast<CUdeviceptr>(p + 5 * stride);
+        unsigned long long words = (slice + tail) / 16;
+        void* args[] = {&dd_, &ss_, &words};
+        if (launch(fn, 132, 1, 1, 256, 1, 1, 0, reinterpret_cast<CUstream>(s), args, nullptr) != CUDA_SUCCESS) return 1;
+        CHECK(cudaStreamSynchronize(s));
+        CHECK(cudaMemcpy(b.data(), d, slice + tail, cudaMemcpyDeviceToHost));
+        printf("kernel copy byte-identical: %s\n", memcmp(b.data(), h, slice + tail) == 0 ? "yes" : "NO");
+        auto layer = [&](int misses) {
+            return [&, misses](int i) {
+                if (i % 24 < misses) {
+                    CHECK(cudaMemcpyAsync(d + (i % 8) * slice, h + (i % host_slices) * slice, slice + tail, cudaMemcpyHostToDevice, s));
+                    return;
+                }
+                CUdeviceptr dd2 = reinterpret_cast<CUdeviceptr>(d + (i % 8) * slice);
+                CUdeviceptr ss2 = reinterpret_cast<CUdeviceptr>(p + (i % kSlots) * stride);
+                unsigned long long w2 = (slice + tail) / 16;
+                void* a2[] = {&dd2, &ss2, &w2};
+                if (launch(fn, 132, 1, 1, 256, 1, 1, 0, reinterpret_cast<CUstream>(s), a2, nullptr) != CUDA_SUCCESS) exit(1);
+            };
+        };
+        for (int misses : {0, 8})
+            print("layer of 24, " + std::to_string(misses) + " misses, hits by kernel (per copy)", measure(s, n - n % 24, 24, rounds, layer(misses)));
+    }
+    // A decode layer: 24 copies, `misses` of them from pinned memory, the rest from pool slots.
+    for (int misses : {0, 8, 24}) {
+        auto layer = [&](int i) {
+            if (i % 24 < misses) CHECK(cudaMemcpyAsync(d + (i % 8) * slice, h + (i % host_slices) * slice, slice + tail, cudaMemcpyHostToDevice, s));
+            else CHECK(cudaMemcpyAsync(d + (i % 8) * slice, p + (i % kSlots) * stride, slice + tail, cudaMemcpyDeviceToDevice, s));
+        };
+        print("layer of 24 copies, " + std::to_string(misses) + " misses (per copy)", measure(s, n - n % 24, 24, rounds, layer));
+    }
+    return 0;
+}

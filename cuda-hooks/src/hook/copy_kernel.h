@@ -1,0 +1,28 @@
+// Pool hits copied by a kernel of the hook's own instead of the driver's device-to-device copy.
+// On an H200 the driver takes ~4 us of the calling thread to queue a device-to-device copy of a
+// slice whose size is a multiple of 4 KiB and ~7 us for one that is not (a slice and llama.cpp's
+// 512 bytes of padding), against ~3.3 us to launch a kernel that copies 16-byte words
+// (bench/copy_cost_bench.cpp). A decoding runtime makes hundreds of such copies a token, each on
+// its critical path: the thread that queues them is the one that launches the model's kernels.
+#pragma once
+
+#include "driver.h"
+
+namespace moecache::cuda::hook {
+
+// The kernel of one context: loaded from PTX (the driver compiles it for the device once).
+struct CopyKernel {
+    CUmodule module = nullptr;
+    CUfunction function = nullptr;
+};
+
+// Loads the kernel into the current context. false when the driver cannot (no module functions,
+// a PTX JIT that refuses it); copies then stay the driver's.
+bool load_copy_kernel(const Driver* drv, CopyKernel* out);
+
+// Queues a copy of `bytes` from `src` to `dst` (device memory of the current context) on `stream`
+// with the kernel; CUDA_ERROR_NOT_SUPPORTED when the addresses or the size are not multiples of
+// 16 bytes (the caller copies the driver's way).
+CUresult launch_copy(const Driver* drv, CUfunction fn, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
+
+}  // namespace moecache::cuda::hook
