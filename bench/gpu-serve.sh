@@ -33,6 +33,10 @@ threads=${THREADS:-$(nproc)}
 prompt_tokens=${PROMPT_TOKENS:-3072}
 layers=${LAYERS:-32}
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # the GPUs llama.cpp sees
+  IFS=, read -ra visible <<<"$CUDA_VISIBLE_DEVICES"
+  gpus=$(( ${#visible[@]} < gpus ? ${#visible[@]} : gpus ))
+fi
 [ "$gpus" -ge 1 ] || { echo "gpu-serve: no GPU (nvidia-smi -L lists none)" >&2; exit 2; }
 configs=(${CONFIGS:-limit cpu static static-mb1 recipe hook10-auto hook25-off hook25-auto hook25-all hook50-auto})
 workloads=(${WORKLOADS:-pg sep compl})
