@@ -67,6 +67,9 @@ TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
     EXPECT_TRUE(c.registers());
     EXPECT_EQ(c.pin_budget, 8ull << 30);
     EXPECT_FALSE(c.peers);
+    EXPECT_TRUE(c.copy_kernel) << "on unless turned off";
+    env = {{"MOECACHE_CUDA_COPY_KERNEL", "off"}};
+    EXPECT_FALSE(read().copy_kernel);
     env = {{"MOECACHE_CUDA_PIN", "staging"}, {"MOECACHE_CUDA_STAGING_THREADS", "4"}};
     EXPECT_EQ(read().pin, PinMode::Staging);
     EXPECT_FALSE(read().registers());

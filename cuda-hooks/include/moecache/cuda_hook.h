@@ -23,6 +23,8 @@
  *                            RAM holds the model; no one place)
  *   MOECACHE_CUDA_PEER=off   a device's copies read only its own pool (default: other devices'
  *                            pools too, peer to peer, with peer access enabled between them)
+ *   MOECACHE_CUDA_COPY_KERNEL=off  pool hits copied with the driver's device-to-device copies
+ *                            (default: a copy kernel of the hook's own, cheaper to queue)
  *   MOECACHE_CUDA_STAGING_THREADS=N  threads that copy misses into pinned buffers (the caller
  *                            included; default: every core but one, at most 16)
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even
