@@ -224,6 +224,73 @@ int main(int argc, char** argv) {
         };
         for (int misses : {0, 8})
             print("layer of 24, " + std::to_string(misses) + " misses, hits by kernel (per copy)", measure(s, n - n % 24, 24, rounds, layer(misses)));
+        // With a second GPU: each miss split in two, one half over this GPU's link, the other
+        // over the second GPU's into a relay buffer there and on over NVLink (peer access), the
+        // two links at once.
+        int count = 0;
+        CHECK(cudaGetDeviceCount(&count));
+        if (count >= 2) {
+            int can = 0;
+            CHECK(cudaDeviceCanAccessPeer(&can, 0, 1));
+            if (can) {
+                (void)cudaDeviceEnablePeerAccess(1, 0);
+                CHECK(cudaSetDevice(1));
+                (void)cudaDeviceEnablePeerAccess(0, 0);
+                constexpr int kRing = 8;
+                void* ring = nullptr;
+                cudaStream_t relay;
+                cudaEvent_t ready[kRing], done[kRing];
+                CHECK(cudaMalloc(&ring, slice * kRing));
+                CHECK(cudaStreamCreateWithFlags(&relay, cudaStreamNonBlocking));
+                for (auto& e : ready) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+                CHECK(cudaSetDevice(0));
+                for (auto& e : done) {
+                    CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+                    CHECK(cudaEventRecord(e, s));
+                }
+                auto* rb = static_cast<uint8_t*>(ring);
+                for (double share : {0.5, 0.4}) {
+                    int next = 0;
+                    const uint64_t own = (static_cast<uint64_t>(slice * (1 - share)) + 4095) & ~uint64_t{4095};
+                    const uint64_t far = slice + tail - own;
+                    auto relayed = [&, own, far](int i) {
+                        if (i % 24 >= 8) {  // a hit, by the kernel
+                            CUdeviceptr dd2 = reinterpret_cast<CUdeviceptr>(d + (i % 8) * slice);
+                            CUdeviceptr ss2 = reinterpret_cast<CUdeviceptr>(p + (i % kSlots) * stride);
+                            unsigned long long w2 = (slice + tail) / 16;
+                            void* a2[] = {&dd2, &ss2, &w2};
+                            if (launch(fn, 132, 1, 1, 256, 1, 1, 0, reinterpret_cast<CUstream>(s), a2, nullptr) != CUDA_SUCCESS) exit(1);
+                            return;
+                        }
+                        const uint8_t* src = h + (i % host_slices) * slice;
+                        uint8_t* to = d + (i % 8) * slice;
+                        const int r = next++ % kRing;
+                        CHECK(cudaSetDevice(1));
+                        CHECK(cudaStreamWaitEvent(relay, done[r], 0));
+                        CHECK(cudaMemcpyAsync(rb + r * slice, src + own, far, cudaMemcpyHostToDevice, relay));
+                        CHECK(cudaEventRecord(ready[r], relay));
+                        CHECK(cudaSetDevice(0));
+                        CHECK(cudaMemcpyAsync(to, src, own, cudaMemcpyHostToDevice, s));
+                        CHECK(cudaStreamWaitEvent(s, ready[r], 0));
+                        CUdeviceptr dd2 = reinterpret_cast<CUdeviceptr>(to + own), ss2 = reinterpret_cast<CUdeviceptr>(rb + r * slice);
+                        unsigned long long w2 = far / 16;
+                        void* a2[] = {&dd2, &ss2, &w2};
+                        if (launch(fn, 132, 1, 1, 256, 1, 1, 0, reinterpret_cast<CUstream>(s), a2, nullptr) != CUDA_SUCCESS) exit(1);
+                        CHECK(cudaEventRecord(done[r], s));
+                    };
+                    print("layer of 24, 8 misses relayed " + std::to_string(static_cast<int>(share * 100)) + "% via GPU 1",
+                          measure(s, n - n % 24, 24, rounds, relayed));
+                    // The bytes of a relayed miss are the host's.
+                    CHECK(cudaMemsetAsync(d, 0, slice + tail, s));
+                    next = 0;
+                    relayed(0);
+                    CHECK(cudaStreamSynchronize(s));
+                    std::vector<uint8_t> back(slice + tail);
+                    CHECK(cudaMemcpy(back.data(), d, slice + tail, cudaMemcpyDeviceToHost));
+                    printf("relayed miss byte-identical: %s\n", memcmp(back.data(), h, slice + tail) == 0 ? "yes" : "NO");
+                }
+            }
+        }
     }
     // A decode layer: 24 copies, `misses` of them from pinned memory, the rest from pool slots.
     for (int misses : {0, 8, 24}) {
