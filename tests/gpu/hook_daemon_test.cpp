@@ -77,13 +77,14 @@ protected:
         map_ = std::move(*map);
         slice_ = map_.layers[0].tensors[0].bytes_per_expert;
         for (const auto& t : map_.layers[0].tensors) ASSERT_EQ(t.bytes_per_expert, slice_) << "one slot size";
-        // A pool of exactly one expert of layer 0 (its three slices).
+        // A pool of exactly one expert of layer 0 (its three slices, each slot with the 512 bytes
+        // of the next slice's head the hook keeps after it).
         write_file(dir_.file("moecached.toml"),
                    "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\nsocket = \"" + dir_.file("moecached.sock") +
                        "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
                        "[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[dbus]\nbus = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = " + elite_share() +
                        "\n[vram]\npool = " +
-                       std::to_string(3 * slice_) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") + "\n");
+                       std::to_string(3 * (slice_ + 512)) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") + "\n");
         // The daemon runs without the hook or the fake driver.
         const std::string preload = getenv("LD_PRELOAD"), libpath = getenv("LD_LIBRARY_PATH");
         unsetenv("LD_PRELOAD");
@@ -209,7 +210,7 @@ TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
     use(kA, 1);
     ASSERT_GE(sync(10000), 1);
     // A is hotter than B: the pool (one expert) holds A; B is copied from the host and locked.
-    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * slice_; }, kA, 4, kB, 2))
+    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * (slice_ + 512); }, kA, 4, kB, 2))
         << "pool " << stats().pool_bytes << " bytes, " << stats().experts_in_vram << " experts in VRAM\n"
         << log();
     // The page cache holds a file in folios; a page that shares one with a neighbour some process
@@ -245,7 +246,7 @@ TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
     EXPECT_GT(std::stoull(m[1]), 0u);
     EXPECT_LE(std::stoull(m[1]), stats().slice_hits) << "the daemon counts no more than the hook served";
     EXPECT_GE(std::stoull(m[1]), hook.slice_hits / 2) << "reported every 2 s";
-    EXPECT_NE(metrics.find("moecache_vram_pool_bytes{device=\"0\"} " + std::to_string(3 * slice_) + "\n"), std::string::npos) << metrics;
+    EXPECT_NE(metrics.find("moecache_vram_pool_bytes{device=\"0\"} " + std::to_string(3 * (slice_ + 512)) + "\n"), std::string::npos) << metrics;
 }
 
 // With [vram] keep_ram_copy the expert in VRAM keeps its RAM copy: the hook leaves its mapping alone
@@ -258,7 +259,7 @@ TEST_F(HookDaemonKeepBoth, AnExpertInVramKeepsItsRamCopy) {
     constexpr uint32_t kA = 3, kB = 9;
     use(kA, 1);
     ASSERT_GE(sync(10000), 1);
-    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * slice_; }, kA, 4, kB, 2))
+    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * (slice_ + 512); }, kA, 4, kB, 2))
         << log();
     // Both stay in RAM (B from the host, A as well), for as long as decoding goes on.
     ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) == 1.0; }, kA, 4, kB, 2)) << log();

@@ -1,0 +1,200 @@
+// The model registry: configured paths and globs to entries, opening and closing models (their
+// files watched in the page-cache telemetry while open), families and their shared heat, heat
+// profiles saved and loaded. Runs on the loop's thread.
+#include "moecache/daemon/daemon.h"
+#include "moecache/daemon/system_memory.h"
+
+#include "daemon_state.h"
+#include "dbus/dbus_service.h"
+#include "moecache/daemon/prefetcher.h"
+#include "moecache/file_util.h"
+#include "moecache/log.h"
+
+#include <glob.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+namespace moecache::daemon {
+
+namespace {
+
+// The files a configured path names: a glob expands to its matches; the parts of one split set
+// count once (by part 1). A plain path that does not exist is still returned, to be retried.
+std::vector<std::string> expand(const std::string& pattern) {
+    if (pattern.find_first_of("*?[") == std::string::npos) return {pattern};
+    glob_t g{};
+    std::vector<std::string> out;
+    if (::glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g) == 0) {
+        std::set<std::string> seen;
+        for (size_t i = 0; i < g.gl_pathc; ++i) {
+            std::string p = g.gl_pathv[i];
+            if (auto s = parse_split_name(p)) p = split_path(s->prefix, 0, s->count);
+            if (seen.insert(p).second) out.push_back(p);
+        }
+    }
+    ::globfree(&g);
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+
+}  // namespace
+
+std::string Daemon::family_of(const ModelEntry& m) const {
+    if (!m.config.family.empty()) return m.config.family;
+    return m.res ? m.res->model().profile_key() : std::string();
+}
+
+std::string Daemon::profile_path(const std::string& key) const {
+    return config_.state_dir + "/profiles/" + key + ".json";
+}
+
+void Daemon::add_entry(const ModelConfig& mc, const std::string& path) {
+    const bool known = std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; });
+    if (known) return;
+    auto e = std::make_unique<ModelEntry>();
+    e->id = next_model_id_++;
+    e->config = mc;
+    e->path = path;
+    models_.push_back(std::move(e));
+}
+
+void Daemon::add_plain_models() {
+    // Plain paths get their entry now (and are retried while missing); globs in refresh_models().
+    for (const auto& mc : config_.models)
+        if (mc.path.find_first_of("*?[") == std::string::npos) add_entry(mc, mc.path);
+}
+
+void Daemon::refresh_models() {
+    // Globs may match new files. A model whose file changed or went away is closed and retried.
+    for (const auto& mc : config_.models)
+        if (mc.path.find_first_of("*?[") != std::string::npos)
+            for (const auto& p : expand(mc.path)) add_entry(mc, p);
+    for (auto& m : models_) {
+        if (m->res) {
+            auto same = m->res->model().unchanged();
+            if (!same || !*same) close_model(*m, same ? "the file changed on disk or went away" : same.error().what());
+        }
+        if (!m->res) open_model(*m);
+    }
+}
+
+void Daemon::open_model(ModelEntry& m) {
+    auto res = ModelResidency::open(m.path, m.config, config_.decay_half_life_tokens);
+    if (!res) {
+        const std::string why = res.error().what();
+        if (why != m.error) MC_LOG(LOG_WARNING, "model {} is not loaded (retrying): {}", m.path, why);
+        m.error = why;
+        return;
+    }
+    m.res = std::move(*res);
+    m.res->set_keep_ram_copy(config_.keep_ram_copy);
+    m.error.clear();
+    watch_files(m);
+    const auto& map = m.res->model().map();
+    MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
+           map.files.size());
+    // A family member already loaded: share its heat (which has its profile already).
+    const std::string family = family_of(m);
+    for (const auto& o : models_) {
+        if (o.get() == &m || !o->res || family_of(*o) != family) continue;
+        const auto& h = o->res->heat();
+        if (h.n_layers() != m.res->heat().n_layers() || h.n_experts() != m.res->heat().n_experts()) {
+            MC_LOG(LOG_WARNING, "model {}: family {}: its shape differs from {}'s: heat not shared", m.path, family, o->path);
+            continue;
+        }
+        m.res->share_heat(o->res->shared_heat());
+        MC_LOG(LOG_INFO, "model {}: family {}: shares heat with {}", m.path, family, o->path);
+        m.warm_pending = config_.warm_start && h.clock() > 0;
+        note("reading the page cache's residency", m.res->refresh_cached());
+        return;
+    }
+    const std::string pp = profile_path(m.res->model().profile_key());
+    if (::access(pp.c_str(), F_OK) == 0) {
+        auto text = read_whole_file(pp, 256u << 20, "heat profile");
+        auto ok = text ? m.res->heat().load_profile(*text, m.res->model().profile_key(), pp)
+                       : Result<void>(tl::unexpected(text.error()));
+        if (ok) MC_LOG(LOG_INFO, "model {}: heat profile {} loaded: starting warm", m.path, pp);
+        else MC_LOG(LOG_WARNING, "model {}: heat profile ignored: {}", m.path, ok.error().what());
+        m.warm_pending = ok && config_.warm_start;
+    }
+    note("reading the page cache's residency", m.res->refresh_cached());
+}
+
+void Daemon::close_model(ModelEntry& m, const std::string& why) {
+    if (!m.res) return;
+    for (const auto& [s, f] : m.prefetching) prefetcher_->cancel(fetch_tag(m.id, s, true));
+    m.prefetching.clear();
+    MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
+    const std::string key = m.res->model().profile_key();
+    if (auto r = write_file_atomic(profile_path(key), m.res->heat().to_profile(key)); !r)
+        MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
+    for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
+        if (m.res->state(s).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, s));
+        note("unlocking a closed model", m.res->release(s, false));
+    }
+    if (m.res->state(kDenseSlot).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, kDenseSlot));
+    note("unlocking a closed model", m.res->release(kDenseSlot, false));
+    unwatch_files(m);
+    m.res.reset();
+    m.waiting.clear();
+}
+
+void Daemon::watch_files(ModelEntry& m) {
+    if (!page_cache_) return;
+    const auto& files = m.res->model().files();
+    for (uint32_t i = 0; i < files.size(); ++i) {
+        const uint32_t id = next_file_id_++;
+        if (auto r = page_cache_->watch(files[i].identity.dev, files[i].identity.ino, id); !r) {
+            MC_LOG(LOG_WARNING, "model {}: {}", m.path, r.error().what());
+            continue;
+        }
+        watched_[id] = WatchedFile{&m, i};
+        m.file_ids.push_back(id);
+    }
+}
+
+void Daemon::unwatch_files(ModelEntry& m) {
+    if (!page_cache_ || !m.res) return;
+    const auto& files = m.res->model().files();
+    for (uint32_t id : m.file_ids) {
+        const auto it = watched_.find(id);
+        if (it == watched_.end()) continue;
+        // Another entry may watch the same inode now (a model configured twice): leave it then.
+        const auto& f = files[it->second.file];
+        watched_.erase(it);
+        const bool shared = std::any_of(models_.begin(), models_.end(), [&](const auto& o) {
+            if (o.get() == &m || !o->res) return false;
+            return std::any_of(o->res->model().files().begin(), o->res->model().files().end(),
+                               [&](const ModelFile& of) { return of.identity.dev == f.identity.dev && of.identity.ino == f.identity.ino; });
+        });
+        if (!shared) note("unwatching a model file's page cache", page_cache_->unwatch(f.identity.dev, f.identity.ino));
+    }
+    m.file_ids.clear();
+}
+
+Result<void> Daemon::save_profiles() {
+    for (auto& m : models_) {
+        if (!m->res) continue;
+        const std::string key = m->res->model().profile_key();
+        MC_TRY_VOID(write_file_atomic(profile_path(key), m->res->heat().to_profile(key)));
+    }
+    return {};
+}
+
+std::vector<uint32_t> Daemon::model_ids() const {
+    std::vector<uint32_t> ids;
+    for (const auto& m : models_) ids.push_back(m->id);
+    return ids;
+}
+
+std::optional<uint32_t> Daemon::model_id(const std::string& path) const {
+    for (const auto& m : models_)
+        if (m->path == path || m->config.path == path) return m->id;
+    return std::nullopt;
+}
+
+}  // namespace moecache::daemon

@@ -1,0 +1,176 @@
+// Status as plain values: what D-Bus, moecachectl and /metrics read.
+#include "moecache/daemon/daemon.h"
+#include "moecache/daemon/system_memory.h"
+
+#include "daemon_state.h"
+#include "dbus/dbus_service.h"
+#include "metrics/metrics_server.h"
+#include "moecache/daemon/prefetcher.h"
+#include "moecache/file_util.h"
+#include "moecache/log.h"
+
+#include <glob.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+namespace moecache::daemon {
+
+bool Daemon::idle() const {
+    for (const auto& m : models_) {
+        if (!m->res) continue;
+        if (!m->waiting.empty()) return false;
+        for (uint32_t s = 0; s < m->res->n_slots(); ++s)
+            if (m->res->state(s).tier() == Tier::Fetching) return false;
+        if (m->res->state(kDenseSlot).tier() == Tier::Fetching) return false;
+    }
+    return true;
+}
+
+DaemonStatus Daemon::status(bool experts) const {
+    DaemonStatus s;
+    s.mem_total = mem_total_;
+    s.lock_cap = lock_cap();
+    s.lock_budget = config_.lock_budget.resolve(mem_total_);
+    s.reserve = config_.reserve.resolve(mem_total_);
+    s.cgroup_limit = cgroup_ ? cgroup_->limit : 0;
+    s.miss_fetches = miss_fetches_;
+    s.miss_fetch_bytes = miss_fetch_bytes_;
+    s.warm_fetch_bytes = warm_fetch_bytes_;
+    s.predict_fetch_bytes = predict_fetch_bytes_;
+    for (const auto& m : models_)
+        if (m->prediction) {
+            s.predicted_experts += m->prediction->trust.predicted();
+            s.predicted_used += m->prediction->trust.correct();
+        }
+    s.bus = dbus_ ? dbus_->bus() : "";
+    s.tracing = tracing();
+    s.trace_records = trace_records_;
+    s.locked_bytes = total_locked();
+    s.vmlck_bytes = read_locked_bytes();
+    s.pressure_events = pressure_events_;
+    s.under_pressure = pressure_cap_ != UINT64_MAX;
+    const auto p = prefetcher_->progress();
+    s.prefetch_done_bytes = p.done_bytes;
+    s.prefetch_queued_bytes = p.queued_bytes;
+    s.page_cache.enabled = page_cache_ != nullptr;
+    s.page_cache.off_reason = page_cache_off_reason_;
+    s.page_cache.events = page_cache_events_;
+    s.page_cache.unattributed = page_cache_unattributed_;
+    s.page_cache.consume_cpu_seconds = page_cache_cpu_;
+    s.socket_path = server_ ? server_->path() : "";
+    if (metrics_) {
+        const bool v6 = metrics_->host().find(':') != std::string::npos;
+        s.metrics_address = v6 ? fmt::format("[{}]:{}", metrics_->host(), metrics_->port())
+                               : fmt::format("{}:{}", metrics_->host(), metrics_->port());
+    }
+    s.clients_refused = clients_refused_;
+    for (const auto& [device, totals] : pool_totals_) {
+        PoolDeviceStatus pool = totals;
+        for (const auto& c : clients_) {
+            if (c->dead) continue;
+            if (const auto it = c->pools.find(device); it != c->pools.end()) {
+                pool.pool_bytes += it->second.pool_bytes;
+                ++pool.clients;
+            }
+        }
+        s.vram_pools.push_back(pool);
+    }
+    s.vram_releases = vram_releases_;
+    s.unmapped_copy_bytes = unmapped_bytes_;
+    for (const auto& [doing, e] : errors_) s.errors[doing] = e.total;
+    for (const auto& c : clients_)
+        if (!c->dead && c->unmapped.no_model && c->unmapped.bytes > 0) ++s.clients_without_model;
+    for (const auto& c : clients_) {
+        if (c->dead) continue;
+        ClientStatus cs;
+        cs.id = c->id;
+        cs.pid = static_cast<uint32_t>(c->peer.pid);
+        cs.uid = c->peer.uid;
+        cs.gid = c->peer.gid;
+        cs.name = c->name;
+        cs.models = c->models;
+        cs.telemetry = c->ring != nullptr;
+        cs.events = c->events;
+        cs.bad_events = c->bad_events;
+        if (c->ring) cs.overflow = c->ring->counters().overflow;
+        s.clients.push_back(std::move(cs));
+    }
+    if (page_cache_) {
+        s.page_cache.faults = page_cache_->faults_attached();
+        s.page_cache.ring_bytes = page_cache_->ring_bytes();
+        const auto c = page_cache_->counters();
+        std::copy(std::begin(c.sent), std::end(c.sent), s.page_cache.sent);
+        std::copy(std::begin(c.dropped), std::end(c.dropped), s.page_cache.dropped);
+    }
+    for (const auto& m : models_) s.models.push_back(model_status(*m, experts));
+    return s;
+}
+
+std::optional<ModelStatus> Daemon::model_status(uint32_t id, bool experts) const {
+    const ModelEntry* m = find_model(id);
+    if (!m) return std::nullopt;
+    return model_status(*m, experts);
+}
+
+ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
+    const ModelEntry* m = &me;
+    ModelStatus ms;
+    ms.id = m->id;
+    ms.path = m->path;
+    ms.error = m->error;
+    ms.loaded = m->res != nullptr;
+    ms.registered = m->registered;
+    ms.owner_uid = m->owner_uid;
+    ms.budget_bytes = m->config.budget ? m->config.budget->resolve(mem_total_) : 0;
+    ms.prefetching_experts = static_cast<uint32_t>(m->prefetching.size());
+    if (m->res) {
+        const auto& r = *m->res;
+        ms.key = r.model().profile_key();
+        ms.family = family_of(*m);
+        ms.locked_bytes = r.locked_bytes();
+        ms.dropped_bytes = r.dropped_bytes();
+        ms.dense_tier = r.state(kDenseSlot).tier();
+        ms.dense_bytes = r.slot_bytes(kDenseSlot);
+        ms.dense_telemetry = r.telemetry(kDenseSlot);
+        const auto& map = r.model().map();
+        ms.n_experts_total = r.n_slots();
+        if (experts) ms.experts.reserve(r.n_slots());
+        for (uint32_t slot = 0; slot < r.n_slots(); ++slot) {
+            ExpertStatus e;
+            const uint32_t layer = slot / map.n_experts;
+            e.block = map.layers[layer].index;
+            e.expert = slot % map.n_experts;
+            const auto& st = r.state(slot);
+            e.tier = st.tier();
+            e.heat = r.heat().heat(layer, e.expert);
+            e.uses = r.heat().uses(layer, e.expert);
+            e.pinned = r.pinned(slot);
+            e.bytes = map.layers[layer].bytes_per_expert;
+            e.cached_bytes = st.cached_bytes;
+            e.locked_bytes = st.locked_bytes;
+            e.telemetry = r.telemetry(slot);
+            e.vram_holders = r.vram_holders(slot);
+            ++ms.placements[static_cast<size_t>(placement(e.tier, e.vram_holders))];
+            ms.expert_telemetry.read_bytes += e.telemetry.read_bytes;
+            ms.expert_telemetry.prefetch_bytes += e.telemetry.prefetch_bytes;
+            ms.expert_telemetry.evicted_bytes += e.telemetry.evicted_bytes;
+            ms.expert_telemetry.faults += e.telemetry.faults;
+            ms.experts_in_vram += e.vram_holders > 0;
+            ms.experts_locked += e.tier == Tier::Locked;
+            ms.experts_pinned += e.pinned;
+            ms.expert_bytes += e.bytes;
+            ms.expert_cached_bytes += e.cached_bytes;
+            ms.expert_locked_bytes += e.locked_bytes;
+            ms.read_bytes += e.telemetry.read_bytes;
+            ms.evicted_bytes += e.telemetry.evicted_bytes;
+            if (m->prefetching.count(slot)) ms.prefetch_pending_bytes += r.slot_length(slot);
+            if (experts) ms.experts.push_back(e);
+        }
+    }
+    return ms;
+}
+
+}  // namespace moecache::daemon
