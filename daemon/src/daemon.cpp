@@ -230,9 +230,7 @@ void Daemon::tick() {
 void Daemon::on_pressure(const std::string& source) {
     ++pressure_events_;
     last_pressure_ = std::chrono::steady_clock::now();
-    const uint64_t locked = total_locked();
-    const auto keep = static_cast<uint64_t>(static_cast<double>(locked) * (1.0 - config_.pressure_release_share));
-    pressure_cap_ = std::min(pressure_cap_, keep);
+    pressure_cap_ = std::min(pressure_cap_, pressure_keep(total_locked(), config_.pressure_release_share));
     MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source,
            pressure_cap_ >> 20);
     if (dbus_) dbus_->pressure_backoff(source, pressure_cap_);

@@ -8,6 +8,7 @@
 #include "moecache/bpf/page_cache_telemetry.h"
 #include "moecache/client/protocol.h"
 #include "moecache/daemon/config.h"
+#include "moecache/daemon/decide.h"
 #include "moecache/daemon/fetch.h"
 #include "moecache/daemon/memory_cgroup.h"
 #include "moecache/daemon/model_residency.h"
@@ -209,20 +210,22 @@ private:
     // test or tool driving the daemon directly).
     void request_place();
     void on_fetched(uint64_t tag, uint64_t bytes, int err);
-    void try_lock(ModelEntry& m, uint32_t slot);
+    // The actuator (actuate.cpp): carries out a turn's decisions, the only writer of residency
+    // state for them; `loaded` maps the decision's model indices to entries.
+    void apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded);
+    // Lock a slot the decide step admitted; a file changed under it closes the model.
+    void lock_admitted(ModelEntry& m, uint32_t slot);
     // [policy] predict: scores the last prediction for this layer, learns, predicts the next
     // token's experts there and reads what is not cached.
     void prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts);
     [[nodiscard]] uint64_t lock_cap() const;
+    [[nodiscard]] MemoryFacts memory_facts() const;  // as read at the last placement
+    // A model's own cap: its budget and its user's (registered models).
     [[nodiscard]] uint64_t model_cap(const ModelEntry& m) const;
-    [[nodiscard]] const ByteAmount* uid_budget(const ModelEntry& m) const;
-    [[nodiscard]] uint64_t uid_locked(uint32_t uid) const;
     [[nodiscard]] uint64_t total_locked() const;
-    // Families (ModelConfig::family): the name, the cap (the smallest family_budget among the
-    // loaded members; UINT64_MAX: none) and what its loaded members hold locked.
+    // A model's family (ModelConfig::family, else its profile key): members share heat and the
+    // smallest family_budget among them.
     [[nodiscard]] std::string family_of(const ModelEntry& m) const;
-    [[nodiscard]] uint64_t family_cap(const ModelEntry& m) const;
-    [[nodiscard]] uint64_t family_locked(const ModelEntry& m) const;
     [[nodiscard]] std::string profile_path(const std::string& key) const;
     Result<void> handle_signal();
     void watch_files(ModelEntry& m);
@@ -265,8 +268,6 @@ private:
     // urgent (a miss): a slot already queued behind other work is queued again ahead of it.
     // Reads a slot into the page cache without locking it; returns the bytes queued.
     uint64_t cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, uint32_t order = 0);
-    // A warm start: the profile's used experts beyond the lock plan, as far as free memory goes.
-    void warm_model(ModelEntry& m, const Plan& plan, uint32_t model_index);
     void fetch_missed();
     [[nodiscard]] ModelStatus model_status(const ModelEntry& m, bool experts) const;
     void update_bus_watch();
@@ -330,7 +331,6 @@ private:
     std::vector<std::unique_ptr<ModelEntry>> models_;
     uint32_t next_model_id_ = 0;
     uint64_t pressure_cap_ = UINT64_MAX;
-    uint64_t lockable_this_turn_ = 0;  // MemAvailable - reserve, counted down as a turn locks
     uint64_t pressure_events_ = 0;
     std::chrono::steady_clock::time_point last_pressure_{}, last_save_{};
     bool stopping_ = false;

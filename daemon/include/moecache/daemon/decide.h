@@ -1,0 +1,78 @@
+// The decide step of a loop turn, pure: from a snapshot of the facts (memory, budgets, each
+// model's residency and heat, the slots read and waiting for a lock), what to do this turn:
+//   - release what the plan no longer wants (unlock and drop, clients told);
+//   - read what it wants locked (hottest first), or lock it at once when the page cache holds it;
+//   - a warm start's reads beyond the locks, into the room memory leaves;
+//   - which of the slots read may be locked now: every cap that holds them (budgets.h), at most
+//     kLockBytesPerTurn a turn (mlock takes the loop's time); the rest wait for the next turn;
+//     refused ones go back to storage (the plan asks again); one a VRAM pool took while it was
+//     being read is dropped (one place).
+// The loop builds the facts (Daemon::place), decide_turn() decides, and the actuator
+// (actuate.cpp) is the only code that changes residency to carry the actions out. Tested without
+// root in tests/unit/decide_test.cpp.
+#pragma once
+
+#include "moecache/daemon/budgets.h"
+#include "moecache/daemon/model_residency.h"
+#include "moecache/daemon/planner.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace moecache::daemon {
+
+inline constexpr uint64_t kLockBytesPerTurn = 512ull << 20;  // bounds how long one turn spends in mlock
+
+// One slot (an expert, or the dense part) as the turn sees it.
+struct SlotFacts {
+    Tier tier = Tier::Storage;
+    uint64_t cached = 0;      // bytes of it in the page cache
+    uint64_t length = 0;      // bytes of it in the file(s)
+    uint64_t lock_bytes = 0;  // bytes locking it costs (page-rounded)
+    bool wanted_in_ram = true;  // false: a VRAM pool holds it (one place)
+};
+
+struct ModelFacts {
+    ModelView view;                // the planner's input (ModelView::heat must point at live heat)
+    std::vector<SlotFacts> slots;  // per expert slot
+    SlotFacts dense;
+    LockHolder holder;             // its claim on the budgets
+    std::vector<uint32_t> waiting;  // slots read (or cached) and waiting for a lock
+    bool warm_pending = false;      // a warm start is due
+    [[nodiscard]] const SlotFacts& slot(uint32_t s) const { return s == kDenseSlot ? dense : slots[s]; }
+};
+
+struct TurnFacts {
+    MemoryFacts memory;
+    uint64_t lock_cap = 0;    // lock_cap(): the global cap
+    uint64_t reserve = 0;     // resolved
+    uint64_t warm_limit = kNoCap;
+    PlannerSettings planner;
+    uint64_t lock_bytes_per_turn = kLockBytesPerTurn;
+    std::vector<ModelFacts> models;
+};
+
+struct TurnActions {
+    Plan plan;                        // the planner's whole answer (planned bytes for status)
+    std::vector<SlotRef> release;     // unlock and drop, coldest first; clients told
+    std::vector<SlotRef> read;        // begin fetching for a lock, in this order (hottest first)
+    struct WarmReads {
+        uint32_t model = 0;
+        std::vector<uint32_t> slots;  // coldest first: the order to read them in
+        uint32_t chosen = 0;          // the experts chosen (some may be cached already)
+        uint64_t room = 0;            // the room it had
+    };
+    std::vector<WarmReads> warm;
+    std::vector<SlotRef> lock;        // admitted under every cap, in order
+    struct Refused {
+        SlotRef at;
+        LockRefusal why;
+    };
+    std::vector<Refused> refused;     // back to storage: the plan asks again if it still wants it
+    std::vector<SlotRef> given_up;    // a VRAM pool took it while it was read: back to storage, dropped
+    std::vector<std::vector<uint32_t>> waiting;  // per model: what waits for the next turn
+};
+
+TurnActions decide_turn(const TurnFacts& f);
+
+}  // namespace moecache::daemon

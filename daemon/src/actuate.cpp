@@ -1,0 +1,79 @@
+// The actuator: carries out what a loop turn's decide step chose (decide.h), and is the only code
+// that changes residency state for it: unlocks and drops, reads queued for locks and warm starts,
+// locks, and slots given back to storage. Clients hear of each lock and unlock. A model closed
+// meanwhile (its file changed under a lock) gets nothing more this turn.
+#include "moecache/daemon/daemon.h"
+#include "moecache/daemon/decide.h"
+
+#include "daemon_state.h"
+#include "moecache/daemon/prefetcher.h"
+#include "moecache/log.h"
+
+namespace moecache::daemon {
+
+void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded) {
+    auto live = [&](uint32_t i) -> ModelEntry* { return i < loaded.size() && loaded[i]->res ? loaded[i] : nullptr; };
+    for (const auto& r : a.release) {
+        ModelEntry* m = live(r.model);
+        if (m == nullptr) continue;
+        // Dropped as well as unlocked: pages no process maps leave the page cache, so that what
+        // the policy lets go frees memory; pages a runtime maps stay where they are.
+        if (auto rel = m->res->release(r.slot, /*drop=*/true); !rel)
+            MC_LOG(LOG_WARNING, "model {}: release: {}", m->path, rel.error().what());
+        else
+            tell_clients(*m, r.slot, protocol::Action::Unlock);
+    }
+    uint32_t order = 0;
+    for (const auto& r : a.read) {
+        ModelEntry* m = live(r.model);
+        if (m == nullptr) continue;
+        SlotState& st = m->res->state(r.slot);
+        m->res->begin_fetch(r.slot);
+        for (const auto& range : m->res->ranges(r.slot)) {
+            const auto& f = m->res->model().files()[range.file];
+            prefetcher_->enqueue({f.fd.get(), range.offset, range.length, fetch_priority(FetchReason::Plan, order),
+                                  fetch_tag(m->id, r.slot, FetchReason::Plan)});
+            ++st.fetches_pending;
+        }
+        ++order;
+    }
+    for (const auto& w : a.warm) {
+        ModelEntry* m = live(w.model);
+        if (m == nullptr) continue;
+        m->warm_pending = false;
+        uint64_t queued = 0;
+        uint32_t n = 0;
+        for (uint32_t s : w.slots) queued += cache_fetch(*m, s, FetchReason::WarmStart, n++);
+        warm_fetch_bytes_ += queued;
+        if (queued > 0)
+            MC_LOG(LOG_INFO, "model {}: warm start: reading {} MiB of {} experts beyond the locks ({} MiB free for it)",
+                   m->path, queued >> 20, w.chosen, w.room >> 20);
+    }
+    if (auto r = prefetcher_->submit(); !r) MC_LOG(LOG_WARNING, "prefetch: {}", r.error().what());
+    for (uint32_t i = 0; i < loaded.size(); ++i)
+        if (ModelEntry* m = live(i)) m->waiting = i < a.waiting.size() ? a.waiting[i] : std::vector<uint32_t>{};
+    for (const auto& r : a.refused)
+        if (ModelEntry* m = live(r.at.model)) m->res->abandon(r.at.slot);  // the plan asks again if it still wants it
+    for (const auto& r : a.given_up)
+        if (ModelEntry* m = live(r.model)) {
+            m->res->abandon(r.slot);
+            m->res->drop_cached(r.slot);
+        }
+    for (const auto& r : a.lock)
+        if (ModelEntry* m = live(r.model)) lock_admitted(*m, r.slot);
+    direct_pools();
+}
+
+void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {
+    if (auto r = m.res->lock(slot); r) {
+        tell_clients(m, slot, protocol::Action::Lock);
+        return;
+    } else {
+        m.res->abandon(slot);
+        MC_LOG(LOG_WARNING, "model {}: lock: {}", m.path, r.error().what());
+    }
+    // A file truncated or replaced under us fails here first: look at it again now.
+    if (auto same = m.res->model().unchanged(); !same || !*same) close_model(m, "the file changed on disk");
+}
+
+}  // namespace moecache::daemon

@@ -1,0 +1,285 @@
+// The decide step and its budget arithmetic without root: fixed snapshots in, actions out
+// (moecache/daemon/budgets.h, decide.h). The daemon's root tests cover the kernel-facing parts.
+#include "moecache/daemon/budgets.h"
+#include "moecache/daemon/decide.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+namespace moecache::daemon {
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+
+// --- budgets ----------------------------------------------------------------------------------
+
+TEST(Budgets, TheLockCapIsTheSmallestOfBudgetRamCgroupAndPressure) {
+    MemoryFacts m{64 * kGiB, 40 * kGiB, std::nullopt, std::nullopt};
+    EXPECT_EQ(lock_cap(m, 32 * kGiB, 4 * kGiB), 32 * kGiB) << "the budget";
+    EXPECT_EQ(lock_cap(m, 100 * kGiB, 4 * kGiB), 60 * kGiB) << "RAM less the reserve";
+    m.cgroup_limit = 16 * kGiB;
+    EXPECT_EQ(lock_cap(m, 100 * kGiB, 4 * kGiB), 12 * kGiB) << "the cgroup's limit less the reserve";
+    EXPECT_EQ(lock_cap(m, 100 * kGiB, 4 * kGiB, 5 * kGiB), 5 * kGiB) << "a pressure back-off";
+    m.cgroup_limit = 2 * kGiB;
+    EXPECT_EQ(lock_cap(m, 100 * kGiB, 4 * kGiB), 0u) << "a limit under the reserve locks nothing";
+}
+
+TEST(Budgets, PressureKeepsWhatTheReleaseShareLeaves) {
+    EXPECT_EQ(pressure_keep(10 * kGiB, 0.25), 7.5 * kGiB);
+    EXPECT_EQ(pressure_keep(10 * kGiB, 1.0), 0u);
+    EXPECT_EQ(pressure_keep(0, 0.25), 0u);
+}
+
+TEST(Budgets, ALockFitsUnderEveryCapThatHoldsItOrNamesTheOneThatRefuses) {
+    std::vector<LockHolder> h(4);
+    h[0] = {100 * kMiB, 150 * kMiB, "a", kNoCap, std::nullopt, kNoCap};       // its own cap: 150
+    h[1] = {100 * kMiB, kNoCap, "fam", 250 * kMiB, std::nullopt, kNoCap};     // a family of two, 250
+    h[2] = {100 * kMiB, kNoCap, "fam", kNoCap, 1000u, 180 * kMiB};            // user 1000's budget: 180
+    h[3] = {50 * kMiB, kNoCap, "d", kNoCap, 1000u, kNoCap};                   // also user 1000's
+    LockLedger ledger(500 * kMiB, 400 * kMiB, h);
+    EXPECT_EQ(ledger.total_locked(), 350 * kMiB);
+    EXPECT_EQ(ledger.admits(0, 50 * kMiB), LockRefusal::None);
+    EXPECT_EQ(ledger.admits(0, 51 * kMiB), LockRefusal::Model);
+    EXPECT_EQ(ledger.family_cap(2), 250 * kMiB) << "the smallest budget among the family's members";
+    EXPECT_EQ(ledger.admits(1, 50 * kMiB), LockRefusal::None);
+    EXPECT_EQ(ledger.admits(1, 51 * kMiB), LockRefusal::Family) << "200 locked in the family";
+    EXPECT_EQ(ledger.admits(2, 31 * kMiB), LockRefusal::User) << "150 locked by user 1000 over two models";
+    EXPECT_EQ(ledger.admits(3, 151 * kMiB), LockRefusal::Global) << "500 in all";
+    ledger.took(3, 30 * kMiB);
+    EXPECT_EQ(ledger.admits(2, 1 * kMiB), LockRefusal::User) << "what one model of the user took counts for the other";
+    EXPECT_EQ(ledger.admits(0, 50 * kMiB), LockRefusal::None);
+    ledger.took(0, 50 * kMiB);
+    EXPECT_EQ(ledger.total_locked(), 430 * kMiB);
+    EXPECT_EQ(ledger.lockable(), 320 * kMiB);
+    EXPECT_EQ(ledger.admits(1, 40 * kMiB), LockRefusal::None);
+    LockLedger tight(kNoCap, 10 * kMiB, {LockHolder{}});
+    EXPECT_EQ(tight.admits(0, 11 * kMiB), LockRefusal::Memory) << "no lock below the reserve";
+    EXPECT_STREQ(to_string(LockRefusal::Family), "family budget");
+}
+
+TEST(Budgets, AWarmStartGetsWhatIsFreeLessThePlansReadsAndTheReserve) {
+    MemoryFacts m{64 * kGiB, 20 * kGiB, std::nullopt, std::nullopt};
+    EXPECT_EQ(warm_room(m, 4 * kGiB, 2 * kGiB), 14 * kGiB);
+    EXPECT_EQ(warm_room(m, 4 * kGiB, 2 * kGiB, 3 * kGiB), 3 * kGiB) << "warm_limit";
+    m.cgroup_limit = 10 * kGiB;
+    m.cgroup_usage = 7 * kGiB;
+    EXPECT_EQ(warm_room(m, 1 * kGiB, 1 * kGiB), 1 * kGiB) << "the room under the cgroup's limit binds";
+    m.cgroup_usage = 11 * kGiB;
+    EXPECT_EQ(warm_room(m, 0, 0), 0u);
+}
+
+TEST(Budgets, AWarmStartTakesTheHottestThatFitAndReadsThemColdestFirst) {
+    std::vector<WarmCandidate> c = {{1, 5.0, 10}, {2, 9.0, 10}, {3, 7.0, 10}, {4, 1.0, 1}};
+    auto picks = warm_picks(c, 25);
+    ASSERT_EQ(picks.size(), 2u) << "9 and 7 fit; 5 does not, and the choice stops there";
+    EXPECT_EQ(picks[0].slot, 3u) << "coldest first";
+    EXPECT_EQ(picks[1].slot, 2u);
+    EXPECT_TRUE(warm_picks(c, 5).empty());
+    EXPECT_EQ(warm_picks(c, 100).size(), 4u);
+}
+
+// --- the decide step --------------------------------------------------------------------------
+
+// A model of `layers` x `experts` slots of 1 MiB each, its heat from `uses` per slot.
+struct FakeModel {
+    FakeModel(uint32_t layers, uint32_t experts) : heat(layers, experts, 1e9), n(layers * experts) {
+        facts.view.heat = &heat;
+        facts.view.locked.assign(n, 0);
+        facts.view.pinned.assign(n, 0);
+        facts.view.slot_bytes.assign(n, kMiB);
+        facts.slots.assign(n, SlotFacts{Tier::Storage, 0, kMiB, kMiB, true});
+        facts.dense = SlotFacts{Tier::Storage, 0, 0, 0, true};
+    }
+    void use(uint32_t slot, uint32_t times) {
+        const uint32_t e = slot % heat.n_experts();
+        for (uint32_t i = 0; i < times; ++i) heat.record(slot / heat.n_experts(), std::span<const uint32_t>(&e, 1));
+    }
+    void locked(uint32_t slot) {
+        facts.view.locked[slot] = 1;
+        facts.slots[slot].tier = Tier::Locked;
+        facts.slots[slot].cached = kMiB;
+        facts.holder.locked += kMiB;
+    }
+    HeatTable heat;
+    uint32_t n;
+    ModelFacts facts;
+};
+
+TurnFacts turn(uint64_t cap, std::vector<ModelFacts> models, uint64_t available = 64 * kGiB) {
+    TurnFacts f;
+    f.memory = MemoryFacts{128 * kGiB, available, std::nullopt, std::nullopt};
+    f.lock_cap = cap;
+    f.reserve = 1 * kGiB;
+    f.planner = PlannerSettings{1, 0.125, 0.25};
+    f.models = std::move(models);
+    return f;
+}
+
+bool has(const std::vector<SlotRef>& v, uint32_t model, uint32_t slot) {
+    return std::find(v.begin(), v.end(), SlotRef{model, slot}) != v.end();
+}
+
+TEST(Decide, ThePlanIsReadFirstAndWhatIsCachedIsLockedAtOnce) {
+    FakeModel m(1, 8);
+    m.use(0, 9);
+    m.use(1, 8);
+    m.use(2, 7);
+    m.facts.slots[1].cached = kMiB;  // in the page cache already
+    const auto a = decide_turn(turn(4 * kMiB, {m.facts}));
+    EXPECT_TRUE(has(a.read, 0, 0));
+    EXPECT_TRUE(has(a.read, 0, 2));
+    EXPECT_FALSE(has(a.read, 0, 1)) << "cached: nothing to read";
+    EXPECT_TRUE(has(a.lock, 0, 1)) << "locked in this turn without a read";
+    EXPECT_EQ(a.read.front(), (SlotRef{0, 0})) << "hottest first";
+}
+
+TEST(Decide, WhatWasReadIsLockedUnderTheCapsAndTheRestGoesBack) {
+    FakeModel m(1, 8);
+    for (uint32_t s = 0; s < 4; ++s) {
+        m.use(s, 10 - s);
+        m.facts.slots[s].tier = Tier::Fetching;
+        m.facts.slots[s].cached = kMiB;
+        m.facts.waiting.push_back(s);
+    }
+    m.facts.holder.cap = 3 * kMiB;  // its own budget: three
+    const auto a = decide_turn(turn(8 * kMiB, {m.facts}));
+    ASSERT_EQ(a.lock.size(), 3u);
+    ASSERT_EQ(a.refused.size(), 1u);
+    EXPECT_EQ(a.refused[0].at, (SlotRef{0, 3}));
+    EXPECT_EQ(a.refused[0].why, LockRefusal::Model);
+    EXPECT_TRUE(a.waiting[0].empty());
+}
+
+TEST(Decide, AFamilyCapHoldsAcrossItsModels) {
+    FakeModel x(1, 4), y(1, 4);
+    for (auto* m : {&x, &y}) {
+        m->facts.holder.family = "fam";
+        m->facts.holder.family_budget = 3 * kMiB;
+        for (uint32_t s = 0; s < 2; ++s) {
+            m->facts.slots[s].tier = Tier::Fetching;
+            m->facts.slots[s].cached = kMiB;
+            m->facts.waiting.push_back(s);
+        }
+    }
+    const auto a = decide_turn(turn(100 * kMiB, {x.facts, y.facts}));
+    EXPECT_EQ(a.lock.size(), 3u);
+    ASSERT_EQ(a.refused.size(), 1u);
+    EXPECT_EQ(a.refused[0].why, LockRefusal::Family);
+    EXPECT_EQ(a.refused[0].at.model, 1u);
+}
+
+TEST(Decide, AUsersBudgetHoldsAcrossTheModelsTheyRegistered) {
+    FakeModel x(1, 4), y(1, 4);
+    for (auto* m : {&x, &y}) {
+        m->facts.holder.uid = 1000;
+        m->facts.holder.user_budget = 2 * kMiB;
+        m->facts.holder.family = m == &x ? "x" : "y";
+    }
+    x.locked(0);
+    y.facts.slots[0].tier = Tier::Fetching;
+    y.facts.slots[0].cached = kMiB;
+    y.facts.waiting = {0};
+    y.facts.slots[1] = y.facts.slots[0];
+    y.facts.waiting.push_back(1);
+    const auto a = decide_turn(turn(100 * kMiB, {x.facts, y.facts}));
+    ASSERT_EQ(a.lock.size(), 1u);
+    EXPECT_EQ(a.lock[0], (SlotRef{1, 0}));
+    ASSERT_EQ(a.refused.size(), 1u);
+    EXPECT_EQ(a.refused[0].why, LockRefusal::User);
+}
+
+TEST(Decide, NoLockBelowTheReserveAndAtMostABoundedAmountATurn) {
+    FakeModel m(1, 8);
+    for (uint32_t s = 0; s < 8; ++s) {
+        m.use(s, 1);
+        m.facts.slots[s].tier = Tier::Fetching;
+        m.facts.slots[s].cached = kMiB;
+        m.facts.waiting.push_back(s);
+    }
+    // 1 GiB reserve, 1 GiB + 2 MiB available: two locks fit.
+    auto a = decide_turn(turn(100 * kMiB, {m.facts}, 1 * kGiB + 2 * kMiB));
+    EXPECT_EQ(a.lock.size(), 2u);
+    EXPECT_EQ(a.refused.size(), 6u);
+    EXPECT_EQ(a.refused.back().why, LockRefusal::Memory);
+    // A turn locks at most lock_bytes_per_turn; the rest waits for the next, in order.
+    auto f = turn(100 * kMiB, {m.facts});
+    f.lock_bytes_per_turn = 3 * kMiB;
+    a = decide_turn(f);
+    EXPECT_EQ(a.lock.size(), 3u);
+    EXPECT_EQ(a.waiting[0], (std::vector<uint32_t>{3, 4, 5, 6, 7}));
+}
+
+TEST(Decide, ASlotAVramPoolTookWhileItWasReadIsGivenUpNotLocked) {
+    FakeModel m(1, 4);
+    m.facts.slots[2].tier = Tier::Fetching;
+    m.facts.slots[2].cached = kMiB;
+    m.facts.slots[2].wanted_in_ram = false;  // one place: the pool holds it now
+    m.facts.waiting = {2};
+    const auto a = decide_turn(turn(100 * kMiB, {m.facts}));
+    EXPECT_TRUE(a.lock.empty());
+    EXPECT_TRUE(has(a.given_up, 0, 2));
+}
+
+TEST(Decide, AnExpertInAVramPoolIsReleasedFromRam) {
+    FakeModel m(1, 4);
+    m.use(0, 5);
+    m.use(1, 4);
+    m.locked(0);
+    m.locked(1);
+    m.facts.view.in_vram.assign(4, 0);
+    m.facts.view.in_vram[0] = 1;  // the pool holds expert 0: one place
+    m.facts.slots[0].wanted_in_ram = false;
+    const auto a = decide_turn(turn(100 * kMiB, {m.facts}));
+    EXPECT_TRUE(has(a.release, 0, 0));
+    EXPECT_FALSE(has(a.release, 0, 1));
+}
+
+TEST(Decide, PressureBackOffReleasesTheColdestFirst) {
+    FakeModel m(1, 8);
+    for (uint32_t s = 0; s < 4; ++s) {
+        m.use(s, 10 - s);
+        m.locked(s);
+    }
+    // Pressure left 2 MiB of the 4 locked: the cap the loop passes is the back-off's.
+    auto f = turn(lock_cap(MemoryFacts{128 * kGiB, 64 * kGiB, std::nullopt, std::nullopt}, kNoCap, kGiB,
+                           pressure_keep(4 * kMiB, 0.5)),
+                  {m.facts});
+    const auto a = decide_turn(f);
+    ASSERT_EQ(a.release.size(), 2u);
+    EXPECT_TRUE(has(a.release, 0, 3));
+    EXPECT_TRUE(has(a.release, 0, 2));
+    EXPECT_TRUE(a.read.empty());
+}
+
+TEST(Decide, AWarmStartReadsTheProfilesHotExpertsBeyondThePlanIntoTheRoomThereIs) {
+    FakeModel m(1, 16);
+    for (uint32_t s = 0; s < 16; ++s) m.use(s, 20 - s);
+    m.facts.warm_pending = true;
+    // Lock cap 2 MiB: the plan reads 0 and 1; 4 GiB + 1 GiB reserve + the plan's 2 MiB leaves
+    // room for everything else.
+    auto a = decide_turn(turn(2 * kMiB, {m.facts}, 5 * kGiB));
+    ASSERT_EQ(a.warm.size(), 1u);
+    EXPECT_EQ(a.warm[0].chosen, 14u);
+    ASSERT_EQ(a.warm[0].slots.size(), 14u);
+    EXPECT_EQ(a.warm[0].slots.front(), 15u) << "coldest first";
+    EXPECT_EQ(a.warm[0].slots.back(), 2u);
+    EXPECT_FALSE(std::count(a.warm[0].slots.begin(), a.warm[0].slots.end(), 0u)) << "the plan reads it for a lock";
+    // With little room only the hottest that fit.
+    a = decide_turn(turn(2 * kMiB, {m.facts}, 1 * kGiB + 2 * kMiB + 3 * kMiB));
+    ASSERT_EQ(a.warm.size(), 1u);
+    EXPECT_EQ(a.warm[0].slots, (std::vector<uint32_t>{4, 3, 2}));
+    // Used once, with admit_after_uses 2: not the profile's.
+    FakeModel once(1, 4);
+    once.use(3, 1);
+    once.facts.warm_pending = true;
+    auto f = turn(0, {once.facts});
+    f.planner.admit_after_uses = 2;
+    a = decide_turn(f);
+    ASSERT_EQ(a.warm.size(), 1u);
+    EXPECT_TRUE(a.warm[0].slots.empty());
+}
+
+}  // namespace
+}  // namespace moecache::daemon
