@@ -349,7 +349,7 @@ Result<void> Daemon::step(int timeout_ms) {
     if (dbus_) {
         if (bus_ready || dbus_->timeout_ms() == 0) dbus_->process();  // setters request placement
     }
-    if (place_requested_) place();
+    decide_and_act();
     if (dbus_) sync_bus();
     return {};
 }

@@ -219,7 +219,7 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
     }
 }
 
-void Daemon::prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts) {
+void Daemon::predict(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts) {
     auto& r = *m.res;
     const uint32_t ne = r.n_experts();
     if (!m.prediction) {
@@ -237,19 +237,60 @@ void Daemon::prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const u
     }
     p.predictor.observe(layer, experts);
     p.predictor.predict_next_token(layer, experts, static_cast<uint32_t>(experts.size()), next);
-    // Speculation never queues behind itself: nothing is added while reads wait to be issued.
-    if (!p.trust.trusted() || prefetcher_->progress().queued_bytes > 0) return;
+    if (!p.trust.trusted()) return;
+    for (uint32_t e : next) predicted_.emplace_back(m.id, layer * ne + e);
+}
+
+// What the trusted predictions of this turn expect the next token to use, read into the page
+// cache: behind a runtime's misses, ahead of the plan's locks (the next token is tens of ms away).
+// Speculation never queues behind itself: nothing is added while reads wait to be issued.
+void Daemon::fetch_predicted() {
+    if (predicted_.empty()) return;
+    std::vector<std::pair<uint32_t, uint32_t>> predicted;
+    predicted.swap(predicted_);
+    if (prefetcher_->progress().queued_bytes > 0) return;
+    std::sort(predicted.begin(), predicted.end());
+    predicted.erase(std::unique(predicted.begin(), predicted.end()), predicted.end());
     uint64_t queued = 0;
-    for (uint32_t e : next) {
-        const uint32_t slot = layer * ne + e;
+    for (const auto& [id, slot] : predicted) {
+        ModelEntry* m = find_model(id);
+        if (m == nullptr || !m->res || slot >= m->res->n_slots()) continue;
+        const ModelResidency& r = *m->res;
         const SlotState& st = r.state(slot);
         if (st.tier() != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.wanted_in_ram(slot)) continue;
-        // Behind a runtime's misses, ahead of the plan's locks: the next token is tens of ms away.
-        queued += cache_fetch(m, slot, FetchReason::Prediction);
+        queued += cache_fetch(*m, slot, FetchReason::Prediction);
     }
     if (queued == 0) return;
     predict_fetch_bytes_ += queued;
     if (auto s = prefetcher_->submit(); !s) MC_LOG(LOG_WARNING, "prefetch: {}", s.error().what());
+}
+
+// One place: an expert a client's VRAM pool took (the only pool holding it) leaves RAM, unlocked
+// and its pages dropped, unless [vram] keep_ram_copy; the placement recorded it this turn.
+void Daemon::release_pooled() {
+    std::vector<std::pair<uint32_t, uint32_t>> pooled;
+    pooled.swap(pooled_);
+    if (config_.keep_ram_copy) return;
+    for (const auto& [id, slot] : pooled) {
+        ModelEntry* m = find_model(id);
+        if (m == nullptr || !m->res || slot >= m->res->n_slots() || m->res->vram_holders(slot) != 1) continue;
+        if (m->res->state(slot).tier() == Tier::Locked) {
+            if (auto r = m->res->release(slot, /*drop=*/true); !r)
+                MC_LOG(LOG_WARNING, "{}: releasing expert {} (now in VRAM): {}", m->path, slot, r.error().what());
+            else
+                ++vram_releases_;
+        }
+        m->res->drop_cached(slot);
+    }
+}
+
+// The turn's decisions, once, after every source was read: reads after misses, predicted reads,
+// one place for what pools took, and the placement when something asked for it.
+void Daemon::decide_and_act() {
+    fetch_missed();
+    fetch_predicted();
+    release_pooled();
+    if (place_requested_) place();
 }
 
 void Daemon::request_place() {

@@ -81,7 +81,6 @@ void Daemon::consume_page_cache() {
 void Daemon::consume_page_cache_batch() {
     // Bounded, so that a flood cannot hold the loop: the ring's fd stays readable for the next turn.
     page_cache_->consume(1u << 16);
-    fetch_missed();
     if (used_this_batch_.empty()) return;
     // One use per expert per batch: a read of one expert arrives as several folios.
     std::sort(used_this_batch_.begin(), used_this_batch_.end());
@@ -109,7 +108,7 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
         // The clock advances once per batch: on the first MoE layer's report.
         if (*layer == 0) m.res->heat().advance_clock(tokens);
         m.res->heat().record(*layer, experts);
-        if (config_.predict) prefetch_predicted(m, *layer, experts);
+        if (config_.predict) predict(m, *layer, experts);
     }
 }
 

@@ -19,9 +19,11 @@
 namespace moecache::daemon {
 
 bool Daemon::idle() const {
+    // Facts the next turn decides on, reads into the page cache under way.
+    if (!missed_this_batch_.empty() || !predicted_.empty() || !pooled_.empty()) return false;
     for (const auto& m : models_) {
         if (!m->res) continue;
-        if (!m->waiting.empty()) return false;
+        if (!m->waiting.empty() || !m->prefetching.empty()) return false;
         for (uint32_t s = 0; s < m->res->n_slots(); ++s)
             if (m->res->state(s).tier() == Tier::Fetching) return false;
         if (m->res->state(kDenseSlot).tier() == Tier::Fetching) return false;

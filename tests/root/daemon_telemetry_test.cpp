@@ -196,6 +196,31 @@ TEST_F(DaemonTelemetryTest, AMissIsReadWhole) {
     }
 }
 
+// A burst of misses (one page of each of many experts) is read whole, and planned at most once a
+// loop turn: misses are facts the turn decides on, not reads queued from the event handler.
+TEST_F(DaemonTelemetryTest, ABurstOfMissesIsPlannedAtMostOncePerLoopTurn) {
+    for (const auto& f : maps_[0].files) test::drop_page_cache(f.path);
+    auto d = start(4u << 20, /*on_miss=*/true);
+    ASSERT_TRUE(d);
+    std::vector<ByteRange> pages;
+    uint32_t experts = 0;
+    for (uint32_t e = 0; e < maps_[0].n_experts; e += 2, ++experts) {
+        const auto first = maps_[0].ranges(1, e).front();
+        pages.push_back({first.file, first.offset, kPage});
+    }
+    const uint64_t before = d->plans();
+    read_ranges(maps_[0], pages);
+    uint64_t turns = 0;
+    for (; turns < 400; ++turns) {
+        ASSERT_TRUE(d->step(10));
+        if (d->status().miss_fetches >= experts && d->idle()) break;
+    }
+    const auto s = d->status();
+    EXPECT_EQ(s.miss_fetches, experts) << "each missed expert read once";
+    const uint64_t plans = d->plans() - before;
+    EXPECT_LE(plans, turns + 1) << "at most one plan a turn";
+}
+
 TEST_F(DaemonTelemetryTest, EvictionsAreAttributedAndUnrelatedFilesShowNothing) {
     auto d = start();
     ASSERT_TRUE(d);

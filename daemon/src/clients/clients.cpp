@@ -198,8 +198,9 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
     return refuse(c, rq, EPROTO, fmt::format("{} is a message the daemon sends, not one it takes", to_string(type_of(m->body))));
 }
 
-// One place: an expert in a client's VRAM pool leaves RAM (unlocked, its pages dropped) and is not
-// locked again while any pool holds it. A one-way message: a bad one is answered, nothing else.
+// One place: an expert in a client's VRAM pool is recorded as held there; it leaves RAM (unlocked,
+// its pages dropped) at the turn's decisions and is not locked again while any pool holds it. A
+// one-way message: a bad one is answered, nothing else.
 bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
     if (std::find(c.models.begin(), c.models.end(), x.model) == c.models.end())
         return cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not one this client registered", x.model));
@@ -215,7 +216,7 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
     const auto key = std::make_pair(x.model, slot);
     if (!c.has_pool) {
         c.has_pool = true;
-        direct_pools();
+        request_place();  // its directives go out with the turn's placement
     }
     if (x.device == kHostTier) {
         if (c.vram.erase(key) > 0) e->res->remove_vram_holder(slot);
@@ -226,14 +227,7 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
     MC_LOG(LOG_DEBUG, "client {}: expert {} of block {} of {} is in its VRAM pool on device {}", c.id, x.expert, x.block,
            e->path, x.device);
     if (config_.keep_ram_copy || e->res->vram_holders(slot) != 1) return true;
-    if (e->res->state(slot).tier() == Tier::Locked) {
-        if (auto r = e->res->release(slot, /*drop=*/true); !r)
-            MC_LOG(LOG_WARNING, "{}: releasing expert {} of block {} (now in VRAM): {}", e->path, x.expert, x.block,
-                   r.error().what());
-        else
-            ++vram_releases_;
-    }
-    e->res->drop_cached(slot);
+    pooled_.push_back(key);  // leaves RAM at the turn's decisions (release_pooled)
     return true;
 }
 

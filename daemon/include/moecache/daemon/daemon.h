@@ -215,9 +215,13 @@ private:
     void apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded);
     // Lock a slot the decide step admitted; a file changed under it closes the model.
     void lock_admitted(ModelEntry& m, uint32_t slot);
-    // [policy] predict: scores the last prediction for this layer, learns, predicts the next
-    // token's experts there and reads what is not cached.
-    void prefetch_predicted(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts);
+    // [policy] predict: scores the last prediction for this layer, learns, and predicts the next
+    // token's experts there (recorded for the turn's decisions once the predictor is trusted).
+    void predict(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts);
+    // The turn's decisions after intake: reads after misses and predictions, one place, placement.
+    void decide_and_act();
+    void fetch_predicted();
+    void release_pooled();
     [[nodiscard]] uint64_t lock_cap() const;
     [[nodiscard]] MemoryFacts memory_facts() const;  // as read at the last placement
     // A model's own cap: its budget and its user's (registered models).
@@ -325,6 +329,8 @@ private:
     double page_cache_cpu_ = 0;
     std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
     std::vector<std::pair<uint32_t, uint32_t>> missed_this_batch_;  // (model, slot) a runtime read from storage
+    std::vector<std::pair<uint32_t, uint32_t>> predicted_;  // (model, slot) trusted predictions this turn
+    std::vector<std::pair<uint32_t, uint32_t>> pooled_;     // (model, slot) a pool took this turn (one place)
     uint64_t miss_fetches_ = 0, miss_fetch_bytes_ = 0, warm_fetch_bytes_ = 0, predict_fetch_bytes_ = 0;
     std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
     uint32_t self_tgid_ = 0;
