@@ -121,6 +121,9 @@ protected:
                                   "\"\ntick_seconds = " + std::to_string(tick_seconds) +
                                   "\n[budget]\nlock = \"" + lock + "\"\nreserve = \"1GiB\"\n"
                                   "[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"\"\n"
+                                  // Not about pressure: other tests squeezing memory beside this one
+                                  // would lower the lock cap the notifications report.
+                                  "[pressure]\nenabled = false\n"
                                   "[[model]]\npath = \"" + model_ + "\"\n");
         return cfg;
     }
