@@ -36,7 +36,7 @@ require_built() {
   for b in "$@"; do
     [ -e "$b" ] || { echo "build first: cmake -S . -B build -G Ninja && ninja -C build ($b is missing)" >&2; exit 1; }
   done
-  [ -d "$top/tools/node/node_modules/node-llama-cpp" ] || { echo "run tools/setup/install-deps.sh first" >&2; exit 1; }
+  [ -d "$top/tools/node/node_modules/node-llama-cpp" ] || { echo "run scripts/setup/install-deps.sh first" >&2; exit 1; }
 }
 
 # memory_cgroup NAME: creates a memory cgroup NAME (v2 where the unified hierarchy has the memory

@@ -10,7 +10,7 @@ dir=${1:-$top/build/bench}
 runs=${2:-3}
 mk=${MOECACHE_BUILD:-$top/build}/tools/mkmodel/moecache-mkmodel
 [ -x "$mk" ] || { echo "build first: cmake -S . -B build -G Ninja && ninja -C build" >&2; exit 1; }
-command -v fio >/dev/null || { echo "fio is missing: tools/setup/install-deps.sh installs it" >&2; exit 1; }
+command -v fio >/dev/null || { echo "fio is missing: scripts/setup/install-deps.sh installs it" >&2; exit 1; }
 mkdir -p "$dir"
 model="$dir/bench-write.gguf"
 shape=(--layers 32 --embd 1024 --ff 512 --expert-type q8_0)

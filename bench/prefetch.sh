@@ -35,7 +35,7 @@ for b in "$mk" "$pf"; do
   [ -x "$b" ] || { echo "build first: cmake -S . -B build -G Ninja && ninja -C build ($b is missing)" >&2; exit 1; }
 done
 for t in fio vmtouch bc; do
-  command -v $t >/dev/null || { echo "$t is missing: tools/setup/install-deps.sh installs it" >&2; exit 1; }
+  command -v $t >/dev/null || { echo "$t is missing: scripts/setup/install-deps.sh installs it" >&2; exit 1; }
 done
 root=0; [ "$(id -u)" = 0 ] && root=1
 [ $root = 1 ] || echo "note: not root; dropping the cache works on files you own, and the loop-device section is skipped" >&2

@@ -29,7 +29,7 @@ class LlamaRuntime : public testing::TestWithParam<Case> {};
 TEST_P(LlamaRuntime, GeneratesFromAGeneratedModel) {
     if (!runtime_installed())
         GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
-                     << ": run tools/setup/install-deps.sh";
+                     << ": run scripts/setup/install-deps.sh";
     test::TempDir dir;
     auto spec = test::small_spec();
     spec.expert_type = *ggml_type_info(GetParam().type);

@@ -56,7 +56,7 @@ double spearman(const std::vector<double>& a, const std::vector<double>& b) {
 TEST(PageCacheHits, FaultsOfReArmedExpertsRankThemAsTheRouterDoes) {
     if (::geteuid() != 0) GTEST_SKIP() << "the daemon's BPF programs need root";
     if (!std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json"))
-        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR << ": run tools/setup/install-deps.sh";
+        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR << ": run scripts/setup/install-deps.sh";
     const auto f = bpf::probe_page_cache_features();
     if (!f.faults) GTEST_SKIP() << "no page-fault tracepoints on this kernel: " << f.missing;
     test::TempDir dir;

@@ -107,7 +107,7 @@ TEST(RamSqueeze, MoecacheReadsLessPerTokenThanPlainMmap) {
     if (::geteuid() != 0) GTEST_SKIP() << "needs root: a memory cgroup, the daemon's locks and BPF programs";
     const std::string node_dir = MOECACHE_NODE_DIR;
     if (!fs::exists(node_dir + "/node_modules/node-llama-cpp/package.json"))
-        GTEST_SKIP() << "node-llama-cpp is not installed in " << node_dir << ": run tools/setup/install-deps.sh";
+        GTEST_SKIP() << "node-llama-cpp is not installed in " << node_dir << ": run scripts/setup/install-deps.sh";
     // On disk, not in memory: a model on tmpfs is never read from storage.
     const char* env_dir = std::getenv("MOECACHE_SQUEEZE_DIR");
     const std::string base = env_dir ? env_dir : "/var/tmp";

@@ -53,7 +53,7 @@ void measure(const test::TempDir& dir, const std::string& preset, int tokens, nl
 TEST(RoutingCoverage, DeepseekPresetRoutesAsPublished) {
     if (!runtime_installed())
         GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
-                     << ": run tools/setup/install-deps.sh";
+                     << ": run scripts/setup/install-deps.sh";
     test::TempDir dir;
     nlohmann::json report;
     // 1000 steps, not fewer: the tail of the ranking (ranks 30-63 differ by 0.3 logit in all) needs
@@ -69,7 +69,7 @@ TEST(RoutingCoverage, DeepseekPresetRoutesAsPublished) {
 TEST(RoutingCoverage, UniformPresetIsNotSkewed) {
     if (!runtime_installed())
         GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
-                     << ": run tools/setup/install-deps.sh";
+                     << ": run scripts/setup/install-deps.sh";
     test::TempDir dir;
     nlohmann::json report;
     ASSERT_NO_FATAL_FAILURE(measure(dir, "uniform", 600, report));

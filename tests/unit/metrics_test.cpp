@@ -106,7 +106,7 @@ TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
 
 TEST(Metrics, PromtoolAcceptsThem) {
     if (std::system("command -v promtool >/dev/null 2>&1") != 0)
-        GTEST_SKIP() << "promtool is not installed (Debian's prometheus package; tools/setup/install-deps.sh installs it)";
+        GTEST_SKIP() << "promtool is not installed (Debian's prometheus package; scripts/setup/install-deps.sh installs it)";
     test::TempDir dir;
     test::write_file(dir.file("m.txt"), render_metrics(sample()));
     const auto r = test::run({"/bin/sh", "-c", "promtool check metrics < " + dir.file("m.txt")});
@@ -127,7 +127,7 @@ TEST(Metrics, TheDashboardAsksOnlyForWhatIsServedInValidPromQL) {
         for (auto it = std::sregex_iterator(e.begin(), e.end(), name); it != std::sregex_iterator(); ++it)
             EXPECT_NE(served.find("# TYPE " + it->str() + " "), std::string::npos) << it->str() << " in " << e;
     if (std::system("command -v promtool >/dev/null 2>&1") != 0)
-        GTEST_SKIP() << "promtool is not installed (Debian's prometheus package; tools/setup/install-deps.sh installs it)";
+        GTEST_SKIP() << "promtool is not installed (Debian's prometheus package; scripts/setup/install-deps.sh installs it)";
     // Dashboard variables become a plain regex for the parser.
     std::string rules = "groups:\n- name: dashboard\n  rules:\n";
     for (size_t i = 0; i < exprs.size(); ++i) {

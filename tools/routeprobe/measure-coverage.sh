@@ -20,8 +20,8 @@ node_dir=$top/tools/node
 
 [ -f "$model" ] || { echo "measure-coverage: no model at $model" >&2; exit 1; }
 [ -f "$lib" ] || { echo "measure-coverage: no $lib: build it first (cmake -S $top -B $top/build -G Ninja && ninja -C $top/build moecache-routeprobe)" >&2; exit 1; }
-command -v node >/dev/null || { echo "measure-coverage: node is not installed: run tools/setup/install-deps.sh" >&2; exit 1; }
-[ -f "$node_dir/node_modules/node-llama-cpp/package.json" ] || { echo "measure-coverage: node-llama-cpp is not installed in $node_dir: run tools/setup/install-deps.sh" >&2; exit 1; }
+command -v node >/dev/null || { echo "measure-coverage: node is not installed: run scripts/setup/install-deps.sh" >&2; exit 1; }
+[ -f "$node_dir/node_modules/node-llama-cpp/package.json" ] || { echo "measure-coverage: node-llama-cpp is not installed in $node_dir: run scripts/setup/install-deps.sh" >&2; exit 1; }
 [[ $tokens =~ ^[0-9]+$ ]] && [ "$tokens" -gt 0 ] || { echo "measure-coverage: TOKENS must be a positive number, not '$tokens'" >&2; exit 2; }
 
 # llama.cpp opens a split model from its first part; the probe takes any part.

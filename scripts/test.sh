@@ -7,7 +7,7 @@ set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$top"
 
-tools/setup/install-deps.sh
+scripts/setup/install-deps.sh
 
 jobs=$(nproc)
 status=0

@@ -11,10 +11,10 @@ top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$top"
 source bench/common.sh
 
-tools/setup/install-deps.sh
+scripts/setup/install-deps.sh
 if [ "$(id -u)" != 0 ]; then
   echo "The demo limits memory with a cgroup and runs moecached, which locks memory and loads BPF" >&2
-  echo "programs: run it as root (sudo tools/demo.sh)." >&2
+  echo "programs: run it as root (sudo scripts/demo.sh)." >&2
   exit 1
 fi
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
