@@ -1,5 +1,6 @@
 // moecachectl budget
 #include "../verbs.h"
+#include "moecache/dbus/keys.h"
 
 namespace moecache::ctl {
 
@@ -32,7 +33,7 @@ int cmd_budget(const Options& o, const std::vector<std::string>& args) {
         }
         for (const auto& m : mgr.ListModels()) {
             const auto s = ModelProxy(*conn, m.get<0>()).GetStatus();
-            const auto bytes = field<uint64_t>(s, "budget_bytes");
+            const auto bytes = field<uint64_t>(s, dbus_keys::kBudgetBytes);
             if (bytes == 0) continue;
             j.push_back({{"name", fmt::format("model:{}", m.get<1>())}, {"bytes", bytes}, {"path", m.get<2>()}});
             t.add({fmt::format("model {}", m.get<1>()), format_bytes(bytes), m.get<2>()});

@@ -1,5 +1,6 @@
 // moecachectl prefetch
 #include "../verbs.h"
+#include "moecache/dbus/keys.h"
 
 namespace moecache::ctl {
 
@@ -43,7 +44,7 @@ int cmd_prefetch(const Options& o, const std::vector<std::string>& args) {
         double seconds = 0;
         while (wait && pending > 0) {
             const auto s = model.GetStatus();
-            pending = field<uint32_t>(s, "prefetching_experts") == 0 ? 0 : std::min(queued, field<uint64_t>(s, "prefetch_pending_bytes"));
+            pending = field<uint32_t>(s, dbus_keys::kPrefetchingExperts) == 0 ? 0 : std::min(queued, field<uint64_t>(s, dbus_keys::kPrefetchPendingBytes));
             seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
             if (bar) draw_progress(queued - pending, queued, seconds);
             if (pending == 0) break;

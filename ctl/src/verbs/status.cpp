@@ -1,5 +1,6 @@
 // moecachectl status
 #include "../verbs.h"
+#include "moecache/dbus/keys.h"
 
 namespace moecache::ctl {
 
@@ -13,30 +14,30 @@ int cmd_status(const Options& o, const std::vector<std::string>& args) {
             print_json(to_json(s));
             return kExitOk;
         }
-        const auto locked = field<uint64_t>(s, "locked_bytes"), cap = field<uint64_t>(s, "lock_cap_bytes");
-        fmt::print("moecached {} (pid {}) on the {} bus\n", field<std::string>(s, "version"), field<uint32_t>(s, "pid"),
-                   field<std::string>(s, "bus"));
+        const auto locked = field<uint64_t>(s, dbus_keys::kLockedBytes), cap = field<uint64_t>(s, dbus_keys::kLockCapBytes);
+        fmt::print("moecached {} (pid {}) on the {} bus\n", field<std::string>(s, dbus_keys::kVersion), field<uint32_t>(s, dbus_keys::kPid),
+                   field<std::string>(s, dbus_keys::kBus));
         fmt::print("  locked       {} of {} allowed now ({}); budget {}, reserve {}, RAM {}\n", format_bytes(locked),
-                   format_bytes(cap), percent(locked, cap), format_bytes(field<uint64_t>(s, "lock_budget_bytes")),
-                   format_bytes(field<uint64_t>(s, "reserve_bytes")), format_bytes(field<uint64_t>(s, "mem_total_bytes")));
+                   format_bytes(cap), percent(locked, cap), format_bytes(field<uint64_t>(s, dbus_keys::kLockBudgetBytes)),
+                   format_bytes(field<uint64_t>(s, dbus_keys::kReserveBytes)), format_bytes(field<uint64_t>(s, dbus_keys::kMemTotalBytes)));
         fmt::print("  pressure     {}, {} back-off(s) so far\n",
-                   field<bool>(s, "under_pressure") ? "backing off now" : "none now", field<uint64_t>(s, "pressure_events"));
+                   field<bool>(s, dbus_keys::kUnderPressure) ? "backing off now" : "none now", field<uint64_t>(s, dbus_keys::kPressureEvents));
         fmt::print("  prefetch     {} read, {} queued; {} experts read whole after a miss ({}), {} at warm starts\n",
-                   format_bytes(field<uint64_t>(s, "prefetch_done_bytes")),
-                   format_bytes(field<uint64_t>(s, "prefetch_queued_bytes")), field<uint64_t>(s, "miss_fetches"),
-                   format_bytes(field<uint64_t>(s, "miss_fetch_bytes")), format_bytes(field<uint64_t>(s, "warm_fetch_bytes")));
-        if (const auto cg = field<uint64_t>(s, "cgroup_limit_bytes"); cg > 0)
+                   format_bytes(field<uint64_t>(s, dbus_keys::kPrefetchDoneBytes)),
+                   format_bytes(field<uint64_t>(s, dbus_keys::kPrefetchQueuedBytes)), field<uint64_t>(s, dbus_keys::kMissFetches),
+                   format_bytes(field<uint64_t>(s, dbus_keys::kMissFetchBytes)), format_bytes(field<uint64_t>(s, dbus_keys::kWarmFetchBytes)));
+        if (const auto cg = field<uint64_t>(s, dbus_keys::kCgroupLimitBytes); cg > 0)
             fmt::print("  cgroup       its memory cgroup allows {}: locks stay below that less the reserve\n", format_bytes(cg));
-        fmt::print("  models       {} (moecachectl models)\n", field<uint32_t>(s, "models"));
-        fmt::print("  clients      {} connected at {}\n", field<uint32_t>(s, "clients"), field<std::string>(s, "socket"));
-        if (field<bool>(s, "page_cache_telemetry"))
-            fmt::print("  page cache   watched by eBPF{}, {} events\n", field<bool>(s, "page_cache_faults") ? " (with faults)" : "",
-                       field<uint64_t>(s, "page_cache_events"));
+        fmt::print("  models       {} (moecachectl models)\n", field<uint32_t>(s, dbus_keys::kModels));
+        fmt::print("  clients      {} connected at {}\n", field<uint32_t>(s, dbus_keys::kClients), field<std::string>(s, dbus_keys::kSocket));
+        if (field<bool>(s, dbus_keys::kPageCacheTelemetry))
+            fmt::print("  page cache   watched by eBPF{}, {} events\n", field<bool>(s, dbus_keys::kPageCacheFaults) ? " (with faults)" : "",
+                       field<uint64_t>(s, dbus_keys::kPageCacheEvents));
         else
-            fmt::print("  page cache   not watched: {}\n", field<std::string>(s, "page_cache_off_reason"));
-        const auto metrics = field<std::string>(s, "metrics");
+            fmt::print("  page cache   not watched: {}\n", field<std::string>(s, dbus_keys::kPageCacheOffReason));
+        const auto metrics = field<std::string>(s, dbus_keys::kMetrics);
         fmt::print("  metrics      {}\n", metrics.empty() ? "off" : "http://" + metrics + "/metrics");
-        if (field<bool>(s, "tracing")) fmt::print("  trace        recording: {} router decisions\n", field<uint64_t>(s, "trace_records"));
+        if (field<bool>(s, dbus_keys::kTracing)) fmt::print("  trace        recording: {} router decisions\n", field<uint64_t>(s, dbus_keys::kTraceRecords));
         return kExitOk;
     });
 }

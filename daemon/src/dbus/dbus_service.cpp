@@ -2,6 +2,7 @@
 
 #include "moecache/daemon/daemon.h"
 #include "moecache/dbus/adaptor.h"
+#include "moecache/dbus/keys.h"
 #include "moecache/log.h"
 
 #include <fcntl.h>
@@ -72,29 +73,29 @@ uint32_t model_id_of(const sdbus::ObjectPath& path) {
 
 std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     std::map<std::string, sdbus::Variant> d;
-    d["id"] = m.id;
-    d["path"] = m.path;
-    d["key"] = m.key;
-    d["family"] = m.family;
-    d["loaded"] = m.loaded;
-    d["error"] = m.error;
-    d["registered_by_client"] = m.registered;
-    d["owner_uid"] = m.owner_uid;
-    d["budget_bytes"] = m.budget_bytes;
-    d["locked_bytes"] = m.locked_bytes;
-    d["expert_bytes"] = m.expert_bytes;
-    d["expert_cached_bytes"] = m.expert_cached_bytes;
-    d["expert_locked_bytes"] = m.expert_locked_bytes;
-    d["experts"] = m.n_experts_total;
-    d["experts_locked"] = m.experts_locked;
-    d["experts_pinned"] = m.experts_pinned;
-    d["experts_in_vram"] = m.experts_in_vram;
-    d["dense_bytes"] = m.dense_bytes;
-    d["dense_tier"] = std::string(to_string(m.dense_tier));
-    d["storage_read_bytes"] = m.read_bytes;
-    d["evicted_bytes"] = m.evicted_bytes;
-    d["prefetching_experts"] = m.prefetching_experts;
-    d["prefetch_pending_bytes"] = m.prefetch_pending_bytes;
+    d[dbus_keys::kId] = m.id;
+    d[dbus_keys::kPath] = m.path;
+    d[dbus_keys::kKey] = m.key;
+    d[dbus_keys::kFamily] = m.family;
+    d[dbus_keys::kLoaded] = m.loaded;
+    d[dbus_keys::kError] = m.error;
+    d[dbus_keys::kRegisteredByClient] = m.registered;
+    d[dbus_keys::kOwnerUid] = m.owner_uid;
+    d[dbus_keys::kBudgetBytes] = m.budget_bytes;
+    d[dbus_keys::kLockedBytes] = m.locked_bytes;
+    d[dbus_keys::kExpertBytes] = m.expert_bytes;
+    d[dbus_keys::kExpertCachedBytes] = m.expert_cached_bytes;
+    d[dbus_keys::kExpertLockedBytes] = m.expert_locked_bytes;
+    d[dbus_keys::kExperts] = m.n_experts_total;
+    d[dbus_keys::kExpertsLocked] = m.experts_locked;
+    d[dbus_keys::kExpertsPinned] = m.experts_pinned;
+    d[dbus_keys::kExpertsInVram] = m.experts_in_vram;
+    d[dbus_keys::kDenseBytes] = m.dense_bytes;
+    d[dbus_keys::kDenseTier] = std::string(to_string(m.dense_tier));
+    d[dbus_keys::kStorageReadBytes] = m.read_bytes;
+    d[dbus_keys::kEvictedBytes] = m.evicted_bytes;
+    d[dbus_keys::kPrefetchingExperts] = m.prefetching_experts;
+    d[dbus_keys::kPrefetchPendingBytes] = m.prefetch_pending_bytes;
     return d;
 }
 
@@ -160,38 +161,38 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
         return guarded([&] {
             const DaemonStatus s = impl.daemon.status(/*experts=*/false);
             std::map<std::string, sdbus::Variant> d;
-            d["version"] = std::string(kVersion);
-            d["pid"] = static_cast<uint32_t>(::getpid());
-            d["mem_total_bytes"] = s.mem_total;
-            d["lock_budget_bytes"] = s.lock_budget;
-            d["reserve_bytes"] = s.reserve;
-            d["lock_cap_bytes"] = s.lock_cap;
-            d["locked_bytes"] = s.locked_bytes;
-            d["vmlck_bytes"] = s.vmlck_bytes;
-            d["under_pressure"] = s.under_pressure;
-            d["pressure_events"] = s.pressure_events;
-            d["prefetch_done_bytes"] = s.prefetch_done_bytes;
-            d["prefetch_queued_bytes"] = s.prefetch_queued_bytes;
-            d["cgroup_limit_bytes"] = s.cgroup_limit;
-            d["miss_fetches"] = s.miss_fetches;
-            d["miss_fetch_bytes"] = s.miss_fetch_bytes;
-            d["warm_fetch_bytes"] = s.warm_fetch_bytes;
-            d["predicted_experts"] = s.predicted_experts;
-            d["predicted_used"] = s.predicted_used;
-            d["predict_fetch_bytes"] = s.predict_fetch_bytes;
-            d["models"] = static_cast<uint32_t>(s.models.size());
-            d["clients"] = static_cast<uint32_t>(s.clients.size());
-            d["clients_refused"] = s.clients_refused;
-            d["socket"] = s.socket_path;
-            d["metrics"] = s.metrics_address;
-            d["bus"] = s.bus;
-            d["page_cache_telemetry"] = s.page_cache.enabled;
-            d["page_cache_faults"] = s.page_cache.faults;
-            d["page_cache_off_reason"] = s.page_cache.off_reason;
-            d["page_cache_events"] = s.page_cache.events;
-            d["vram_releases"] = s.vram_releases;
-            d["tracing"] = s.tracing;
-            d["trace_records"] = s.trace_records;
+            d[dbus_keys::kVersion] = std::string(kVersion);
+            d[dbus_keys::kPid] = static_cast<uint32_t>(::getpid());
+            d[dbus_keys::kMemTotalBytes] = s.mem_total;
+            d[dbus_keys::kLockBudgetBytes] = s.lock_budget;
+            d[dbus_keys::kReserveBytes] = s.reserve;
+            d[dbus_keys::kLockCapBytes] = s.lock_cap;
+            d[dbus_keys::kLockedBytes] = s.locked_bytes;
+            d[dbus_keys::kVmlckBytes] = s.vmlck_bytes;
+            d[dbus_keys::kUnderPressure] = s.under_pressure;
+            d[dbus_keys::kPressureEvents] = s.pressure_events;
+            d[dbus_keys::kPrefetchDoneBytes] = s.prefetch_done_bytes;
+            d[dbus_keys::kPrefetchQueuedBytes] = s.prefetch_queued_bytes;
+            d[dbus_keys::kCgroupLimitBytes] = s.cgroup_limit;
+            d[dbus_keys::kMissFetches] = s.miss_fetches;
+            d[dbus_keys::kMissFetchBytes] = s.miss_fetch_bytes;
+            d[dbus_keys::kWarmFetchBytes] = s.warm_fetch_bytes;
+            d[dbus_keys::kPredictedExperts] = s.predicted_experts;
+            d[dbus_keys::kPredictedUsed] = s.predicted_used;
+            d[dbus_keys::kPredictFetchBytes] = s.predict_fetch_bytes;
+            d[dbus_keys::kModels] = static_cast<uint32_t>(s.models.size());
+            d[dbus_keys::kClients] = static_cast<uint32_t>(s.clients.size());
+            d[dbus_keys::kClientsRefused] = s.clients_refused;
+            d[dbus_keys::kSocket] = s.socket_path;
+            d[dbus_keys::kMetrics] = s.metrics_address;
+            d[dbus_keys::kBus] = s.bus;
+            d[dbus_keys::kPageCacheTelemetry] = s.page_cache.enabled;
+            d[dbus_keys::kPageCacheFaults] = s.page_cache.faults;
+            d[dbus_keys::kPageCacheOffReason] = s.page_cache.off_reason;
+            d[dbus_keys::kPageCacheEvents] = s.page_cache.events;
+            d[dbus_keys::kVramReleases] = s.vram_releases;
+            d[dbus_keys::kTracing] = s.tracing;
+            d[dbus_keys::kTraceRecords] = s.trace_records;
             return d;
         });
     }
