@@ -1,6 +1,7 @@
 // The actuator: carries out what a loop turn's decide step chose (decide.h), and is the only code
 // that changes residency state for it: unlocks and drops, reads queued for locks and warm starts,
-// locks, and slots given back to storage. Clients hear of each lock and unlock. A model closed
+// locks, and slots given back to storage. Clients hear of each lock and unlock, and of what their
+// pools should keep, in one flush at the end. A model closed
 // meanwhile (its file changed under a lock) gets nothing more this turn.
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/decide.h"
@@ -62,6 +63,7 @@ void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded)
     for (const auto& r : a.lock)
         if (ModelEntry* m = live(r.model)) lock_admitted(*m, r.slot);
     direct_pools();
+    flush_clients();
 }
 
 void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {

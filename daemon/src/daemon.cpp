@@ -350,6 +350,7 @@ Result<void> Daemon::step(int timeout_ms) {
         if (bus_ready || dbus_->timeout_ms() == 0) dbus_->process();  // setters request placement
     }
     decide_and_act();
+    flush_clients();  // directives an operator's request queued outside the placement
     if (dbus_) sync_bus();
     return {};
 }

@@ -75,6 +75,8 @@ struct Daemon::Client {
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
     protocol::Unmapped unmapped;                       // the last Unmapped it sent
     uint64_t events = 0, bad_events = 0;
+    // Directives decided this turn (locks, unlocks, promotions), sent together at its end.
+    std::vector<protocol::Directive> outbox;
     bool dead = false;  // dropped this turn; reaped at its end
 };
 

@@ -337,7 +337,16 @@ void Daemon::tell_clients(const ModelEntry& m, uint32_t slot, Action action) {
     if (layer >= map.layers.size()) return;
     const Directive d{action, m.id, map.layers[layer].index, slot % map.n_experts};
     for (auto& c : clients_)
-        if (!c->dead && std::find(c->models.begin(), c->models.end(), m.id) != c->models.end()) reply(*c, 0, d);
+        if (!c->dead && std::find(c->models.begin(), c->models.end(), m.id) != c->models.end()) c->outbox.push_back(d);
+}
+
+// The turn's directives, to each client in the order they were decided.
+void Daemon::flush_clients() {
+    for (auto& c : clients_) {
+        std::vector<Directive> out;
+        out.swap(c->outbox);
+        for (const auto& d : out) reply(*c, 0, d);
+    }
 }
 
 // The daemon's view of what belongs in VRAM, for each client with a pool: the elite of each layer
@@ -358,7 +367,7 @@ void Daemon::direct_pools() {
                 if (m->id == key.first && m->res) {
                     const auto& map = m->res->model().map();
                     const uint32_t l = key.second / map.n_experts;
-                    reply(c, 0, Directive{a, m->id, map.layers[l].index, key.second % map.n_experts});
+                    c.outbox.push_back(Directive{a, m->id, map.layers[l].index, key.second % map.n_experts});
                 }
         };
         for (const auto& key : want)

@@ -258,6 +258,8 @@ private:
     void record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
     // A Directive to every client that registered model m, about one of its expert slots.
     void tell_clients(const ModelEntry& m, uint32_t slot, protocol::Action action);
+    // Sends the directives the turn queued (tell_clients, direct_pools): once a turn, at its end.
+    void flush_clients();
     // The operator's controls (control.cpp).
     ModelEntry* find_model(uint32_t id);
     [[nodiscard]] const ModelEntry* find_model(uint32_t id) const;
