@@ -1,6 +1,6 @@
 #include "dbus/dbus_service.h"
 
-#include "moecache/daemon/daemon.h"
+#include "moecache/daemon/control.h"
 #include "moecache/dbus/adaptor.h"
 #include "moecache/dbus/keys.h"
 #include "moecache/log.h"
@@ -102,7 +102,7 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
 }  // namespace
 
 struct DbusService::Impl {
-    Daemon& daemon;
+    Control& daemon;
     std::string bus;
     std::optional<gid_t> admin_gid;
     std::string admin_group;
@@ -112,7 +112,7 @@ struct DbusService::Impl {
     std::unique_ptr<Manager> manager;
     std::map<uint32_t, std::unique_ptr<Model>> models;
 
-    explicit Impl(Daemon& d) : daemon(d) {}
+    explicit Impl(Control& d) : daemon(d) {}
     // A method that changes state: the caller must be allowed (require_admin), then as guarded().
     template <class Fn>
     auto changing(sdbus::IObject& object, const char* what, Fn&& fn) const -> decltype(fn()) {
@@ -368,7 +368,7 @@ DbusService::~DbusService() {
     }
 }
 
-Result<std::unique_ptr<DbusService>> DbusService::open(Daemon& daemon, const std::string& bus,
+Result<std::unique_ptr<DbusService>> DbusService::open(Control& daemon, const std::string& bus,
                                                        const std::string& admin_group) {
     auto impl = std::make_unique<Impl>(daemon);
     impl->bus = bus;

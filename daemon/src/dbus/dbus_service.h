@@ -1,7 +1,7 @@
 // moecached on D-Bus: the name org.moecache1, the manager at /org/moecache1 and one object per
 // model at /org/moecache1/model/ID (dbus/org.moecache1.xml, docs/dbus.md). The connection's fd
 // sits in the daemon's epoll set and every request is handled on the loop's thread, so handlers
-// call the daemon directly. Reading is open; changes need root or the admin group, checked here
+// call the daemon directly, through its Control interface (control.h) only. Reading is open; changes need root or the admin group, checked here
 // (from the caller's credentials, as the bus reports them) as well as by the bus policy.
 #pragma once
 
@@ -13,13 +13,13 @@
 
 namespace moecache::daemon {
 
-class Daemon;
+class Control;
 
 class DbusService {
 public:
     // bus: "system", "session" or an address ("unix:path=..."). admin_group: "" for root only; a
     // group that does not exist is reported and means root only.
-    static Result<std::unique_ptr<DbusService>> open(Daemon& daemon, const std::string& bus,
+    static Result<std::unique_ptr<DbusService>> open(Control& daemon, const std::string& bus,
                                                      const std::string& admin_group);
     ~DbusService();
     DbusService(const DbusService&) = delete;

@@ -8,6 +8,7 @@
 #include "moecache/bpf/page_cache_telemetry.h"
 #include "moecache/client/protocol.h"
 #include "moecache/daemon/config.h"
+#include "moecache/daemon/control.h"
 #include "moecache/daemon/decide.h"
 #include "moecache/daemon/fetch.h"
 #include "moecache/daemon/memory_cgroup.h"
@@ -38,110 +39,7 @@ class SocketServer;
 class MetricsServer;
 class DbusService;
 
-struct ExpertStatus {
-    uint32_t block = 0, expert = 0;
-    Tier tier = Tier::Storage;
-    double heat = 0;
-    uint32_t uses = 0;
-    bool pinned = false;
-    uint64_t bytes = 0, cached_bytes = 0, locked_bytes = 0;
-    SlotTelemetry telemetry;
-    uint32_t vram_holders = 0;  // CUDA hooks whose VRAM pool holds all of it
-};
-
-struct ModelStatus {
-    uint32_t id = 0;
-    std::string path;     // as configured or resolved from a glob
-    std::string key;      // heat profile key
-    std::string family;   // the models it shares heat (and a family budget) with have the same
-    std::string error;    // why it is not loaded, if it is not
-    bool loaded = false;
-    bool registered = false;  // by a client, not configured
-    uint32_t owner_uid = 0;   // of that client
-    uint64_t locked_bytes = 0;
-    uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
-    uint32_t experts_in_vram = 0;  // held by at least one VRAM pool
-    uint32_t n_experts_total = 0, experts_locked = 0, experts_pinned = 0;
-    uint64_t budget_bytes = 0;     // its own lock budget (0: none, the global one only)
-    uint64_t read_bytes = 0, evicted_bytes = 0;  // of its experts, by page-cache telemetry
-    uint64_t dropped_bytes = 0;    // the daemon asked the kernel to drop (evict, one place, releases)
-    uint32_t prefetching_experts = 0;   // an operator's prefetch still reading them
-    uint64_t prefetch_pending_bytes = 0;
-    Tier dense_tier = Tier::Storage;
-    uint64_t dense_bytes = 0;
-    SlotTelemetry dense_telemetry;
-    // Counted over every expert whether or not `experts` is filled in (metrics need no more).
-    std::array<uint32_t, 5> placements{};  // experts per Placement, indexed by its value
-    SlotTelemetry expert_telemetry;        // summed over its experts
-    std::vector<ExpertStatus> experts;  // MoE layer-major
-};
-
-// eBPF page-cache telemetry (bpf/): whether it runs, and what it has delivered.
-struct PageCacheStatus {
-    bool enabled = false;
-    bool faults = false;           // page faults reported too (Linux >= 6.11)
-    std::string off_reason;        // why not, when it is not enabled (or faults are not reported)
-    uint64_t events = 0;           // consumed by the daemon
-    uint64_t unattributed = 0;     // of files no longer watched (closed models)
-    double consume_cpu_seconds = 0;  // the daemon's CPU time reading and attributing them
-    uint64_t sent[4] = {}, dropped[4] = {};  // by the kernel, per kind: added, deleted, fault, mapped
-    uint32_t ring_bytes = 0;
-};
-
-struct ClientStatus {
-    uint32_t id = 0;
-    uint32_t pid = 0, uid = 0, gid = 0;
-    std::string name;
-    std::vector<uint32_t> models;  // ids of the models it registered
-    bool telemetry = false;        // a ring is attached
-    uint64_t events = 0;           // routing records consumed from its ring
-    uint64_t bad_events = 0;       // records naming a model, block or expert it may not
-    uint64_t overflow = 0;         // records its ring had no room for (the client's count)
-};
-
-// The VRAM pools of the CUDA hooks on one device, as they report it (PoolStats): counters since the
-// daemon started (clients that left included), the size of the pools connected now.
-struct PoolDeviceStatus {
-    uint32_t device = 0;
-    uint64_t hits = 0, misses = 0, hit_bytes = 0, miss_bytes = 0;
-    uint64_t pool_bytes = 0;
-    uint32_t clients = 0;
-};
-
-struct DaemonStatus {
-    uint64_t mem_total = 0;
-    uint64_t lock_cap = 0;      // the budget in force now: min(lock budget, RAM - reserve, pressure cap)
-    uint64_t lock_budget = 0, reserve = 0;  // as configured (or set since), resolved against RAM
-    uint64_t cgroup_limit = 0;  // the memory cgroup limit that binds the daemon (0: none), read each tick
-    uint64_t miss_fetches = 0, miss_fetch_bytes = 0;  // experts read whole after a runtime's miss
-    uint64_t warm_fetch_bytes = 0;  // read beyond the locks at warm starts
-    uint64_t predicted_experts = 0, predicted_used = 0;  // next-token predictions scored, and right
-    uint64_t predict_fetch_bytes = 0;  // read into the page cache for them
-    uint64_t locked_bytes = 0;  // what the daemon locked, by its own count
-    uint64_t vmlck_bytes = 0;   // what the kernel says (VmLck of this process)
-    uint64_t pressure_events = 0;
-    bool under_pressure = false;
-    uint64_t prefetch_done_bytes = 0, prefetch_queued_bytes = 0;
-    PageCacheStatus page_cache;
-    std::string socket_path;       // where clients connect ("" when not listening)
-    std::string metrics_address;   // where GET /metrics answers, "HOST:PORT" ("" when it does not)
-    uint64_t clients_refused = 0;  // connections turned away (not allowed, too many)
-    uint64_t vram_releases = 0;    // experts unlocked and dropped because a VRAM pool took them
-    std::vector<PoolDeviceStatus> vram_pools;  // by device
-    // Large host-to-device copies CUDA hooks saw from memory that maps no model (a runtime that
-    // loaded its model without mmap), since the daemon started; clients connected now that map none.
-    uint64_t unmapped_copy_bytes = 0;
-    uint32_t clients_without_model = 0;
-    std::string bus;               // the D-Bus name's bus ("" when not on one)
-    bool tracing = false;
-    uint64_t trace_records = 0;
-    // Failures the loop went on after, by what it was doing (moecache_daemon_errors_total).
-    std::map<std::string, uint64_t> errors;
-    std::vector<ClientStatus> clients;
-    std::vector<ModelStatus> models;
-};
-
-class Daemon {
+class Daemon final : public Control {
 public:
     static Result<std::unique_ptr<Daemon>> create(Config config);
     ~Daemon();
@@ -170,30 +68,30 @@ public:
     // refusal says what is wrong (errnum EINVAL: a bad argument; ENOENT: no such model; EBUSY: not
     // now). Changes last until restart or reload. `specs` select experts in the pin syntax ("12",
     // "12:3", "12:0-7", blocks as in the file); an empty list selects every expert.
-    Result<uint32_t> add_model(const std::string& path);
-    Result<void> remove_model(uint32_t id);
+    Result<uint32_t> add_model(const std::string& path) override;
+    Result<void> remove_model(uint32_t id) override;
     // name: "lock" or "reserve".
-    Result<void> set_budget(const std::string& name, const std::string& amount);
+    Result<void> set_budget(const std::string& name, const std::string& amount) override;
     // "" removes the model's own budget.
-    Result<void> set_model_budget(uint32_t id, const std::string& amount);
-    Result<uint32_t> set_pinned(uint32_t id, std::span<const std::string> specs, bool pinned);
+    Result<void> set_model_budget(uint32_t id, const std::string& amount) override;
+    Result<uint32_t> set_pinned(uint32_t id, std::span<const std::string> specs, bool pinned) override;
     // Reads experts into the page cache (not locked; the policy decides that): returns bytes queued.
-    Result<uint64_t> prefetch(uint32_t id, std::span<const std::string> specs);
+    Result<uint64_t> prefetch(uint32_t id, std::span<const std::string> specs) override;
     // Unlocks experts and drops their pages: returns the bytes that were locked or cached.
-    Result<uint64_t> evict(uint32_t id, std::span<const std::string> specs);
-    [[nodiscard]] Result<std::string> export_profile(uint32_t id) const;
-    Result<void> import_profile(uint32_t id, const std::string& text);
+    Result<uint64_t> evict(uint32_t id, std::span<const std::string> specs) override;
+    [[nodiscard]] Result<std::string> export_profile(uint32_t id) const override;
+    Result<void> import_profile(uint32_t id, const std::string& text) override;
     // Router decisions, as they arrive, written to `file` (a regular file open for writing) as
     // JSON lines (docs/trace.md) until stop_trace(), which returns how many were written.
-    Result<void> start_trace(UniqueFd file);
-    Result<uint64_t> stop_trace();
+    Result<void> start_trace(UniqueFd file) override;
+    Result<uint64_t> stop_trace() override;
     [[nodiscard]] bool tracing() const { return trace_fd_.get() >= 0; }
 
     // experts = false leaves ModelStatus::experts empty (the totals are still counted).
-    [[nodiscard]] DaemonStatus status(bool experts = true) const;
-    [[nodiscard]] std::optional<ModelStatus> model_status(uint32_t id, bool experts = true) const;
-    [[nodiscard]] std::vector<uint32_t> model_ids() const;
-    [[nodiscard]] const Config& config() const { return config_; }
+    [[nodiscard]] DaemonStatus status(bool experts = true) const override;
+    [[nodiscard]] std::optional<ModelStatus> model_status(uint32_t id, bool experts = true) const override;
+    [[nodiscard]] std::vector<uint32_t> model_ids() const override;
+    [[nodiscard]] const Config& config() const override { return config_; }
     [[nodiscard]] std::optional<uint32_t> model_id(const std::string& path) const;
     [[nodiscard]] bool idle() const;  // nothing fetching, nothing waiting to be locked
 
