@@ -255,7 +255,17 @@ TEST_P(EpollLoop, OneWakeupTakesAWholeBurst) {
     epoll_event ev{.events = EPOLLIN, .data = {.u64 = 0}};
     ASSERT_EQ(::epoll_ctl(ep.get(), EPOLL_CTL_ADD, p.event_fd(), &ev), 0);
     ASSERT_TRUE(p.submit());
-    std::this_thread::sleep_for(std::chrono::seconds(1));  // 1 MiB of reads is long done by then
+    // Every read done before the loop wakes: each page in the page cache (a busy machine's disk can
+    // take more than a second for 256 random reads), or 20 s at most (proactive reclaim may take a
+    // page back at once), and a little more for the completions to be posted.
+    auto all_read = [&] {
+        for (uint64_t i = 0; i < 256; ++i)
+            if (resident(path, 2 * i * kPage, kPage) != kPage) return false;
+        return true;
+    };
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!all_read() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
     int n = 0;
     do n = ::epoll_wait(ep.get(), &ev, 1, 5000);
     while (n < 0 && errno == EINTR);
