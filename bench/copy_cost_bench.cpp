@@ -8,6 +8,7 @@
 // Prints one line per case: microseconds per copy to queue (host) and to complete (wall, after a
 // synchronisation), the median of ROUNDS (5) rounds.
 #include "cuda_bench.h"
+#include "moecache/cuda/copy_kernel_ptx.h"
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -21,46 +22,6 @@
 namespace {
 
 constexpr int kSlots = 256;
-
-// A copy kernel: 16-byte words, grid-stride (what a pool hit could launch instead of the driver's
-// device-to-device copy).
-const char kCopyPtx[] = R"(
-.version 7.0
-.target sm_70
-.address_size 64
-.visible .entry copy16(.param .u64 p_dst, .param .u64 p_src, .param .u64 p_words)
-{
-    .reg .pred %p;
-    .reg .u64 %rd<12>;
-    .reg .u32 %r<6>;
-    .reg .b32 %v<4>;
-    ld.param.u64 %rd1, [p_dst];
-    ld.param.u64 %rd2, [p_src];
-    ld.param.u64 %rd3, [p_words];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd4, %r1, %r2;
-    cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
-    mul.wide.u32 %rd6, %r4, %r2;
-LOOP:
-    setp.ge.u64 %p, %rd4, %rd3;
-    @%p bra DONE;
-    shl.b64 %rd7, %rd4, 4;
-    add.u64 %rd8, %rd2, %rd7;
-    ld.global.v4.u32 {%v0, %v1, %v2, %v3}, [%rd8];
-    add.u64 %rd9, %rd1, %rd7;
-    st.global.v4.u32 [%rd9], {%v0, %v1, %v2, %v3};
-    add.u64 %rd4, %rd4, %rd6;
-    bra LOOP;
-DONE:
-    ret;
-}
-)";
 
 template <class Fn>
 Fn entry(const char* name) {
@@ -172,7 +133,7 @@ int main(int argc, char** argv) {
               CHECK(cudaMemcpy2DAsync(d + (i % 8) * slice, slice + tail, p + (i % kSlots) * stride, slice + tail, slice + tail, 1,
                                       cudaMemcpyDeviceToDevice, s));
           }));
-    // The copy kernel, launched through the driver.
+    // The hook's copy kernel (copy_kernel_ptx.h), launched through the driver.
     {
         auto load = entry<CUresult (*)(CUmodule*, const void*)>("cuModuleLoadData");
         auto get = entry<CUresult (*)(CUfunction*, CUmodule, const char*)>("cuModuleGetFunction");
@@ -182,7 +143,7 @@ int main(int argc, char** argv) {
         CUmodule mod = nullptr;
         CUfunction fn = nullptr;
         const double t0 = now();
-        if (load(&mod, kCopyPtx) != CUDA_SUCCESS || get(&fn, mod, "copy16") != CUDA_SUCCESS) {
+        if (load(&mod, moecache::cuda::kCopyKernelPtx) != CUDA_SUCCESS || get(&fn, mod, moecache::cuda::kCopyKernelName) != CUDA_SUCCESS) {
             fprintf(stderr, "the copy kernel did not load\n");
             return 1;
         }

@@ -224,31 +224,37 @@ TEST_F(Prompts, APromptBatchDisplacesNothingOfTheDecodingHotSet) {
 }
 
 class WholePool : public HookServing {
+protected:
     std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "100%"}}; }
+    // Every expert of every tensor, whole, each read back: a pool of 100 % takes them all into free slots.
+    void pool_every_slice(const std::vector<CUstream>& s) {
+        std::vector<uint32_t> all(32);
+        for (uint32_t e = 0; e < 32; ++e) all[e] = e;
+        for (uint32_t l = 0; l < 4; ++l)
+            for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, all, s[0]), 1);
+    }
+    // The experts `ids` of every tensor, each copy read back: how many grouped copies that made.
+    int copy_everywhere(const std::vector<uint32_t>& ids, const std::vector<CUstream>& s) {
+        int groups = 0;
+        for (uint32_t l = 0; l < 4; ++l)
+            for (uint32_t t = 0; t < 3; ++t) groups += copy_and_check(cu_, model_, dst_[l][t], l, t, ids, s[0]);
+        return groups;
+    }
 };
 
 // llama.cpp copies each group of experts with 512 bytes of padding, the next expert's head. A slot
 // keeps that head after its slice, so a hit is one device-to-device copy, padding included, and
-// nothing comes from the host: a hit costs the runtime's thread one driver call, not two.
+// nothing comes from the host: a hit costs the runtime's thread one call, not two.
 TEST_F(WholePool, AHitWithItsPaddingIsOneCopyFromOneSlot) {
     auto s = new_streams();
     warm_up(s);
-    // Every expert of every tensor, whole: a pool of 100 % takes them all into free slots.
-    std::vector<uint32_t> all(32);
-    for (uint32_t e = 0; e < 32; ++e) all[e] = e;
-    for (uint32_t l = 0; l < 4; ++l)
-        for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, all, s[0]), 1);
+    pool_every_slice(s);
     const auto pooled = hook_.stats();
     ASSERT_EQ(pooled.admitted, 4u * 3u * 32u) << "a pool of 100 % holds every slice";
     if (!cu_.fake()) GTEST_SKIP() << "counts driver calls: the fake driver's counters";
     const auto calls = *cu_.knob<FakeCounts>("fake_cuda_counts");
-    int groups = 0;
-    for (uint32_t l = 0; l < 4; ++l)
-        for (uint32_t t = 0; t < 3; ++t) {
-            const int g = copy_and_check(cu_, model_, dst_[l][t], l, t, {3, 9, 17, 30}, s[0]);
-            ASSERT_EQ(g, 4);
-            groups += g;
-        }
+    const int groups = copy_everywhere({3, 9, 17, 30}, s);
+    ASSERT_EQ(groups, 4 * 12);
     const auto after = *cu_.knob<FakeCounts>("fake_cuda_counts");
     // By the hook's copy kernel, one launch a hit (the driver's own device-to-device copies cost
     // the runtime's thread more); none of the driver's.
@@ -273,15 +279,9 @@ TEST_F(WholePoolNoKernel, AHitSliceIsOneDriverCopyWhenTheKernelCannotLoad) {
     if (!cu_.fake()) GTEST_SKIP() << "needs a driver that refuses the kernel: the fake driver";
     auto s = new_streams();
     warm_up(s);
-    std::vector<uint32_t> all(32);
-    for (uint32_t e = 0; e < 32; ++e) all[e] = e;
-    for (uint32_t l = 0; l < 4; ++l)
-        for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, all, s[0]), 1);
+    pool_every_slice(s);
     const auto calls = *cu_.knob<FakeCounts>("fake_cuda_counts");
-    int groups = 0;
-    for (uint32_t l = 0; l < 4; ++l)
-        for (uint32_t t = 0; t < 3; ++t) groups += copy_and_check(cu_, model_, dst_[l][t], l, t, {2, 3, 17, 30}, s[0]);
-    ASSERT_EQ(groups, 3 * 12);
+    ASSERT_EQ(copy_everywhere({2, 3, 17, 30}, s), 3 * 12);
     const auto after = *cu_.knob<FakeCounts>("fake_cuda_counts");
     EXPECT_EQ(after.kernel_launches, 0u);
     // One a slice (2 and 3 are one group of two slots), the last with its padding.

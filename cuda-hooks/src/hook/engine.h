@@ -150,8 +150,7 @@ private:
         std::unordered_map<CUstream, StreamId> stream_ids;  // live streams
         std::vector<StreamState> streams;
         LayerStep step;
-        std::atomic<uint64_t> seen_bytes{0};   // expert bytes of the layers seen
-        std::atomic<uint64_t> seen_slices{0};  // and their slices
+        std::atomic<uint64_t> seen_bytes{0};  // expert bytes of the layers seen
         std::atomic<uint64_t> bytes{0};       // allocated; written under mu, read anywhere
         std::atomic<bool> staged{false};      // misses go through `staging`
         // The hook's copy kernel in the device's primary context (copy_kernel.h); null: the
@@ -198,7 +197,8 @@ private:
     // pools.cpp
     bool allocate_pool(int device);  // false: nothing to size it by yet
     void resize_pool(DevicePool& dp);
-    [[nodiscard]] uint64_t pool_target(const DevicePool& dp) const;
+    // The pool's size for a device whose experts take `experts` bytes in slots (tail rooms included).
+    [[nodiscard]] uint64_t pool_target(const DevicePool& dp, uint64_t experts) const;
     void add_model_to(DevicePool& dp, const Model& m);  // under dp.mu
     void note_expert(DevicePool& dp, const Model& m, uint32_t expert);  // under dp.mu
     void note_all(DevicePool& dp);  // under dp.mu

@@ -159,9 +159,7 @@ void Engine::connect_peers(DevicePool& dp) {
     }
 }
 
-uint64_t Engine::pool_target(const DevicePool& dp) const {
-    // What a pool of every expert takes: each slot with its tail room.
-    const uint64_t experts = dp.seen_bytes.load() + dp.seen_slices.load() * kSlotTail;
+uint64_t Engine::pool_target(const DevicePool& dp, uint64_t experts) const {
     const PoolSize& size = cfg_.pool.of(dp.device);
     uint64_t budget = experts;
     if (size.kind == PoolSize::Kind::Percent)
@@ -194,8 +192,9 @@ void Engine::resize_pool(DevicePool& dp) {
     if (drv == nullptr) return;
     DeviceContext ctx(drv, dp.device);
     if (!ctx.ok()) return;
-    std::vector<std::pair<uint64_t, uint64_t>> classes;  // slot bytes, expert bytes of that size
-    uint64_t expert_bytes = 0;
+    // Slot bytes, and the room experts of that size take (each slice with its slot's tail room).
+    std::vector<std::pair<uint64_t, uint64_t>> classes;
+    uint64_t expert_bytes = 0, expert_room = 0;
     {
         std::lock_guard lock(dp.mu);
         for (const auto* m : models_)
@@ -204,8 +203,9 @@ void Engine::resize_pool(DevicePool& dp) {
                     const uint32_t id = m->slice(static_cast<int32_t>(ls), static_cast<uint32_t>(ti), 0) / m->map.n_experts;
                     if (m->id >= dp.seen.size() || id >= dp.seen[m->id].size() || !dp.seen[m->id][id]) continue;
                     const auto& t = m->map.layers[ls].tensors[ti];
-                    const uint64_t b = t.bytes_per_expert * m->map.n_experts;
-                    expert_bytes += b;
+                    const uint64_t b = (t.bytes_per_expert + kSlotTail) * m->map.n_experts;
+                    expert_bytes += t.bytes_per_expert * m->map.n_experts;
+                    expert_room += b;
                     auto it = std::find_if(classes.begin(), classes.end(),
                                            [&](auto& c) { return c.first == t.bytes_per_expert; });
                     if (it == classes.end()) classes.emplace_back(t.bytes_per_expert, b);
@@ -213,7 +213,7 @@ void Engine::resize_pool(DevicePool& dp) {
                 }
     }
     dp.sized_for.store(expert_bytes);
-    const uint64_t target = pool_target(dp);
+    const uint64_t target = pool_target(dp, expert_room);
     // Whole arenas go; what that gives back beyond the target is allocated again below.
     if (dp.bytes > target) {
         std::vector<uint64_t> bases;
@@ -230,12 +230,8 @@ void Engine::resize_pool(DevicePool& dp) {
     if (dp.bytes < target) {
         const uint64_t reserve = std::max<uint64_t>(1ull << 30, total_bytes / 20);
         uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
-        // Bytes with each slice's tail room, as the target counts them.
-        auto with_tails = [](uint64_t slot, uint64_t bytes) { return bytes + bytes / slot * kSlotTail; };
-        uint64_t expert_room = 0;
-        for (const auto& [slot, covered] : classes) expert_room += with_tails(slot, covered);
         for (const auto& [slot, covered] : classes) {
-            const auto want = static_cast<uint64_t>(static_cast<double>(target) * static_cast<double>(with_tails(slot, covered)) /
+            const auto want = static_cast<uint64_t>(static_cast<double>(target) * static_cast<double>(covered) /
                                                     static_cast<double>(std::max<uint64_t>(expert_room, 1)));
             uint64_t have = 0;
             {

@@ -295,7 +295,6 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         batch = !routing || cls->n_experts > wide || std::max(step.most, step.before) > wide;
         if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
             dp->seen[m.id][tensor_id] = 1;
-            dp->seen_slices.fetch_add(nexp);
             dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].tensors[cls->tensor].bytes_per_expert * nexp);
             const uint64_t one = 1;
             (void)!write(wake_fd_, &one, sizeof one);
