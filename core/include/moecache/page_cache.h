@@ -6,6 +6,7 @@
 #include "moecache/unique_fd.h"
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace moecache {
@@ -39,5 +40,23 @@ private:
 };
 
 const char* to_string(PageCacheProbe::Method m);
+
+// Drops pages [first_page, first_page + n_pages) of a file from the page cache as far as the kernel
+// lets: pages some process maps or locks stay. `map` is the caller's read-only shared mapping of
+// the whole file (`map_len` bytes); its own page-table entries for the range go first.
+// posix_fadvise drops only folios wholly inside the range it is given, and read-ahead builds folios
+// of up to 2 MiB across the edges of whatever the range holds: where the kernel says which folio
+// an edge page is in (/proc/kpageflags, root), that folio is dropped whole, its pages outside the
+// range with it (unless mapped: a locked or used neighbour keeps it). Returns the folios widened.
+uint32_t drop_file_pages(int fd, const uint8_t* map, uint64_t map_len, uint64_t first_page, uint64_t n_pages);
+
+// The page-cache folio holding page `page` of the file `map` maps (shared, read-only), as file page
+// indexes [first, first + pages), read from /proc/self/pagemap and /proc/kpageflags; the page is
+// mapped here for the look (it must be cached: nothing is read from storage) and unmapped after.
+// Empty where the kernel does not say (not root, no page-flag files) or the page is not cached.
+struct FolioSpan {
+    uint64_t first = 0, pages = 0;
+};
+std::optional<FolioSpan> folio_of(const uint8_t* map, uint64_t map_len, uint64_t page);
 
 }  // namespace moecache

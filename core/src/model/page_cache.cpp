@@ -119,4 +119,102 @@ Result<uint64_t> PageCacheProbe::resident_bytes(uint64_t offset, uint64_t length
     return bytes;
 }
 
+namespace {
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
+// Opened once: /proc/self/pagemap gives frame numbers to root only, /proc/kpageflags is root's.
+struct PageFlagFiles {
+    UniqueFd pagemap{::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC)};
+    UniqueFd kpageflags{::open("/proc/kpageflags", O_RDONLY | O_CLOEXEC)};
+};
+const PageFlagFiles& page_flag_files() {
+    static const PageFlagFiles f;
+    return f;
+}
+
+constexpr int kHead = 15, kTail = 16;  // KPF_COMPOUND_HEAD, KPF_COMPOUND_TAIL
+constexpr uint64_t kMaxFolioPages = 1024;  // 4 MiB of 4 KiB pages: beyond any page-cache folio
+constexpr uint64_t kFaultAround = 16;      // pages a fault maps around itself (fault_around_bytes)
+
+bool page_cached(const uint8_t* addr) {
+    unsigned char v = 0;
+    return ::mincore(const_cast<uint8_t*>(addr), page_size(), &v) == 0 && (v & 1) != 0;
+}
+
+}  // namespace
+
+std::optional<FolioSpan> folio_of(const uint8_t* map, uint64_t map_len, uint64_t page) {
+    const auto& files = page_flag_files();
+    const uint64_t ps = page_size();
+    if (!files.pagemap || !files.kpageflags || map == nullptr || (page + 1) * ps > map_len) return std::nullopt;
+    auto* base = const_cast<uint8_t*>(map);
+    if (!page_cached(base + page * ps)) return std::nullopt;
+    // A fault maps the cached pages around it too (fault-around, 64 KiB by default, whatever the
+    // mapping's advice); what this look maps it unmaps after, and nothing else.
+    const uint64_t lo_page = page & ~(kFaultAround - 1);
+    const uint64_t n_window = std::min(kFaultAround, map_len / ps - lo_page);
+    auto present = [&](uint64_t* out) {
+        const auto want = static_cast<ssize_t>(n_window * sizeof(uint64_t));
+        return ::pread(files.pagemap.get(), out, static_cast<size_t>(want),
+                       static_cast<off_t>(reinterpret_cast<uintptr_t>(base + lo_page * ps) / ps * sizeof(uint64_t))) == want;
+    };
+    uint64_t before[kFaultAround] = {}, after[kFaultAround] = {};
+    if (!present(before)) return std::nullopt;
+    // Mapping a cached page reads nothing; a page dropped meanwhile is read back alone (the
+    // callers' mappings are MADV_RANDOM), which is still correct, only wasted.
+    if (::madvise(base + page * ps, ps, MADV_POPULATE_READ) != 0) return std::nullopt;
+    const bool got = present(after);
+    for (uint64_t i = 0; i < n_window; ++i)
+        if ((before[i] >> 63) == 0 && (after[i] >> 63) != 0) (void)::madvise(base + (lo_page + i) * ps, ps, MADV_DONTNEED);
+    const uint64_t entry = after[page - lo_page];
+    const uint64_t pfn = entry & ((uint64_t{1} << 55) - 1);
+    if (!got || (entry >> 63) == 0 || pfn == 0) return std::nullopt;  // not present, or no frame numbers for us
+    // The flags of the frames around it: the head is at most kMaxFolioPages - 1 frames before.
+    const uint64_t lo = pfn >= kMaxFolioPages - 1 ? pfn - (kMaxFolioPages - 1) : 0;
+    std::vector<uint64_t> flags(pfn - lo + kMaxFolioPages);
+    const auto want = static_cast<ssize_t>(flags.size() * sizeof(uint64_t));
+    const ssize_t n = ::pread(files.kpageflags.get(), flags.data(), static_cast<size_t>(want),
+                              static_cast<off_t>(lo * sizeof(uint64_t)));
+    if (n < static_cast<ssize_t>((pfn - lo + 1) * sizeof(uint64_t))) return std::nullopt;
+    flags.resize(static_cast<size_t>(n) / sizeof(uint64_t));
+    auto bit = [&](uint64_t f, int b) { return ((flags[f - lo] >> b) & 1) != 0; };
+    if (!bit(pfn, kHead) && !bit(pfn, kTail)) return FolioSpan{page, 1};
+    uint64_t head = pfn;
+    while (bit(head, kTail)) {
+        if (head == lo) return std::nullopt;  // larger than any folio: the flags moved under us
+        --head;
+    }
+    if (!bit(head, kHead) || pfn - head > page) return std::nullopt;
+    uint64_t end = pfn + 1;
+    while (end - lo < flags.size() && bit(end, kTail)) ++end;
+    return FolioSpan{page - (pfn - head), end - head};
+}
+
+uint32_t drop_file_pages(int fd, const uint8_t* map, uint64_t map_len, uint64_t first_page, uint64_t n_pages) {
+    if (n_pages == 0) return 0;
+    const uint64_t ps = page_size();
+    auto fadvise = [&](uint64_t first, uint64_t n) {
+        (void)::posix_fadvise(fd, static_cast<off_t>(first * ps), static_cast<off_t>(n * ps), POSIX_FADV_DONTNEED);
+    };
+    if (map != nullptr) (void)::madvise(const_cast<uint8_t*>(map) + first_page * ps, n_pages * ps, MADV_DONTNEED);
+    fadvise(first_page, n_pages);
+    uint32_t widened = 0;
+    const uint64_t edges[2] = {first_page, first_page + n_pages - 1};
+    for (int i = 0; i < (n_pages > 1 ? 2 : 1); ++i) {
+        if (map == nullptr || (edges[i] + 1) * ps > map_len || !page_cached(map + edges[i] * ps)) continue;
+        const auto f = folio_of(map, map_len, edges[i]);
+        if (!f || f->pages <= 1) continue;
+        // Our own entries for the folio's other pages too (refused where we lock them: then the
+        // folio stays, as it should).
+        const uint64_t pages = std::min(f->pages, map_len / ps - f->first);
+        (void)::madvise(const_cast<uint8_t*>(map) + f->first * ps, pages * ps, MADV_DONTNEED);
+        fadvise(f->first, f->pages);
+        ++widened;
+    }
+    return widened;
+}
+
 }  // namespace moecache

@@ -69,6 +69,8 @@ void Engine::apply_daemon_budgets() {
 // this process (the mapping is shared and read-only, so they read back the same if ever touched
 // again) and the daemon, told of it, unlocks and drops what is left. The page cache works in
 // folios: a large folio that also holds a neighbour some other process maps stays whole.
+constexpr uintptr_t kFaultAroundBytes = 64 << 10;
+
 void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     for (const auto& r : m.map.ranges(block, expert)) {
@@ -89,6 +91,14 @@ void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
             (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_PAGEOUT);
             if (madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED) == 0)
                 dropped_host_bytes_.fetch_add(b - a, std::memory_order_relaxed);
+            // A fault maps the cached pages around it too (fault-around: 64 KiB windows), so the
+            // neighbours' pages in the windows at the edges may be mapped only because the expert
+            // was read; a page-cache folio across the edge would stay for them. Unmapped too: the
+            // mapping is shared and read-only, a neighbour in use faults them back from the cache.
+            const uintptr_t around_lo = std::max<uintptr_t>(a & ~(kFaultAroundBytes - 1), mr.mapping.start);
+            const uintptr_t around_hi = std::min<uintptr_t>((b + kFaultAroundBytes - 1) & ~(kFaultAroundBytes - 1), mr.mapping.end);
+            if (around_lo < a) (void)madvise(reinterpret_cast<void*>(around_lo), a - around_lo, MADV_DONTNEED);
+            if (around_hi > b) (void)madvise(reinterpret_cast<void*>(b), around_hi - b, MADV_DONTNEED);
         }
     }
 }

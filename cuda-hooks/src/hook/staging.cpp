@@ -498,6 +498,10 @@ void Engine::set_up_copies(DevicePool& dp) {
         if (n >= kStagingBuffer) {
             UniqueFd fd(::open(owner->map.files[largest->file].path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
             if (fd) view = mmap(nullptr, n + (largest->offset - lo), PROT_READ, MAP_SHARED, fd.get(), static_cast<off_t>(lo));
+            // As lazy load maps a model: no read-around. Read-around would also fill the page cache
+            // with large folios across expert edges, which cannot leave RAM one expert at a time
+            // (fadvise drops only folios wholly inside the range it is given).
+            if (view != MAP_FAILED) (void)madvise(view, n + (largest->offset - lo), MADV_RANDOM);
         }
         const uint8_t* src = view == MAP_FAILED ? nullptr : static_cast<const uint8_t*>(view) + (largest->offset - lo);
         CUdeviceptr scratch = 0;

@@ -55,7 +55,9 @@ Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path) 
         if (!f.fd) return fail_errno("{}: cannot open", part.path);
         // Its reads (the prefetcher's, on this descriptor) bring in what it asked for and no
         // neighbours: read-ahead would drag cold experts in and build page-cache folios across
-        // expert edges, which then cannot leave one expert at a time.
+        // expert edges (drop_file_pages then takes such a folio whole). The kernel still starts
+        // its asynchronous read-ahead when a read meets the mark another reader's read-ahead
+        // left (a runtime reading the header, say): FMODE_RANDOM stops only the synchronous kind.
         (void)::posix_fadvise(f.fd.get(), 0, 0, POSIX_FADV_RANDOM);
         f.identity = MC_TRY(identity_of(f.fd.get(), part.path));
         if (f.identity.size != part.file_size)

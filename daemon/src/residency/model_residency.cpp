@@ -202,10 +202,8 @@ void ModelResidency::drop_ranges(const std::vector<ByteRange>& rs) {
         const uint64_t first = (r.offset + ps - 1) / ps, last = (r.offset + r.length) / ps;  // [first, last)
         if (last <= first) continue;
         const auto& f = model_->files()[r.file];
-        // Our own mapping may still map them (a lock released without dropping).
-        (void)::madvise(f.mapping.data() + first * ps, (last - first) * ps, MADV_DONTNEED);
-        (void)::posix_fadvise(f.fd.get(), static_cast<off_t>(first * ps), static_cast<off_t>((last - first) * ps),
-                              POSIX_FADV_DONTNEED);
+        // Our own mapping may still map them (a lock released without dropping): zapped first.
+        drop_file_pages(f.fd.get(), f.mapping.data(), f.mapping.length(), first, last - first);
     }
 }
 

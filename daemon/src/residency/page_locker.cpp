@@ -1,5 +1,7 @@
 #include "moecache/daemon/page_locker.h"
 
+#include "moecache/page_cache.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -39,17 +41,12 @@ Result<void> PageLocker::mlock_pages(uint32_t file, uint64_t first, uint64_t cou
 
 void PageLocker::munlock_pages(uint32_t file, uint64_t first, uint64_t count, bool drop) {
     const auto& f = model_.files()[file];
-    uint8_t* addr = f.mapping.data() + first * page_size();
-    const uint64_t len = count * page_size();
-    ::munlock(addr, len);
+    ::munlock(f.mapping.data() + first * page_size(), count * page_size());
     locked_pages_ -= count;
-    if (drop) {
-        // Our own mapping would keep the pages: zap our page-table entries, then ask the page cache
-        // to drop them. Pages that another process maps stay; that is the rule we want.
-        ::madvise(addr, len, MADV_DONTNEED);
-        ::posix_fadvise(f.fd.get(), static_cast<off_t>(first * page_size()), static_cast<off_t>(len),
-                        POSIX_FADV_DONTNEED);
-    }
+    // Our own mapping would keep the pages: drop_file_pages zaps our page-table entries, then asks
+    // the page cache to drop them, whole folios across the edges included. Pages that another
+    // process maps stay; that is the rule we want.
+    if (drop) drop_file_pages(f.fd.get(), f.mapping.data(), f.mapping.length(), first, count);
 }
 
 Result<bool> PageLocker::ref(uint32_t file, uint64_t page) {
