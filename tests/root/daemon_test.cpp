@@ -249,6 +249,35 @@ TEST_F(DaemonTest, TruncatedModelIsReportedAndReexamined) {
     EXPECT_EQ(expert(s, 0, 2).tier, Tier::Locked) << "its heat survived the reload";
 }
 
+// A model truncated while the daemon reads and locks it (a user's own file; an operator copying a
+// new model over a configured one): the first lock that fails closes the model, and nothing of
+// that turn touches it again. Cut at every point of the reads and locks a turn does.
+TEST_F(DaemonTest, AModelTruncatedWhileItIsReadAndLockedIsClosedMidTurn) {
+    const auto size = std::filesystem::file_size(model_);
+    const std::string whole = dir_.file("whole.gguf");
+    std::filesystem::copy_file(model_, whole);
+    for (int cut_after = 0; cut_after < 12; ++cut_after) {
+        SCOPED_TRACE("truncated after " + std::to_string(cut_after) + " loop turns");
+        std::filesystem::copy_file(whole, model_, std::filesystem::copy_options::overwrite_existing);
+        test::drop_page_cache(model_);
+        auto d = Daemon::create(config());
+        ASSERT_TRUE(d) << d.error().what();
+        const uint32_t id = *(*d)->model_id(model_);
+        for (uint32_t block = 0; block < 3; ++block) route(**d, id, block, {0, 1, 2, 3, 4, 5, 6, 7});
+        (*d)->tick();
+        for (int i = 0; i < cut_after; ++i) ASSERT_TRUE((*d)->step(cut_after % 2 ? 0 : 5));
+        ASSERT_EQ(::truncate(model_.c_str(), static_cast<off_t>(size / 3)), 0);
+        for (int i = 0; i < 40; ++i) {
+            ASSERT_TRUE((*d)->step(5));
+            if (i % 10 == 0) (*d)->tick();
+        }
+        const auto s = (*d)->status();
+        ASSERT_EQ(s.models.size(), 1u);
+        EXPECT_FALSE(s.models[0].loaded) << "a model cut to a third cannot stay open";
+        EXPECT_EQ(s.locked_bytes, 0u);
+    }
+}
+
 TEST_F(DaemonTest, ModelThatVanishesAndComesBack) {
     auto d = Daemon::create(config());
     ASSERT_TRUE(d) << d.error().what();
