@@ -78,12 +78,14 @@ void Daemon::refresh_models() {
             auto same = m->res->model().unchanged();
             if (!same || !*same) close_model(*m, same ? "the file changed on disk or went away" : same.error().what());
         }
-        if (!m->res) open_model(*m);
+        // A model only clients registered is opened from what a client hands over, never again
+        // by its name (which its owner may swap); the next registration opens it again.
+        if (!m->res && (m->operator_added || !m->registered)) open_model(*m);
     }
 }
 
-void Daemon::open_model(ModelEntry& m) {
-    auto res = ModelResidency::open(m.path, m.config, config_.decay_half_life_tokens);
+void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
+    auto res = ModelResidency::open(m.path, m.config, config_.decay_half_life_tokens, handed);
     if (!res) {
         const std::string why = res.error().what();
         if (why != m.error) MC_LOG(LOG_WARNING, "model {} is not loaded (retrying): {}", m.path, why);

@@ -15,6 +15,10 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <atomic>
+#include <thread>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -210,6 +214,47 @@ TEST_F(ClientSocketTest, AnUnconfiguredSplitModelLivesAsLongAsItsClient) {
     }
     for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
     EXPECT_EQ(d_->status().models.size(), 1u) << "the registered model went with its client";
+}
+
+// A user swaps the name of the model they register with a FIFO and with a symlink to a file only
+// root may read, again and again, while registering it: the daemon opens what the descriptor is,
+// never the name, so it never blocks in open() and never reads (or quotes) the other file.
+TEST_F(ClientSocketTest, NamesSwappedUnderARegistrationAreNeverOpened) {
+    start();
+    const std::string mine = dir_.file("mine.gguf"), fifo = dir_.file("fifo.gguf"), link = dir_.file("link.gguf"),
+                      secret = dir_.file("secret");
+    test::write_model(test::small_spec(), mine);
+    test::write_file(secret, "SECRETSECRETSECRET");
+    ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+    ASSERT_EQ(::symlink(secret.c_str(), link.c_str()), 0);
+    UniqueFd model(::open(mine.c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(model);
+    std::atomic<bool> stop{false};
+    std::thread swapper([&] {
+        for (uint64_t i = 0; !stop.load(); ++i)
+            (void)::syscall(SYS_renameat2, AT_FDCWD, mine.c_str(), AT_FDCWD, (i % 2 ? fifo : link).c_str(), 2 /* RENAME_EXCHANGE */);
+    });
+    ::alarm(300);  // a loop blocked in open() would never come back: die instead of hanging the run
+    int registered = 0;
+    for (int i = 0; i < 100; ++i) {
+        UniqueFd s = hello();
+        send_raw(s.get(), encode({2, RegisterModel{1}}), {model.get()});
+        auto r = reply(s.get(), 5);
+        ASSERT_TRUE(r) << "registration " << i << " got no reply";
+        if (std::holds_alternative<ModelRegistered>(r->body)) ++registered;
+        else EXPECT_EQ(failure_text(r).find("SECRET"), std::string::npos) << failure_text(r);
+    }
+    stop = true;
+    swapper.join();
+    ::alarm(0);
+    // The names are where the swaps left them; registered by its descriptor, the model is the
+    // model wherever its name is now.
+    UniqueFd s = hello();
+    send_raw(s.get(), encode({3, RegisterModel{1}}), {model.get()});
+    auto r = reply(s.get());
+    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    RecordProperty("registered_while_swapping", registered);
 }
 
 TEST_F(ClientSocketTest, DescriptorsThatAreNotReadableModelFilesAreRefusedOneByOne) {

@@ -33,6 +33,10 @@ Result<std::vector<std::string>> find_split_parts(const std::string& path, const
 // and checks that they form one set: each part's split.no / split.count / split.tensors.count agree
 // with the others, and no tensor name appears in two parts.
 Result<std::vector<GgufFile>> open_gguf_model(const std::string& path);
+// The same from descriptors (every part, part 1 first; `names` for messages): nothing is opened by
+// name, so a name swapped meanwhile (a FIFO, a symlink to a file the caller may not read) cannot
+// be what is read.
+Result<std::vector<GgufFile>> open_gguf_model(const std::vector<int>& fds, const std::vector<std::string>& names);
 
 // One expert tensor of a layer, e.g. blk.7.ffn_up_exps.weight: expert e is the byte slice
 // [offset + e * bytes_per_expert, offset + (e + 1) * bytes_per_expert) of file `file`.

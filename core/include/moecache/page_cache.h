@@ -16,6 +16,8 @@ public:
     enum class Method { Cachestat, Mincore };
 
     static Result<PageCacheProbe> open(const std::string& path);
+    // Of a file already open (the descriptor is duplicated): nothing is opened by name.
+    static Result<PageCacheProbe> of(int fd, const std::string& name);
     PageCacheProbe(PageCacheProbe&&) noexcept;
     PageCacheProbe& operator=(PageCacheProbe&&) noexcept;
     ~PageCacheProbe();
@@ -30,6 +32,7 @@ public:
 
 private:
     PageCacheProbe() = default;
+    static Result<PageCacheProbe> of(UniqueFd fd, const std::string& path);
     Result<uint64_t> cached_pages(uint64_t first_page, uint64_t n_pages);
 
     std::string path_;

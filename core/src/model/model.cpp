@@ -187,38 +187,16 @@ Result<std::vector<std::string>> find_split_parts(const std::string& path, const
     return out;
 }
 
-Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
-    auto first = MC_TRY(read_gguf(path));
-    const auto count_kv = MC_TRY(first.get_uint_opt("split.count"));
-    const auto name = parse_split_name(path);
-    // Checked before the one-file case too: a part of a set that says it is whole is still a part.
-    if (name && count_kv && name->count != *count_kv)
-        return failf("{}: the name says {} parts but split.count says {}", path, name->count,
-                     *count_kv);
-    if (!count_kv || *count_kv <= 1) {
-        std::vector<GgufFile> one;
-        one.push_back(std::move(first));
-        return one;
-    }
-    // Any part opens the set: by the parts' names where they follow NAME-0000i-of-0000N.gguf, else
-    // by their metadata (a Hugging Face cache's blobs, an ollama store's sha256-... files).
-    const auto paths = MC_TRY(find_split_parts(path, first));
-    const auto count = static_cast<uint32_t>(paths.size());
-
-    std::vector<GgufFile> parts;
-    parts.reserve(count);
+// The parts of a split set, in order: each says it is part i of this many, of one tensor count,
+// and no tensor is in two parts.
+Result<void> check_split_set(const std::vector<GgufFile>& parts, const std::string& path) {
+    const auto count = static_cast<uint32_t>(parts.size());
     uint64_t total_tensors = 0;
     std::optional<uint64_t> declared_tensors;
     std::unordered_map<std::string, uint32_t> seen;
     for (uint32_t i = 0; i < count; ++i) {
-        const std::string& part_path = paths[i];
-        Result<GgufFile> part = part_path == path ? Result<GgufFile>(std::move(first)) : read_gguf(part_path);
-        if (!part) {
-            if (part.error().errnum == ENOENT)
-                return fail(ENOENT, fmt::format("split model {}: part {} of {} is missing: {}",
-                                                 path, i + 1, count, part_path));
-            return tl::unexpected(with_context(part.error(), fmt::format("split model {}", path)));
-        }
+        const GgufFile* part = &parts[i];
+        const std::string& part_path = part->path;
         const auto no = MC_TRY(part->get_uint_opt("split.no"));
         const auto cnt = MC_TRY(part->get_uint_opt("split.count"));
         const auto tcount = MC_TRY(part->get_uint_opt("split.tensors.count"));
@@ -239,11 +217,58 @@ Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
                              "models or splits", part_path, t.name, it->second + 1);
         }
         total_tensors += part->tensors.size();
-        parts.push_back(std::move(*part));
     }
     if (declared_tensors && *declared_tensors != total_tensors)
         return failf("split model {}: split.tensors.count says {} tensors but the {} parts hold {}",
                      path, *declared_tensors, count, total_tensors);
+    return {};
+}
+
+Result<std::vector<GgufFile>> open_gguf_model(const std::string& path) {
+    auto first = MC_TRY(read_gguf(path));
+    const auto count_kv = MC_TRY(first.get_uint_opt("split.count"));
+    const auto name = parse_split_name(path);
+    // Checked before the one-file case too: a part of a set that says it is whole is still a part.
+    if (name && count_kv && name->count != *count_kv)
+        return failf("{}: the name says {} parts but split.count says {}", path, name->count,
+                     *count_kv);
+    if (!count_kv || *count_kv <= 1) {
+        std::vector<GgufFile> one;
+        one.push_back(std::move(first));
+        return one;
+    }
+    // Any part opens the set: by the parts' names where they follow NAME-0000i-of-0000N.gguf, else
+    // by their metadata (a Hugging Face cache's blobs, an ollama store's sha256-... files).
+    const auto paths = MC_TRY(find_split_parts(path, first));
+    const auto count = static_cast<uint32_t>(paths.size());
+
+    std::vector<GgufFile> parts;
+    parts.reserve(count);
+    for (uint32_t i = 0; i < count; ++i) {
+        const std::string& part_path = paths[i];
+        Result<GgufFile> part = part_path == path ? Result<GgufFile>(std::move(first)) : read_gguf(part_path);
+        if (!part) {
+            if (part.error().errnum == ENOENT)
+                return fail(ENOENT, fmt::format("split model {}: part {} of {} is missing: {}",
+                                                 path, i + 1, count, part_path));
+            return tl::unexpected(with_context(part.error(), fmt::format("split model {}", path)));
+        }
+        parts.push_back(std::move(*part));
+    }
+    MC_TRY_VOID(check_split_set(parts, path));
+    return parts;
+}
+
+Result<std::vector<GgufFile>> open_gguf_model(const std::vector<int>& fds, const std::vector<std::string>& names) {
+    if (fds.empty() || names.size() != fds.size()) return failf("a model needs one name for each of its {} descriptors", fds.size());
+    std::vector<GgufFile> parts;
+    parts.reserve(fds.size());
+    for (size_t i = 0; i < fds.size(); ++i) parts.push_back(MC_TRY(read_gguf(fds[i], names[i])));
+    const auto count = MC_TRY(parts.front().get_uint_opt("split.count"));
+    if ((!count || *count <= 1) && parts.size() == 1) return parts;
+    if (!count || *count != parts.size())
+        return failf("{}: split.count says {} parts but {} were handed over", names.front(), count ? *count : 1, parts.size());
+    MC_TRY_VOID(check_split_set(parts, names.front()));
     return parts;
 }
 

@@ -36,12 +36,25 @@ const char* to_string(PageCacheProbe::Method m) {
 }
 
 Result<PageCacheProbe> PageCacheProbe::open(const std::string& path) {
+    // O_NONBLOCK: a FIFO in the file's place cannot block the caller (it is refused as no file).
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+    if (!fd) return fail_errno("{}: cannot open", path);
+    return of(std::move(fd), path);
+}
+
+Result<PageCacheProbe> PageCacheProbe::of(int fd, const std::string& name) {
+    UniqueFd own(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (!own) return fail_errno("{}: dup of descriptor {}", name, fd);
+    return of(std::move(own), name);
+}
+
+Result<PageCacheProbe> PageCacheProbe::of(UniqueFd fd, const std::string& path) {
     PageCacheProbe p;
     p.path_ = path;
-    p.fd_.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!p.fd_) return fail_errno("{}: cannot open", path);
+    p.fd_ = std::move(fd);
     struct stat st {};
     if (::fstat(p.fd_.get(), &st) != 0) return fail_errno("{}: fstat", path);
+    if (!S_ISREG(st.st_mode)) return failf("{}: not a regular file", path);
     p.size_ = static_cast<uint64_t>(st.st_size);
     CachestatRange r{0, page_size()};
     Cachestat cs{};

@@ -302,7 +302,9 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
             entry->registered = true;
             entry->owner_uid = c.peer.uid;
         }
-        if (!entry->res) open_model(*entry);
+        std::vector<int> handed;
+        for (const auto& fd : fds) handed.push_back(fd.get());
+        if (!entry->res) open_model(*entry, entry->operator_added || !entry->registered ? nullptr : &handed);
         std::string why;
         int errnum = ESTALE;
         if (!entry->res) {

@@ -3,6 +3,9 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cctype>
@@ -41,18 +44,43 @@ Result<FileIdentity> identity_of_path(const std::string& path) {
 }
 
 
-Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path) {
+Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path, const std::vector<int>* handed) {
     auto m = std::make_unique<MappedModel>();
     m->path_ = path;
-    const auto parts = MC_TRY(open_gguf_model(path));
+    // O_NONBLOCK: a FIFO put in a model's place opens at once and is refused below, instead of
+    // blocking the daemon until a writer comes. Handed descriptors are re-opened through
+    // /proc/self/fd (a file description of our own: our advice stays ours), never by name.
+    std::vector<UniqueFd> reopened;
+    std::vector<std::string> names;
+    auto open_part = [](const std::string& p) {
+        UniqueFd fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOATIME));
+        if (!fd && errno == EPERM) fd.reset(::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+        return fd;
+    };
+    if (handed != nullptr) {
+        for (size_t i = 0; i < handed->size(); ++i) {
+            const std::string via = fmt::format("/proc/self/fd/{}", (*handed)[i]);
+            reopened.push_back(open_part(via));
+            if (!reopened.back()) return fail_errno("{}: part {}: cannot open the descriptor the client handed over", path, i + 1);
+            char target[4096];
+            const ssize_t n = ::readlink(via.c_str(), target, sizeof target - 1);
+            names.push_back(i == 0 || n <= 0 ? path : std::string(target, static_cast<size_t>(n)));
+        }
+    }
+    std::vector<int> raw;
+    for (const auto& fd : reopened) raw.push_back(fd.get());
+    const auto parts = MC_TRY(handed != nullptr ? open_gguf_model(raw, names) : open_gguf_model(path));
     m->map_ = MC_TRY(ExpertMap::build(parts));
-    for (const auto& part : parts) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const auto& part = parts[i];
         ModelFile f;
         f.path = part.path;
         // O_RDONLY only: the daemon never writes a model file.
-        f.fd.reset(::open(part.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOATIME));
-        if (!f.fd && errno == EPERM) f.fd.reset(::open(part.path.c_str(), O_RDONLY | O_CLOEXEC));
+        f.fd = handed != nullptr ? std::move(reopened[i]) : open_part(part.path);
         if (!f.fd) return fail_errno("{}: cannot open", part.path);
+        struct stat st {};
+        if (::fstat(f.fd.get(), &st) != 0) return fail_errno("{}: fstat", part.path);
+        if (!S_ISREG(st.st_mode)) return failf("{}: not a regular file", part.path);
         // Its reads (the prefetcher's, on this descriptor) bring in what it asked for and no
         // neighbours: read-ahead would drag cold experts in and build page-cache folios across
         // expert edges (drop_file_pages then takes such a folio whole). The kernel still starts

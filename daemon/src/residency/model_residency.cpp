@@ -53,10 +53,10 @@ const char* to_string(Placement p) {
 }
 
 Result<std::unique_ptr<ModelResidency>> ModelResidency::open(const std::string& path, const ModelConfig& cfg,
-                                                             double half_life_tokens) {
+                                                             double half_life_tokens, const std::vector<int>* handed) {
     auto r = std::make_unique<ModelResidency>();
     r->config_ = cfg;
-    r->model_ = MC_TRY(MappedModel::open(path));
+    r->model_ = MC_TRY(MappedModel::open(path, handed));
     r->locker_ = std::make_unique<PageLocker>(*r->model_);
     const auto& map = r->model_->map();
     const auto n_layers = static_cast<uint32_t>(map.layers.size());
@@ -78,7 +78,7 @@ Result<std::unique_ptr<ModelResidency>> ModelResidency::open(const std::string& 
         for (uint64_t e = pin.first; e <= std::min<uint64_t>(pin.last, map.n_experts - 1); ++e)
             r->pinned_[size_t{*layer} * map.n_experts + e] = 1;
     }
-    for (const auto& f : r->model_->files()) r->probes_.push_back(MC_TRY(PageCacheProbe::open(f.path)));
+    for (const auto& f : r->model_->files()) r->probes_.push_back(MC_TRY(PageCacheProbe::of(f.fd.get(), f.path)));
     r->slot_bytes_.resize(r->slots_.size());
     r->slot_length_.resize(r->slots_.size());
     for (uint32_t s = 0; s < r->slots_.size(); ++s) {

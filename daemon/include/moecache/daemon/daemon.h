@@ -101,7 +101,7 @@ private:
     void add_entry(const ModelConfig& mc, const std::string& path);
     void add_plain_models();
     void refresh_models();
-    void open_model(ModelEntry& m);
+    void open_model(ModelEntry& m, const std::vector<int>* handed = nullptr);  // handed: a client's descriptors of it
     void close_model(ModelEntry& m, const std::string& why);
     void place();
     // Placement is due: planned at the end of the loop turn, or now when called outside one (a

@@ -50,8 +50,11 @@ struct ModelFile {
 
 class MappedModel {
 public:
-    // Opens every part of the model `path` names (any part of a split set) and maps it.
-    static Result<std::unique_ptr<MappedModel>> open(const std::string& path);
+    // Opens every part of the model `path` names (any part of a split set) and maps it. With
+    // `handed` (descriptors of every part, part 1 first, that a client handed over), the files are
+    // those very inodes, re-opened through /proc/self/fd: nothing is opened by a name that could
+    // be swapped meanwhile; `path` names them in messages.
+    static Result<std::unique_ptr<MappedModel>> open(const std::string& path, const std::vector<int>* handed = nullptr);
 
     [[nodiscard]] const ExpertMap& map() const { return map_; }
     [[nodiscard]] const std::vector<ModelFile>& files() const { return files_; }

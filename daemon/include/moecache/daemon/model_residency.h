@@ -53,7 +53,7 @@ struct SlotTelemetry {
 class ModelResidency {
 public:
     static Result<std::unique_ptr<ModelResidency>> open(const std::string& path, const ModelConfig& cfg,
-                                                        double half_life_tokens);
+                                                        double half_life_tokens, const std::vector<int>* handed = nullptr);
 
     [[nodiscard]] const MappedModel& model() const { return *model_; }
     [[nodiscard]] HeatTable& heat() { return *heat_; }
