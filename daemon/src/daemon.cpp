@@ -196,6 +196,8 @@ void Daemon::note_error(const char* doing, const std::string& what) {
 }
 
 void Daemon::tick() {
+    resume_listener();
+    expire_silent_clients();
     cgroup_ = own_memory_cgroup_limit();
     refresh_models();
     for (auto& m : models_)

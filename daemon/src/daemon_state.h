@@ -8,6 +8,7 @@
 #include "moecache/daemon/fetch.h"
 #include "moecache/daemon/predictor.h"
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <set>
@@ -66,6 +67,7 @@ struct Daemon::Client {
     UniqueFd conn;
     PeerIdentity peer;
     bool hello = false;
+    std::chrono::steady_clock::time_point connected;  // Hello is due within [clients] hello_seconds
     std::string name;
     std::vector<uint32_t> models;  // model ids it registered
     std::unique_ptr<telemetry::TelemetryRing> ring;

@@ -69,6 +69,7 @@ DaemonStatus Daemon::status(bool experts) const {
                                : fmt::format("{}:{}", metrics_->host(), metrics_->port());
     }
     s.clients_refused = clients_refused_;
+    s.accept_pauses = accept_pauses_;
     for (const auto& [device, totals] : pool_totals_) {
         PoolDeviceStatus pool = totals;
         for (const auto& c : clients_) {

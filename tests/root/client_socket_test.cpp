@@ -21,6 +21,7 @@
 #include <sys/syscall.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -498,6 +499,96 @@ TEST_F(ClientSocketTest, OnlyAllowedUsersMayConnect) {
 
 // Two uids, each with its own model and its own budget: each is held to its budget, not to the
 // other's and not to the global one (within two experts: whole experts are locked).
+// Connections that never say Hello cannot hold the slots for good, and one uid cannot take them
+// all: a user opens more connections than [clients] max_per_uid allows and says nothing.
+TEST_F(ClientSocketTest, SilentConnectionsAreClosedAndOneUidCannotTakeEverySlot) {
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
+    Config c = test::daemon_config(model_, dir_.file("state"), 16u << 20);
+    c.page_cache_telemetry = "off";
+    c.max_clients_per_uid = 3;
+    c.hello_seconds = 0.5;
+    start(c);
+    const std::string sock = d_->status().socket_path;
+    int ready[2];
+    ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+        if (::setgid(4003) != 0 || ::setuid(4003) != 0) ::_exit(3);
+        std::vector<int> conns;
+        for (int i = 0; i < 8; ++i) {
+            const int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+            sockaddr_un a{};
+            a.sun_family = AF_UNIX;
+            std::memcpy(a.sun_path, sock.c_str(), sock.size() + 1);
+            if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) ::_exit(4);
+            conns.push_back(s);
+        }
+        (void)!::write(ready[1], "x", 1);
+        ::pause();
+        ::_exit(0);
+    }
+    ::close(ready[1]);
+    char x = 0;
+    ASSERT_EQ(::read(ready[0], &x, 1), 1);
+    ::close(ready[0]);
+    auto of_uid = [&] {
+        const auto st = d_->status();
+        return std::count_if(st.clients.begin(), st.clients.end(), [](const auto& cl) { return cl.uid == 4003; });
+    };
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_EQ(of_uid(), 3) << "[clients] max_per_uid";
+    EXPECT_GE(d_->status().clients_refused, 5u);
+    // Root is not held to it, and others still get in.
+    UniqueFd mine = hello("root-client");
+    // Past the Hello deadline the silent ones are closed; the one that said Hello stays.
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    d_->tick();
+    for (int i = 0; i < 5; ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_EQ(of_uid(), 0);
+    EXPECT_EQ(d_->status().clients.size(), 1u);
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+}
+
+// With its descriptor table full (slow /metrics clients, idle connections), the daemon stops
+// waiting on the client socket instead of spinning on a connection it cannot accept: one log line
+// and a counter per pause, and it accepts again once descriptors come free.
+TEST_F(ClientSocketTest, OutOfDescriptorsTheListenerPausesInsteadOfSpinning) {
+    start();
+    std::vector<UniqueFd> waiting;
+    for (int i = 0; i < 8; ++i) waiting.push_back(connect());  // queued: nothing accepted them yet
+    rlimit saved{};
+    ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+    // Room for two more descriptors in this process (the daemon is in it).
+    const int probe = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(probe, 0);
+    int highest = probe;
+    for (int fd = probe; fd < probe + 4096; ++fd)
+        if (::fcntl(fd, F_GETFD) >= 0) highest = fd;
+    ::close(probe);
+    rlimit low = saved;
+    low.rlim_cur = static_cast<rlim_t>(highest + 1);
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+    std::vector<UniqueFd> filler;  // the gaps below, then two given back
+    for (UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC)); f; f.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC)))
+        filler.push_back(std::move(f));
+    ASSERT_EQ(errno, EMFILE);
+    for (int i = 0; i < 2 && !filler.empty(); ++i) filler.pop_back();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10; ++i) (void)d_->step(50);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const uint64_t pauses = d_->status().accept_pauses;
+    filler.clear();
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+    EXPECT_EQ(pauses, 1u) << "one pause, however often ticks try again";
+    EXPECT_GT(took, 0.1) << "10 turns of up to 50 ms each returned at once: the loop spun";
+    // Descriptors free again: the queued connections are taken at the next tick.
+    d_->tick();
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_EQ(d_->status().clients.size(), waiting.size());
+    UniqueFd s = hello();
+}
+
 TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
     const std::string a = dir_.file("a.gguf"), b = dir_.file("b.gguf");

@@ -63,7 +63,9 @@ std::string describe(const Config& c) {
       << "telemetry.ring_buffer = " << c.page_cache_ring_bytes << "\n"
       << "clients.allow_uids = " << fmt::format("{}", fmt::join(c.client_allow_uids, ",")) << "\n"
       << "clients.allow_gids = " << fmt::format("{}", fmt::join(c.client_allow_gids, ",")) << "\n"
-      << "clients.max = " << c.max_clients << "\n";
+      << "clients.max = " << c.max_clients << "\n"
+      << "clients.max_per_uid = " << c.max_clients_per_uid << "\n"
+      << "clients.hello_seconds = " << c.hello_seconds << "\n";
     for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
     s << "metrics.listen = " << c.metrics_listen << "\n";
     s << "dbus.bus = " << c.dbus_bus << "\n";
@@ -544,6 +546,8 @@ ring_buffer = "1MiB"
 allow_uids = [0, 1000]
 allow_gids = [44]
 max = 16
+max_per_uid = 4
+hello_seconds = 2.5
 uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
 )");
     ASSERT_TRUE(c) << c.error().what();
@@ -573,6 +577,8 @@ uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
     EXPECT_EQ(c->client_allow_uids, (std::vector<uint32_t>{0, 1000}));
     EXPECT_EQ(c->client_allow_gids, (std::vector<uint32_t>{44}));
     EXPECT_EQ(c->max_clients, 16u);
+    EXPECT_EQ(c->max_clients_per_uid, 4u);
+    EXPECT_EQ(c->hello_seconds, 2.5);
     ASSERT_EQ(c->uid_budgets.size(), 2u);
     EXPECT_EQ(c->uid_budgets.at(1000).bytes, 8 * kGiB);
     EXPECT_EQ(c->uid_budgets.at(1001).percent, 5.0);
@@ -600,7 +606,7 @@ uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
     EXPECT_TRUE(qwen.lock_dense);
     EXPECT_TRUE(qwen.pins.empty());
 
-    EXPECT_EQ(c->origins.size(), 26u) << "every key set above has an origin";
+    EXPECT_EQ(c->origins.size(), 28u) << "every key set above has an origin";
     EXPECT_EQ(c->origins.at("budget.lock"), main_ + ":8:8");
     const auto v = validate_config(*c, 256 * kGiB, numa_.path());
     EXPECT_TRUE(v) << v.error().what();
@@ -664,7 +670,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 32u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 34u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

@@ -55,10 +55,21 @@ void Daemon::accept_clients() {
     for (int i = 0; i < kAcceptsPerTurn; ++i) {
         auto conn = server_->accept();
         if (!conn) {
+            const int e = conn.error().errnum;
+            if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+                // The connection stays queued and the listener readable: waiting on it again would
+                // spin. Paused until a client leaves or the next tick, with one line for the pause.
+                pause_listener(conn.error().what());
+                return;
+            }
             MC_LOG(LOG_WARNING, "client socket: {}", conn.error().what());
             return;
         }
         if (!*conn) return;
+        if (listener_starved_) {
+            listener_starved_ = false;
+            MC_LOG(LOG_INFO, "client socket: accepting connections again");
+        }
         auto c = std::make_unique<Client>();
         c->conn = std::move(*conn);
         auto peer = peer_identity(c->conn.get());
@@ -68,6 +79,7 @@ void Daemon::accept_clients() {
         }
         c->peer = std::move(*peer);
         c->id = next_client_id_++;
+        c->connected = std::chrono::steady_clock::now();
         const auto& uids = config_.client_allow_uids;
         const auto& gids = config_.client_allow_gids;
         const bool allowed = c->peer.uid == 0 || (uids.empty() && gids.empty()) ||
@@ -79,6 +91,11 @@ void Daemon::accept_clients() {
                               c->peer.gid);
         else if (clients_.size() >= config_.max_clients)
             why = fmt::format("moecached serves {} clients already ([clients] max)", clients_.size());
+        else if (c->peer.uid != 0 &&
+                 std::count_if(clients_.begin(), clients_.end(), [&](const auto& o) { return !o->dead && o->peer.uid == c->peer.uid; }) >=
+                     static_cast<std::ptrdiff_t>(config_.max_clients_per_uid))
+            why = fmt::format("uid {} holds {} connections already ([clients] max_per_uid)", c->peer.uid,
+                              config_.max_clients_per_uid);
         if (!why.empty()) {
             ++clients_refused_;
             (void)send_nowait(c->conn.get(), encode({0, Failure{EACCES, why}}));
@@ -428,6 +445,37 @@ void Daemon::consume_client_telemetry() {
     }
 }
 
+void Daemon::pause_listener(const std::string& why) {
+    if (listener_paused_ || !server_) return;
+    epoll_event ev{};
+    ev.events = 0;
+    ev.data.u64 = event_data(EventSource::Listener, server_->fd());
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, server_->fd(), &ev) != 0) return;
+    listener_paused_ = true;
+    if (listener_starved_) return;  // tried again (a tick, a client left) and still out: said already
+    listener_starved_ = true;
+    ++accept_pauses_;
+    MC_LOG(LOG_WARNING, "client socket: {}: not accepting connections until a client leaves or the next tick", why);
+}
+
+void Daemon::resume_listener() {
+    if (!listener_paused_ || !server_) return;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = event_data(EventSource::Listener, server_->fd());
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, server_->fd(), &ev) == 0) listener_paused_ = false;
+}
+
+// A connection that has not said Hello in time holds a slot (and a descriptor) for nothing.
+void Daemon::expire_silent_clients() {
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& c : clients_)
+        if (!c->dead && !c->hello && now - c->connected > std::chrono::duration<double>(config_.hello_seconds)) {
+            ++clients_refused_;
+            drop_client(*c, fmt::format("no Hello within {} s ([clients] hello_seconds)", config_.hello_seconds));
+        }
+}
+
 void Daemon::reap_clients() {
     bool any = false;
     for (auto& c : clients_) any = any || c->dead;
@@ -446,6 +494,7 @@ void Daemon::reap_clients() {
         released.insert(released.end(), c->models.begin(), c->models.end());
     }
     clients_.erase(std::remove_if(clients_.begin(), clients_.end(), [](const auto& c) { return c->dead; }), clients_.end());
+    resume_listener();  // a descriptor came free
     // A model a client registered (and no configuration names) goes with the last client holding it.
     for (uint32_t id : released) {
         const bool held = std::any_of(clients_.begin(), clients_.end(), [&](const auto& c) {

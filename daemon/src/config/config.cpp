@@ -401,6 +401,8 @@ const Key<Config> kClientKeys[] = {
     MC_KEY("allow_uids", Config, t.client_allow_uids = MC_TRY(read_id_list(v))),
     MC_KEY("allow_gids", Config, t.client_allow_gids = MC_TRY(read_id_list(v))),
     MC_KEY("max", Config, t.max_clients = static_cast<U32>(MC_TRY(read_int(v, 1, 65536)))),
+    MC_KEY("max_per_uid", Config, t.max_clients_per_uid = static_cast<U32>(MC_TRY(read_int(v, 1, 65536)))),
+    MC_KEY("hello_seconds", Config, t.hello_seconds = MC_TRY(read_number(v, {0.05, true}, {3600, true}))),
     MC_KEY("uid_budgets", Config, t.uid_budgets = MC_TRY(read_uid_budgets(v))),
 };
 

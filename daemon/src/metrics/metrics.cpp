@@ -222,7 +222,9 @@ std::string render_metrics(const DaemonStatus& s) {
     w.scalar("moecache_clients", "gauge",
              "Clients connected to the socket.", static_cast<uint64_t>(s.clients.size()));
     w.scalar("moecache_clients_refused_total", "counter",
-             "Connections turned away (not allowed, too many).", s.clients_refused);
+             "Connections turned away (not allowed, too many, no Hello in time).", s.clients_refused);
+    w.scalar("moecache_client_accept_pauses_total", "counter",
+             "Times the client socket stopped accepting for want of file descriptors.", s.accept_pauses);
     w.scalar("moecache_router_events_total", "counter",
              "Router decisions received from the clients now connected.", events);
     w.scalar("moecache_router_events_refused_total", "counter",

@@ -92,6 +92,8 @@ struct Config {
     std::vector<uint32_t> client_allow_uids;  // empty: any uid; root may always connect
     std::vector<uint32_t> client_allow_gids;  // a peer whose primary gid is listed may connect too
     uint32_t max_clients = 256;
+    uint32_t max_clients_per_uid = 64;  // connections one uid other than root may hold at once
+    double hello_seconds = 5;           // a connection that has not said Hello by then is closed
     // What the models a uid's clients registered (and no [[model]] names) may lock together, by
     // uid. A uid not listed is held to the global budget only.
     std::map<uint32_t, ByteAmount> uid_budgets;

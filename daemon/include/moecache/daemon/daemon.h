@@ -152,6 +152,9 @@ private:
     bool cannot(Client& c, uint32_t request, int errnum, const std::string& text);
     void drop_client(Client& c, const std::string& why);
     void reap_clients();
+    void pause_listener(const std::string& why);  // out of descriptors: stop waiting on the listener
+    void resume_listener();
+    void expire_silent_clients();
     void consume_client_telemetry();
     void record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
     // A Directive to every client that registered model m, about one of its expert slots.
@@ -197,6 +200,9 @@ private:
     std::unordered_map<int, Client*> client_by_fd_;
     uint32_t next_client_id_ = 1;
     uint64_t clients_refused_ = 0;
+    uint64_t accept_pauses_ = 0;     // times the listener was paused for want of descriptors
+    bool listener_paused_ = false;   // not in the epoll set's interest now
+    bool listener_starved_ = false;  // since the last pause, no connection could be accepted
     uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
     std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
     uint64_t unmapped_bytes_ = 0;                        // accumulated from Unmapped

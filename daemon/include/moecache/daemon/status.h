@@ -98,7 +98,8 @@ struct DaemonStatus {
     PageCacheStatus page_cache;
     std::string socket_path;       // where clients connect ("" when not listening)
     std::string metrics_address;   // where GET /metrics answers, "HOST:PORT" ("" when it does not)
-    uint64_t clients_refused = 0;  // connections turned away (not allowed, too many)
+    uint64_t clients_refused = 0;  // connections turned away (not allowed, too many, no Hello in time)
+    uint64_t accept_pauses = 0;    // times the client socket stopped accepting for want of descriptors
     uint64_t vram_releases = 0;    // experts unlocked and dropped because a VRAM pool took them
     std::vector<PoolDeviceStatus> vram_pools;  // by device
     // Large host-to-device copies CUDA hooks saw from memory that maps no model (a runtime that
