@@ -278,6 +278,22 @@ Result<void> Daemon::start_trace(UniqueFd file) {
     if (!S_ISREG(st.st_mode)) return invalid("a trace is written to a regular file (not a pipe, socket or device)");
     const int fl = ::fcntl(file.get(), F_GETFL);
     if (fl < 0 || (fl & O_ACCMODE) == O_RDONLY) return invalid("the trace file is not open for writing");
+    // A trace overwrites only a trace: never a model this daemon has open (whatever its name), nor
+    // a file that holds something else.
+    for (const auto& m : models_)
+        if (m->res)
+            for (const auto& f : m->res->model().files())
+                if (f.identity.dev == st.st_dev && f.identity.ino == st.st_ino)
+                    return fail(EPERM, fmt::format("the trace file is {}, a model moecached manages", f.path));
+    if (st.st_size > 0) {
+        char head[32] = {};
+        const ssize_t n = ::pread(file.get(), head, sizeof head - 1, 0);
+        if (n < 0 && errno == EBADF) return invalid("the trace file is not open for reading too: it cannot be checked for what it holds");
+        if (n < 0) return fail_errno("trace file");
+        if (std::string_view(head, static_cast<size_t>(n)).rfind("{\"moecache_trace\"", 0) != 0)
+            return fail(EEXIST, fmt::format("the trace file holds {} bytes that are not a moecache trace: remove it or "
+                                            "name a new file", st.st_size));
+    }
     // The caller opened it without truncating (a refused start must not destroy a file): a trace
     // starts at the beginning.
     if (::ftruncate(file.get(), 0) != 0 || ::lseek(file.get(), 0, SEEK_SET) != 0) return fail_errno("trace file");

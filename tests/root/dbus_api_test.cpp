@@ -376,6 +376,19 @@ TEST_F(DbusApi, HostileArgumentsGetClearErrors) {
     const int ro = ::open(model_.c_str(), O_RDONLY | O_CLOEXEC);
     expect_error([&] { mgr->callMethod("StartTrace").onInterface(M).withArguments(sdbus::UnixFd(ro)); }, invalid, "not open for writing");
     ::close(ro);
+    // A trace never overwrites a model it manages, nor a file that holds something else: both stay
+    // as they were, byte for byte.
+    const auto model_size = std::filesystem::file_size(model_);
+    const int rw = ::open(model_.c_str(), O_RDWR | O_CLOEXEC);
+    expect_error([&] { mgr->callMethod("StartTrace").onInterface(M).withArguments(sdbus::UnixFd(rw)); }, "org.moecache1.Error.AccessDenied", "a model moecached manages");
+    ::close(rw);
+    EXPECT_EQ(std::filesystem::file_size(model_), model_size);
+    const std::string notes = dir_.file("notes.txt");
+    test::write_file(notes, "my notes, not a trace\n");
+    const int other = ::open(notes.c_str(), O_RDWR | O_CLOEXEC);
+    expect_error([&] { mgr->callMethod("StartTrace").onInterface(M).withArguments(sdbus::UnixFd(other)); }, "org.moecache1.Error.Exists", "not a moecache trace");
+    ::close(other);
+    EXPECT_EQ(test::read_file(notes), "my notes, not a trace\n");
     for (const char* spec : {"banana", "1:", ":3", "1:5-2", "99", "1:16", "4294967296", "1:0-99999999999", "-1"})
         expect_error([&] { model->callMethod("Pin").onInterface(O).withArguments(std::vector<std::string>{spec}); }, invalid, "expert selection");
     expect_error([&] { model->callMethod("Pin").onInterface(O).withArguments(std::vector<std::string>{}); }, invalid, "pin what");

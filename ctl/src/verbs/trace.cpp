@@ -16,7 +16,8 @@ int cmd_trace(const Options& o, const std::vector<std::string>& args) {
             // Opened here, as the caller: the daemon writes to what the caller may write, nothing else.
             // Not truncated here: the daemon empties it once it has accepted the trace.
             const std::string& path = a.positional[1];
-            const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+            // Read and write: the daemon checks what an existing file holds before it overwrites it.
+            const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
             if (fd < 0) throw Failure{kExitFailed, fmt::format("cannot create {}: {}", path, std::strerror(errno))};
             sdbus::UnixFd file(fd, sdbus::adopt_fd);
             mgr.StartTrace(file);
