@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <cmath>
 #include <cstring>
 
@@ -66,13 +67,23 @@ Result<std::vector<uint32_t>> Daemon::select_slots(const ModelEntry& m, std::spa
     return out;
 }
 
-Result<uint32_t> Daemon::add_model(const std::string& path) {
-    if (path.empty() || path.size() > kMaxPathBytes || path.find('\0') != std::string::npos || path[0] != '/')
+Result<uint32_t> Daemon::add_model(const std::string& given) {
+    if (given.empty() || given.size() > kMaxPathBytes || given.find('\0') != std::string::npos || given[0] != '/')
         return invalid("a model is named by an absolute path (at most 4096 bytes)");
-    if (path.find_first_of("*?[") != std::string::npos)
-        return invalid(fmt::format("'{}': globs belong in the configuration ([[model]] path); register one file", path));
+    if (given.find_first_of("*?[") != std::string::npos)
+        return invalid(fmt::format("'{}': globs belong in the configuration ([[model]] path); register one file", given));
+    // One name for one path ("//", "./", "x/../" go), and below one entry for one file, whatever
+    // its names (a symlink, a hard link): a file managed twice would have its locks counted twice.
+    const std::string path = std::filesystem::path(given).lexically_normal().string();
     for (const auto& m : models_)
         if (m->path == path) return fail(EEXIST, fmt::format("model {} is already managed (id {})", path, m->id));
+    if (auto id = identity_of_path(path))
+        for (const auto& m : models_)
+            if (m->res)
+                for (const auto& f : m->res->model().files())
+                    if (f.identity.dev == id->dev && f.identity.ino == id->ino)
+                        return fail(EEXIST, fmt::format("model {} is already managed as {} (id {}): the same file", path,
+                                                        m->path, m->id));
     ModelConfig mc;
     mc.path = path;
     mc.where = "D-Bus RegisterModel";

@@ -363,6 +363,14 @@ TEST_F(DbusApi, HostileArgumentsGetClearErrors) {
     expect_error([&] { mgr->callMethod("RegisterModel").onInterface(M).withArguments(std::string("/etc/passwd")); }, invalid, "/etc/passwd");
     expect_error([&] { mgr->callMethod("RegisterModel").onInterface(M).withArguments(std::string(10000, '/')); }, invalid, "4096");
     expect_error([&] { mgr->callMethod("RegisterModel").onInterface(M).withArguments(dir_.file("*.gguf")); }, invalid, "glob");
+    // One file, one entry, whatever it is called: the configured model by other spellings and names.
+    const std::string exists = "org.moecache1.Error.Exists";
+    const std::string dir = std::filesystem::path(model_).parent_path().string(), base = std::filesystem::path(model_).filename().string();
+    ASSERT_EQ(::symlink(model_.c_str(), dir_.file("alias.gguf").c_str()), 0);
+    ASSERT_EQ(::link(model_.c_str(), dir_.file("hardlink.gguf").c_str()), 0);
+    for (const std::string& name : {dir + "//" + base, dir + "/./" + base, dir + "/../" + std::filesystem::path(dir).filename().string() + "/" + base,
+                                    dir_.file("alias.gguf"), dir_.file("hardlink.gguf")})
+        expect_error([&] { mgr->callMethod("RegisterModel").onInterface(M).withArguments(name); }, exists, "already managed");
     expect_error([&] { mgr->callMethod("UnregisterModel").onInterface(M).withArguments(sdbus::ObjectPath("/org/moecache1/model/x")); }, invalid, "not a model object");
     expect_error([&] { mgr->callMethod("UnregisterModel").onInterface(M).withArguments(sdbus::ObjectPath("/org/moecache1/model/4294967295")); }, "org.moecache1.Error.NotFound", "4294967295");
     expect_error([&] { mgr->callMethod("SetBudget").onInterface(M).withArguments(std::string("swap"), std::string("1G")); }, invalid, "'lock' and 'reserve'");
