@@ -178,13 +178,16 @@ void Daemon::unwatch_files(ModelEntry& m) {
     m.file_ids.clear();
 }
 
+// Every model's profile, each on its own: one that cannot be written does not stop the others.
+// The first failure is returned (and counted and logged by the tick).
 Result<void> Daemon::save_profiles() {
+    Result<void> first;
     for (auto& m : models_) {
         if (!m->res) continue;
         const std::string key = m->res->model().profile_key();
-        MC_TRY_VOID(write_file_atomic(profile_path(key), m->res->heat().to_profile(key)));
+        if (auto r = write_file_atomic(profile_path(key), m->res->heat().to_profile(key)); !r && first) first = r;
     }
-    return {};
+    return first;
 }
 
 std::vector<uint32_t> Daemon::model_ids() const {

@@ -12,11 +12,14 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <array>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 namespace moecache::daemon {
@@ -139,6 +142,42 @@ TEST_F(DaemonTest, AFailedProfileSaveInATickIsCounted) {
     const auto s = (*d)->status();
     ASSERT_EQ(s.errors.count("saving heat profiles"), 1u);
     EXPECT_EQ(s.errors.at("saving heat profiles"), 2u);
+}
+
+// A full disk: the save fails, is counted, and leaves no partial file beside the last good one.
+TEST_F(DaemonTest, AProfileSaveOnAFullDiskLeavesNothingBehind) {
+    const std::string state = dir_.file("state");
+    std::filesystem::create_directories(state);
+    ASSERT_EQ(::mount("tmpfs", state.c_str(), "tmpfs", 0, "size=64k"), 0) << std::strerror(errno);
+    struct Unmount {
+        std::string at;
+        ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
+    } unmount{state};
+    auto c = config();
+    c.save_interval_seconds = 0;
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    route(**d, *(*d)->model_id(model_), 0, {1, 2}, 3);
+    (*d)->tick();
+    ASSERT_EQ((*d)->status().errors.count("saving heat profiles"), 0u) << "saving works to begin with";
+    std::vector<std::string> profiles;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(state))
+        if (e.is_regular_file()) profiles.push_back(e.path().string());
+    ASSERT_FALSE(profiles.empty());
+    const std::string good = test::read_file(profiles.front());
+    // Fill the disk, then make the profile longer than what is left.
+    {
+        std::ofstream fill(state + "/fill");
+        std::string block(4096, 'x');
+        while (fill.write(block.data(), static_cast<std::streamsize>(block.size()))) {}
+    }
+    for (uint32_t b = 0; b < 4; ++b) route(**d, *(*d)->model_id(model_), b, {3, 4, 5, 6, 7, 8, 9, 10}, 5);
+    (*d)->tick();
+    const auto s = (*d)->status();
+    ASSERT_EQ(s.errors.count("saving heat profiles"), 1u) << "a save on a full disk is a counted failure";
+    for (const auto& e : std::filesystem::recursive_directory_iterator(state))
+        EXPECT_NE(e.path().extension(), ".tmp") << e.path() << " was left behind";
+    EXPECT_EQ(test::read_file(profiles.front()), good) << "the last good profile stays";
 }
 
 // The counts /metrics renders (status without the per-expert list) agree with the list.

@@ -40,19 +40,25 @@ Result<void> write_file_atomic(const std::string& path, const std::string& text)
     if (!dir.empty()) std::filesystem::create_directories(dir, ec);
     if (ec) return fail(ec.value(), fmt::format("{}: cannot create the directory", dir.string()));
     const std::string tmp = path + ".tmp";
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644));
     if (!fd) return fail_errno("{}: cannot create", tmp);
+    // What failed leaves nothing behind (a full disk would keep a partial file): the old file stays.
+    auto failed = [&](const char* doing) {
+        auto e = fail_errno("{}: {}", tmp, doing);
+        ::unlink(tmp.c_str());
+        return e;
+    };
     for (size_t off = 0; off < text.size();) {
         const ssize_t n = ::write(fd.get(), text.data() + off, text.size() - off);
         if (n < 0) {
             if (errno == EINTR) continue;
-            return fail_errno("{}: write", tmp);
+            return failed("write");
         }
         off += static_cast<size_t>(n);
     }
-    if (::fsync(fd.get()) != 0) return fail_errno("{}: fsync", tmp);
+    if (::fsync(fd.get()) != 0) return failed("fsync");
     fd.reset();
-    if (::rename(tmp.c_str(), path.c_str()) != 0) return fail_errno("{}: rename to {}", tmp, path);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) return failed(fmt::format("rename to {}", path).c_str());
     return {};
 }
 
