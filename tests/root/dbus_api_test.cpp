@@ -137,6 +137,29 @@ TEST_F(DbusApi, ReadingIsOpenToAnUnprivilegedUser) {
     EXPECT_NE(table.out.find(model_), std::string::npos);
 }
 
+// A client's model named by bytes that are not UTF-8 (a Latin-1 file name): D-Bus strings must
+// be UTF-8, so the daemon shows such a path escaped (\xNN) and every reader goes on working.
+TEST_F(DbusApi, AModelPathThatIsNotUtf8IsShownEscapedAndBreaksNothing) {
+    start();
+    const std::string bad = dir_.file("caf\xe9.gguf");
+    auto spec = test::small_spec();
+    spec.name = "latin1";
+    test::write_model(spec, bad);
+    moecache_client* c = moecache_client_open(dir_.file("d.sock").c_str(), "utf8-test");
+    ASSERT_NE(c, nullptr);
+    uint32_t handle = 0;
+    ASSERT_EQ(moecache_client_register_model(c, bad.c_str(), &handle), 0);
+    ASSERT_EQ(moecache_client_wait_ready(c, 10000), 1);
+    const auto models = ctl_json({"models"}, kNobody);
+    ASSERT_EQ(models.size(), 2u);
+    EXPECT_EQ(models[1]["path"], dir_.file("caf\\xe9.gguf"));
+    const uint32_t id = models[1]["id"].get<uint32_t>();
+    for (const std::vector<std::string>& verb : std::vector<std::vector<std::string>>{
+             {"status"}, {"budget"}, {"experts", std::to_string(id), "--top", "3"}, {"models"}})
+        EXPECT_EQ(ctl(verb, kNobody).exit_code, 0) << verb.front();
+    moecache_client_close(c);
+}
+
 TEST_F(DbusApi, ChangesAreDeniedToAnUnprivilegedUserAndAllowedToRoot) {
     start();
     test::write_file(dir_.file("profile.json"), ctl({"profile", "export", "0"}).out);

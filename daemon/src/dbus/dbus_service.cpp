@@ -4,6 +4,7 @@
 #include "moecache/dbus/adaptor.h"
 #include "moecache/dbus/keys.h"
 #include "moecache/log.h"
+#include "moecache/text.h"
 
 #include <fcntl.h>
 #include <grp.h>
@@ -37,7 +38,7 @@ std::string model_path(uint32_t id) { return fmt::format("{}/model/{}", kManager
         case EACCES: name = "org.moecache1.Error.AccessDenied"; break;
         default: break;
     }
-    throw sdbus::Error(name, text);
+    throw sdbus::Error(name, printable_utf8(text));  // D-Bus strings are UTF-8; paths are bytes
 }
 
 template <class T>
@@ -55,7 +56,7 @@ auto guarded(Fn&& fn) -> decltype(fn()) {
     } catch (const sdbus::Error&) {
         throw;
     } catch (const std::exception& e) {
-        throw sdbus::Error("org.moecache1.Error.Failed", e.what());
+        throw sdbus::Error("org.moecache1.Error.Failed", printable_utf8(e.what()));
     }
 }
 
@@ -74,11 +75,11 @@ uint32_t model_id_of(const sdbus::ObjectPath& path) {
 std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     std::map<std::string, sdbus::Variant> d;
     d[dbus_keys::kId] = m.id;
-    d[dbus_keys::kPath] = m.path;
+    d[dbus_keys::kPath] = printable_utf8(m.path);
     d[dbus_keys::kKey] = m.key;
     d[dbus_keys::kFamily] = m.family;
     d[dbus_keys::kLoaded] = m.loaded;
-    d[dbus_keys::kError] = m.error;
+    d[dbus_keys::kError] = printable_utf8(m.error);
     d[dbus_keys::kRegisteredByClient] = m.registered;
     d[dbus_keys::kOwnerUid] = m.owner_uid;
     d[dbus_keys::kBudgetBytes] = m.budget_bytes;
@@ -202,7 +203,7 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
         return guarded([&] {
             std::vector<sdbus::Struct<sdbus::ObjectPath, uint32_t, std::string, bool, std::string, uint64_t, uint64_t, uint64_t, uint32_t>> out;
             for (const auto& m : impl.daemon.status(false).models)
-                out.emplace_back(sdbus::ObjectPath(model_path(m.id)), m.id, m.path, m.loaded, m.error, m.expert_bytes,
+                out.emplace_back(sdbus::ObjectPath(model_path(m.id)), m.id, printable_utf8(m.path), m.loaded, printable_utf8(m.error), m.expert_bytes,
                                  m.expert_cached_bytes, m.expert_locked_bytes, m.experts_in_vram);
             return out;
         });
@@ -339,10 +340,10 @@ struct DbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model
     }
 
     uint32_t Id() override { return id; }
-    std::string Path() override { return guarded([&] { return status(false).path; }); }
+    std::string Path() override { return guarded([&] { return printable_utf8(status(false).path); }); }
     std::string Key() override { return guarded([&] { return status(false).key; }); }
     bool Loaded() override { return guarded([&] { return status(false).loaded; }); }
-    std::string Error() override { return guarded([&] { return status(false).error; }); }
+    std::string Error() override { return guarded([&] { return printable_utf8(status(false).error); }); }
 };
 
 void DbusService::Impl::sync() {

@@ -1,4 +1,5 @@
 #include "moecache/daemon/metrics.h"
+#include "moecache/text.h"
 
 #include <fmt/format.h>
 
@@ -7,27 +8,6 @@
 
 namespace moecache::daemon {
 namespace {
-
-// Length of the valid UTF-8 sequence at the start of s, or 0 (overlongs, surrogates and code
-// points past U+10FFFF are invalid).
-size_t utf8_length(std::string_view s) {
-    const auto b = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
-    const unsigned char c = b(0);
-    if (c < 0x80) return 1;
-    size_t n = 0;
-    uint32_t cp = 0, min = 0;
-    if ((c & 0xe0) == 0xc0) n = 2, cp = c & 0x1f, min = 0x80;
-    else if ((c & 0xf0) == 0xe0) n = 3, cp = c & 0x0f, min = 0x800;
-    else if ((c & 0xf8) == 0xf0) n = 4, cp = c & 0x07, min = 0x10000;
-    else return 0;
-    if (s.size() < n) return 0;
-    for (size_t i = 1; i < n; ++i) {
-        if ((b(i) & 0xc0) != 0x80) return 0;
-        cp = (cp << 6) | (b(i) & 0x3f);
-    }
-    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
-    return n;
-}
 
 class Writer {
 public:
