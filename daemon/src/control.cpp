@@ -57,7 +57,9 @@ Result<std::vector<uint32_t>> Daemon::select_slots(const ModelEntry& m, std::spa
         if (!pin) return invalid(fmt::format("expert selection: {}", pin.error().message));
         const auto layer = r.layer_of_block(pin->layer);
         if (!layer) return invalid(fmt::format("expert selection '{}': block {} of {} holds no routed experts", text, pin->layer, m.path));
-        if (pin->last != UINT32_MAX && pin->last >= r.n_experts())
+        // Only "BLOCK" alone means every expert: a written expert or range past the last is an error,
+        // whatever the number (4294967295 included).
+        if (!pin->whole_layer && pin->last >= r.n_experts())
             return invalid(fmt::format("expert selection '{}': block {} has experts 0-{}", text, pin->layer, r.n_experts() - 1));
         const uint32_t last = std::min(pin->last, r.n_experts() - 1);
         for (uint32_t e = pin->first; e <= last; ++e) chosen[size_t{*layer} * r.n_experts() + e] = 1;
@@ -131,7 +133,10 @@ Result<void> Daemon::set_budget(const std::string& name, const std::string& amou
     if (!a) return invalid(fmt::format("budget {} = '{}': {}", name, amount.substr(0, 64), a.error().message));
     Config next = config_;
     (name == "lock" ? next.lock_budget : next.reserve) = *a;
-    if (auto v = validate_config(next, mem_total_); !v) return invalid(fmt::format("budget {}: {}", name, v.error().message));
+    // Checked against the rest as it stands, with this value named as the argument it is (not the
+    // line of the file it replaces).
+    next.origins["budget." + name] = fmt::format("SetBudget(\"{}\", \"{}\")", name, amount.substr(0, 64));
+    if (auto v = validate_config(next, mem_total_); !v) return invalid(v.error().message);
     config_ = std::move(next);
     MC_LOG(LOG_INFO, "budget {} set to {} by the operator: lock cap now {} MiB", name, format_bytes(a->resolve(mem_total_)),
            lock_cap() >> 20);
@@ -148,6 +153,12 @@ Result<void> Daemon::set_model_budget(uint32_t id, const std::string& amount) {
         auto a = parse_byte_amount(amount);
         if (!a) return invalid(fmt::format("budget of model {} = '{}': {}", m->path, amount.substr(0, 64), a.error().message));
         budget = *a;
+        // The configuration's rule, the same over D-Bus: a model's budget is within the global one.
+        const uint64_t global = config_.lock_budget.resolve(mem_total_);
+        if (budget->resolve(mem_total_) > global)
+            return invalid(fmt::format("budget of model {} = '{}': {} is larger than the global lock budget {}; lower it "
+                                       "or raise budget.lock", m->path, amount.substr(0, 64),
+                                       format_bytes(budget->resolve(mem_total_)), format_bytes(global)));
     }
     m->config.budget = budget;
     MC_LOG(LOG_INFO, "model {}: budget {} by the operator", m->path,

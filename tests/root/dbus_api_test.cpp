@@ -420,13 +420,16 @@ TEST_F(DbusApi, HostileArgumentsGetClearErrors) {
     expect_error([&] { mgr->callMethod("StartTrace").onInterface(M).withArguments(sdbus::UnixFd(other)); }, "org.moecache1.Error.Exists", "not a moecache trace");
     ::close(other);
     EXPECT_EQ(test::read_file(notes), "my notes, not a trace\n");
-    for (const char* spec : {"banana", "1:", ":3", "1:5-2", "99", "1:16", "4294967296", "1:0-99999999999", "-1"})
+    for (const char* spec : {"banana", "1:", ":3", "1:5-2", "99", "1:16", "4294967296", "1:0-99999999999", "-1", "1:4294967295", "1:0-4294967295"})
         expect_error([&] { model->callMethod("Pin").onInterface(O).withArguments(std::vector<std::string>{spec}); }, invalid, "expert selection");
     expect_error([&] { model->callMethod("Pin").onInterface(O).withArguments(std::vector<std::string>{}); }, invalid, "pin what");
     expect_error([&] { model->callMethod("Evict").onInterface(O).withArguments(std::vector<std::string>(70000, "1")); }, invalid, "at most");
     expect_error([&] { model->callMethod("ImportProfile").onInterface(O).withArguments(std::string("{not json")); }, invalid, "not JSON");
     expect_error([&] { model->callMethod("ImportProfile").onInterface(O).withArguments(std::string(R"({"key":"other","n_layers":4,"n_experts":16,"experts":[]})")); }, invalid, "another model");
     expect_error([&] { model->callMethod("SetBudget").onInterface(O).withArguments(std::string("lots")); }, invalid, "budget of model");
+    expect_error([&] { model->callMethod("SetBudget").onInterface(O).withArguments(std::string("1000TiB")); }, invalid, "global lock budget");
+    // A refused global budget names the argument, not a line of the file it would replace.
+    expect_error([&] { mgr->callMethod("SetBudget").onInterface(M).withArguments(std::string("reserve"), std::string("100%")); }, invalid, "SetBudget(\"reserve\", \"100%\")");
     auto gone = sdbus::createProxy(*conn, "org.moecache1", "/org/moecache1/model/77");
     try {
         gone->callMethod("GetStatus").onInterface(O);

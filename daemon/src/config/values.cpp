@@ -151,6 +151,7 @@ Result<ExpertPin> parse_expert_pin(std::string_view text) {
     if (colon == std::string_view::npos) {
         pin.first = 0;
         pin.last = std::numeric_limits<uint32_t>::max();
+        pin.whole_layer = true;
         return pin;
     }
     const auto experts = s.substr(colon + 1);

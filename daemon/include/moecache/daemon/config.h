@@ -24,6 +24,7 @@ struct ByteAmount {
 struct ExpertPin {
     uint32_t layer = 0;
     uint32_t first = 0, last = 0;  // inclusive expert range; a whole layer is 0..UINT32_MAX
+    bool whole_layer = false;      // "12": every expert of the layer (not a range that was written)
 };
 
 struct ModelConfig {
