@@ -250,6 +250,19 @@ Result<void> Daemon::reload(Config config) {
         else close_model(*m, "removed from the configuration");
     }
     models_ = std::move(kept);
+    // What was set up once at start stays as it was: say so for each such setting that changed.
+    auto fixed = [&](const char* key, const auto& before, const auto& after) {
+        if (before != after)
+            MC_LOG(LOG_WARNING, "reload: {} changed ({} -> {}): it takes effect when moecached restarts", key, before, after);
+    };
+    fixed("daemon.socket", config_.socket_path, config.socket_path);
+    fixed("daemon.state_dir", config_.state_dir, config.state_dir);
+    fixed("metrics.listen", config_.metrics_listen, config.metrics_listen);
+    fixed("dbus.bus", config_.dbus_bus, config.dbus_bus);
+    fixed("prefetch.queue_depth", config_.queue_depth, config.queue_depth);
+    fixed("prefetch.read_size", config_.read_size, config.read_size);
+    fixed("telemetry.page_cache", config_.page_cache_telemetry, config.page_cache_telemetry);
+    fixed("telemetry.ring_buffer", config_.page_cache_ring_bytes, config.page_cache_ring_bytes);
     const uint64_t old_budget = config_.lock_budget.resolve(mem_total_), old_reserve = config_.reserve.resolve(mem_total_);
     const double old_tick = config_.tick_seconds;
     config_ = std::move(config);

@@ -58,6 +58,14 @@ TEST_F(Moecached, RunsReloadsOnSighupAndStopsOnSigterm) {
     test::write_file(cfg, config("32MiB"));
     d.signal(SIGHUP);
     EXPECT_TRUE(d.wait_for("lock budget now 32 MiB", 20)) << d.output();
+    // What is set up once at start (the socket, the prefetch queue) is not taken up, and it says so.
+    std::string moved = config("32MiB");
+    moved.replace(moved.find(dir_.file("sock")), dir_.file("sock").size(), dir_.file("other.sock"));
+    test::write_file(cfg, moved + "[prefetch]\nqueue_depth = 8\n");
+    d.signal(SIGHUP);
+    EXPECT_TRUE(d.wait_for("reload: daemon.socket changed", 20)) << d.output();
+    EXPECT_TRUE(d.wait_for("reload: prefetch.queue_depth changed (32 -> 8): it takes effect when moecached restarts", 20))
+        << d.output();
     // A broken edit is refused and the daemon goes on.
     test::write_file(cfg, "[budget]\nlock = 7\nnope = 1\n");
     d.signal(SIGHUP);
