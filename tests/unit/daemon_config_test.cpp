@@ -622,7 +622,6 @@ TEST_F(ConfigTest, DropInsOverrideInNameOrderAndAddModels) {
     drop_in("30-c.toml.disabled", "this is not TOML and is not read\n");
     drop_in("README", "neither is this\n");
     drop_in(".05-hidden.toml", "[prefetch]\nqueue_depth = 5\n");
-    std::filesystem::create_directories(dir_.file("moecached.toml.d/40-dir.toml"));
 
     const auto c =
         load("[prefetch]\nqueue_depth = 1\nread_size = 8192\n[[model]]\npath = \"/m/main.gguf\"\n");
@@ -637,6 +636,23 @@ TEST_F(ConfigTest, DropInsOverrideInNameOrderAndAddModels) {
     EXPECT_EQ(c->models[1].path, "/m/a.gguf");
     EXPECT_EQ(c->models[2].path, "/m/b.gguf");
     EXPECT_EQ(c->models[2].where, b + ":3:1: model[0]") << "indices count within each file";
+}
+
+// Something named as a drop-in that is not a file (a directory, a link to nothing) was meant as one:
+// an error that names it, not a drop-in skipped without a word.
+TEST_F(ConfigTest, ADropInThatIsNoFileIsAnError) {
+    drop_in("10-a.toml", "[prefetch]\nqueue_depth = 10\n");
+    const std::string dir = dir_.file("moecached.toml.d/40-dir.toml");
+    std::filesystem::create_directories(dir);
+    auto c = load("");
+    ASSERT_FALSE(c);
+    expect_mentions(c.error().what(), {dir, "regular file"});
+    std::filesystem::remove(dir);
+    const std::string dangling = dir_.file("moecached.toml.d/50-gone.toml");
+    std::filesystem::create_symlink(dir_.file("nowhere.toml"), dangling);
+    c = load("");
+    ASSERT_FALSE(c);
+    expect_mentions(c.error().what(), {dangling, "dangling symlink"});
 }
 
 TEST_F(ConfigTest, ErrorInADropInNamesTheDropIn) {

@@ -41,11 +41,16 @@ Result<std::vector<std::string>> list_drop_ins(const std::string& dir) {
     errno = 0;
     while (const dirent* e = ::readdir(d.get())) {
         const std::string name = e->d_name;
+        errno = 0;
+        if (!is_drop_in_name(name)) continue;
+        // stat follows symlinks: a drop-in linked in from elsewhere counts. Anything else named as a
+        // drop-in (a dangling link, a directory, a FIFO) was meant as one: an error, not a skip.
         struct stat st {};
-        // stat follows symlinks: a drop-in linked in from elsewhere counts, a directory does not.
-        if (is_drop_in_name(name) && ::stat((dir + "/" + name).c_str(), &st) == 0 &&
-            S_ISREG(st.st_mode))
-            names.push_back(name);
+        const std::string path = dir + "/" + name;
+        if (::stat(path.c_str(), &st) != 0)
+            return fail_errno("{}: a drop-in that cannot be read (a dangling symlink?)", path);
+        if (!S_ISREG(st.st_mode)) return failf("{}: a drop-in must be a regular file", path);
+        names.push_back(name);
         errno = 0;
     }
     if (errno != 0) return fail_errno("{}: cannot list the drop-in directory", dir);
