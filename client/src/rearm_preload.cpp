@@ -155,7 +155,12 @@ bool env_number(const char* name, unsigned long max, const char* what, unsigned&
     errno = 0;
     const unsigned long v = std::strtoul(e, &end, 10);
     if (end == e || *end != '\0' || errno != 0 || v > max || e[0] == '-') {
-        std::fprintf(stderr, "moecache-rearm: %s=%s is not a number of %s (0..%lu): off\n", name, e, what, max);
+        // Once for a process and the processes it starts (a runtime may start many a second):
+        // the mark goes down to them in the environment.
+        if (std::getenv("MOECACHE_REARM_WARNED") == nullptr) {
+            std::fprintf(stderr, "moecache-rearm: %s=%s is not a number of %s (0..%lu): off\n", name, e, what, max);
+            ::setenv("MOECACHE_REARM_WARNED", "1", 1);
+        }
         return false;
     }
     out = static_cast<unsigned>(v);
@@ -164,9 +169,6 @@ bool env_number(const char* name, unsigned long max, const char* what, unsigned&
 
 __attribute__((constructor)) void start() {
     unsigned period = 1000, rate = 400;
-    if (!env_number("MOECACHE_REARM_MS", 3'600'000, "milliseconds", period)) return;
-    if (!env_number("MOECACHE_REARM_RATE", 1'000'000, "pages a second", rate)) return;
-    if (period == 0) return;
     // Only where it is asked for: a preload also reaches every child the runtime starts.
     if (const char* only = std::getenv("MOECACHE_REARM_EXE")) {
         char exe[4096];
@@ -175,6 +177,9 @@ __attribute__((constructor)) void start() {
         exe[n] = '\0';
         if (std::strstr(exe, only) == nullptr) return;
     }
+    if (!env_number("MOECACHE_REARM_MS", 3'600'000, "milliseconds", period)) return;
+    if (!env_number("MOECACHE_REARM_RATE", 1'000'000, "pages a second", rate)) return;
+    if (period == 0) return;
     std::thread([period, rate] { run(period, rate); }).detach();
 }
 

@@ -121,5 +121,16 @@ TEST_F(LazyLoad, AutoIsLazyWhenTheDaemonsSocketIsThere) {
     EXPECT_EQ(file.resident, file.pages) << "a regular file is no daemon's socket";
 }
 
+// A setting the preload cannot read is said once, not once for each process a runtime starts.
+TEST(RearmEnvironment, AnInvalidSettingIsSaidOnceForAProcessAndItsChildren) {
+    const auto r = test::run({"/bin/sh", "-c", "for i in 1 2 3 4 5 6 7 8; do /bin/true; done"},
+                             {std::string("LD_PRELOAD=") + MOECACHE_REARM_LIB, "MOECACHE_REARM_MS=banana"}, 60);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    size_t said = 0;
+    for (size_t at = r.err.find("MOECACHE_REARM_MS=banana"); at != std::string::npos; at = r.err.find("MOECACHE_REARM_MS=banana", at + 1))
+        ++said;
+    EXPECT_EQ(said, 1u) << r.err;
+}
+
 }  // namespace
 }  // namespace moecache
