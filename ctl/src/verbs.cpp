@@ -41,6 +41,8 @@ std::string explain(const sdbus::Error& e) {
         return fmt::format("moecached did not answer within {} s ({}): is it stuck? (systemctl status moecached) A bus "
                            "policy that lets calls through but drops the replies looks the same",
                            kCallTimeoutSeconds, e.getName());
+    if (e.getName() == "org.freedesktop.DBus.Error.LimitsExceeded")
+        return fmt::format("the bus refused a message this large ({}): {}", e.getName(), e.getMessage());
     if (code == kExitUnreachable)
         return fmt::format("moecached is not on the bus ({}): is it running? (systemctl status moecached)", e.getName());
     if (e.getName() == "org.freedesktop.DBus.Error.AccessDenied")

@@ -335,6 +335,14 @@ TEST_F(DbusApi, ExitCodesSayWhatWentWrong) {
     EXPECT_EQ(ctl({"pin", "0", "banana"}).exit_code, 2);
     EXPECT_EQ(ctl({"budget", "lock", "12 parsecs"}).exit_code, 2);
     EXPECT_EQ(ctl({"evict", "0"}).exit_code, 2);  // neither experts nor --all
+    // A "profile" larger than a D-Bus call carries, or one that never ends: a usage error that says
+    // so, not "moecached is not on the bus".
+    for (const std::string& big : {dir_.file("big.json"), std::string("/dev/zero")}) {
+        if (big != "/dev/zero") test::write_file(big, std::string((32u << 20) + 1, ' '));
+        const auto r = ctl({"profile", "import", "0", big});
+        EXPECT_EQ(r.exit_code, 2) << r.err;
+        EXPECT_NE(r.err.find("larger than 32 MiB"), std::string::npos) << r.err;
+    }
     const auto unreachable = test::run({MOECACHE_CTL_BIN, "--bus", "unix:path=" + dir_.file("no-bus"), "status"});
     EXPECT_EQ(unreachable.exit_code, 3) << unreachable.err;
     // A bus without the daemon on it.

@@ -5,16 +5,26 @@ namespace moecache::ctl {
 
 namespace {
 
+// The bus carries at most 32 MiB in a call (dbus-daemon's max_message_size on the system bus); a
+// larger file is no profile of a model moecached could hold, and the bus would only drop the
+// connection. Read no further than that (a device or a pipe may never end).
+constexpr size_t kMaxImport = 32u << 20;
+
 std::string read_input(const std::string& file) {
-    std::stringstream ss;
-    if (file == "-") {
-        ss << std::cin.rdbuf();
-        return ss.str();
+    std::ifstream f;
+    std::istream* in = &std::cin;
+    if (file != "-") {
+        f.open(file, std::ios::binary);
+        if (!f) throw Failure{kExitFailed, fmt::format("cannot read {}: {}", file, std::strerror(errno))};
+        in = &f;
     }
-    std::ifstream f(file, std::ios::binary);
-    if (!f) throw Failure{kExitFailed, fmt::format("cannot read {}: {}", file, std::strerror(errno))};
-    ss << f.rdbuf();
-    return ss.str();
+    std::string text(kMaxImport + 1, '\0');
+    in->read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<size_t>(in->gcount()));
+    if (text.size() > kMaxImport)
+        throw Failure{kExitUsage, fmt::format("{} is larger than {} MiB: a heat profile sent over D-Bus is at most that "
+                                              "(one exported by moecachectl is far smaller)", file, kMaxImport >> 20)};
+    return text;
 }
 
 }  // namespace
