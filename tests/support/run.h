@@ -37,6 +37,7 @@ public:
     // Waits for the exit; returns the exit code, or -1 (signalled, or still running at the end).
     int wait(double seconds);
     [[nodiscard]] const std::string& output() const { return out_; }
+    [[nodiscard]] int pid() const { return pid_; }
 
 private:
     void pump(int timeout_ms);
