@@ -43,9 +43,20 @@ std::vector<std::string> expand(const std::string& pattern) {
 
 }  // namespace
 
+// A model only a user's clients registered is that user's: its heat and profile are scoped to the
+// uid, so that a file of one's own with the same key (architecture, shape and name, all public)
+// cannot join the family of a model the operator configured, steer its locks or overwrite its
+// profile. The operator's models and root's clients share one scope.
+std::string Daemon::profile_name(const ModelEntry& m) const {
+    if (!m.res) return {};
+    const std::string key = m.res->model().profile_key();
+    if (m.registered && !m.operator_added && m.owner_uid != 0) return fmt::format("{}@uid{}", key, m.owner_uid);
+    return key;
+}
+
 std::string Daemon::family_of(const ModelEntry& m) const {
     if (!m.config.family.empty()) return m.config.family;
-    return m.res ? m.res->model().profile_key() : std::string();
+    return profile_name(m);
 }
 
 std::string Daemon::profile_path(const std::string& key) const {
@@ -114,7 +125,7 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
         note("reading the page cache's residency", m.res->refresh_cached());
         return;
     }
-    const std::string pp = profile_path(m.res->model().profile_key());
+    const std::string pp = profile_path(profile_name(m));
     if (::access(pp.c_str(), F_OK) == 0) {
         auto text = read_whole_file(pp, 256u << 20, "heat profile");
         auto ok = text ? m.res->heat().load_profile(*text, m.res->model().profile_key(), pp)
@@ -132,7 +143,7 @@ void Daemon::close_model(ModelEntry& m, const std::string& why) {
     m.prefetching.clear();
     MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
     const std::string key = m.res->model().profile_key();
-    if (auto r = write_file_atomic(profile_path(key), m.res->heat().to_profile(key)); !r)
+    if (auto r = write_file_atomic(profile_path(profile_name(m)), m.res->heat().to_profile(key)); !r)
         MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
     for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
         if (m.res->state(s).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, s));
@@ -185,7 +196,7 @@ Result<void> Daemon::save_profiles() {
     for (auto& m : models_) {
         if (!m->res) continue;
         const std::string key = m->res->model().profile_key();
-        if (auto r = write_file_atomic(profile_path(key), m->res->heat().to_profile(key)); !r && first) first = r;
+        if (auto r = write_file_atomic(profile_path(profile_name(*m)), m->res->heat().to_profile(key)); !r && first) first = r;
     }
     return first;
 }

@@ -589,6 +589,62 @@ TEST_F(ClientSocketTest, OutOfDescriptorsTheListenerPausesInsteadOfSpinning) {
     UniqueFd s = hello();
 }
 
+// A user's own file with the same profile key as a model the operator configured (the key is
+// architecture, shape and general.name, all public): it does not join that model's family, its
+// heat steers nothing of it, and its profile is saved under the user's name, not over the other.
+TEST_F(ClientSocketTest, AUsersModelWithAnOperatorModelsKeyStaysInItsOwnFamily) {
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
+    ASSERT_EQ(::chmod(model_.c_str(), 0600), 0);  // the operator's model: root's to read
+    const std::string mine = dir_.file("mine.gguf");
+    test::write_model(test::small_spec(), mine);  // the same spec: the same profile key
+    ASSERT_EQ(::chown(mine.c_str(), 4006, 4006), 0);
+    Config c = test::daemon_config(model_, dir_.file("state"), 64u << 20);
+    c.page_cache_telemetry = "off";
+    start(c);
+    const std::string sock = d_->status().socket_path;
+    int ready[2];
+    ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+        if (::setgid(4006) != 0 || ::setuid(4006) != 0) ::_exit(3);
+        moecache_client* cl = moecache_client_open(sock.c_str(), "family-test");
+        uint32_t h = 0;
+        if (!cl || moecache_client_register_model(cl, mine.c_str(), &h) != 0) ::_exit(4);
+        if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
+        const uint32_t hot[] = {11, 12, 13};
+        for (int i = 0; i < 200; ++i) moecache_client_report(cl, h, 0, hot, 3, 1);
+        (void)!::write(ready[1], "x", 1);
+        ::pause();
+        ::_exit(0);
+    }
+    ::close(ready[1]);
+    ASSERT_EQ(::fcntl(ready[0], F_SETFL, O_NONBLOCK), 0);  // the daemon runs here: keep turning it
+    char x = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    bool reported = false;
+    while (!reported && std::chrono::steady_clock::now() < deadline) {
+        ASSERT_TRUE(d_->step(10));
+        reported = ::read(ready[0], &x, 1) == 1;
+    }
+    ::close(ready[0]);
+    ASSERT_TRUE(reported) << "the user's client did not register and report";
+    for (int i = 0; i < 50; ++i) ASSERT_TRUE(d_->step(10));
+    d_->tick();
+    const auto st = d_->status();
+    ASSERT_EQ(st.models.size(), 2u);
+    const auto& operators = st.models[0].path == model_ ? st.models[0] : st.models[1];
+    const auto& users = st.models[0].path == model_ ? st.models[1] : st.models[0];
+    EXPECT_NE(operators.family, users.family);
+    EXPECT_NE(users.family.find("@uid4006"), std::string::npos) << users.family;
+    for (const auto& e : operators.experts)
+        EXPECT_NE(e.tier, Tier::Locked) << "the user's heat locked expert " << e.expert << " of the operator's model";
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(10));
+    EXPECT_TRUE(std::filesystem::exists(dir_.file("state/profiles/" + users.family + ".json")))
+        << "the user's profile is saved under the user's name";
+}
+
 TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
     const std::string a = dir_.file("a.gguf"), b = dir_.file("b.gguf");

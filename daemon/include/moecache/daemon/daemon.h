@@ -127,6 +127,7 @@ private:
     [[nodiscard]] uint64_t total_locked() const;
     // A model's family (ModelConfig::family, else its profile key): members share heat and the
     // smallest family_budget among them.
+    [[nodiscard]] std::string profile_name(const ModelEntry& m) const;  // the profile file's name: key, or key@uidN
     [[nodiscard]] std::string family_of(const ModelEntry& m) const;
     [[nodiscard]] std::string profile_path(const std::string& key) const;
     Result<void> handle_signal();
