@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <set>
 
 namespace moecache::daemon {
@@ -129,6 +130,37 @@ protected:
             EXPECT_TRUE(policy->one_place);
         }
         return s;
+    }
+
+    // Runs `body` in a child process as uid and gid `uid`, which then says so on a pipe and waits to
+    // be killed; `ready` gets the pipe's (non-blocking) read end.
+    static pid_t spawn_as(uint32_t uid, const std::function<void()>& body, int& ready) {
+        int p[2];
+        if (::pipe2(p, O_CLOEXEC) != 0) return -1;
+        const pid_t pid = ::fork();
+        if (pid == 0) {
+            if (::setgid(uid) != 0 || ::setuid(uid) != 0) ::_exit(3);
+            body();
+            (void)!::write(p[1], "x", 1);
+            ::pause();
+            ::_exit(0);
+        }
+        ::close(p[1]);
+        (void)::fcntl(p[0], F_SETFL, O_NONBLOCK);
+        ready = p[0];
+        return pid;
+    }
+    // Turns the daemon (it runs in this process) until the child of spawn_as is ready, or 20 s pass.
+    bool until_ready(int ready) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        char x = 0;
+        bool done = false;
+        while (!done && std::chrono::steady_clock::now() < deadline) {
+            EXPECT_TRUE(d_->step(10));
+            done = ::read(ready, &x, 1) == 1;
+        }
+        ::close(ready);
+        return done;
     }
 
     test::TempDir dir_;
@@ -509,28 +541,18 @@ TEST_F(ClientSocketTest, SilentConnectionsAreClosedAndOneUidCannotTakeEverySlot)
     c.hello_seconds = 0.5;
     start(c);
     const std::string sock = d_->status().socket_path;
-    int ready[2];
-    ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-        if (::setgid(4003) != 0 || ::setuid(4003) != 0) ::_exit(3);
-        std::vector<int> conns;
+    int ready = -1;
+    const pid_t pid = spawn_as(4003, [&] {
         for (int i = 0; i < 8; ++i) {
             const int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
             sockaddr_un a{};
             a.sun_family = AF_UNIX;
             std::memcpy(a.sun_path, sock.c_str(), sock.size() + 1);
             if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) ::_exit(4);
-            conns.push_back(s);
         }
-        (void)!::write(ready[1], "x", 1);
-        ::pause();
-        ::_exit(0);
-    }
-    ::close(ready[1]);
-    char x = 0;
-    ASSERT_EQ(::read(ready[0], &x, 1), 1);
-    ::close(ready[0]);
+    }, ready);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(until_ready(ready));
     auto of_uid = [&] {
         const auto st = d_->status();
         return std::count_if(st.clients.begin(), st.clients.end(), [](const auto& cl) { return cl.uid == 4003; });
@@ -602,32 +624,17 @@ TEST_F(ClientSocketTest, AUsersModelWithAnOperatorModelsKeyStaysInItsOwnFamily) 
     c.page_cache_telemetry = "off";
     start(c);
     const std::string sock = d_->status().socket_path;
-    int ready[2];
-    ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-        if (::setgid(4006) != 0 || ::setuid(4006) != 0) ::_exit(3);
+    int ready = -1;
+    const pid_t pid = spawn_as(4006, [&] {
         moecache_client* cl = moecache_client_open(sock.c_str(), "family-test");
         uint32_t h = 0;
         if (!cl || moecache_client_register_model(cl, mine.c_str(), &h) != 0) ::_exit(4);
         if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
         const uint32_t hot[] = {11, 12, 13};
         for (int i = 0; i < 200; ++i) moecache_client_report(cl, h, 0, hot, 3, 1);
-        (void)!::write(ready[1], "x", 1);
-        ::pause();
-        ::_exit(0);
-    }
-    ::close(ready[1]);
-    ASSERT_EQ(::fcntl(ready[0], F_SETFL, O_NONBLOCK), 0);  // the daemon runs here: keep turning it
-    char x = 0;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    bool reported = false;
-    while (!reported && std::chrono::steady_clock::now() < deadline) {
-        ASSERT_TRUE(d_->step(10));
-        reported = ::read(ready[0], &x, 1) == 1;
-    }
-    ::close(ready[0]);
-    ASSERT_TRUE(reported) << "the user's client did not register and report";
+    }, ready);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(until_ready(ready)) << "the user's client did not register and report";
     for (int i = 0; i < 50; ++i) ASSERT_TRUE(d_->step(10));
     d_->tick();
     const auto st = d_->status();

@@ -60,6 +60,18 @@ protected:
         for (int i = 0; i < times; ++i) d.record_routing(model, block, experts, 1);
     }
 
+    // A daemon that saves its heat profiles every tick, with some heat, whose first save worked.
+    void start_saving_every_tick(std::unique_ptr<Daemon>& out) {
+        auto c = config();
+        c.save_interval_seconds = 0;
+        auto d = Daemon::create(c);
+        ASSERT_TRUE(d) << d.error().what();
+        route(**d, *(*d)->model_id(model_), 0, {1, 2}, 3);
+        (*d)->tick();
+        ASSERT_EQ((*d)->status().errors.count("saving heat profiles"), 0u) << "saving works to begin with";
+        out = std::move(*d);
+    }
+
     static const ExpertStatus& expert(const DaemonStatus& s, uint32_t block, uint32_t e) {
         for (const auto& x : s.models.at(0).experts)
             if (x.block == block && x.expert == e) return x;
@@ -128,18 +140,13 @@ TEST_F(DaemonTest, NeverLocksMoreThanTheBudget) {
 // A failure the loop goes on after is counted by what the daemon was doing (and logged), not
 // dropped: here the heat profiles cannot be saved, their folder having become a file.
 TEST_F(DaemonTest, AFailedProfileSaveInATickIsCounted) {
-    auto c = config();
-    c.save_interval_seconds = 0;
-    auto d = Daemon::create(c);
-    ASSERT_TRUE(d) << d.error().what();
-    route(**d, *(*d)->model_id(model_), 0, {1, 2}, 3);
-    (*d)->tick();
-    EXPECT_EQ((*d)->status().errors.count("saving heat profiles"), 0u) << "saving works to begin with";
+    std::unique_ptr<Daemon> d;
+    ASSERT_NO_FATAL_FAILURE(start_saving_every_tick(d));
     std::filesystem::remove_all(dir_.file("state"));
     test::write_file(dir_.file("state"), "not a folder");
-    (*d)->tick();
-    (*d)->tick();
-    const auto s = (*d)->status();
+    d->tick();
+    d->tick();
+    const auto s = d->status();
     ASSERT_EQ(s.errors.count("saving heat profiles"), 1u);
     EXPECT_EQ(s.errors.at("saving heat profiles"), 2u);
 }
@@ -153,13 +160,8 @@ TEST_F(DaemonTest, AProfileSaveOnAFullDiskLeavesNothingBehind) {
         std::string at;
         ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
     } unmount{state};
-    auto c = config();
-    c.save_interval_seconds = 0;
-    auto d = Daemon::create(c);
-    ASSERT_TRUE(d) << d.error().what();
-    route(**d, *(*d)->model_id(model_), 0, {1, 2}, 3);
-    (*d)->tick();
-    ASSERT_EQ((*d)->status().errors.count("saving heat profiles"), 0u) << "saving works to begin with";
+    std::unique_ptr<Daemon> d;
+    ASSERT_NO_FATAL_FAILURE(start_saving_every_tick(d));
     std::vector<std::string> profiles;
     for (const auto& e : std::filesystem::recursive_directory_iterator(state))
         if (e.is_regular_file()) profiles.push_back(e.path().string());
@@ -171,9 +173,9 @@ TEST_F(DaemonTest, AProfileSaveOnAFullDiskLeavesNothingBehind) {
         std::string block(4096, 'x');
         while (fill.write(block.data(), static_cast<std::streamsize>(block.size()))) {}
     }
-    for (uint32_t b = 0; b < 4; ++b) route(**d, *(*d)->model_id(model_), b, {3, 4, 5, 6, 7, 8, 9, 10}, 5);
-    (*d)->tick();
-    const auto s = (*d)->status();
+    for (uint32_t b = 0; b < 4; ++b) route(*d, *d->model_id(model_), b, {3, 4, 5, 6, 7, 8, 9, 10}, 5);
+    d->tick();
+    const auto s = d->status();
     ASSERT_EQ(s.errors.count("saving heat profiles"), 1u) << "a save on a full disk is a counted failure";
     for (const auto& e : std::filesystem::recursive_directory_iterator(state))
         EXPECT_NE(e.path().extension(), ".tmp") << e.path() << " was left behind";

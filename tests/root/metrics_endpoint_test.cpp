@@ -26,6 +26,13 @@
 namespace moecache {
 namespace {
 
+// The port a daemon started with [metrics] listen = "127.0.0.1:0" says it took; 0 when it said none.
+int metrics_port(const test::Background& d) {
+    std::smatch m;
+    const std::string out = d.output();
+    return std::regex_search(out, m, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics")) ? std::stoi(m[1]) : 0;
+}
+
 TEST(MetricsEndpoint, LiveScrapesOfAHostileModelNameWhileTelemetryFlows) {
     if (::geteuid() != 0) GTEST_SKIP() << "needs root: moecached mlocks";
     test::TempDir dir;
@@ -37,11 +44,8 @@ TEST(MetricsEndpoint, LiveScrapesOfAHostileModelNameWhileTelemetryFlows) {
                          "false\n[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
     test::Background d({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")});
     ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
-    std::smatch port_match;
-    const std::string out = d.output();
-    ASSERT_TRUE(std::regex_search(out, port_match, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics")))
-        << out;
-    const int port = std::stoi(port_match[1]);
+    const int port = metrics_port(d);
+    ASSERT_GT(port, 0) << d.output();
 
     test::Background client({MOECACHE_CLIENT_DEMO_BIN, model, "--socket", dir.file("moecached.sock"), "--seconds", "6",
                              "--rate", "0", "--name", "load", "--wait-ready", "10"});
@@ -89,10 +93,8 @@ TEST(MetricsEndpoint, LargeBodiesAndIdleConnectionsAreBounded) {
                          "[metrics]\nlisten = \"127.0.0.1:0\"\n");
     test::Background d({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")});
     ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
-    std::smatch port_match;
-    const std::string out = d.output();
-    ASSERT_TRUE(std::regex_search(out, port_match, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
-    const int port = std::stoi(port_match[1]);
+    const int port = metrics_port(d);
+    ASSERT_GT(port, 0) << d.output();
     auto status_kib = [&](const char* key) -> uint64_t {
         std::istringstream in(test::read_file("/proc/" + std::to_string(d.pid()) + "/status"));
         std::string line;

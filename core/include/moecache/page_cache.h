@@ -44,6 +44,10 @@ private:
 
 const char* to_string(PageCacheProbe::Method m);
 
+// What a page fault maps around itself of what is cached (fault-around, the kernel's default
+// fault_around_bytes), whatever the mapping's advice.
+constexpr uint64_t kFaultAroundBytes = 64 << 10;
+
 // Drops pages [first_page, first_page + n_pages) of a file from the page cache as far as the kernel
 // lets: pages some process maps or locks stay. `map` is the caller's read-only shared mapping of
 // the whole file (`map_len` bytes); its own page-table entries for the range go first.

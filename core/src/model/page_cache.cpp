@@ -150,7 +150,7 @@ const PageFlagFiles& page_flag_files() {
 
 constexpr int kHead = 15, kTail = 16;  // KPF_COMPOUND_HEAD, KPF_COMPOUND_TAIL
 constexpr uint64_t kMaxFolioPages = 1024;  // 4 MiB of 4 KiB pages: beyond any page-cache folio
-constexpr uint64_t kFaultAround = 16;      // pages a fault maps around itself (fault_around_bytes)
+constexpr uint64_t kFaultAround = kFaultAroundBytes / 4096;  // in pages (a 16-entry window at most)
 
 bool page_cached(const uint8_t* addr) {
     unsigned char v = 0;

@@ -2,6 +2,7 @@
 // (one event per layer and batch), each pool's counters, the experts whose every slice is in a
 // pool (and, for one place, this process's pages of them dropped), the daemon's VRAM budget per
 // device and its promote/demote directives.
+#include "moecache/page_cache.h"
 #include "driver.h"
 #include "engine.h"
 #include "moecache/client.h"
@@ -69,8 +70,6 @@ void Engine::apply_daemon_budgets() {
 // this process (the mapping is shared and read-only, so they read back the same if ever touched
 // again) and the daemon, told of it, unlocks and drops what is left. The page cache works in
 // folios: a large folio that also holds a neighbour some other process maps stays whole.
-constexpr uintptr_t kFaultAroundBytes = 64 << 10;
-
 void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     for (const auto& r : m.map.ranges(block, expert)) {
