@@ -325,8 +325,9 @@ bool moecache_client::session(int fd) {
         }
         for (uint32_t h = 0; h < registered; ++h)
             if (!send_mappings(fd, *models[h].load())) return false;
-        if (!send_placements(fd)) return false;
+        // The pool before what it holds: the daemon counts a client's placements once it reported a pool.
         if (!send_pool_stats(fd)) return false;
+        if (!send_placements(fd)) return false;
     }
 }
 

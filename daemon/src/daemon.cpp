@@ -12,6 +12,7 @@
 #include "moecache/log.h"
 
 #include <glob.h>
+#include <grp.h>
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/signalfd.h>
@@ -50,10 +51,21 @@ Daemon::~Daemon() {
     if (sigmask_saved_) ::pthread_sigmask(SIG_SETMASK, &saved_sigmask_, nullptr);
 }
 
+namespace {
+// [dbus] admin_group's id, looked up when the configuration is (never in the loop's hot path: NSS
+// may ask a directory service).
+std::optional<gid_t> group_id(const std::string& name) {
+    if (name.empty()) return std::nullopt;
+    if (const group* g = ::getgrnam(name.c_str())) return g->gr_gid;
+    return std::nullopt;
+}
+}  // namespace
+
 Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     std::unique_ptr<Daemon> d(new Daemon());
     d->config_ = std::move(config);
     d->mem_total_ = mem_total_bytes();
+    d->admin_gid_ = group_id(d->config_.dbus_admin_group);
     MC_TRY_VOID(validate_config(d->config_, d->mem_total_));
     d->cgroup_ = own_memory_cgroup_limit();
     if (d->cgroup_)
@@ -266,6 +278,12 @@ Result<void> Daemon::reload(Config config) {
     const uint64_t old_budget = config_.lock_budget.resolve(mem_total_), old_reserve = config_.reserve.resolve(mem_total_);
     const double old_tick = config_.tick_seconds;
     config_ = std::move(config);
+    admin_gid_ = group_id(config_.dbus_admin_group);
+    for (auto& m : models_)
+        if (m->res) {
+            m->res->set_keep_ram_copy(config_.keep_ram_copy);
+            one_place_due_.insert(m->id);
+        }
     if (config_.tick_seconds != old_tick)
         if (auto r = arm_tick(); !r) MC_LOG(LOG_WARNING, "daemon.tick_seconds: {}", r.error().what());
     if (config_.lock_budget.resolve(mem_total_) != old_budget) announce_budget("lock", config_.lock_budget.resolve(mem_total_));

@@ -71,8 +71,12 @@ struct Daemon::Client {
     std::string name;
     std::vector<uint32_t> models;  // model ids it registered
     std::unique_ptr<telemetry::TelemetryRing> ring;
-    std::set<std::pair<uint32_t, uint32_t>> vram;  // (model id, slot) its VRAM pool holds
-    bool has_pool = false;                          // it sent an ExpertPlacement: a CUDA hook
+    std::set<std::pair<uint32_t, uint32_t>> vram;  // (model id, slot) its VRAM pool holds, as it says
+    bool has_pool = false;                          // it sent an ExpertPlacement or PoolStats: a CUDA hook
+    // It reported a pool of some bytes (PoolStats): only then do its placements count for the
+    // one-place rule; until then they wait.
+    bool pool_reported = false;
+    std::set<uint32_t> told_not_releasing;  // model ids its pool may not release: logged once each
     std::set<std::pair<uint32_t, uint32_t>> promoted;  // (model id, slot) it was told to keep in VRAM
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
     protocol::Unmapped unmapped;                       // the last Unmapped it sent

@@ -265,31 +265,12 @@ void Daemon::fetch_predicted() {
     if (auto s = prefetcher_->submit(); !s) MC_LOG(LOG_WARNING, "prefetch: {}", s.error().what());
 }
 
-// One place: an expert a client's VRAM pool took (the only pool holding it) leaves RAM, unlocked
-// and its pages dropped, unless [vram] keep_ram_copy; the placement recorded it this turn.
-void Daemon::release_pooled() {
-    std::vector<std::pair<uint32_t, uint32_t>> pooled;
-    pooled.swap(pooled_);
-    if (config_.keep_ram_copy) return;
-    for (const auto& [id, slot] : pooled) {
-        ModelEntry* m = find_model(id);
-        if (m == nullptr || !m->res || slot >= m->res->n_slots() || m->res->vram_holders(slot) != 1) continue;
-        if (m->res->state(slot).tier() == Tier::Locked) {
-            if (auto r = m->res->release(slot, /*drop=*/true); !r)
-                MC_LOG(LOG_WARNING, "{}: releasing expert {} (now in VRAM): {}", m->path, slot, r.error().what());
-            else
-                ++vram_releases_;
-        }
-        m->res->drop_cached(slot);
-    }
-}
-
 // The turn's decisions, once, after every source was read: reads after misses, predicted reads,
 // one place for what pools took, and the placement when something asked for it.
 void Daemon::decide_and_act() {
     fetch_missed();
     fetch_predicted();
-    release_pooled();
+    settle_one_place();
     if (place_requested_) place();
 }
 

@@ -20,7 +20,7 @@ namespace moecache::daemon {
 
 bool Daemon::idle() const {
     // Facts the next turn decides on, reads into the page cache under way.
-    if (!missed_this_batch_.empty() || !predicted_.empty() || !pooled_.empty()) return false;
+    if (!missed_this_batch_.empty() || !predicted_.empty() || !one_place_due_.empty()) return false;
     for (const auto& m : models_) {
         if (!m->res) continue;
         if (!m->waiting.empty() || !m->prefetching.empty()) return false;

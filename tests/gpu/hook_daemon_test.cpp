@@ -310,6 +310,10 @@ TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
     uint32_t h = 0;
     ASSERT_EQ(moecache_client_register_model(other, model_.c_str(), &h), 0);
     ASSERT_EQ(moecache_client_wait_ready(other, 10000), 1);
+    // The other runtime has a pool of its own that holds C: no client needs C in RAM (one place).
+    const moecache_pool_stats pool{0, 0, 0, 0, 64u << 20};
+    ASSERT_EQ(moecache_client_report_pool(other, 0, &pool), 0);
+    ASSERT_EQ(moecache_client_report_placement(other, h, map_.layers[0].index, kC, 0), 0);
     auto report = [&] {
         const uint32_t hot[] = {kC, kD};
         for (int i = 0; i < 200; ++i) (void)moecache_client_report(other, h, map_.layers[0].index, hot, 2, 1);

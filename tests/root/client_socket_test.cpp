@@ -219,7 +219,11 @@ TEST_F(ClientSocketTest, MappingsAreCheckedAgainstTheModelsOfThatClient) {
     send_raw(s.get(), encode({0, ExpertPlacement{id, 0, 1, 0}}));  // a good one has no reply
     r = ask({id, 0, 0x7f0000000000, size, 0});
     EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
-    EXPECT_EQ(d_->status().models.front().experts_in_vram, 1u);
+    EXPECT_EQ(d_->status().models.front().experts_in_vram, 0u) << "counted before the client reported a pool";
+    send_raw(s.get(), encode({0, PoolStats{0, 0, 0, 0, 0, 1u << 20}}));
+    r = ask({id, 0, 0x7f0000000000, size, 0});
+    EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    EXPECT_EQ(d_->status().models.front().experts_in_vram, 1u) << "not counted once the pool was reported";
 }
 
 TEST_F(ClientSocketTest, AnUnconfiguredSplitModelLivesAsLongAsItsClient) {
@@ -720,6 +724,88 @@ TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {
     }
     EXPECT_TRUE(seen_a && seen_b) << "both clients registered their models";
     EXPECT_LE(st.vmlck_bytes, st.locked_bytes + (64u << 10));
+}
+
+// Issue 20 row 6: an ExpertPlacement is an eviction from RAM, which D-Bus allows only to root and
+// the admin group. A user who can read an operator's model registers it, reports a pool and puts
+// every expert in it: the model stays locked. Once every client of the model holds the experts in
+// VRAM and one of them may evict (root), they leave RAM; a client that comes without a pool
+// brings them back.
+TEST_F(ClientSocketTest, APoolTakesExpertsOutOfRamOnlyWhenEveryClientHoldsThemAndOneMayEvict) {
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
+    ASSERT_EQ(::chmod(model_.c_str(), 0644), 0);  // the operator's model, readable by everyone
+    Config c = test::daemon_config(model_, dir_.file("state"), 64u << 20);
+    c.page_cache_telemetry = "off";
+    start(c);
+    const std::string sock = d_->status().socket_path, model = model_;
+    const auto facts = [&] { return d_->status(false).models.front(); };
+    const uint64_t all = facts().expert_bytes;
+    ASSERT_GT(all, 0u);
+    const auto settle = [&](const std::function<bool()>& done) {
+        const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (std::chrono::steady_clock::now() < end) {
+            EXPECT_TRUE(d_->step(10));
+            d_->tick();
+            if (done() && d_->idle()) return true;
+        }
+        return false;
+    };
+    // A client that registers the model and, if `pool`, reports a pool holding every expert; with
+    // `route`, it reports every expert as routed (heat: the daemon locks them all).
+    const auto client = [&](uint32_t uid, bool route, bool pool, int& ready) {
+        return spawn_as(uid, [=] {
+            moecache_client* cl = moecache_client_open(sock.c_str(), "placement-test");
+            uint32_t h = 0;
+            if (!cl || moecache_client_register_model(cl, model.c_str(), &h) != 0) ::_exit(4);
+            if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
+            uint32_t experts[16];
+            for (uint32_t e = 0; e < 16; ++e) experts[e] = e;
+            if (route)
+                for (uint32_t block = 0; block < 4; ++block) moecache_client_report(cl, h, block, experts, 16, 1);
+            if (pool) {
+                const moecache_pool_stats stats{0, 0, 0, 0, 1u << 30};
+                if (moecache_client_report_pool(cl, 0, &stats) != 0) ::_exit(6);
+                for (uint32_t block = 0; block < 4; ++block)
+                    for (uint32_t e = 0; e < 16; ++e)
+                        if (moecache_client_report_placement(cl, h, block, e, 0) != 0) ::_exit(7);
+            }
+            ::usleep(300000);  // its client thread sends what was reported
+        }, ready);
+    };
+    const auto stop = [](pid_t pid) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+    };
+    int ready = -1;
+    const pid_t heat = client(0, /*route=*/true, /*pool=*/false, ready);
+    ASSERT_TRUE(until_ready(ready));
+    stop(heat);
+    // Locks are whole pages: a little more than the experts' bytes.
+    ASSERT_TRUE(settle([&] { return facts().expert_locked_bytes >= all; })) << "the experts were not all locked";
+    const uint64_t locked = facts().expert_locked_bytes;
+
+    const pid_t user = client(4007, false, /*pool=*/true, ready);
+    ASSERT_TRUE(until_ready(ready)) << "the user's client did not register and report";
+    EXPECT_TRUE(settle([&] { return facts().experts_in_vram == 64; })) << "the user's placements were not recorded";
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(10));
+    EXPECT_EQ(facts().expert_locked_bytes, locked) << "an unprivileged pool evicted the operator's model";
+    EXPECT_EQ(facts().expert_cached_bytes, all);
+
+    const pid_t root = client(0, false, /*pool=*/true, ready);
+    ASSERT_TRUE(until_ready(ready));
+    EXPECT_TRUE(settle([&] { return facts().expert_locked_bytes == 0; }))
+        << "every client holds the experts in VRAM and root may evict, yet " << facts().expert_locked_bytes
+        << " bytes stay locked";
+
+    const pid_t cpu = client(0, false, /*pool=*/false, ready);  // a runtime that needs them in RAM
+    ASSERT_TRUE(until_ready(ready));
+    EXPECT_TRUE(settle([&] { return facts().expert_locked_bytes == locked; }))
+        << "a client without a pool needs the experts in RAM, yet only " << facts().expert_locked_bytes << " of " << locked
+        << " bytes are locked";
+    stop(cpu);
+    EXPECT_TRUE(settle([&] { return facts().expert_locked_bytes == 0; })) << "they did not leave RAM again";
+    stop(root);
+    stop(user);
 }
 
 }  // namespace

@@ -109,6 +109,7 @@ void Engine::run() {
             if ((wanted >> d & 1) == 0) continue;
             if (!allocate_pool(d)) continue;  // no model mapped yet: again on the next turn
             devices_done_.fetch_or(uint64_t{1} << d);
+            report_pools();  // the daemon counts this pool's placements once it knows the pool
         }
         // A device that copies experts of layers it had not copied before needs a larger pool.
         for (auto& slot : pools_)

@@ -215,9 +215,10 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
     return refuse(c, rq, EPROTO, fmt::format("{} is a message the daemon sends, not one it takes", to_string(type_of(m->body))));
 }
 
-// One place: an expert in a client's VRAM pool is recorded as held there; it leaves RAM (unlocked,
-// its pages dropped) at the turn's decisions and is not locked again while any pool holds it. A
-// one-way message: a bad one is answered, nothing else.
+// One place: an expert in a client's VRAM pool is recorded as held there. Whether RAM gives it
+// up is settled at the turn's decisions (settle_one_place): only once the client reported a pool,
+// only when every client of the model holds it, and only for a client allowed to evict. A one-way
+// message: a bad one is answered, nothing else.
 bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
     if (std::find(c.models.begin(), c.models.end(), x.model) == c.models.end())
         return cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not one this client registered", x.model));
@@ -236,16 +237,78 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
         request_place();  // its directives go out with the turn's placement
     }
     if (x.device == kHostTier) {
-        if (c.vram.erase(key) > 0) e->res->remove_vram_holder(slot);
+        if (c.vram.erase(key) > 0) one_place_due_.insert(x.model);
         return true;
     }
     if (!c.vram.insert(key).second) return true;
-    e->res->add_vram_holder(slot);
     MC_LOG(LOG_DEBUG, "client {}: expert {} of block {} of {} is in its VRAM pool on device {}", c.id, x.expert, x.block,
            e->path, x.device);
-    if (config_.keep_ram_copy || e->res->vram_holders(slot) != 1) return true;
-    pooled_.push_back(key);  // leaves RAM at the turn's decisions (release_pooled)
+    if (c.pool_reported) one_place_due_.insert(x.model);
     return true;
+}
+
+bool Daemon::may_release_ram(const Client& c, const ModelEntry& m) const {
+    if (c.peer.uid == 0) return true;
+    if (admin_gid_ && (c.peer.gid == *admin_gid_ ||
+                       std::find(c.peer.groups.begin(), c.peer.groups.end(), *admin_gid_) != c.peer.groups.end()))
+        return true;
+    return m.registered && !m.operator_added;  // a model its users brought: theirs to place
+}
+
+// The turn's one-place decisions, from what every live client says its pool holds: an expert
+// leaves RAM (unlocked, its pages dropped) when each client of the model holds it in VRAM, at
+// least one of them may evict, and [vram] keep_ram_copy is off; it is wanted in RAM again as soon
+// as that stops holding (a client leaves or registers, a pool gives it up).
+void Daemon::settle_one_place() {
+    std::set<uint32_t> due;
+    due.swap(one_place_due_);
+    for (uint32_t id : due) {
+        ModelEntry* m = find_model(id);
+        if (m == nullptr || !m->res) continue;
+        ModelResidency& r = *m->res;
+        const uint32_t n = r.n_slots();
+        std::vector<uint32_t> holders(n, 0);
+        std::vector<uint8_t> evictor(n, 0);
+        uint32_t clients = 0;
+        for (const auto& c : clients_) {
+            if (c->dead || std::find(c->models.begin(), c->models.end(), id) == c->models.end()) continue;
+            ++clients;
+            if (!c->pool_reported) continue;  // its placements wait for its pool
+            const bool may = may_release_ram(*c, *m);
+            bool holds_any = false;
+            for (auto it = c->vram.lower_bound({id, 0}); it != c->vram.end() && it->first == id; ++it) {
+                if (it->second >= n) continue;
+                ++holders[it->second];
+                evictor[it->second] |= may ? 1 : 0;
+                holds_any = true;
+            }
+            if (holds_any && !may && c->told_not_releasing.insert(id).second)
+                MC_LOG(LOG_NOTICE,
+                       "client {} (uid {}): its VRAM pool does not take {} out of RAM: that is an eviction, for root "
+                       "and group {} only (or a model its users registered)",
+                       c->id, c->peer.uid, m->path, config_.dbus_admin_group);
+        }
+        bool relock = false;
+        std::vector<uint32_t> released;
+        for (uint32_t slot = 0; slot < n; ++slot) {
+            const bool was = r.ram_released(slot);
+            const bool now = !config_.keep_ram_copy && clients > 0 && holders[slot] == clients && evictor[slot];
+            r.set_vram(slot, holders[slot], now);
+            if (now && !was) released.push_back(slot);
+            relock = relock || (was && !now);
+        }
+        for (uint32_t slot : released) {
+            if (r.pinned(slot)) continue;
+            if (r.state(slot).tier() == Tier::Locked) {
+                if (auto x = r.release(slot, /*drop=*/true); !x)
+                    MC_LOG(LOG_WARNING, "{}: releasing expert {} (now in VRAM): {}", m->path, slot, x.error().what());
+                else
+                    ++vram_releases_;
+            }
+            r.drop_cached(slot);
+        }
+        if (relock) request_place();
+    }
 }
 
 // A hook's pool counters are cumulative for its life: the daemon adds what grew since the last
@@ -261,6 +324,10 @@ bool Daemon::on_pool_stats(Client& c, const PoolStats& x) {
     t.hit_bytes += grow(x.hit_bytes, last.hit_bytes);
     t.miss_bytes += grow(x.miss_bytes, last.miss_bytes);
     last = x;
+    if (x.pool_bytes > 0 && !c.pool_reported) {
+        c.pool_reported = c.has_pool = true;
+        one_place_due_.insert(c.models.begin(), c.models.end());  // its placements count from now
+    }
     return true;
 }
 
@@ -341,7 +408,10 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
             return cannot(c, rq, errnum, why);
         }
     }
-    if (std::find(c.models.begin(), c.models.end(), entry->id) == c.models.end()) c.models.push_back(entry->id);
+    if (std::find(c.models.begin(), c.models.end(), entry->id) == c.models.end()) {
+        c.models.push_back(entry->id);
+        one_place_due_.insert(entry->id);  // one more client that needs what its pool does not hold
+    }
     const auto& map = entry->res->model().map();
     reply(c, rq,
           ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
@@ -487,9 +557,7 @@ void Daemon::reap_clients() {
         MC_LOG(LOG_INFO, "client {} ({}) telemetry: {} events, {} refused, {} overflowed in its ring", c->id,
                c->name.empty() ? "unnamed" : c->name, c->events, c->bad_events, overflow);
         client_by_fd_.erase(c->conn.get());
-        for (const auto& [model, slot] : c->vram)
-            for (auto& m : models_)
-                if (m->id == model && m->res) m->res->remove_vram_holder(slot);
+        one_place_due_.insert(c->models.begin(), c->models.end());  // what it held in VRAM, or needed in RAM
         // The fd is closed with the client, which takes it out of the epoll set.
         released.insert(released.end(), c->models.begin(), c->models.end());
     }

@@ -136,6 +136,17 @@ Result<PeerIdentity> peer_identity(int conn) {
     p.pid = cred.pid;
     p.uid = cred.uid;
     p.gid = cred.gid;
+    // The caller's groups as the kernel recorded them at connect, not read later from /proc.
+    for (size_t n = 16; n <= 65536; n *= 4) {
+        p.groups.resize(n);
+        len = static_cast<socklen_t>(n * sizeof(gid_t));
+        if (::getsockopt(conn, SOL_SOCKET, SO_PEERGROUPS, p.groups.data(), &len) == 0) {
+            p.groups.resize(len / sizeof(gid_t));
+            break;
+        }
+        p.groups.clear();
+        if (errno != ERANGE) break;
+    }
 #ifdef SO_PEERPIDFD
     int pidfd = -1;
     len = sizeof pidfd;

@@ -21,6 +21,7 @@ struct PeerIdentity {
     pid_t pid = 0;
     uid_t uid = 0;
     gid_t gid = 0;
+    std::vector<gid_t> groups;  // supplementary, as the kernel saw them at connect (SO_PEERGROUPS)
     UniqueFd pidfd;  // -1 where pidfd_open is missing or the process has gone
 };
 

@@ -160,14 +160,15 @@ Result<void> ModelResidency::refresh_cached() {
     return {};
 }
 
-void ModelResidency::add_vram_holder(uint32_t slot) {
+void ModelResidency::set_vram(uint32_t slot, uint32_t holders, bool ram_released) {
     if (slot >= slots_.size()) return;
-    if (vram_.empty()) vram_.assign(slots_.size(), 0);
-    ++vram_[slot];
-}
-
-void ModelResidency::remove_vram_holder(uint32_t slot) {
-    if (slot < vram_.size() && vram_[slot] > 0) --vram_[slot];
+    if (vram_.empty()) {
+        if (holders == 0 && !ram_released) return;
+        vram_.assign(slots_.size(), 0);
+        vram_only_.assign(slots_.size(), 0);
+    }
+    vram_[slot] = holders;
+    vram_only_[slot] = ram_released ? 1 : 0;
 }
 
 void ModelResidency::drop_cached(uint32_t slot) {
@@ -216,9 +217,9 @@ ModelView ModelResidency::view(uint64_t budget) const {
         v.locked[s] = slots_[s].tier() == Tier::Locked;
     }
     v.pinned = pinned_;
-    if (!keep_ram_copy_ && !vram_.empty()) {
+    if (!keep_ram_copy_ && !vram_only_.empty()) {
         v.in_vram.resize(slots_.size());
-        for (uint32_t s = 0; s < slots_.size(); ++s) v.in_vram[s] = vram_[s] > 0;
+        for (uint32_t s = 0; s < slots_.size(); ++s) v.in_vram[s] = vram_only_[s];
     }
     v.dense_wanted = config_.lock_dense;
     v.dense_locked = dense_.tier() == Tier::Locked;

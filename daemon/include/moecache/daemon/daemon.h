@@ -20,11 +20,13 @@
 #include "moecache/unique_fd.h"
 
 #include <signal.h>
+#include <sys/types.h>
 
 #include <array>
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -119,7 +121,9 @@ private:
     // The turn's decisions after intake: reads after misses and predictions, one place, placement.
     void decide_and_act();
     void fetch_predicted();
-    void release_pooled();
+    // One place: settles, for each model a client's pool, registration or departure touched this
+    // turn, which experts RAM gives up to VRAM (unlocked and dropped) and which it takes back.
+    void settle_one_place();
     [[nodiscard]] uint64_t lock_cap() const;
     [[nodiscard]] MemoryFacts memory_facts() const;  // as read at the last placement
     // A model's own cap: its budget and its user's (registered models).
@@ -146,6 +150,10 @@ private:
     bool on_placement(Client& c, const protocol::ExpertPlacement& x);
     bool on_pool_stats(Client& c, const protocol::PoolStats& x);
     bool on_unmapped(Client& c, const protocol::Unmapped& x);
+    // Whether this client's VRAM pool may take model m's experts out of RAM: an eviction, which
+    // D-Bus allows only to root and the admin group; on a model users registered themselves, any
+    // of its clients may.
+    [[nodiscard]] bool may_release_ram(const Client& c, const ModelEntry& m) const;
     void direct_pools();
     void reply(Client& c, uint32_t request, const protocol::Body& body);
     bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
@@ -237,7 +245,8 @@ private:
     std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
     std::vector<std::pair<uint32_t, uint32_t>> missed_this_batch_;  // (model, slot) a runtime read from storage
     std::vector<std::pair<uint32_t, uint32_t>> predicted_;  // (model, slot) trusted predictions this turn
-    std::vector<std::pair<uint32_t, uint32_t>> pooled_;     // (model, slot) a pool took this turn (one place)
+    std::set<uint32_t> one_place_due_;  // model ids whose one-place state settle_one_place() recomputes
+    std::optional<gid_t> admin_gid_;    // [dbus] admin_group, resolved at start and reload
     uint64_t miss_fetches_ = 0, miss_fetch_bytes_ = 0, warm_fetch_bytes_ = 0, predict_fetch_bytes_ = 0;
     std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
     uint32_t self_tgid_ = 0;

@@ -114,14 +114,16 @@ public:
     // Page-cache residency of every slot, by cachestat (mincore where the kernel lacks it).
     Result<void> refresh_cached();
 
-    // CUDA hooks holding an expert in their VRAM pool (the one-place rule): while any does, the
-    // policy does not lock it in RAM, unless the model keeps both copies.
-    void add_vram_holder(uint32_t slot);
-    void remove_vram_holder(uint32_t slot);
+    // The one-place rule, as the daemon settled it from its clients' pools: how many pools hold
+    // each expert, and whether RAM may give it up (every client of the model holds it in VRAM and
+    // one of them may release it). While released, the policy does not lock it in RAM, unless the
+    // model keeps both copies or it is pinned.
+    void set_vram(uint32_t slot, uint32_t holders, bool ram_released);
     [[nodiscard]] uint32_t vram_holders(uint32_t slot) const { return slot < vram_.size() ? vram_[slot] : 0; }
-    // False for an expert a VRAM pool holds (one place), unless pinned or the model keeps both.
+    [[nodiscard]] bool ram_released(uint32_t slot) const { return slot < vram_only_.size() && vram_only_[slot]; }
+    // False for an expert whose RAM copy was released to VRAM (one place), unless pinned or the model keeps both.
     [[nodiscard]] bool wanted_in_ram(uint32_t slot) const {
-        return keep_ram_copy_ || slot == kDenseSlot || vram_holders(slot) == 0 || (slot < pinned_.size() && pinned_[slot]);
+        return keep_ram_copy_ || slot == kDenseSlot || !ram_released(slot) || (slot < pinned_.size() && pinned_[slot]);
     }
     void set_keep_ram_copy(bool keep) { keep_ram_copy_ = keep; }
     // Pinned experts are always wanted in RAM (within budgets): by configuration, or set at run time.
@@ -152,7 +154,8 @@ private:
     SlotTelemetry dense_telemetry_;
     std::vector<uint32_t> layer_index_;  // block -> MoE layer index, UINT32_MAX for other blocks
     std::vector<uint8_t> pinned_;
-    std::vector<uint32_t> vram_;  // per slot: hooks holding it in VRAM
+    std::vector<uint32_t> vram_;       // per slot: hooks holding it in VRAM
+    std::vector<uint8_t> vram_only_;   // per slot: its RAM copy released to VRAM (one place)
     bool keep_ram_copy_ = false;
     uint64_t dropped_bytes_ = 0;
     std::vector<uint64_t> slot_bytes_, slot_length_;
