@@ -11,6 +11,7 @@
 #include "moecache/file_util.h"
 #include "moecache/log.h"
 
+#include <fcntl.h>
 #include <glob.h>
 #include <grp.h>
 #include <signal.h>
@@ -59,6 +60,19 @@ std::optional<gid_t> group_id(const std::string& name) {
     if (const group* g = ::getgrnam(name.c_str())) return g->gr_gid;
     return std::nullopt;
 }
+// [daemon] oom_score_adj, unless the service manager (OOMScoreAdjust=) or a parent set one.
+void protect_from_oom(int adj) {
+    if (adj == 0) return;
+    const auto now = read_whole_file("/proc/self/oom_score_adj", 64, "oom_score_adj");
+    if (!now || std::atoi(now->c_str()) != 0) return;
+    UniqueFd f(::open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC));
+    const std::string text = std::to_string(adj);
+    if (!f || ::write(f.get(), text.data(), text.size()) < 0)
+        MC_LOG(LOG_INFO, "oom_score_adj stays 0 ([daemon] oom_score_adj = {}): {}", adj, std::strerror(errno));
+    else
+        MC_LOG(LOG_INFO, "oom_score_adj {}: the model pages it locks count in its RSS, not its own use", adj);
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
@@ -66,6 +80,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->config_ = std::move(config);
     d->mem_total_ = mem_total_bytes();
     d->admin_gid_ = group_id(d->config_.dbus_admin_group);
+    protect_from_oom(d->config_.oom_score_adj);
     MC_TRY_VOID(validate_config(d->config_, d->mem_total_));
     d->cgroup_ = own_memory_cgroup_limit();
     if (d->cgroup_)
@@ -113,7 +128,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         auto pm = PressureMonitor::open(d->config_.pressure_stall_us, d->config_.pressure_window_us);
         if (pm) {
             d->pressure_ = std::make_unique<PressureMonitor>(std::move(*pm));
-            for (const auto& trig : d->pressure_->triggers()) MC_TRY_VOID(watch(EventSource::Pressure, trig.fd.get(), EPOLLPRI));
+            for (const auto& trig : d->pressure_->triggers()) MC_TRY_VOID(watch(EventSource::Pressure, trig.fd.get(), trig.events));
         } else {
             MC_LOG(LOG_WARNING, "memory pressure back-off is off: {}", pm.error().what());
         }
@@ -244,6 +259,7 @@ void Daemon::tick() {
 void Daemon::on_pressure(const std::string& source) {
     ++pressure_events_;
     last_pressure_ = std::chrono::steady_clock::now();
+    cgroup_ = own_memory_cgroup_limit();  // what a co-tenant in its cgroup needs now sizes the cap
     pressure_cap_ = std::min(pressure_cap_, pressure_keep(total_locked(), config_.pressure_release_share));
     MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source,
            pressure_cap_ >> 20);
@@ -369,7 +385,10 @@ Result<void> Daemon::step(int timeout_ms) {
             case EventSource::Pressure:
                 if (pressure_)
                     for (const auto& t : pressure_->triggers())
-                        if (t.fd.get() == fd) on_pressure(t.path);
+                        if (t.fd.get() == fd) {
+                            t.consume();
+                            on_pressure(t.path);
+                        }
                 break;
         }
     }

@@ -114,6 +114,9 @@ MemoryFacts Daemon::memory_facts() const {
     if (cgroup_) {
         m.cgroup_limit = cgroup_->limit;
         m.cgroup_usage = cgroup_->usage;
+        m.cgroup_reclaimable = cgroup_->reclaimable;
+        m.cgroup_unevictable = cgroup_->unevictable;
+        m.locked = total_locked();
     }
     return m;
 }

@@ -26,6 +26,25 @@ TEST(Budgets, TheLockCapIsTheSmallestOfBudgetRamCgroupAndPressure) {
     EXPECT_EQ(lock_cap(m, 100 * kGiB, 4 * kGiB), 0u) << "a limit under the reserve locks nothing";
 }
 
+// Issue 20 row 10: a co-tenant in the daemon's cgroup that grows takes locks back before the
+// cgroup's OOM killer must act; its reclaimable page cache and the daemon's own locks do not count.
+TEST(Budgets, WhatACoTenantInTheCgroupNeedsComesOffTheCap) {
+    MemoryFacts m{64 * kGiB, 40 * kGiB, 16 * kGiB, 15 * kGiB};
+    m.cgroup_reclaimable = 3 * kGiB;
+    m.cgroup_unevictable = 8 * kGiB;  // the daemon's 7 GiB of locks and 1 GiB another process mlocked
+    m.locked = 7 * kGiB;
+    EXPECT_EQ(cgroup_others_need(m), 5 * kGiB) << "15 charged - 3 reclaimable - 7 the daemon's";
+    EXPECT_EQ(lock_cap(m, 100 * kGiB, 1 * kGiB), 10 * kGiB) << "16 - 1 reserve - 5 the co-tenant needs";
+    m.cgroup_usage = 16 * kGiB;  // the co-tenant grew by 1 GiB
+    EXPECT_EQ(lock_cap(m, 100 * kGiB, 1 * kGiB), 9 * kGiB);
+    m.cgroup_unevictable = 20 * kGiB;  // the daemon's locks are all it can claim as its own
+    EXPECT_EQ(cgroup_others_need(m), 6 * kGiB);
+    m.cgroup_usage = 1 * kGiB;  // counters read at different moments never underflow
+    EXPECT_EQ(cgroup_others_need(m), 0u);
+    m.cgroup_limit.reset();
+    EXPECT_EQ(cgroup_others_need(m), 0u) << "no cgroup limit binds";
+}
+
 TEST(Budgets, PressureKeepsWhatTheReleaseShareLeaves) {
     EXPECT_EQ(pressure_keep(10 * kGiB, 0.25), 7.5 * kGiB);
     EXPECT_EQ(pressure_keep(10 * kGiB, 1.0), 0u);

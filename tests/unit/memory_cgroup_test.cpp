@@ -39,6 +39,25 @@ TEST_F(MemoryCgroupTest, V2TheSmallestLimitUpTheTreeBinds) {
     EXPECT_EQ(l->usage, 1000u);
     EXPECT_EQ(l->version, 2);
     EXPECT_EQ(l->dir, root_.file("system.slice"));
+    EXPECT_EQ(l->reclaimable, 0u) << "no memory.stat";
+}
+
+TEST_F(MemoryCgroupTest, ReclaimableAndUnevictablePagesComeFromTheBindingCgroupsStat) {
+    cgroup("", "cgroup.controllers", "memory\n");
+    cgroup("a", "memory.max", "1000000\n");
+    cgroup("a", "memory.stat", "anon 400\nfile 900\nactive_file 300\ninactive_file 200\nunevictable 350\n");
+    auto l = read("0::/a\n");
+    ASSERT_TRUE(l);
+    EXPECT_EQ(l->reclaimable, 500u);
+    EXPECT_EQ(l->unevictable, 350u);
+    cgroup("memory/b", "memory.limit_in_bytes", "2000000\n");
+    cgroup("memory/b", "memory.stat",
+           "cache 9\nactive_file 1\ninactive_file 1\nunevictable 1\ntotal_active_file 70\ntotal_inactive_file 30\n"
+           "total_unevictable 40\n");
+    l = read("4:memory:/b\n");
+    ASSERT_TRUE(l);
+    EXPECT_EQ(l->reclaimable, 100u) << "v1 counts the cgroup's children in total_*";
+    EXPECT_EQ(l->unevictable, 40u);
 }
 
 TEST_F(MemoryCgroupTest, V2WithoutAnyLimitIsNone) {

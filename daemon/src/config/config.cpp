@@ -351,6 +351,7 @@ const Key<Config> kDaemonKeys[] = {
     MC_KEY("log_level", Config, t.log_level = MC_TRY(read_log_level(v))),
     MC_KEY("tick_seconds", Config,
            t.tick_seconds = MC_TRY(read_number(v, {0.05, true}, {60, true}))),
+    MC_KEY("oom_score_adj", Config, t.oom_score_adj = static_cast<int>(MC_TRY(read_int(v, -1000, 1000)))),
 };
 
 const Key<Config> kBudgetKeys[] = {

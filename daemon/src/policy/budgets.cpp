@@ -4,10 +4,19 @@
 
 namespace moecache::daemon {
 
+uint64_t cgroup_others_need(const MemoryFacts& m) {
+    if (!m.cgroup_limit) return 0;
+    const uint64_t usage = m.cgroup_usage.value_or(0);
+    const uint64_t ours = std::min(m.cgroup_unevictable, m.locked);
+    const uint64_t away = m.cgroup_reclaimable + ours;
+    return usage > away ? usage - away : 0;
+}
+
 uint64_t lock_cap(const MemoryFacts& m, uint64_t lock_budget, uint64_t reserve, uint64_t pressure_cap) {
     const uint64_t ram_cap = m.total > reserve ? m.total - reserve : 0;
     const uint64_t limit = m.cgroup_limit.value_or(kNoCap);
-    const uint64_t cgroup_cap = limit > reserve ? limit - reserve : 0;
+    const uint64_t kept = reserve + cgroup_others_need(m);
+    const uint64_t cgroup_cap = limit > kept ? limit - kept : 0;
     return std::min({lock_budget, ram_cap, cgroup_cap, pressure_cap});
 }
 

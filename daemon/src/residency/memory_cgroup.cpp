@@ -29,18 +29,32 @@ uint64_t read_u64(const std::string& path) {
     return v;
 }
 
+// The page counts of memory.stat that say what reclaim could take: v2's keys, or v1's total_*
+// (its own keys count that cgroup alone, without its children).
+void read_stat(MemoryCgroupLimit& l) {
+    std::ifstream f(l.dir + "/memory.stat");
+    const std::string prefix = l.version == 1 ? "total_" : "";
+    std::string key;
+    uint64_t v = 0;
+    while (f >> key >> v) {
+        if (key == prefix + "active_file" || key == prefix + "inactive_file") l.reclaimable += v;
+        else if (key == prefix + "unevictable") l.unevictable = v;
+    }
+}
+
 // The smallest limit from `dir` up to (and including) `top`.
 std::optional<MemoryCgroupLimit> walk(std::string dir, const std::string& top, const char* limit_file,
                                       const char* usage_file, int version) {
     std::optional<MemoryCgroupLimit> best;
     while (dir.size() >= top.size()) {
         if (const auto l = read_limit(dir + "/" + limit_file); l && (!best || *l < best->limit))
-            best = MemoryCgroupLimit{dir, *l, read_u64(dir + "/" + usage_file), version};
+            best = MemoryCgroupLimit{dir, *l, read_u64(dir + "/" + usage_file), 0, 0, version};
         if (dir == top) break;
         const auto slash = dir.rfind('/');
         if (slash == std::string::npos || slash < top.size()) dir = top;
         else dir.resize(slash);
     }
+    if (best) read_stat(*best);
     return best;
 }
 

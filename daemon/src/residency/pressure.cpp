@@ -2,7 +2,11 @@
 
 #include "moecache/log.h"
 
+#include "moecache/daemon/memory_cgroup.h"
+
 #include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -21,7 +25,31 @@ Result<UniqueFd> arm(const std::string& path, uint32_t stall_us, uint32_t window
     return fd;
 }
 
+// cgroup v1: an eventfd that the kernel signals when the memory cgroup `dir` reclaims at the
+// "medium" level (cgroup.event_control; the registration lasts as long as the eventfd).
+Result<PressureTrigger> arm_v1_level(const std::string& dir) {
+    PressureTrigger t;
+    t.path = dir + "/memory.pressure_level";
+    t.events = EPOLLIN;
+    t.level.reset(::open(t.path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!t.level) return fail_errno("{}: cannot open", t.path);
+    t.fd.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!t.fd) return fail_errno("eventfd");
+    UniqueFd control(::open((dir + "/cgroup.event_control").c_str(), O_WRONLY | O_CLOEXEC));
+    if (!control) return fail_errno("{}/cgroup.event_control: cannot open", dir);
+    const std::string line = fmt::format("{} {} medium", t.fd.get(), t.level.get());
+    if (::write(control.get(), line.c_str(), line.size()) < 0)
+        return fail_errno("{}/cgroup.event_control: registering '{}'", dir, line);
+    return t;
+}
+
 }  // namespace
+
+void PressureTrigger::consume() const {
+    if (events != EPOLLIN) return;
+    uint64_t n = 0;
+    (void)!::read(fd.get(), &n, sizeof n);
+}
 
 std::string own_cgroup_v2_dir() {
     std::ifstream f("/proc/self/cgroup");
@@ -52,11 +80,16 @@ Result<PressureMonitor> PressureMonitor::open(uint32_t stall_us, uint32_t window
     }
     if (!fd) return tl::unexpected(fd.error());
     m.window_us_ = window_us;
-    m.triggers_.push_back({"/proc/pressure/memory", std::move(*fd)});
+    m.triggers_.push_back({"/proc/pressure/memory", std::move(*fd), EPOLLPRI, {}});
     if (const auto dir = own_cgroup_v2_dir(); !dir.empty() && dir != "/sys/fs/cgroup/" && dir != "/sys/fs/cgroup/unified/") {
         auto cg = arm(dir + "/memory.pressure", stall_us, window_us);
-        if (cg) m.triggers_.push_back({dir + "/memory.pressure", std::move(*cg)});
+        if (cg) m.triggers_.push_back({dir + "/memory.pressure", std::move(*cg), EPOLLPRI, {}});
         else MC_LOG(LOG_INFO, "no PSI trigger on the daemon's cgroup: {}", cg.error().what());
+    }
+    if (const auto cg = own_memory_cgroup_limit(); cg && cg->version == 1) {
+        auto level = arm_v1_level(cg->dir);
+        if (level) m.triggers_.push_back(std::move(*level));
+        else MC_LOG(LOG_INFO, "no pressure notification from the daemon's memory cgroup (v1): {}", level.error().what());
     }
     return m;
 }

@@ -19,13 +19,22 @@ inline constexpr uint64_t kNoCap = std::numeric_limits<uint64_t>::max();
 struct MemoryFacts {
     uint64_t total = 0;      // MemTotal
     uint64_t available = 0;  // MemAvailable now
-    // The daemon's memory cgroup, where one binds: its limit and what it is charged now.
+    // The daemon's memory cgroup, where one binds: its limit and what it is charged now, of which
+    // file pages reclaim can take and unevictable pages (memory.stat).
     std::optional<uint64_t> cgroup_limit, cgroup_usage;
+    uint64_t cgroup_reclaimable = 0, cgroup_unevictable = 0;
+    uint64_t locked = 0;  // what the daemon holds locked now
 };
 
+// What the other processes of the daemon's cgroup hold that reclaim cannot take: its charge less
+// reclaimable file pages and less the unevictable pages that are the daemon's locks (at most what
+// it locked; other processes' mlocks count as theirs). 0 where no cgroup limit binds.
+uint64_t cgroup_others_need(const MemoryFacts& m);
+
 // The most the daemon may lock: the configured lock budget, RAM less the reserve, the cgroup's
-// limit less the reserve (locking past it would leave the processes charged with it nothing but
-// the OOM killer), and the cap a pressure back-off set (kNoCap: none).
+// limit less the reserve and less what its other processes need (a co-tenant that grows takes
+// locks back, before the cgroup's OOM killer has to), and the cap a pressure back-off set
+// (kNoCap: none).
 uint64_t lock_cap(const MemoryFacts& m, uint64_t lock_budget, uint64_t reserve, uint64_t pressure_cap = kNoCap);
 
 // What memory pressure leaves locked: the locked bytes less the configured share to release.

@@ -47,6 +47,9 @@ struct Config {
     std::string socket_path = "/run/moecache/moecached.sock";
     std::string log_level = "info";  // error, warning, info, debug
     double tick_seconds = 1.0;       // how often residency is refreshed and placement decided
+    // Set at start when nothing else did (the value is 0): its locked model pages count in its
+    // RSS, which would make it the OOM killer's first pick in a cgroup it shares.
+    int oom_score_adj = -250;
 
     // [budget]
     ByteAmount lock_budget{0, 50.0};           // all locked bytes together

@@ -14,6 +14,9 @@ struct MemoryCgroupLimit {
     std::string dir;     // the cgroup directory whose limit binds
     uint64_t limit = 0;  // bytes
     uint64_t usage = 0;  // what that cgroup is charged now (page cache included)
+    // From its memory.stat (hierarchical): file pages reclaim can take (active_file +
+    // inactive_file), and pages it cannot (unevictable: mlocked, the daemon's locks among them).
+    uint64_t reclaimable = 0, unevictable = 0;
     int version = 2;     // 1 or 2
 };
 

@@ -1,6 +1,8 @@
 // Memory pressure, from PSI triggers: /proc/pressure/memory for the machine and, on cgroup v2,
 // memory.pressure of the daemon's own cgroup. Each trigger is a file descriptor that becomes
-// readable with EPOLLPRI when "some" tasks stalled on memory for stall_us within window_us.
+// readable with EPOLLPRI when "some" tasks stalled on memory for stall_us within window_us. On a
+// cgroup v1 memory controller (hybrid machines), whose cgroups have no PSI, the daemon's memory
+// cgroup's memory.pressure_level at "medium" (an eventfd, readable with EPOLLIN) stands in.
 #pragma once
 
 #include "moecache/error.h"
@@ -14,6 +16,10 @@ namespace moecache::daemon {
 struct PressureTrigger {
     std::string path;
     UniqueFd fd;
+    uint32_t events = 0;  // what epoll waits for on fd: EPOLLPRI (PSI) or EPOLLIN (an eventfd)
+    UniqueFd level;       // v1: the memory.pressure_level the eventfd is registered on
+    // Called when fd is ready: an eventfd's count is read, so that it does not stay readable.
+    void consume() const;
 };
 
 class PressureMonitor {
