@@ -5,6 +5,7 @@
 // nothing may be OOM-killed. Bytes read are the model's block device's own count
 // (/sys/dev/block/MAJ:MIN/stat), from the start of the model's load to the end of decoding; the
 // test runs alone (RUN_SERIAL) so that nothing else reads that disk meanwhile.
+#include "memory_cgroup.h"
 #include "run.h"
 #include "temp_dir.h"
 
@@ -30,62 +31,6 @@ namespace moecache {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A memory cgroup of its own (v2 where the unified hierarchy has the memory controller, else v1),
-// removed at the end; processes enter it through a shell that writes its pid first.
-class MemoryCgroup {
-public:
-    static std::optional<MemoryCgroup> create(const std::string& name, std::string& why) {
-        MemoryCgroup c;
-        std::ifstream controllers("/sys/fs/cgroup/cgroup.controllers");
-        std::string all((std::istreambuf_iterator<char>(controllers)), {});
-        if (all.find("memory") != std::string::npos) {
-            c.dir_ = "/sys/fs/cgroup/" + name;
-            c.v2_ = true;
-        } else if (fs::exists("/sys/fs/cgroup/memory/memory.limit_in_bytes")) {
-            c.dir_ = "/sys/fs/cgroup/memory/" + name;
-        } else {
-            why = "no memory cgroup controller here (v1 or v2)";
-            return std::nullopt;
-        }
-        std::error_code ec;
-        if (!fs::create_directory(c.dir_, ec)) {
-            why = "cannot create " + c.dir_ + ": " + ec.message();
-            return std::nullopt;
-        }
-        return c;
-    }
-    MemoryCgroup() = default;
-    MemoryCgroup(MemoryCgroup&& o) noexcept : dir_(std::exchange(o.dir_, {})), v2_(o.v2_) {}
-    MemoryCgroup& operator=(MemoryCgroup&&) = delete;
-    ~MemoryCgroup() {
-        if (dir_.empty()) return;
-        std::ifstream procs(dir_ + "/cgroup.procs");
-        for (int pid; procs >> pid;) ::kill(pid, SIGKILL);
-        for (int i = 0; i < 100 && ::rmdir(dir_.c_str()) != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    void set_limit(uint64_t bytes) const {
-        std::ofstream(dir_ + (v2_ ? "/memory.max" : "/memory.limit_in_bytes")) << bytes;
-        if (v2_) std::ofstream(dir_ + "/memory.swap.max") << 0;
-    }
-    [[nodiscard]] uint64_t oom_kills() const {
-        std::ifstream f(dir_ + (v2_ ? "/memory.events" : "/memory.oom_control"));
-        std::string key;
-        uint64_t v = 0;
-        while (f >> key >> v)
-            if (key == "oom_kill") return v;
-        return 0;
-    }
-    // argv run inside the cgroup.
-    [[nodiscard]] std::vector<std::string> inside(std::vector<std::string> argv) const {
-        argv.insert(argv.begin(), {"/bin/sh", "-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\"", dir_});
-        return argv;
-    }
-
-private:
-    std::string dir_;
-    bool v2_ = false;
-};
 
 // Sectors read by block device `dev` (0 when the kernel keeps no count for it).
 uint64_t sectors_read(dev_t dev) {
@@ -119,9 +64,9 @@ TEST(RamSqueeze, MoecacheReadsLessPerTokenThanPlainMmap) {
     if (major(st.st_dev) == 0 || sectors_read(st.st_dev) == 0)
         GTEST_SKIP() << base << " is on no block device whose reads the kernel counts (an overlay?): "
                      << "set MOECACHE_SQUEEZE_DIR to a disk's directory";
-    std::string why;
-    auto cg = MemoryCgroup::create(fmt::format("moecache-squeeze-test.{}", ::getpid()), why);
-    if (!cg) GTEST_SKIP() << why;
+    auto made = test::MemoryCgroup::create("moecache-squeeze-test.", test::MemoryCgroup::kNoLimit);
+    if (!made) GTEST_SKIP() << "no memory cgroup: " << made.error().what();
+    const auto& cg = *made;
 
     ::setenv("TMPDIR", base.c_str(), 1);
     test::TempDir dir;
@@ -154,7 +99,7 @@ TEST(RamSqueeze, MoecacheReadsLessPerTokenThanPlainMmap) {
     const auto anon = free.out.value("rss_anon_bytes", uint64_t{0});
     ASSERT_GT(anon, 0u) << free.out.dump();
     const uint64_t limit = anon + (48ull << 20) + model_bytes / 2;
-    cg->set_limit(limit);
+    ASSERT_TRUE(cg->set_limit(limit));
     std::cout << "[ measured ] model " << (model_bytes >> 20) << " MiB, runtime anon " << (anon >> 20)
               << " MiB, cgroup limit " << (limit >> 20) << " MiB\n";
 

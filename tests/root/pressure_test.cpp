@@ -4,6 +4,7 @@
 // the refault reads as memory stalls, which the machine-wide PSI "some" line sees. The balloon's
 // cgroup can reclaim only its own pages, so the machine is never in danger and nothing is killed.
 #include "daemon_fixture.h"
+#include "memory_cgroup.h"
 #include "model_fixture.h"
 #include "temp_dir.h"
 
@@ -48,106 +49,12 @@ std::string read_text(const std::string& path) {
     return ss.str();
 }
 
-Result<void> write_text(const std::string& path, const std::string& text) {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) return fail_errno("{}: cannot open for writing", path);
-    const ssize_t n = ::write(fd, text.data(), text.size());
-    const int e = errno;
-    ::close(fd);
-    if (n != static_cast<ssize_t>(text.size()))
-        return fail(n < 0 ? e : EIO, fmt::format("{}: writing '{}'", path, text));
-    return {};
-}
-
-bool has_word(const std::string& list, const std::string& word) {
-    std::istringstream ss(list);
-    std::string w;
-    while (ss >> w)
-        if (w == word) return true;
-    return false;
-}
-
 // Microseconds that some task stalled on memory, machine-wide, since boot.
 uint64_t psi_some_total_us() {
     const std::string text = read_text("/proc/pressure/memory");
     const auto at = text.find("total=");
     return at == std::string::npos ? 0 : std::strtoull(text.c_str() + at + 6, nullptr, 10);
 }
-
-// A memory cgroup with a hard limit, made for this test and removed with it: on cgroup v2 a child
-// of the hierarchy's root (the one cgroup where the memory controller can be enabled for children
-// while processes live in it), on hybrid machines a child of the v1 memory hierarchy.
-class MemoryCgroup {
-public:
-    static Result<std::unique_ptr<MemoryCgroup>> create(uint64_t limit) {
-        std::string v1, v2;
-        std::ifstream mounts("/proc/self/mounts");
-        std::string dev, dir, type, opts;
-        while (mounts >> dev >> dir >> type >> opts) {
-            mounts.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-            if (type == "cgroup2" && v2.empty() && has_word(read_text(dir + "/cgroup.controllers"), "memory")) v2 = dir;
-            if (type == "cgroup" && v1.empty() && ("," + opts + ",").find(",memory,") != std::string::npos) v1 = dir;
-        }
-        std::unique_ptr<MemoryCgroup> cg(new MemoryCgroup());
-        const std::string name = "/" + std::string(kPrefix) + std::to_string(::getpid());
-        if (!v2.empty()) {
-            cg->v2_ = true;
-            cg->parent_ = v2;
-            if (!has_word(read_text(v2 + "/cgroup.subtree_control"), "memory")) {
-                if (auto r = write_text(v2 + "/cgroup.subtree_control", "+memory"); !r) return tl::unexpected(r.error());
-                cg->enabled_memory_ = true;
-            }
-        } else if (!v1.empty()) {
-            cg->parent_ = v1;
-        } else {
-            return failf("no cgroup hierarchy has the memory controller (see /proc/self/mounts)");
-        }
-        remove_stale(cg->parent_);
-        cg->dir_ = cg->parent_ + name;
-        if (::mkdir(cg->dir_.c_str(), 0755) != 0) return fail_errno("mkdir {}", cg->dir_);
-        const std::string limit_file = cg->dir_ + (cg->v2_ ? "/memory.max" : "/memory.limit_in_bytes");
-        MC_TRY_VOID(write_text(limit_file, std::to_string(limit)));
-        return cg;
-    }
-
-    ~MemoryCgroup() { remove(); }
-    MemoryCgroup(const MemoryCgroup&) = delete;
-    MemoryCgroup& operator=(const MemoryCgroup&) = delete;
-
-    Result<void> add(pid_t pid) const { return write_text(dir_ + "/cgroup.procs", std::to_string(pid)); }
-
-    // Its processes must have been reaped; a dead task can linger in the cgroup for a moment.
-    void remove() {
-        if (!dir_.empty()) {
-            for (int i = 0; i < 200 && ::rmdir(dir_.c_str()) != 0 && errno == EBUSY; ++i)
-                std::this_thread::sleep_for(std::chrono::milliseconds(10));
-            if (::access(dir_.c_str(), F_OK) == 0) ADD_FAILURE() << "cannot remove " << dir_ << ": " << std::strerror(errno);
-            dir_.clear();
-        }
-        if (enabled_memory_) (void)write_text(parent_ + "/cgroup.subtree_control", "-memory");
-        enabled_memory_ = false;
-    }
-
-    [[nodiscard]] bool v2() const { return v2_; }
-
-private:
-    static constexpr const char* kPrefix = "moecache-pressure-test-";
-    MemoryCgroup() = default;
-
-    // Left behind by a run that crashed: its process is gone (a live run's cgroup is not touched).
-    static void remove_stale(const std::string& parent) {
-        std::error_code ec;
-        for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
-            const std::string name = entry.path().filename().string();
-            if (name.rfind(kPrefix, 0) != 0) continue;
-            const auto pid = static_cast<pid_t>(std::strtol(name.c_str() + std::strlen(kPrefix), nullptr, 10));
-            if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) ::rmdir(entry.path().c_str());
-        }
-    }
-
-    std::string parent_, dir_;
-    bool v2_ = false, enabled_memory_ = false;
-};
 
 // Reader processes that wait at a gate, then re-read `path` in a loop until killed. Forked before
 // the daemon exists (no locked mappings or io_uring to copy); they die with this process too.
@@ -246,7 +153,7 @@ protected:
         if (on_tmpfs(scratch_dir)) scratch_dir = "/var/tmp";
         if (on_tmpfs(scratch_dir))
             GTEST_SKIP() << dir_.path() << " and /var/tmp are on tmpfs: the balloon needs a file on storage; set TMPDIR";
-        auto cg = MemoryCgroup::create(kBalloonLimit);
+        auto cg = test::MemoryCgroup::create("moecache-pressure-test-", kBalloonLimit);
         if (!cg) GTEST_SKIP() << "no memory cgroup for the balloon: " << cg.error().what();
         cgroup_ = std::move(*cg);
 
@@ -331,7 +238,7 @@ protected:
     }
 
     test::TempDir dir_;
-    std::unique_ptr<MemoryCgroup> cgroup_;
+    std::unique_ptr<test::MemoryCgroup> cgroup_;
     std::string model_, scratch_;
     uint64_t vmlck_before_ = 0;
     uint64_t checks_ = 0;
