@@ -72,7 +72,9 @@ void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {
         return;
     } else {
         m.res->abandon(slot);
-        MC_LOG(LOG_WARNING, "model {}: lock: {}", m.path, r.error().what());
+        // Logged the first time and then once a minute with a count (a limit that refuses every
+        // lock, RLIMIT_MEMLOCK without CAP_IPC_LOCK, would otherwise log each slot of each turn).
+        note_error("locking an expert", fmt::format("model {}: {}", m.path, r.error().what()));
     }
     // A file truncated or replaced under us fails here first: look at it again now.
     if (auto same = m.res->model().unchanged(); !same || !*same) close_model(m, "the file changed on disk");

@@ -17,6 +17,7 @@ debs=(
   fio vmtouch bc curl dbus
   prometheus
   systemd
+  systemd-container debootstrap
 )
 
 missing=()
