@@ -2,6 +2,7 @@
 #include "moecache/ctl/commands.h"
 
 #include <cstdlib>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,10 @@ int main(int argc, char** argv) {
             o.bus = argv[++i];
         } else if (a.rfind("--bus=", 0) == 0) o.bus = a.substr(6);
         else if (a == "-h" || a == "--help") rest.insert(rest.begin(), "help");
+        else if (a == "--version") {
+            std::printf("moecachectl %s\n", MOECACHE_VERSION_STRING);
+            return 0;
+        }
         else rest.push_back(a);
     }
     if (rest.empty()) return usage_error("a COMMAND is needed");

@@ -23,6 +23,7 @@ that a restart starts warm. Runs in the foreground; SIGHUP reloads the configura
                   from moecached.toml.d/ beside it)
   --check         load and validate the configuration, print what it says, and exit
   --verbose       debug logging
+  --version       print the version and exit
 )";
 
 // CAP_IPC_LOCK in the effective set, from /proc/self/status (no libcap needed for one bit).
@@ -44,7 +45,10 @@ int main(int argc, char** argv) {
         if (a == "--config" && i + 1 < argc) config_path = argv[++i];
         else if (a == "--check") check = true;
         else if (a == "--verbose") moecache::log::set_max_priority(LOG_DEBUG);
-        else if (a == "-h" || a == "--help") {
+        else if (a == "--version") {
+            fmt::print("moecached {}\n", MOECACHE_VERSION_STRING);
+            return 0;
+        } else if (a == "-h" || a == "--help") {
             fmt::print("{}", kUsage);
             return 0;
         } else {

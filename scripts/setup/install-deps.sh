@@ -17,7 +17,7 @@ debs=(
   fio vmtouch bc curl dbus
   prometheus
   systemd
-  systemd-container debootstrap
+  systemd-container debootstrap patchelf
 )
 
 missing=()

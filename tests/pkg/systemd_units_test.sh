@@ -19,7 +19,7 @@ units=$root/usr/lib/systemd/system
 mkdir -p "$units" "$root/etc/systemd/system" "$root/usr/sbin" "$root/usr/bin" "$root/bin"
 cp -a "$host_units/." "$units/"
 cp "$src"/systemd/moecached.service "$src"/systemd/moecached.socket "$src"/systemd/moecache.slice "$units/"
-for exe in /usr/sbin/moecached /bin/kill /usr/bin/llama-server /usr/bin/ollama; do
+for exe in /usr/sbin/moecached /bin/sh /usr/bin/llama-server /usr/bin/ollama; do
   printf '#!/bin/sh\n' > "$root$exe"
   chmod 755 "$root$exe"
 done

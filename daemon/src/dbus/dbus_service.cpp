@@ -21,7 +21,7 @@ namespace {
 
 constexpr const char* kBusName = "org.moecache1";
 constexpr const char* kManagerPath = "/org/moecache1";
-constexpr const char* kVersion = "0.1.0";
+constexpr const char* kVersion = MOECACHE_VERSION_STRING;
 
 std::string model_path(uint32_t id) { return fmt::format("{}/model/{}", kManagerPath, id); }
 

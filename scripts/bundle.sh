@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A relocatable moecache: bin/ and lib/ that run from any directory on a Linux machine with glibc
+# 2.36 or later and a C++ runtime of GCC 12 or later, without libbpf, liburing, libnuma,
+# sdbus-c++, fmt, toml++ or cpp-httplib installed (Ubuntu 24.04, Fedora, Arch, a container). Every
+# shared library the programs need, but glibc's own, libstdc++ and libgcc_s, is copied into lib/;
+# the programs find them through an $ORIGIN rpath (no LD_LIBRARY_PATH).
+#
+#   scripts/bundle.sh OUT_DIR [BUILD_DIR]     (BUILD_DIR: build, made by scripts/test.sh or cmake)
+#
+#   OUT_DIR/bin/      moecached moecachectl moecache-mkmodel moecache-client-demo
+#   OUT_DIR/lib/      libmoecache-client.so libmoecache-cuda.so libmoecache-rearm.so + dependencies
+#   OUT_DIR/share/moecache/moecached.toml   the configuration reference
+#   OUT_DIR/MANIFEST  what is where, and what each program links
+set -euo pipefail
+out=${1:?usage: scripts/bundle.sh OUT_DIR [BUILD_DIR]}
+top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${2:-$top/build}
+command -v patchelf >/dev/null || { echo "bundle: patchelf is missing (scripts/setup/install-deps.sh installs it)" >&2; exit 1; }
+
+programs=(daemon/moecached ctl/moecachectl tools/mkmodel/moecache-mkmodel tools/client-demo/moecache-client-demo)
+libraries=(client/libmoecache-client.so cuda-hooks/libmoecache-cuda.so client/libmoecache-rearm.so)
+for f in "${programs[@]}" "${libraries[@]}"; do
+  [ -f "$build/$f" ] || { echo "bundle: $build/$f is missing: build first (cmake --build $build)" >&2; exit 1; }
+done
+
+# The C library and the compiler's runtime stay the system's: they are on every machine, and a
+# copy of glibc's pieces would not match the system's dynamic loader.
+base='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s)\.so'
+
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib" "$out/share/moecache"
+for f in "${programs[@]}"; do install -m 0755 "$build/$f" "$out/bin/"; done
+for f in "${libraries[@]}"; do install -m 0755 "$build/$f" "$out/lib/"; done
+
+# Every library the programs and libraries load, transitively (ldd resolves the whole closure).
+declare -A carried=()
+for f in "$out"/bin/* "$out"/lib/libmoecache-*.so; do
+  while read -r name _ path _; do
+    [[ $name =~ $base ]] && continue
+    [ -n "${path:-}" ] && [ -f "$path" ] || continue
+    [[ $name == libmoecache-* ]] && continue
+    carried[$name]=$path
+  done < <(ldd "$f" | grep '=>')
+done
+for name in "${!carried[@]}"; do cp -L "${carried[$name]}" "$out/lib/$name"; chmod 0644 "$out/lib/$name"; done
+
+strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
+for f in "$out"/bin/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f"; done
+for f in "$out"/lib/*.so*; do patchelf --set-rpath '$ORIGIN' "$f"; done
+install -m 0644 "$top/config/moecached.toml" "$out/share/moecache/moecached.toml"
+
+{
+  echo "moecache $(sed -n 's/^project(moecache VERSION \([0-9.]*\).*/\1/p' "$top/CMakeLists.txt"), bundled $(date -u +%Y-%m-%d)"
+  echo "needs: Linux, glibc >= $(ldd --version | head -1 | awk '{print $NF}'), libstdc++ of GCC >= $(gcc -dumpversion)"
+  echo
+  for f in "$out"/bin/* "$out"/lib/libmoecache-*.so; do
+    echo "${f#$out/}: $(patchelf --print-needed "$f" | paste -sd' ' -)"
+  done
+  echo
+  echo "carried in lib/: $(ls "$out/lib" | grep -v '^libmoecache-' | paste -sd' ' -)"
+} > "$out/MANIFEST"
+echo "bundle: $out ($(du -sh "$out" | cut -f1)): $(ls "$out/bin" | paste -sd' ' -); $(ls "$out/lib" | wc -l) libraries"
