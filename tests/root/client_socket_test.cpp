@@ -132,6 +132,16 @@ protected:
         return s;
     }
 
+    // In a child process: a client of the daemon at `sock` that registered `model` and is ready;
+    // the child exits (4, 5) where that fails. Returns the model's handle in `h`.
+    static moecache_client* registered_client(const std::string& sock, const std::string& model, const char* name,
+                                              uint32_t& h) {
+        moecache_client* cl = moecache_client_open(sock.c_str(), name);
+        if (!cl || moecache_client_register_model(cl, model.c_str(), &h) != 0) ::_exit(4);
+        if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
+        return cl;
+    }
+
     // Runs `body` in a child process as uid and gid `uid`, which then says so on a pipe and waits to
     // be killed; `ready` gets the pipe's (non-blocking) read end.
     static pid_t spawn_as(uint32_t uid, const std::function<void()>& body, int& ready) {
@@ -630,10 +640,8 @@ TEST_F(ClientSocketTest, AUsersModelWithAnOperatorModelsKeyStaysInItsOwnFamily) 
     const std::string sock = d_->status().socket_path;
     int ready = -1;
     const pid_t pid = spawn_as(4006, [&] {
-        moecache_client* cl = moecache_client_open(sock.c_str(), "family-test");
         uint32_t h = 0;
-        if (!cl || moecache_client_register_model(cl, mine.c_str(), &h) != 0) ::_exit(4);
-        if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
+        moecache_client* cl = registered_client(sock, mine, "family-test", h);
         const uint32_t hot[] = {11, 12, 13};
         for (int i = 0; i < 200; ++i) moecache_client_report(cl, h, 0, hot, 3, 1);
     }, ready);
@@ -674,10 +682,8 @@ TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {
         const pid_t pid = ::fork();
         if (pid == 0) {
             if (::setgid(uid) != 0 || ::setuid(uid) != 0) ::_exit(3);
-            moecache_client* cl = moecache_client_open(sock.c_str(), "budget-test");
             uint32_t h = 0;
-            if (!cl || moecache_client_register_model(cl, path.c_str(), &h) != 0) ::_exit(4);
-            if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
+            moecache_client* cl = registered_client(sock, path, "budget-test", h);
             uint32_t all[16];
             for (uint32_t e = 0; e < 16; ++e) all[e] = e;
             for (int round = 0; round < 50; ++round) {
@@ -754,10 +760,8 @@ TEST_F(ClientSocketTest, APoolTakesExpertsOutOfRamOnlyWhenEveryClientHoldsThemAn
     // `route`, it reports every expert as routed (heat: the daemon locks them all).
     const auto client = [&](uint32_t uid, bool route, bool pool, int& ready) {
         return spawn_as(uid, [=] {
-            moecache_client* cl = moecache_client_open(sock.c_str(), "placement-test");
             uint32_t h = 0;
-            if (!cl || moecache_client_register_model(cl, model.c_str(), &h) != 0) ::_exit(4);
-            if (!moecache_client_wait_ready(cl, 10000)) ::_exit(5);
+            moecache_client* cl = registered_client(sock, model, "placement-test", h);
             uint32_t experts[16];
             for (uint32_t e = 0; e < 16; ++e) experts[e] = e;
             if (route)
