@@ -397,11 +397,14 @@ TEST_F(HookDaemonRegister, TheRegisteredTierFollowsTheDaemonsLocks) {
     ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && cached(kB) == 1.0 && stats().pinned_bytes == inner_bytes(kB) &&
                                    pinned(kB) && !pinned(kA); },
                       kA, 4, kB, 2))
-        << "pinned " << stats().pinned_bytes << " bytes, B's pages " << inner_bytes(kB) << "\n" << log();
+        << "pinned " << stats().pinned_bytes << " bytes (A " << pinned(kA) << ", B " << pinned(kB) << "), B's pages "
+        << inner_bytes(kB) << ", " << stats().experts_in_vram << " in VRAM, B cached " << cached(kB) << "\n" << log();
     // B grows hotter and takes the pool: the daemon unlocks B and locks A again.
     ASSERT_TRUE(until([&] { return cached(kB) <= kLeft && stats().pinned_bytes == inner_bytes(kA) && pinned(kA) && !pinned(kB); },
                       kB, 12, kA, 1))
-        << "pinned " << stats().pinned_bytes << " bytes, A's pages " << inner_bytes(kA) << "\n" << log();
+        << "pinned " << stats().pinned_bytes << " bytes (A " << pinned(kA) << ", B " << pinned(kB) << "), A's pages "
+        << inner_bytes(kA) << ", " << stats().experts_in_vram << " in VRAM, A cached " << cached(kA) << ", B cached "
+        << cached(kB) << "\n" << log();
 }
 
 }  // namespace

@@ -44,6 +44,7 @@ void Engine::apply_daemon_budgets() {
     if (cfg_.registers()) {
         const bool daemon = moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1;
         if (daemon && !follow_locks_.exchange(true)) {
+            for (Model* m : models_) std::fill(m->daemon_locked.begin(), m->daemon_locked.end(), 0);  // it says anew
             unregister_ahead();
             for (Model* m : models_)
                 for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
@@ -147,20 +148,46 @@ void Engine::drain_placements() {
         }
         const bool one_place = daemon_wants_one_place(d);
         for (const auto& ev : batch) {
-            const Model& m = *models_[ev.model];
+            Model& m = *models_[ev.model];
             const uint32_t block = m.map.layers[ev.expert / m.map.n_experts].index;
             const uint32_t e = ev.expert % m.map.n_experts;
             // Only with a daemon that asked for one place: it also decides when the expert comes back.
             if (ev.in_vram && one_place) drop_host_copy(m, block, e);
             // An expert in the pool is copied from the pool: its pages need no registration (with a
             // daemon, whose locks the tier follows, or when the tier cannot hold every expert).
-            if (ev.in_vram && cfg_.registers() && (follow_locks_.load() || !ahead_.load())) {
-                const uint32_t ls = ev.expert / m.map.n_experts;
-                for (uint32_t t = 0; t < m.slices_per_expert[ls]; ++t)
-                    unregister_slice(*models_[ev.model], m.slice(static_cast<int32_t>(ls), t, e));
+            // With a daemon, one that leaves the pool and is still locked is registered again.
+            if (ev.expert < m.pooled_on.size()) {
+                if (ev.in_vram) m.pooled_on[ev.expert] |= uint64_t{1} << d;
+                else m.pooled_on[ev.expert] &= ~(uint64_t{1} << d);
+            }
+            const auto ls = static_cast<int32_t>(ev.expert / m.map.n_experts);
+            if (cfg_.registers() && follow_locks_.load()) {
+                follow_registration(m, ls, e);
+            } else if (ev.in_vram && cfg_.registers() && !ahead_.load()) {
+                for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)]; ++t) unregister_slice(m, m.slice(ls, t, e));
             }
             if (client_ != nullptr && m.client_handle.load() != UINT32_MAX)
                 (void)moecache_client_report_placement(client_, m.client_handle.load(), block, e, ev.in_vram ? d : -1);
+        }
+    }
+}
+
+// With a daemon: an expert's pages are registered for DMA while the daemon keeps it locked and no
+// pool holds it (a pool copies it from VRAM), and let go otherwise. A Lock can cross the expert's
+// entry into a pool, and an expert can leave a pool while still locked: both land here.
+void Engine::follow_registration(Model& m, int32_t ls, uint32_t expert) {
+    const uint32_t e = m.expert(ls, expert);
+    const bool want = e < m.daemon_locked.size() && m.daemon_locked[e] != 0 && m.pooled_on[e] == 0;
+    for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)]; ++t) {
+        const uint32_t slice = m.slice(ls, t, expert);
+        if (!want) {
+            unregister_slice(m, slice);
+            continue;
+        }
+        uint8_t expected = Model::kNone;
+        if (m.registered[slice].compare_exchange_strong(expected, Model::kAsked)) {
+            std::lock_guard lock(wanted_mu_);
+            wanted_.emplace_back(m.id, slice);
         }
     }
 }
@@ -179,21 +206,9 @@ void Engine::poll_directives() {
         const int32_t ls = m->layer_slot[d[i].block];
         const uint32_t e = m->expert(ls, d[i].expert);
         if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) {
-            // With a daemon the registered tier is what the daemon keeps locked.
-            if (cfg_.registers()) {
-                for (uint32_t t = 0; t < m->slices_per_expert[static_cast<size_t>(ls)]; ++t) {
-                    const uint32_t slice = m->slice(ls, t, d[i].expert);
-                    if (d[i].action == MOECACHE_LOCK) {
-                        uint8_t expected = Model::kNone;
-                        if (m->registered[slice].compare_exchange_strong(expected, Model::kAsked)) {
-                            std::lock_guard lock(wanted_mu_);
-                            wanted_.emplace_back(m->id, slice);
-                        }
-                    } else {
-                        unregister_slice(*m, slice);
-                    }
-                }
-            }
+            // With a daemon the registered tier is what the daemon keeps locked (and no pool holds).
+            m->daemon_locked[e] = d[i].action == MOECACHE_LOCK ? 1 : 0;
+            if (cfg_.registers()) follow_registration(*m, ls, d[i].expert);
             continue;
         }
         directives_.fetch_add(1, std::memory_order_relaxed);

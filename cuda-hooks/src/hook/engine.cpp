@@ -112,8 +112,13 @@ void Engine::run() {
             report_pools();  // the daemon counts this pool's placements once it knows the pool
         }
         // A device that copies experts of layers it had not copied before needs a larger pool.
+        bool resized = false;
         for (auto& slot : pools_)
-            if (DevicePool* dp = slot.load(); dp != nullptr && dp->seen_bytes.load() != dp->sized_for) resize_pool(*dp);
+            if (DevicePool* dp = slot.load(); dp != nullptr && dp->seen_bytes.load() != dp->sized_for) {
+                resize_pool(*dp);
+                resized = true;
+            }
+        if (resized) report_pools();  // a pool that grew from nothing: its placements count from now
         more = cfg_.registers() && register_wanted();
         apply_daemon_budgets();
         poll_directives();

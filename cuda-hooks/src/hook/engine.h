@@ -96,6 +96,11 @@ private:
         // of its whole tensor.
         static constexpr uint8_t kNone = 0, kAsked = 1, kInside = 2, kNever = 3, kWhole = 4;
         std::unique_ptr<std::atomic<uint8_t>[]> registered;
+        // By expert (background thread only): whether the daemon keeps it locked (its last Lock or
+        // Unlock), and the devices whose pools hold it. With a daemon the registered tier is
+        // exactly what is locked and in no pool (follow_registration).
+        std::vector<uint8_t> daemon_locked;
+        std::vector<uint64_t> pooled_on;
         // Registering ahead (background thread only): runs of neighbouring expert tensors.
         std::vector<TensorRun> runs;
         std::vector<uint32_t> run_of_tensor;  // by tensor (slice / n_experts)
@@ -214,6 +219,7 @@ private:
     std::pair<uintptr_t, uintptr_t> slice_span(const Model& m, uint32_t slice) const;
     std::pair<uintptr_t, uintptr_t> slice_pages(const Model& m, uint32_t slice) const;
     void unregister_slice(Model& m, uint32_t slice);
+    void follow_registration(Model& m, int32_t ls, uint32_t e);
     // serve.cpp: the host's pieces of slices [first, first + n) of a copy (PIN=register splits them
     // at registered slices' page-aligned edges); `bytes` may run past the last slice (padding).
     CUresult copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,

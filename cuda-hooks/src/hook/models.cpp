@@ -98,6 +98,8 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
     m->registered.reset(new std::atomic<uint8_t>[base]);
     for (uint32_t i = 0; i < base; ++i) m->registered[i].store(Model::kNone, std::memory_order_relaxed);
     m->n_experts = static_cast<uint32_t>(m->map.layers.size()) * m->map.n_experts;
+    m->daemon_locked.assign(m->n_experts, 0);
+    m->pooled_on.assign(m->n_experts, 0);
     for (auto& p : pools_)
         if (auto* dp = p.load()) {
             std::lock_guard lock(dp->mu);

@@ -293,17 +293,25 @@ bool Engine::register_wanted() {
         if (flag.load() != Model::kAsked) continue;  // let go meanwhile
         const auto [a, b] = slice_pages(m, slice);
         uint8_t next = Model::kNever;
+        bool registered = false;
         if (b > a && pinned_bytes_.load() + (b - a) <= budget) {
             const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
                                                        CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
             if (rc == CUDA_SUCCESS) {
                 pinned_bytes_.fetch_add(b - a);
                 next = Model::kInside;
+                registered = true;
             }
         } else if (follow_locks_.load()) {
             next = Model::kNone;  // over the budget now; a later lock may fit
         }
-        flag.store(next, std::memory_order_release);
+        // An Unlock, or the expert entering the pool, may have let the slice go while it was being
+        // registered (unregister_slice saw kAsked and had nothing to undo): then this undoes it. No
+        // copy read the pages directly yet: copies do so only once the flag says kInside.
+        uint8_t asked = Model::kAsked;
+        if (!flag.compare_exchange_strong(asked, next, std::memory_order_acq_rel) && registered &&
+            drv->mem_host_unregister(reinterpret_cast<void*>(a)) == CUDA_SUCCESS)
+            pinned_bytes_.fetch_sub(b - a);
     }
     return false;
 }

@@ -237,7 +237,10 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
         request_place();  // its directives go out with the turn's placement
     }
     if (x.device == kHostTier) {
-        if (c.vram.erase(key) > 0) one_place_due_.insert(x.model);
+        if (c.vram.erase(key) > 0) {
+            one_place_due_.insert(x.model);
+            MC_LOG(LOG_DEBUG, "client {}: expert {} of block {} of {} left its VRAM pool", c.id, x.expert, x.block, e->path);
+        }
         return true;
     }
     if (!c.vram.insert(key).second) return true;
@@ -295,15 +298,23 @@ void Daemon::settle_one_place() {
             const bool now = !config_.keep_ram_copy && clients > 0 && holders[slot] == clients && evictor[slot];
             r.set_vram(slot, holders[slot], now);
             if (now && !was) released.push_back(slot);
-            relock = relock || (was && !now);
+            if (was && !now) {
+                relock = true;
+                MC_LOG(LOG_DEBUG, "{}: expert {} is wanted in RAM again", m->path, slot);
+            }
         }
         for (uint32_t slot : released) {
             if (r.pinned(slot)) continue;
             if (r.state(slot).tier() == Tier::Locked) {
-                if (auto x = r.release(slot, /*drop=*/true); !x)
+                if (auto x = r.release(slot, /*drop=*/true); !x) {
                     MC_LOG(LOG_WARNING, "{}: releasing expert {} (now in VRAM): {}", m->path, slot, x.error().what());
-                else
+                } else {
                     ++vram_releases_;
+                    MC_LOG(LOG_DEBUG, "{}: expert {} leaves RAM: every client holds it in VRAM", m->path, slot);
+                    // Like every unlock: a hook whose registered tier follows the locks may have
+                    // registered it on a Lock that crossed its own placement.
+                    tell_clients(*m, slot, protocol::Action::Unlock);
+                }
             }
             r.drop_cached(slot);
         }
