@@ -1,6 +1,7 @@
-// The decide step: once per loop turn (request_place() marks the turn; the loop calls place()
-// once), the plan of what to lock and release under the budgets, the reads it needs, warm starts,
-// reads after misses and predictions, and the locks the budgets admit this turn.
+// The decide step of the loop: once per loop turn (request_place() marks the turn; the loop calls
+// place() once) the facts are gathered and decide_turn() (decide.h, pure: src/policy/
+// decide_turn.cpp) says what to lock, release and read under the budgets; here too the reads after
+// misses and predictions.
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/decide.h"
 #include "moecache/daemon/system_memory.h"
@@ -19,90 +20,6 @@
 #include <set>
 
 namespace moecache::daemon {
-
-TurnActions decide_turn(const TurnFacts& f) {
-    TurnActions a;
-    const auto n = static_cast<uint32_t>(f.models.size());
-    std::vector<ModelView> views;
-    views.reserve(n);
-    for (const auto& m : f.models) views.push_back(m.view);
-    a.plan = plan_placement(views, f.lock_cap, f.planner);
-    a.release = a.plan.release;
-    // What may be locked this turn: what was read and waits, then what the plan wants that the page
-    // cache holds already (locked without reading). The rest of the plan is read first.
-    std::vector<std::vector<uint32_t>> ready(n);
-    for (uint32_t i = 0; i < n; ++i) ready[i] = f.models[i].waiting;
-    for (const auto& r : a.plan.lock) {
-        const SlotFacts& s = f.models[r.model].slot(r.slot);
-        if (s.tier != Tier::Storage) continue;
-        if (s.cached >= s.length) ready[r.model].push_back(r.slot);
-        else a.read.push_back(r);
-    }
-    // Warm starts: the experts the profile saw used, hottest first, beyond the plan's locks.
-    for (uint32_t i = 0; i < n; ++i) {
-        const ModelFacts& m = f.models[i];
-        if (!m.warm_pending) continue;
-        std::vector<uint8_t> planned(m.slots.size(), 0);
-        uint64_t to_lock = 0;
-        for (const auto& p : a.plan.lock) {
-            if (p.model != i) continue;
-            if (p.slot != kDenseSlot) planned[p.slot] = 1;
-            const SlotFacts& s = m.slot(p.slot);
-            to_lock += s.length > s.cached ? s.length - s.cached : 0;
-        }
-        TurnActions::WarmReads w;
-        w.model = i;
-        w.room = warm_room(f.memory, to_lock, f.reserve, f.warm_limit);
-        std::vector<WarmCandidate> candidates;
-        const HeatTable& heat = *m.view.heat;
-        const uint32_t ne = heat.n_experts();
-        for (uint32_t slot = 0; slot < m.slots.size(); ++slot) {
-            const SlotFacts& s = m.slots[slot];
-            if (planned[slot] || s.tier != Tier::Storage || !s.wanted_in_ram) continue;
-            if (heat.uses(slot / ne, slot % ne) < f.planner.admit_after_uses) continue;
-            candidates.push_back({slot, heat.heat(slot / ne, slot % ne), s.length > s.cached ? s.length - s.cached : 0});
-        }
-        const auto picks = warm_picks(std::move(candidates), w.room);
-        w.chosen = static_cast<uint32_t>(picks.size());
-        for (const auto& c : picks)
-            if (m.slots[c.slot].cached < m.slots[c.slot].length) w.slots.push_back(c.slot);
-        a.warm.push_back(std::move(w));
-    }
-    // Locks, under every cap as it stands once the releases are done, and the memory there is now
-    // less the reserve: locking cached pages takes them out of MemAvailable, so never below it.
-    std::vector<LockHolder> holders;
-    holders.reserve(n);
-    for (const auto& m : f.models) holders.push_back(m.holder);
-    for (const auto& r : a.release) {
-        const uint64_t b = f.models[r.model].slot(r.slot).lock_bytes;
-        holders[r.model].locked -= std::min(holders[r.model].locked, b);
-    }
-    const uint64_t lockable = f.memory.available > f.reserve ? f.memory.available - f.reserve : 0;
-    LockLedger ledger(f.lock_cap, lockable, std::move(holders));
-    uint64_t budget = f.lock_bytes_per_turn;
-    a.waiting.resize(n);
-    for (uint32_t i = 0; i < n; ++i)
-        for (uint32_t slot : ready[i]) {
-            if (budget == 0) {
-                a.waiting[i].push_back(slot);
-                continue;
-            }
-            const SlotFacts& s = f.models[i].slot(slot);
-            budget -= std::min(budget, s.lock_bytes);
-            if (s.tier == Tier::Locked) continue;
-            if (!s.wanted_in_ram) {  // a VRAM pool took it while it was being read
-                a.given_up.push_back({i, slot});
-                continue;
-            }
-            if (const LockRefusal why = ledger.admits(i, s.lock_bytes); why != LockRefusal::None) {
-                a.refused.push_back({{i, slot}, why});
-                continue;
-            }
-            ledger.took(i, s.lock_bytes);
-            a.lock.push_back({i, slot});
-        }
-    return a;
-}
 
 uint64_t Daemon::lock_cap() const {
     return daemon::lock_cap(memory_facts(), config_.lock_budget.resolve(mem_total_), config_.reserve.resolve(mem_total_),

@@ -1,6 +1,7 @@
 #include "moecache/sim/replay.h"
 
 #include "moecache/cuda/vram_pool.h"
+#include "moecache/daemon/decide.h"
 #include "moecache/daemon/heat.h"
 #include "moecache/daemon/predictor.h"
 
@@ -13,6 +14,9 @@ namespace moecache::sim {
 namespace {
 
 enum class Where { Vram, Ram, Staged, Storage };
+
+// A daemon's loop turns between two ticks, at most (its turns are milliseconds apart).
+constexpr int kMaxTurnsPerTick = 4096;
 
 // Accounts accesses and moves for one policy.
 class Ledger {
@@ -260,23 +264,61 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     auto in_ram = [&](uint32_t slot) { return view.locked[slot] != 0 || cache.has(slot); };
     auto fit_cache = [&] { cache.shrink_to(setup.ram_bytes - std::min(locked_bytes, setup.ram_bytes), bytes_of); };
 
+    // The daemon's decide step as its loop runs it (decide.h): the turn's facts (what is locked,
+    // what the page cache holds, what a pool holds), decide_turn(), and its actions carried out.
+    // Storage is far faster than a tick, so a turn's reads have landed by the next turn, which locks
+    // them as a daemon's finished reads ask it to; at most lock_bytes_per_turn are locked a turn,
+    // and turns follow until nothing waits.
+    std::vector<uint8_t> reading(n_slots, 0);
     auto plan = [&] {
-        const daemon::Plan p = daemon::plan_placement(std::span<const daemon::ModelView>(&view, 1), setup.ram_bytes, setup.planner);
-        for (const auto& r : p.release) {
-            if (r.slot == daemon::kDenseSlot || !view.locked[r.slot]) continue;
-            view.locked[r.slot] = 0;
-            locked_bytes -= bytes_of(r.slot);
-            if (!in_vram(r.slot)) cache.insert_cold(r.slot, bytes_of(r.slot));
-        }
-        for (const auto& r : p.lock) {
-            if (r.slot == daemon::kDenseSlot || view.locked[r.slot] || in_vram(r.slot)) continue;
-            if (cache.has(r.slot)) {
-                cache.remove(r.slot, bytes_of(r.slot));
-            } else {
-                ledger.ahead_to_ram(bytes_of(r.slot));
+        std::vector<uint32_t> waiting;
+        for (int turn = 0; turn < kMaxTurnsPerTick; ++turn) {
+            daemon::TurnFacts f;
+            f.memory.total = setup.ram_bytes;
+            f.memory.available = setup.ram_bytes - std::min(locked_bytes, setup.ram_bytes);
+            f.lock_cap = setup.ram_bytes;
+            f.planner = setup.planner;
+            daemon::ModelFacts& mf = f.models.emplace_back();
+            mf.view = view;
+            mf.slots.resize(n_slots);
+            for (uint32_t s = 0; s < n_slots; ++s)
+                mf.slots[s] = daemon::SlotFacts{view.locked[s] ? daemon::Tier::Locked
+                                                : reading[s]   ? daemon::Tier::Fetching
+                                                               : daemon::Tier::Storage,
+                                                cache.has(s) || reading[s] ? bytes_of(s) : 0, bytes_of(s), bytes_of(s),
+                                                !in_vram(s)};
+            mf.holder.locked = locked_bytes;
+            mf.holder.cap = view.budget;
+            mf.waiting = std::move(waiting);
+            const daemon::TurnActions a = daemon::decide_turn(f);
+            for (const auto& r : a.release) {
+                if (r.slot == daemon::kDenseSlot || !view.locked[r.slot]) continue;
+                view.locked[r.slot] = 0;
+                locked_bytes -= bytes_of(r.slot);
+                if (!in_vram(r.slot)) cache.insert_cold(r.slot, bytes_of(r.slot));
             }
-            view.locked[r.slot] = 1;
-            locked_bytes += bytes_of(r.slot);
+            waiting = a.waiting.empty() ? std::vector<uint32_t>{} : a.waiting[0];
+            for (const auto& r : a.read) {
+                if (r.slot == daemon::kDenseSlot || reading[r.slot]) continue;
+                reading[r.slot] = 1;
+                ledger.ahead_to_ram(bytes_of(r.slot));
+                waiting.push_back(r.slot);
+            }
+            for (const auto& r : a.lock) {
+                if (r.slot == daemon::kDenseSlot) continue;
+                reading[r.slot] = 0;
+                cache.remove(r.slot, bytes_of(r.slot));
+                view.locked[r.slot] = 1;
+                locked_bytes += bytes_of(r.slot);
+            }
+            for (const auto& x : a.refused) {  // read, not locked: the page cache keeps it, first to go
+                if (x.at.slot == daemon::kDenseSlot || !reading[x.at.slot]) continue;
+                reading[x.at.slot] = 0;
+                if (!in_vram(x.at.slot)) cache.insert_cold(x.at.slot, bytes_of(x.at.slot));
+            }
+            for (const auto& r : a.given_up)
+                if (r.slot != daemon::kDenseSlot) reading[r.slot] = 0;
+            if (waiting.empty()) break;
         }
         fit_cache();
         if (setup.device()) {

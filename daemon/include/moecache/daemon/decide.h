@@ -7,14 +7,15 @@
 //     kLockBytesPerTurn a turn (mlock takes the loop's time); the rest wait for the next turn;
 //     refused ones go back to storage (the plan asks again); one a VRAM pool took while it was
 //     being read is dropped (one place).
-// The loop builds the facts (Daemon::place), decide_turn() decides, and the actuator
-// (actuate.cpp) is the only code that changes residency to carry the actions out. Tested without
-// root in tests/unit/decide_test.cpp.
+// The loop builds the facts (Daemon::place, src/decide.cpp), decide_turn() decides
+// (src/policy/decide_turn.cpp), and the actuator (src/actuate.cpp) is the only code that changes
+// residency to carry the actions out. moecache-sim replays traces through the same function.
+// Tested without root in tests/unit/decide_test.cpp.
 #pragma once
 
 #include "moecache/daemon/budgets.h"
-#include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
+#include "moecache/daemon/tier.h"
 
 #include <cstdint>
 #include <vector>

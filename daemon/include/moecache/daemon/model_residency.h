@@ -8,6 +8,7 @@
 #include "moecache/daemon/mapped_model.h"
 #include "moecache/daemon/page_locker.h"
 #include "moecache/daemon/planner.h"
+#include "moecache/daemon/tier.h"
 #include "moecache/page_cache.h"
 
 #include <algorithm>
@@ -16,9 +17,6 @@
 #include <vector>
 
 namespace moecache::daemon {
-
-enum class Tier : uint8_t { Storage, Fetching, Locked };
-const char* to_string(Tier t);
 
 // Where an expert is, in the one vocabulary every reader uses (/metrics, D-Bus, moecachectl): in
 // storage only ("ssd": the page cache may hold some of it), being read in ("fetching"), locked in

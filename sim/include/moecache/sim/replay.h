@@ -2,9 +2,10 @@
 // expert pool), RAM (host memory), storage — under a placement policy, with the bytes each access
 // and each move puts on each link, and the tokens/s that gives.
 //
-// The policy "moecache" is the real code, not a copy: the daemon's heat table, planner and pool
-// directives (daemon/src/policy) decide what RAM holds and what the pool keeps promoted, every
-// `tick_seconds` of trace time as the daemon does; the CUDA hook's VRAM pool and its local heat
+// The policy "moecache" is the real code, not a copy: the daemon's heat table, its loop turn's
+// decide step (decide_turn: the planner, the budgets, reads and then locks of at most 512 MiB a
+// turn) and pool directives (daemon/src/policy) decide what RAM holds and what the pool keeps
+// promoted, every `tick_seconds` of trace time as the daemon does; the CUDA hook's VRAM pool and its local heat
 // (cuda-hooks/src/vram_pool.cpp) admit and evict on every access. What the planner does not lock
 // the kernel's page cache holds, modelled as LRU over the rest of the RAM budget. One place: an
 // expert the pool admits is unlocked (the daemon's keep_ram_copy = false); its pages, which the
