@@ -1,4 +1,5 @@
 #include "moecache/daemon/daemon.h"
+#include "moecache/daemon/descriptors.h"
 #include "moecache/daemon/system_memory.h"
 
 #include "daemon_state.h"
@@ -61,6 +62,15 @@ std::optional<gid_t> group_id(const std::string& name) {
     return std::nullopt;
 }
 // [daemon] oom_score_adj, unless the service manager (OOMScoreAdjust=) or a parent set one.
+// [clients] max as the descriptors allow: fewer clients, said once, rather than a loop that runs
+// out of descriptors for the models, /metrics and the bus.
+void fit_clients_to_descriptors(Config& c) {
+    const DescriptorBudget b = descriptor_budget(c, nofile_limit());
+    if (b.fits()) return;
+    MC_LOG(LOG_WARNING, "{}", describe(b));
+    c.max_clients = std::max<uint32_t>(b.clients, 1);
+}
+
 void protect_from_oom(int adj) {
     if (adj == 0) return;
     const auto now = read_whole_file("/proc/self/oom_score_adj", 64, "oom_score_adj");
@@ -82,6 +92,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->admin_gid_ = group_id(d->config_.dbus_admin_group);
     protect_from_oom(d->config_.oom_score_adj);
     MC_TRY_VOID(validate_config(d->config_, d->mem_total_));
+    fit_clients_to_descriptors(d->config_);
     d->cgroup_ = own_memory_cgroup_limit();
     if (d->cgroup_)
         MC_LOG(LOG_INFO, "memory cgroup {} (v{}) limits the daemon to {} MiB: locks stay below it by the reserve",
@@ -269,6 +280,7 @@ void Daemon::on_pressure(const std::string& source) {
 
 Result<void> Daemon::reload(Config config) {
     MC_TRY_VOID(validate_config(config, mem_total_));
+    fit_clients_to_descriptors(config);
     // Models no longer configured are closed; new ones are opened.
     std::vector<std::unique_ptr<ModelEntry>> kept;
     for (auto& m : models_) {

@@ -1,6 +1,7 @@
 // moecached: loads the configuration, then hands over to the event loop.
 #include "moecache/daemon/config.h"
 #include "moecache/daemon/daemon.h"
+#include "moecache/daemon/descriptors.h"
 #include "moecache/log.h"
 
 #include <fmt/format.h>
@@ -65,7 +66,15 @@ int main(int argc, char** argv) {
         MC_LOG(LOG_ERR, "{}", v.error().what());
         return 1;
     }
+    // Descriptors: the soft limit as high as the hard one goes (systemd gives services 1024 soft for
+    // select(), which moecached does not use); what the configuration needs is checked against it.
+    if (rlimit nofile{}; ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+        nofile.rlim_cur = nofile.rlim_max;
+        (void)::setrlimit(RLIMIT_NOFILE, &nofile);  // failing, the daemon fits its clients to the old one
+    }
     if (check) {
+        const auto fds = moecache::daemon::descriptor_budget(*config, moecache::daemon::nofile_limit());
+        fmt::print("{}{}\n", fds.fits() ? "" : "warning: ", moecache::daemon::describe(fds));
         fmt::print("{}: valid ({} file(s) read, {} model entr{})\n", config_path, config->sources.size(),
                    config->models.size(), config->models.size() == 1 ? "y" : "ies");
         return 0;

@@ -49,6 +49,26 @@ TEST_F(Moecached, CheckValidatesAndExits) {
     EXPECT_NE(r.out.find("valid"), std::string::npos) << r.out;
 }
 
+// [clients] max against RLIMIT_NOFILE (issue 20 row 4's root): a hard limit of 512 holds about a
+// hundred clients, not 65536; --check says so and the daemon serves what fits, said once.
+TEST_F(Moecached, ClientsAreFittedToTheDescriptorLimit) {
+    test::write_file(dir_.file("many.toml"), config() + "[clients]\nmax = 65536\n");
+    const auto r = test::run({"prlimit", "--nofile=512:512", MOECACHE_DAEMON_BIN, "--config", dir_.file("many.toml"), "--check"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("warning: descriptors: [clients] max = 65536"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("RLIMIT_NOFILE is 512"), std::string::npos) << r.out;
+    // A soft limit below the hard one is raised: 256 soft, 4096 hard holds the default max.
+    test::write_file(dir_.file("good.toml"), config());
+    const auto raised = test::run({"prlimit", "--nofile=256:4096", MOECACHE_DAEMON_BIN, "--config", dir_.file("good.toml"), "--check"});
+    EXPECT_NE(raised.out.find("descriptors: [clients] max = 256 needs about"), std::string::npos) << raised.out;
+    EXPECT_NE(raised.out.find("RLIMIT_NOFILE 4096"), std::string::npos) << raised.out;
+    test::Background d({"prlimit", "--nofile=512:512", MOECACHE_DAEMON_BIN, "--config", dir_.file("many.toml")});
+    EXPECT_TRUE(d.wait_for("client(s) at once", 20)) << d.output();
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+}
+
 TEST_F(Moecached, RunsReloadsOnSighupAndStopsOnSigterm) {
     const std::string cfg = dir_.file("moecached.toml");
     test::write_file(cfg, config());

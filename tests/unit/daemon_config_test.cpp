@@ -5,6 +5,7 @@
 #include "temp_dir.h"
 
 #include "moecache/daemon/config.h"
+#include "moecache/daemon/descriptors.h"
 
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
@@ -806,6 +807,35 @@ TEST(FormatBytes, ExactUnitsAndOthers) {
     EXPECT_EQ(format_bytes(4 * kKiB), "4 KiB");
     EXPECT_EQ(format_bytes(48 * kGiB), "48 GiB");
     EXPECT_EQ(format_bytes(48 * kGiB + 1), "51539607553 bytes (48.0 GiB)");
+}
+
+// [clients] max against RLIMIT_NOFILE: systemd's soft limit of 1024 holds a few hundred clients,
+// not [clients] max = 65536; the daemon serves what fits and --check says so.
+TEST(DescriptorBudget, ClientsFitWhatTheLimitLeaves) {
+    Config c;
+    c.max_clients = 256;
+    const DescriptorBudget fits = descriptor_budget(c, 1024);
+    EXPECT_TRUE(fits.fits());
+    EXPECT_EQ(fits.clients, 256u);
+    EXPECT_LE(fits.needed(256), 1024u);
+    EXPECT_NE(describe(fits).find("max = 256"), std::string::npos) << describe(fits);
+
+    c.max_clients = 65536;
+    const DescriptorBudget over = descriptor_budget(c, 1024);
+    EXPECT_FALSE(over.fits());
+    EXPECT_GT(over.clients, 100u);
+    EXPECT_LT(over.clients, 400u);
+    EXPECT_LE(over.needed(over.clients), 1024u);
+    EXPECT_GT(over.needed(over.clients + 1), 1024u);
+    EXPECT_NE(describe(over).find("LimitNOFILE"), std::string::npos) << describe(over);
+
+    // Without /metrics its connections leave room for more clients; each model entry takes some.
+    c.metrics_listen.clear();
+    EXPECT_GT(descriptor_budget(c, 1024).clients, over.clients);
+    c.models.resize(100);
+    EXPECT_LT(descriptor_budget(c, 1024).clients, over.clients);
+    // A limit that holds nothing but the fixed part: no client fits.
+    EXPECT_EQ(descriptor_budget(c, 16).clients, 0u);
 }
 
 }  // namespace
