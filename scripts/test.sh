@@ -29,7 +29,7 @@ if [ "${MOECACHE_SKIP_SANITIZE:-0}" != 1 ]; then
   CC=clang CXX=clang++ cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Debug \
       -DMOECACHE_WERROR=ON -DMOECACHE_SANITIZE=ON -DMOECACHE_FUZZ=ON \
       -DMOECACHE_FUZZ_SECONDS="${MOECACHE_FUZZ_SECONDS:-60}" >/dev/null
-  ninja -C build-sanitize -j "$jobs"
+  ninja -C build-sanitize -j "$jobs" moecache-unit-tier  # what the unit and fuzz labels run
   echo "== tests (sanitizer build: unit, fuzz) =="
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-sanitize --output-on-failure -L 'unit|fuzz' -j "$jobs" || status=1
