@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds the llama.cpp tools the GPU benchmarks run (llama-server, llama-bench, llama-completion)
+# from a llama.cpp source tree, for CUDA (sm_90 by default: the H200), without the flash-attention
+# kernels (the benchmarks run -fa off), into OUT/bin. Nothing of llama.cpp is kept in this
+# repository: fetch a snapshot (e.g. unslothai/llama.cpp) and copy ggml, src, include, common,
+# vendor, cmake, scripts, tools and CMakeLists.txt somewhere ignored. The server is built without
+# its web UI (its assets come from npm or a download).
+#
+#   bench/build-llama-cuda.sh LLAMA_SRC OUT [TARGET...]
+# Environment: CUDA_ARCH (90), JOBS (all cores). An OUT/bin that has the targets already is kept.
+set -euo pipefail
+src=$(realpath "${1:?usage: bench/build-llama-cuda.sh LLAMA_SRC OUT [TARGET...]}")
+out=${2:?usage: bench/build-llama-cuda.sh LLAMA_SRC OUT [TARGET...]}
+shift 2
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(llama-server llama-bench llama-completion)
+have=1
+for t in "${targets[@]}"; do [ -x "$out/bin/$t" ] || have=0; done
+[ $have = 1 ] && { echo "build-llama-cuda: $out/bin has ${targets[*]}"; exit 0; }
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+cmake -S "$src" -B "$out" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DCMAKE_CUDA_COMPILER="$nvcc" -DGGML_CUDA_FA=OFF \
+  -DGGML_CUDA_NCCL=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+  > "$out.configure.log" 2>&1 ||
+  { tail -20 "$out.configure.log"; exit 1; }
+cmake --build "$out" -j "${JOBS:-$(nproc)}" --target "${targets[@]}" > "$out.build.log" 2>&1 ||
+  { grep -m5 -i error "$out.build.log"; tail -5 "$out.build.log"; exit 1; }
+echo "build-llama-cuda: built ${targets[*]} in $out/bin"

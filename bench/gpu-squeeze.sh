@@ -1,0 +1,372 @@
+#!/usr/bin/env bash
+# The whole stack on a GPU machine (issue 21): a model larger than the RAM the runtime may use,
+# served from storage -> RAM -> VRAM with one place per expert, by stock CUDA llama-server, as
+# people run it: requests through its HTTP API, a prompt and then decode each.
+#
+# Models: a decode model (q5_K: llama.cpp repacks neither it nor the prompt model for its x86 CPU
+# kernels, so the CPU anchors run at their defaults and the weights stay in the page cache) and
+# its low-bit sibling for prompts (q3_K), one family (same architecture, shape and name). A memory
+# cgroup (v2, or v1's memory controller) around the runtime and moecached holds RAM_SHARE of the
+# decode model (1/1.5 by default).
+#
+# Configurations (rounds interleaved; each run from a dropped page cache unless said):
+#   unsq-cpu      no cgroup, model cached, -ot exps=CPU at llama.cpp's default offload threshold:
+#                 the anchor users have today, unsqueezed
+#   sq-cpu        the same in the cgroup
+#   sq-recipe     in the cgroup, the unified-memory recipe (GGML_OP_OFFLOAD_MIN_BATCH=1, experts
+#                 in pageable host memory, their math on the GPU)
+#   sq-static     in the cgroup, the last layers' experts in VRAM statically (as many bytes as the
+#                 pool), the rest as sq-cpu
+#   mc-cold       moecached (in the cgroup, no heat) + the CUDA hook (pool POOL % of the experts,
+#                 one place, the registered tier following the daemon's locks) + lazy load
+#   mc-warm       the same, moecached restarted with the heat profile mc-cold saved
+#   mcS-cold/-warm the same with a pool of SMALL_POOL %: RAM + VRAM < model, some comes from storage
+#   swap-family   moecached fresh; the prompt model processes a long prompt, then the decode model
+#                 starts and decodes: its family's heat locks, reads and pools before its first token
+#   swap-alone    the same with the two models in families of their own (no shared heat)
+#   text          (one round) the recipe unsqueezed: the greedy text the hook must reproduce
+# Each server run sends REQUESTS requests (bench/serve_requests.py, llama-server's /completion): a
+# prompt of PROMPT_WORDS words (about 2.5 tokens each), then N_PREDICT greedy tokens, EOS ignored,
+# the generated vocabulary's byte tokens (ids 3-258) never sampled (alone they are not UTF-8, and
+# llama-server's output parser ends a stream that has one). Reported per configuration,
+# medians over rounds: prompt and decode tok/s of each request, decode tok/s over tokens 25-50 and
+# "steady" (after 50), storage bytes read per decoded token (the model disk's counters, between a
+# request's first token and its last), OOM kills in the cgroup; for moecache also its pool hits
+# (the hook's summary), locks and the one-place check: every few seconds `moecachectl experts
+# --json` (with a private bus) or /metrics: no expert both locked in RAM and held by a pool.
+#
+#   bench/gpu-squeeze.sh LLAMA_BIN [WORKDIR]
+# LLAMA_BIN: a folder with llama-server of a CUDA build and its libraries.
+# Environment: BUNDLE (a scripts/bundle.sh directory; made from MOECACHE_BUILD, default build,
+#   when not given), CONFIGS, ROUNDS (2), POOL (50), SMALL_POOL (10), RAM_SHARE (0.66),
+#   RESERVE (2GiB), REQUESTS (3), PROMPT_WORDS (1200), N_PREDICT (128), SQ_N_PREDICT (32: the
+#   squeezed CPU runs decode this many), LAYERS EXPERTS USED EMBD FF (the shape: 32 128 8 2048
+#   1792), TYPE (q5_K), PROMPT_TYPE (q3_K), THREADS (llama-server's -t; its own default unless
+#   set), DBUS_DAEMON (a dbus-daemon for a private bus; default the PATH's), SERVER_TIMEOUT (900 s
+#   for a server to load).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+top=$(cd "$here/.." && pwd)
+source "$here/common.sh"
+bin=$(realpath "${1:?usage: bench/gpu-squeeze.sh LLAMA_BIN [WORKDIR]}")
+work=${2:-/var/tmp/moecache-gpu-squeeze}
+[ "$(id -u)" = 0 ] || { echo "gpu-squeeze: needs root (a memory cgroup, the daemon's locks, BPF)" >&2; exit 2; }
+[ -x "$bin/llama-server" ] || { echo "gpu-squeeze: $bin/llama-server is missing" >&2; exit 2; }
+rounds=${ROUNDS:-2}
+pool=${POOL:-50}
+small_pool=${SMALL_POOL:-10}
+ram_share=${RAM_SHARE:-0.66}
+reserve=${RESERVE:-2GiB}
+requests=${REQUESTS:-3}
+prompt_words=${PROMPT_WORDS:-1200}
+n_predict=${N_PREDICT:-128}
+sq_n_predict=${SQ_N_PREDICT:-32}
+layers=${LAYERS:-32}
+configs=(${CONFIGS:-unsq-cpu sq-cpu sq-recipe sq-static mc-cold mc-warm mcS-cold mcS-warm swap-family swap-alone text})
+mkdir -p "$work"
+work=$(realpath "$work")
+
+bundle=${BUNDLE:-}
+if [ -z "$bundle" ]; then
+  bundle=$work/bundle
+  "$top/scripts/bundle.sh" "$bundle" "${MOECACHE_BUILD:-$top/build}" >/dev/null
+fi
+bundle=$(realpath "$bundle")
+daemon=$bundle/bin/moecached
+ctl=$bundle/bin/moecachectl
+mkmodel=$bundle/bin/moecache-mkmodel
+hook=$bundle/lib/libmoecache-cuda.so
+rearm=$bundle/lib/libmoecache-rearm.so
+for f in "$daemon" "$ctl" "$mkmodel" "$hook" "$rearm"; do [ -e "$f" ] || { echo "gpu-squeeze: $f is missing" >&2; exit 2; }; done
+
+# The models: one family, two quantizations, the same routing (seed and preset).
+shape=(--layers "$layers" --experts "${EXPERTS:-128}" --experts-used "${USED:-8}" --embd "${EMBD:-2048}"
+       --ff "${FF:-1792}" --preset deepseek-v4-flash --seed 11)
+model=$work/decode-${TYPE:-q5_K}.gguf
+pmodel=$work/prompt-${PROMPT_TYPE:-q3_K}.gguf
+[ -f "$model" ] || "$mkmodel" --output "$model" "${shape[@]}" --expert-type "${TYPE:-q5_K}" >/dev/null
+[ -f "$pmodel" ] || "$mkmodel" --output "$pmodel" "${shape[@]}" --expert-type "${PROMPT_TYPE:-q3_K}" >/dev/null
+sync
+model_bytes=$(stat -c %s "$model")
+limit=$(awk -v b="$model_bytes" -v s="$ram_share" 'BEGIN {printf "%.0f", b * s}')
+info=$("$ctl" inspect "$model" --json)
+expert_bytes=$(python3 -c 'import json,sys; j=json.loads(sys.argv[1]); print(j["layers"][0]["bytes_per_expert"])' "$info" 2>/dev/null || echo 0)
+dev=$(basename "$(df --output=source "$model" | tail -1)")
+sectors() { awk -v d="$dev" '$3 == d {print $6}' /proc/diskstats; }
+
+# Prompts of ordinary words, one per request (different texts: nothing is cached between them).
+python3 - "$work" "$prompt_words" "$requests" <<'EOF'
+import json, random, sys
+work, words, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+vocab = "the of and to in is was for on that with as by at from his her they this which or an be are".split()
+def text(seed, k):
+    r = random.Random(seed)
+    return " ".join(r.choice(vocab) for _ in range(k))
+json.dump([text(100 + i, words) for i in range(n)], open(f"{work}/prompts.json", "w"))
+json.dump([text(7, words * 2)], open(f"{work}/long-prompt.json", "w"))  # the swap's prompt
+json.dump([text(8, 24)], open(f"{work}/short-prompt.json", "w"))        # and its decode request
+EOF
+
+memory_cgroup "moecache-gpu-squeeze.$$" || exit 2
+set_limit "$limit"
+dpid= spid= bus_pid= sampler=
+cleanup() {
+  for p in $sampler $spid $dpid $bus_pid; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rmdir "$cg" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+# A private system-type bus for moecachectl, where a dbus-daemon is at hand (the GPU machine has
+# none installed: carry one), else the one-place check reads /metrics.
+bus=off
+dbus=${DBUS_DAEMON:-$(command -v dbus-daemon || true)}
+if [ -n "$dbus" ] && [ -x "$dbus" ]; then
+  sed -e "s|@SOCKET@|$work/bus.sock|" -e "s|@POLICY@|$top/dbus/org.moecache1.conf|" \
+    "$top/dbus/private-bus.conf.in" > "$work/bus.conf"
+  rm -f "$work/bus.sock"
+  "$dbus" --config-file="$work/bus.conf" --nofork --nopidfile > "$work/bus.log" 2>&1 &
+  bus_pid=$!
+  for _ in $(seq 50); do [ -S "$work/bus.sock" ] && break; sleep 0.1; done
+  [ -S "$work/bus.sock" ] && bus="unix:path=$work/bus.sock"
+fi
+export DBUS_SYSTEM_BUS_ADDRESS=${bus#off}
+
+port=18475
+# GET URL to stdout (python3's: the GPU machine may have no curl); fails quietly.
+http_get() { python3 -c 'import sys, urllib.request
+try: sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())
+except Exception as e: sys.stderr.write(f"http_get {sys.argv[1]}: {e}\n"); sys.exit(1)' "$1"; }
+metric() { http_get "http://127.0.0.1:$port/metrics" 2>/dev/null | awk -v m="$1" 'index($1, m) == 1 {s += $2} END {print s + 0}'; }
+# daemon_config FAMILIES: both models configured; FAMILIES=separate gives each a family of its own.
+daemon_config() {
+  local fam_d= fam_p=
+  [ "${1:-}" = separate ] && { fam_d='family = "decode-alone"'; fam_p='family = "prompt-alone"'; }
+  cat > "$work/moecached.toml" <<TOML
+[daemon]
+state_dir = "$work/state"
+socket = "$work/moecached.sock"
+[budget]
+lock = "$(( limit ))"
+reserve = "$reserve"
+[metrics]
+listen = "127.0.0.1:$port"
+[dbus]
+bus = "$( [ "$bus" = off ] && echo off || echo "$bus")"
+[[model]]
+path = "$model"
+$fam_d
+[[model]]
+path = "$pmodel"
+$fam_p
+TOML
+}
+start_daemon() {
+  sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "$work/moecached.toml" > "$work/daemon.log" 2>&1 &
+  dpid=$!
+  for _ in $(seq 200); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done
+  for _ in $(seq 600); do [ "$(metric moecache_prefetch_queued_bytes)" = 0 ] && break; sleep 0.1; done
+}
+stop_daemon() {
+  [ -n "$dpid" ] || return 0
+  kill "$dpid" 2>/dev/null || echo "  (moecached had exited: $(tail -1 "$work/daemon.log"))" >&2
+  wait "$dpid" 2>/dev/null || true
+  dpid=
+}
+# One place, live: experts both locked and in a pool (not pinned, keep_ram_copy off), sampled.
+sample_one_place() {
+  local out=$1
+  : > "$out"
+  while sleep 3; do
+    if [ "$bus" != off ]; then
+      "$ctl" experts "$model" --top 0 --json 2>/dev/null | python3 -c '
+import json, sys
+try: e = json.load(sys.stdin)
+except ValueError: sys.exit()
+both = sum(1 for x in e if x["tier"] == "vram+ram" and not x["pinned"])
+print(both, sum(1 for x in e if x["vram_pools"]), sum(1 for x in e if x["tier"] == "ram"))' >> "$out" || true
+    else
+      http_get "http://127.0.0.1:$port/metrics" 2>/dev/null | awk '
+        /^moecache_experts\{/ && /decode/ { if ($0 ~ /tier="vram\+ram"/) b += $2; if ($0 ~ /tier="vram"/) v += $2; if ($0 ~ /tier="ram"/) r += $2 }
+        END { print b + 0, v + 0, r + 0 }' >> "$out" || true
+    fi
+  done
+}
+
+static_ot() {  # the last layers' experts on the GPU, as many bytes as a pool of $pool %
+  local n=$(( layers * pool / 100 )) first
+  first=$(( layers - n ))
+  echo "blk\.($(seq -s '|' "$first" $(( layers - 1 ))))\.ffn_.*_exps\.=CUDA0"
+}
+
+# serve NAME MODEL CGROUP(0/1) PROMPTS N_PREDICT ENV...: one llama-server, the requests, stopped.
+serve() {
+  local name=$1 m=$2 in_cg=$3 prompts=$4 n=$5
+  shift 5
+  local ot=(-ot exps=CPU)
+  case $name in sq-static*) ot=(-ot "$(static_ot),exps=CPU") ;; esac
+  local args=(-m "$m" -ngl 99 "${ot[@]}" -fa off -c 8192 -np 1 --port 18080 --no-webui --seed 1)
+  [ -n "${THREADS:-}" ] && args+=(-t "$THREADS")
+  if [ "$in_cg" = 1 ]; then
+    sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" env "$@" "$bin/llama-server" "${args[@]}" > "$work/$name.server.log" 2>&1 &
+  else
+    env "$@" "$bin/llama-server" "${args[@]}" > "$work/$name.server.log" 2>&1 &
+  fi
+  spid=$!
+  local t0 ok=0
+  t0=$(date +%s.%N)
+  for _ in $(seq $(( ${SERVER_TIMEOUT:-900} * 5 ))); do
+    kill -0 "$spid" 2>/dev/null || break
+    http_get http://127.0.0.1:18080/health >/dev/null 2>&1 && { ok=1; break; }
+    sleep 0.2
+  done
+  local load_s
+  load_s=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+  if [ $ok = 1 ]; then
+    python3 "$here/serve_requests.py" http://127.0.0.1:18080 "$prompts" "$work/$name.json" --n-predict "$n" --disk "$dev" --raw --ban 3-258 ||
+      echo "gpu-squeeze: $name: the requests failed" >&2
+  else
+    echo "gpu-squeeze: $name: llama-server did not come up: $(tail -n 3 "$work/$name.server.log")" >&2
+    echo '[{"error": "no server"}]' > "$work/$name.json"
+  fi
+  kill "$spid" 2>/dev/null || true
+  wait "$spid" 2>/dev/null || true
+  spid=
+  echo "$load_s" > "$work/$name.load"
+}
+
+drop_caches() { sync; echo 1 > /proc/sys/vm/drop_caches; }
+hook_env() {  # hook_env POOL_PERCENT
+  echo LD_PRELOAD="$rearm:$hook" MOECACHE_LOAD=lazy MOECACHE_REARM_MS=0 GGML_OP_OFFLOAD_MIN_BATCH=1 \
+       MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1 MOECACHE_SOCKET="$work/moecached.sock"
+}
+
+# run CONFIG ROUND: one configuration's run, its rows in $work/CONFIG.ROUND.*.
+run() {
+  local c=$1 r=$2 out=$c.$r k0 s0
+  k0=$(oom_kills)
+  s0=$(sectors)
+  case $c in
+    unsq-cpu) cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
+    text) cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
+    sq-cpu) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
+    sq-recipe) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$sq_n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
+    sq-static) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
+    mc-cold|mcS-cold|mc-warm|mcS-warm)
+      local p=$pool
+      [[ $c == mcS-* ]] && p=$small_pool
+      daemon_config
+      [[ $c == *-cold ]] && rm -rf "$work/state/profiles"
+      drop_caches
+      start_daemon
+      sample_one_place "$work/$out.oneplace" & sampler=$!
+      # shellcheck disable=SC2046
+      serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" $(hook_env "$p")
+      kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
+      http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
+      stop_daemon ;;  # saves the heat the warm run starts from
+    swap-family|swap-alone)
+      [ "$c" = swap-alone ] && daemon_config separate || daemon_config
+      rm -rf "$work/state/profiles"
+      drop_caches
+      start_daemon
+      # shellcheck disable=SC2046
+      serve "$out.prompt" "$pmodel" 1 "$work/long-prompt.json" 1 $(hook_env "$pool")
+      sample_one_place "$work/$out.oneplace" & sampler=$!
+      # shellcheck disable=SC2046
+      serve "$out" "$model" 1 "$work/short-prompt.json" "$n_predict" $(hook_env "$pool")
+      kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
+      http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
+      stop_daemon ;;
+    *) echo "gpu-squeeze: unknown configuration $c" >&2; exit 2 ;;
+  esac
+  echo $(( $(oom_kills) - k0 )) > "$work/$out.oom"
+  echo $(( ($(sectors) - s0) * 512 )) > "$work/$out.disk"
+}
+
+echo "decode model $(numfmt --to=iec "$model_bytes") ($model), prompt model $(du -h "$pmodel" | cut -f1);" \
+     "memory cgroup $(numfmt --to=iec "$limit") ($cg), pool $pool % / $small_pool %, reserve $reserve, bus $bus, $rounds round(s)"
+for r in $(seq "$rounds"); do
+  for c in "${configs[@]}"; do
+    [ "$c" = text ] && [ "$r" != 1 ] && continue
+    echo "  round $r: $c" >&2
+    run "$c" "$r"
+  done
+done
+
+python3 - "$work" "$rounds" "$expert_bytes" "$layers" "${configs[*]}" <<'EOF'
+import json, os, re, statistics, sys
+work, rounds, expert_bytes, layers, configs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split()
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+def load(path):
+    try: return json.load(open(path))
+    except (OSError, ValueError): return None
+def num(path):
+    try: return float(open(path).read().split()[0])
+    except (OSError, ValueError, IndexError): return None
+def f(x, d=1): return "-" if x is None else f"{x:.{d}f}"
+rows, texts = {}, {}
+for c in configs:
+    for r in range(1, rounds + 1):
+        base = f"{work}/{c}.{r}"
+        reqs = load(base + ".json")
+        if reqs is None: continue
+        row = rows.setdefault(c, {"pp": [], "tg": [], "tg1": [], "l50": [], "steady": [], "disk_tok": [], "oom": [], "load": [],
+                                  "hit": [], "both": [], "locked": [], "ramp": []})
+        ok = [q for q in reqs if "error" not in q]
+        if ok:
+            row["pp"].append(med([q["prompt_tps"] for q in ok]))
+            row["tg"].append(med([q["decode_tps"] for q in ok]))
+            row["tg1"].append(ok[0]["decode_tps"])
+            row["l50"].append(ok[0]["tps_25_50"])
+            row["steady"].append(med([q["tps_steady"] for q in ok]))
+            later = ok[1:] or ok
+            toks = sum(q["decode_tokens"] or 0 for q in later)
+            row["disk_tok"].append(sum(q["disk_bytes_decode"] for q in later) / toks if toks else None)
+            if ok[0]["tps_25_50"] and ok[0]["tps_steady"]: row["ramp"].append(ok[0]["tps_25_50"] / ok[0]["tps_steady"])
+            texts.setdefault(c, []).append([q["text"] for q in ok])
+        row["oom"].append(num(base + ".oom"))
+        row["load"].append(num(base + ".load"))
+        try:
+            log = open(base + ".server.log", errors="replace").read()
+            h = re.findall(r"slices (\d+) hit / (\d+) missed", log)
+            if h: row["hit"].append(100.0 * sum(int(a) for a, _ in h) / max(sum(int(a) + int(b) for a, b in h), 1))
+        except OSError: pass
+        try:
+            samples = [list(map(int, l.split())) for l in open(base + ".oneplace") if l.strip()]
+            if samples:
+                row["both"].append(max(s[0] for s in samples))
+        except (OSError, ValueError): pass
+        try:
+            m = open(base + ".metrics").read()
+            lk = sum(float(l.split()[-1]) for l in m.splitlines() if l.startswith("moecache_locked_bytes{"))
+            row["locked"].append(lk / 2**30)
+        except OSError: pass
+anchor = med(rows.get("unsq-cpu", {}).get("steady", [])) or med(rows.get("unsq-cpu", {}).get("tg", []))
+sq = med(rows.get("sq-cpu", {}).get("tg", []))
+sq_pp = med(rows.get("sq-cpu", {}).get("pp", []))
+print(f"\nmedians of {rounds} round(s); tok/s; x unsq / x sq: steady decode against unsq-cpu's, and against sq-cpu's decode; "
+      f"storage MiB per decoded token (requests 2.., between first and last token); 1 % of an expert per layer = "
+      f"{expert_bytes * layers / 100 / 2**20:.2f} MiB")
+print("| config | load s | pp | pp x sq | decode | steady | x unsq | x sq | first request 25-50 / steady | storage MiB/token | pool hit % | locked GiB | both (max) | OOM |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for c in configs:
+    if c not in rows: continue
+    w = rows[c]
+    st, pp = med(w["steady"]), med(w["pp"])
+    xu = st / anchor if st and anchor else None
+    xs = st / sq if st and sq else None
+    ppx = pp / sq_pp if pp and sq_pp else None
+    dt = med(w["disk_tok"])
+    print(f"| {c} | {f(med(w['load']))} | {f(pp)} | {f(ppx, 2)} | {f(med(w['tg']))} | {f(st)} | {f(xu, 2)} | {f(xs, 2)} | "
+          f"{f(med(w['ramp']), 2)} | {f(dt / 2**20 if dt is not None else None, 2)} | {f(med(w['hit']))} | {f(med(w['locked']))} | "
+          f"{f(med(w['both']), 0)} | {f(sum(x for x in w['oom'] if x) if w['oom'] else None, 0)} |")
+ref = texts.get("text", [None])[0]
+if ref:
+    for c in configs:
+        if c.startswith("mc") and c in texts:
+            same = all(t == ref for t in texts[c])
+            print(f"greedy text of {c} = the recipe's: {'yes' if same else 'NO'}")
+EOF
