@@ -383,7 +383,10 @@ Result<void> Daemon::step(int timeout_ms) {
                 break;
             case EventSource::Client:
                 // Looked up by descriptor: a client dropped earlier in this batch is gone.
-                if (auto it = client_by_fd_.find(fd); it != client_by_fd_.end()) on_client_readable(*it->second);
+                if (auto it = client_by_fd_.find(fd); it != client_by_fd_.end()) {
+                    if ((events[i].events & EPOLLOUT) != 0) on_client_writable(*it->second);
+                    if ((events[i].events & ~static_cast<uint32_t>(EPOLLOUT)) != 0) on_client_readable(*it->second);
+                }
                 break;
             case EventSource::PageCache:
                 break;  // read below, on every turn

@@ -8,6 +8,7 @@
 #include "moecache/daemon/fetch.h"
 #include "moecache/daemon/predictor.h"
 
+#include <deque>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -83,6 +84,12 @@ struct Daemon::Client {
     uint64_t events = 0, bad_events = 0;
     // Directives decided this turn (locks, unlocks, promotions), sent together at its end.
     std::vector<protocol::Directive> outbox;
+    // Packets its socket had no room for (it reads more slowly than a turn decides: a pool's first
+    // Locks and Promotes are thousands), in order; sent as it reads (EPOLLOUT), at most
+    // kMaxUnsentBytes before it counts as a client that stopped reading.
+    std::deque<std::vector<uint8_t>> unsent;
+    size_t unsent_bytes = 0;
+    bool watching_writable = false;
     bool dead = false;  // dropped this turn; reaped at its end
 };
 

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +33,7 @@ struct FakeCounts {
     unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
     unsigned long long peer_calls, peer_bytes;
     unsigned long long kernel_launches, kernel_bytes;
+    unsigned long long captures, invalidated;
 };
 
 class HookServing : public ::testing::Test {
@@ -220,6 +222,63 @@ TEST_F(Prompts, APromptBatchDisplacesNothingOfTheDecodingHotSet) {
     EXPECT_GT(prompted.slice_hits, decoded.slice_hits) << "the prompt's copies are served from the pool too";
     for (int i = 0; i < 40; ++i) token(s, i % 10 == 0);
     EXPECT_GT(hit_rate(prompted, hook_.stats()), 0.3);
+    destroy(s);
+}
+
+// A runtime records CUDA graphs (llama.cpp captures every decoding step, in relaxed mode), and a
+// context synchronisation, a cuMemFree or a module load while a capture is open spoils it: the
+// runtime aborts ("operation failed due to a previous error during capture": llama-server at its
+// first decode, with the hook letting registered slices go). The hook's own synchronisations wait
+// until no capture is open, and a capture that begins meanwhile waits for them.
+class Captures : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        // Slices register as they miss (the budget holds less than the model: none ahead) and
+        // are let go as their experts enter the pool.
+        return {{"MOECACHE_CUDA_POOL", "25%"}, {"MOECACHE_CUDA_PIN", "register"}, {"MOECACHE_CUDA_PIN_BUDGET", "1M"}};
+    }
+};
+
+TEST_F(Captures, NoCaptureIsSpoiledByTheHooksSynchronisations) {
+    auto* counts = cu_.knob<FakeCounts>("fake_cuda_counts");
+    if (counts == nullptr) GTEST_SKIP() << "counts captures the fake driver spoiled: CI's fake only";
+    auto s = new_streams();
+    std::atomic<bool> stop{false};
+    std::atomic<uint64_t> ended{0}, spoiled{0}, refused{0};
+    // Another thread captures graphs on a stream of its own, back to back, as a decoding runtime does.
+    std::thread capturer([&] {
+        if (!cu_.use_device(0)) return;
+        CUstream cs = nullptr;
+        if (cu_.stream_create(&cs, 0) != CUDA_SUCCESS) return;
+        while (!stop.load()) {
+            if (cu_.begin_capture(cs, CU_STREAM_CAPTURE_MODE_RELAXED) != CUDA_SUCCESS) {
+                refused.fetch_add(1);
+                continue;
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(300));
+            CUgraph g = nullptr;
+            const CUresult r = cu_.end_capture(cs, &g);
+            (r == CUDA_SUCCESS ? ended : r == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED ? spoiled : refused).fetch_add(1);
+            std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+        (void)cu_.stream_destroy(cs);
+    });
+    const uint64_t syncs_before = counts->syncs;
+    warm_up(s);
+    for (int i = 0; i < 300 && !HasFailure(); ++i) {
+        token(s);
+        if (i % 50 == 0) {
+            ASSERT_GE(hook_.sync(10000), 1);
+        }
+    }
+    ASSERT_GE(hook_.sync(10000), 1);
+    stop.store(true);
+    capturer.join();
+    const auto st = hook_.stats();
+    EXPECT_GT(st.pinned_bytes, 0u) << "nothing was registered: the test did not run the case";
+    EXPECT_GT(counts->syncs, syncs_before) << "the hook never synchronised: the test did not run the case";
+    EXPECT_GT(ended.load(), 100u) << "captures did not run alongside";
+    EXPECT_EQ(spoiled.load(), 0u) << "a synchronisation of the hook spoiled a runtime's capture";
+    EXPECT_EQ(refused.load(), 0u);
     destroy(s);
 }
 

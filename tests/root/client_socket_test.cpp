@@ -217,6 +217,12 @@ TEST_F(ClientSocketTest, MappingsAreCheckedAgainstTheModelsOfThatClient) {
     EXPECT_NE(failure_text(ask({id, 0, 0x7f0000000000, size, 4096})).find("runs past the end"), std::string::npos);
     r = ask({id, 0, 0x7f0000000000, size, 0});
     EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    // A mapping is whole pages: the last one may run past the end of the file (llama.cpp's is).
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    r = ask({id, 0, 0x7f0000000000, (size + page - 1) / page * page, 0});
+    EXPECT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    EXPECT_NE(failure_text(ask({id, 0, 0x7f0000000000, (size + page - 1) / page * page + page, 0})).find("runs past the end"),
+              std::string::npos);
 
     // Placements name an expert of one of its models; a bad one is answered and the client stays.
     const auto place = [&](const ExpertPlacement& p) {
@@ -392,9 +398,10 @@ TEST_F(ClientSocketTest, ClientsThatDieOrStopReadingAreDroppedAndABurstOfConnect
     for (int i = 0; i < 200 && !d_->status().clients.empty(); ++i) ASSERT_TRUE(d_->step(5));
     EXPECT_TRUE(d_->status().clients.empty());
 
-    // A client that sends requests and never reads the replies: dropped when its socket is full.
+    // A client that sends requests and never reads the replies: dropped once what waits for it in
+    // the daemon (its socket full) is more than a slow reader could ever need.
     UniqueFd deaf = hello("deaf");
-    for (int i = 0; i < 5000; ++i) {
+    for (int i = 0; i < 40000; ++i) {
         const auto b = encode({static_cast<uint32_t>(i), DescribeMapping{999, 0, 4096, 4096, 0}});
         if (::send(deaf.get(), b.data(), b.size(), MSG_DONTWAIT | MSG_NOSIGNAL) < 0) break;
         if (i % 50 == 0) {
@@ -426,6 +433,49 @@ TEST_F(ClientSocketTest, ClientsThatDieOrStopReadingAreDroppedAndABurstOfConnect
     EXPECT_TRUE(d_->status().clients.empty());
     EXPECT_EQ(open_fds(), fds_before) << "descriptors leaked";
     UniqueFd after = hello("after the burst");
+    EXPECT_EQ(d_->status().clients.size(), 1u);
+}
+
+// A client that reads more slowly than the daemon answers (a CUDA hook polls its directives: a
+// pool's first Locks and Promotes are thousands at once) loses nothing: what its socket has no
+// room for waits in the daemon and goes out, in order, as it reads. (It was dropped on EAGAIN.)
+TEST_F(ClientSocketTest, ASlowReaderGetsEveryMessageInOrder) {
+    start();
+    UniqueFd s = hello("slow");
+    constexpr uint32_t kRequests = 6000;  // the replies fill its socket many times over
+    uint32_t sent = 0;
+    while (sent < kRequests) {
+        const auto b = encode({100 + sent, DescribeMapping{999, 0, 4096, 4096, 0}});
+        if (::send(s.get(), b.data(), b.size(), MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+            ASSERT_EQ(errno, EAGAIN) << std::strerror(errno);
+            ASSERT_TRUE(d_->step(1));
+            continue;
+        }
+        if (++sent % 64 == 0) {
+            ASSERT_TRUE(d_->step(0));
+        }
+    }
+    for (int i = 0; i < 50; ++i) ASSERT_TRUE(d_->step(1));
+    ASSERT_EQ(d_->status().clients.size(), 1u) << "the slow reader was dropped";
+    // Now it reads, a little at a time, while the daemon goes on.
+    uint32_t next = 100, got = 0;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (got < kRequests && std::chrono::steady_clock::now() < end) {
+        ASSERT_TRUE(d_->step(0));
+        for (int k = 0; k < 32; ++k) {
+            std::vector<uint8_t> buf(kMaxMessageBytes);
+            const ssize_t n = ::recv(s.get(), buf.data(), buf.size(), MSG_DONTWAIT);
+            if (n <= 0) break;
+            buf.resize(static_cast<size_t>(n));
+            auto m = decode(buf, 0);
+            ASSERT_TRUE(m) << m.error().what();
+            ASSERT_TRUE(std::holds_alternative<Failure>(m->body));
+            ASSERT_EQ(m->request, next) << "a reply out of order or lost";
+            ++next;
+            ++got;
+        }
+    }
+    EXPECT_EQ(got, kRequests);
     EXPECT_EQ(d_->status().clients.size(), 1u);
 }
 

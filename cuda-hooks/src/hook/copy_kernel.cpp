@@ -1,5 +1,7 @@
 #include "copy_kernel.h"
 
+#include "capture_gate.h"
+
 #include "moecache/cuda/copy_kernel_ptx.h"
 
 #include <algorithm>
@@ -16,7 +18,10 @@ constexpr unsigned kMaxBlocks = 264;  // two waves of an H200's SMs: the fastest
 bool load_copy_kernel(const Driver* drv, CopyKernel* out) {
     if (drv->module_load_data == nullptr || drv->module_get_function == nullptr || drv->launch_kernel == nullptr) return false;
     CUmodule module = nullptr;
-    if (drv->module_load_data(&module, kCopyKernelPtx) != CUDA_SUCCESS || module == nullptr) return false;
+    // Loading a module may synchronise the context: never while a runtime captures a graph.
+    CUresult loaded = CUDA_ERROR_UNKNOWN;
+    capture_gate().exclusive([&] { loaded = drv->module_load_data(&module, kCopyKernelPtx); });
+    if (loaded != CUDA_SUCCESS || module == nullptr) return false;
     CUfunction fn = nullptr;
     if (drv->module_get_function(&fn, module, kCopyKernelName) != CUDA_SUCCESS || fn == nullptr) {
         if (drv->module_unload != nullptr) (void)drv->module_unload(module);

@@ -123,6 +123,7 @@ void Engine::run() {
         apply_daemon_budgets();
         poll_directives();
         drain_placements();
+        flush_unregisters();
         // One place, again now and then: a read of a neighbour maps an expert's pages back in
         // (fault-around) whenever it faults.
         if (std::chrono::steady_clock::now() - last_rezap > std::chrono::seconds(2)) {

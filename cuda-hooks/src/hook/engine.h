@@ -218,7 +218,9 @@ private:
     // Where a slice lies in this process's mapping of it, and its page-aligned inside ({0, 0}: not mapped).
     std::pair<uintptr_t, uintptr_t> slice_span(const Model& m, uint32_t slice) const;
     std::pair<uintptr_t, uintptr_t> slice_pages(const Model& m, uint32_t slice) const;
-    void unregister_slice(Model& m, uint32_t slice);
+    void unregister_slice(Model& m, uint32_t slice);  // queued: flush_unregisters() lets them go
+    void flush_unregisters();
+    void sync_pool_devices();
     void follow_registration(Model& m, int32_t ls, uint32_t e);
     // serve.cpp: the host's pieces of slices [first, first + n) of a copy (PIN=register splits them
     // at registered slices' page-aligned edges); `bytes` may run past the last slice (padding).
@@ -262,6 +264,7 @@ private:
     size_t ahead_models_ = SIZE_MAX, ahead_model_ = 0;
     size_t ahead_run_ = 0;
     std::vector<std::pair<void*, size_t>> ahead_ranges_;  // registered whole tensors
+    std::vector<std::pair<uintptr_t, size_t>> unregistering_;  // background thread: slices let go, not yet unregistered
     moecache_client* client_ = nullptr;
     CopyCrew crew_;
 

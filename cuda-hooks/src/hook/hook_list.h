@@ -54,4 +54,16 @@
     X(cuMemFree_v2, "cuMemFree", 3020, false, (CUdeviceptr p), (p))                                            \
     X(cuMemGetInfo_v2, "cuMemGetInfo", 3020, false, (size_t* free_bytes, size_t* total_bytes),                 \
       (free_bytes, total_bytes))                                                                               \
-    X(cuStreamDestroy_v2, "cuStreamDestroy", 4000, false, (CUstream s), (s))
+    X(cuStreamDestroy_v2, "cuStreamDestroy", 4000, false, (CUstream s), (s))                                  \
+    X(cuStreamBeginCapture_v2, "cuStreamBeginCapture", 10010, false, (CUstream s, CUstreamCaptureMode mode),    \
+      (s, mode))                                                                                               \
+    X(cuStreamBeginCapture_v2_ptsz, "cuStreamBeginCapture", 10010, true, (CUstream s, CUstreamCaptureMode mode), \
+      (s, mode))                                                                                               \
+    X(cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", 12030, false,                               \
+      (CUstream s, CUgraph g, const CUgraphNode* deps, const CUgraphEdgeData* edges, size_t n,                \
+       CUstreamCaptureMode mode), (s, g, deps, edges, n, mode))                                                \
+    X(cuStreamBeginCaptureToGraph_ptsz, "cuStreamBeginCaptureToGraph", 12030, true,                           \
+      (CUstream s, CUgraph g, const CUgraphNode* deps, const CUgraphEdgeData* edges, size_t n,                \
+       CUstreamCaptureMode mode), (s, g, deps, edges, n, mode))                                                \
+    X(cuStreamEndCapture, "cuStreamEndCapture", 10000, false, (CUstream s, CUgraph* g), (s, g))               \
+    X(cuStreamEndCapture_ptsz, "cuStreamEndCapture", 10000, true, (CUstream s, CUgraph* g), (s, g))

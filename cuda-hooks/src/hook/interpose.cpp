@@ -6,6 +6,7 @@
 // Rules for every handler: no exception crosses it; CUDA's own error codes come back; anything not
 // recognised, any nested call (the runtime calling the driver inside a hooked call), and anything
 // during stream capture goes to the real function untouched.
+#include "capture_gate.h"
 #include "cuda_api.h"
 #include "driver.h"
 #include "engine.h"
@@ -293,6 +294,42 @@ CUresult on_cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     return r;
 }
 CUresult on_cuMemFree_v2(CUdeviceptr p) { PASS_CU(cuMemFree_v2, (p)); }
+// Captures: the hook's background thread never synchronises while one is open (capture_gate.h).
+template <class Call>
+CUresult begin_capture(Call real) {
+    capture_gate().begin();
+    const CUresult r = real();
+    if (r != CUDA_SUCCESS) capture_gate().end();
+    return r;
+}
+template <class Call>
+CUresult end_capture(Call real) {
+    const CUresult r = real();
+    capture_gate().end();
+    return r;
+}
+#define CU_CAPTURE(how, name, call_args)             \
+    Nest nest;                                       \
+    auto real = REAL_CU(name);                       \
+    if (real == nullptr) return MISSING_CU;          \
+    return how([&] { return real call_args; })
+CUresult on_cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
+    CU_CAPTURE(begin_capture, cuStreamBeginCapture_v2, (s, mode));
+}
+CUresult on_cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode) {
+    CU_CAPTURE(begin_capture, cuStreamBeginCapture_v2_ptsz, (s, mode));
+}
+CUresult on_cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode* deps, const CUgraphEdgeData* edges,
+                                        size_t n, CUstreamCaptureMode mode) {
+    CU_CAPTURE(begin_capture, cuStreamBeginCaptureToGraph, (s, g, deps, edges, n, mode));
+}
+CUresult on_cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode* deps,
+                                             const CUgraphEdgeData* edges, size_t n, CUstreamCaptureMode mode) {
+    CU_CAPTURE(begin_capture, cuStreamBeginCaptureToGraph_ptsz, (s, g, deps, edges, n, mode));
+}
+CUresult on_cuStreamEndCapture(CUstream s, CUgraph* g) { CU_CAPTURE(end_capture, cuStreamEndCapture, (s, g)); }
+CUresult on_cuStreamEndCapture_ptsz(CUstream s, CUgraph* g) { CU_CAPTURE(end_capture, cuStreamEndCapture_ptsz, (s, g)); }
+
 CUresult on_cuStreamDestroy_v2(CUstream s) {
     Nest nest;
     auto real = REAL_CU(cuStreamDestroy_v2);

@@ -1,6 +1,7 @@
 // A device's VRAM pool: its size (the experts of the layers this device copies, within the
 // settings, the daemon's budget and free memory less a reserve), its arenas, the streams that
 // queue work on its slots, and giving memory back to the runtime.
+#include "capture_gate.h"
 #include "copy_kernel.h"
 #include "driver.h"
 #include "engine.h"
@@ -11,6 +12,14 @@
 #include <algorithm>
 
 namespace moecache::cuda::hook {
+namespace {
+// The context synchronised, never while a runtime captures a graph (capture_gate.h).
+bool sync_context_gated(const Driver* drv) {
+    CUresult r = CUDA_ERROR_UNKNOWN;
+    capture_gate().exclusive([&] { r = drv->ctx_synchronize(); });
+    return r == CUDA_SUCCESS;
+}
+}  // namespace
 namespace {
 
 constexpr uint64_t kArenaBytes = 1ull << 30;
@@ -71,7 +80,7 @@ void Engine::on_stream_destroy(CUstream stream) {
                 const CUresult r = st.event != nullptr ? drv->event_record(st.event, stream) : CUDA_ERROR_INVALID_HANDLE;
                 if (r == CUDA_SUCCESS) {
                     st.dirty = false;
-                } else if (drv->stream_synchronize(stream) == CUDA_SUCCESS || drv->ctx_synchronize() == CUDA_SUCCESS) {
+                } else if (drv->stream_synchronize(stream) == CUDA_SUCCESS || sync_context_gated(drv)) {
                     // Seen on a second GPU: the record refused while the runtime tore its context
                     // down. Waiting once here beats slots that no later stream could take over.
                     st.dirty = false;
@@ -178,8 +187,10 @@ void Engine::note_all(DevicePool& dp) {
 void Engine::free_arenas(DevicePool& dp, const std::vector<uint64_t>& bases) {
     if (bases.empty()) return;
     const Driver* drv = driver();
-    (void)drv->ctx_synchronize();
-    for (auto b : bases) (void)drv->mem_free(b);
+    capture_gate().exclusive([&] {
+        (void)drv->ctx_synchronize();
+        for (auto b : bases) (void)drv->mem_free(b);
+    });
     std::lock_guard lock(dp.mu);
     for (auto b : bases) dp.arenas.erase(std::remove(dp.arenas.begin(), dp.arenas.end(), b), dp.arenas.end());
     dp.bytes.store(dp.pool.stats().bytes);

@@ -1,3 +1,4 @@
+#include "capture_gate.h"
 #include "staging.h"
 
 #include "driver.h"
@@ -232,6 +233,7 @@ void Engine::pin_models() {
 // ends a page past its last tensor (the padding runtimes copy after a tensor's last expert).
 // Returns true while there is more to register ahead.
 bool Engine::register_wanted() {
+    flush_unregisters();  // a slice let go and wanted again is unregistered first
     std::vector<std::pair<uint32_t, uint32_t>> wanted;
     {
         std::lock_guard lock(wanted_mu_);
@@ -421,13 +423,11 @@ void Engine::unregister_ahead() {
     for (int d = 0; d < kMaxDevices && device < 0; ++d)
         if (pools_[d].load() != nullptr) device = d;
     DeviceContext ctx(drv, std::max(device, 0));
-    for (int d = 0; d < kMaxDevices; ++d)
-        if (pools_[d].load() != nullptr) {
-            DeviceContext on(drv, d);
-            (void)drv->ctx_synchronize();
-        }
-    for (const auto& [p, bytes] : ahead_ranges_)
-        if (drv->mem_host_unregister(p) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
+    capture_gate().exclusive([&] {
+        sync_pool_devices();
+        for (const auto& [p, bytes] : ahead_ranges_)
+            if (drv->mem_host_unregister(p) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
+    });
     ahead_ranges_.clear();
     ahead_model_ = 0;
     ahead_run_ = 0;
@@ -451,15 +451,37 @@ void Engine::unregister_slice(Model& m, uint32_t slice) {
         if (state == Model::kWhole) return;  // its tensor's registration goes as a whole (unregister_ahead)
     } while (!flag.compare_exchange_weak(state, Model::kNone));
     if (state != Model::kInside) return;
-    const Driver* drv = driver();
     const auto [a, b] = slice_pages(m, slice);
-    if (drv == nullptr || b <= a) return;
+    if (b > a) unregistering_.emplace_back(a, b - a);
+}
+
+// The slices let go since the last flush: every device that may copy from them finishes what it
+// queued (one synchronisation for all of them, never while a runtime captures a graph), then their
+// pages are unregistered.
+void Engine::flush_unregisters() {
+    if (unregistering_.empty()) return;
+    const Driver* drv = driver();
+    if (drv == nullptr) return;
     int device = -1;
     for (int d = 0; d < kMaxDevices && device < 0; ++d)
         if (pools_[d].load() != nullptr) device = d;
     DeviceContext ctx(drv, std::max(device, 0));
-    (void)drv->ctx_synchronize();
-    if (drv->mem_host_unregister(reinterpret_cast<void*>(a)) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(b - a);
+    capture_gate().exclusive([&] {
+        sync_pool_devices();
+        for (const auto& [a, bytes] : unregistering_)
+            if (drv->mem_host_unregister(reinterpret_cast<void*>(a)) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
+    });
+    unregistering_.clear();
+}
+
+// Every device with a pool has finished what was queued on it (the capture gate held).
+void Engine::sync_pool_devices() {
+    const Driver* drv = driver();
+    for (int d = 0; d < kMaxDevices; ++d)
+        if (pools_[d].load() != nullptr) {
+            DeviceContext on(drv, d);
+            (void)drv->ctx_synchronize();
+        }
 }
 
 // How copies that miss the pool reach the device: from the registered model (PIN=all), through

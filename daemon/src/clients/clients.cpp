@@ -25,6 +25,9 @@ using namespace moecache::protocol;
 constexpr int kAcceptsPerTurn = 64;
 constexpr int kPacketsPerTurn = 64;
 constexpr size_t kEventsPerTurn = 1u << 16;
+// What may wait for a client that reads more slowly than the daemon decides (a pool's first Locks
+// and Promotes: a directive is a few dozen bytes), before it counts as one that stopped reading.
+constexpr size_t kMaxUnsentBytes = 1u << 20;
 
 const char* kind_of(mode_t m) {
     if (S_ISDIR(m)) return "a directory";
@@ -115,8 +118,49 @@ void Daemon::accept_clients() {
 
 void Daemon::reply(Client& c, uint32_t request, const Body& body) {
     if (c.dead) return;
-    if (auto r = send_nowait(c.conn.get(), encode({request, body})); !r)
-        drop_client(c, fmt::format("cannot answer it ({}): it stopped reading?", r.error().what()));
+    auto bytes = encode({request, body});
+    if (c.unsent.empty()) {
+        const auto sent = try_send(c.conn.get(), bytes);
+        if (!sent) {
+            drop_client(c, fmt::format("cannot answer it ({})", sent.error().what()));
+            return;
+        }
+        if (*sent) return;
+    }
+    // Its socket is full: what it has not read yet waits here, in order, until it reads.
+    if (c.unsent_bytes + bytes.size() > kMaxUnsentBytes) {
+        drop_client(c, fmt::format("it stopped reading: {} bytes of messages wait for it", c.unsent_bytes));
+        return;
+    }
+    c.unsent_bytes += bytes.size();
+    c.unsent.push_back(std::move(bytes));
+    watch_writable(c, true);
+}
+
+void Daemon::on_client_writable(Client& c) {
+    while (!c.dead && !c.unsent.empty()) {
+        const auto sent = try_send(c.conn.get(), c.unsent.front());
+        if (!sent) {
+            drop_client(c, fmt::format("cannot answer it ({})", sent.error().what()));
+            return;
+        }
+        if (!*sent) return;
+        c.unsent_bytes -= c.unsent.front().size();
+        c.unsent.pop_front();
+    }
+    if (!c.dead) watch_writable(c, false);
+}
+
+void Daemon::watch_writable(Client& c, bool on) {
+    if (c.watching_writable == on) return;
+    epoll_event ev{};
+    ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
+    ev.data.u64 = event_data(EventSource::Client, c.conn.get());
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.conn.get(), &ev) != 0) {
+        drop_client(c, fmt::format("cannot wait for its socket: {}", std::strerror(errno)));
+        return;
+    }
+    c.watching_writable = on;
 }
 
 bool Daemon::refuse(Client& c, uint32_t request, int errnum, const std::string& text) {
@@ -187,8 +231,11 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
             if (d->file >= files.size())
                 return cannot(c, rq, EINVAL, fmt::format("model {} has {} files; there is no file {}", d->model,
                                                          files.size(), d->file));
-            if (d->file_offset > files[d->file].identity.size ||
-                d->length > files[d->file].identity.size - d->file_offset)
+            // A mapping covers whole pages: its last may run past the end of the file.
+            const uint64_t size = files[d->file].identity.size;
+            const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+            const uint64_t mappable = (size + page - 1) / page * page;
+            if (d->file_offset > size || d->length > mappable - d->file_offset)
                 return cannot(c, rq, EINVAL,
                               fmt::format("a mapping of {} bytes from offset {} runs past the end of file {} ({} bytes)",
                                           d->length, d->file_offset, d->file, files[d->file].identity.size));

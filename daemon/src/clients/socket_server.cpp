@@ -196,6 +196,14 @@ Result<Received> receive(int conn, size_t max_bytes, size_t max_fds) {
     return r;
 }
 
+Result<bool> try_send(int conn, const std::vector<uint8_t>& bytes) {
+    const ssize_t n = ::send(conn, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+    if (n < 0) return fail_errno("send");
+    if (static_cast<size_t>(n) != bytes.size()) return failf("send: {} of {} bytes", n, bytes.size());
+    return true;
+}
+
 Result<void> send_nowait(int conn, const std::vector<uint8_t>& bytes) {
     const ssize_t n = ::send(conn, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
     if (n < 0) return fail_errno("send");

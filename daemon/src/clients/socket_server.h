@@ -74,5 +74,7 @@ Result<Received> receive(int conn, size_t max_bytes, size_t max_fds);
 // Sends one packet without waiting; EAGAIN (the peer stopped reading) is an error the caller
 // handles by dropping the client.
 Result<void> send_nowait(int conn, const std::vector<uint8_t>& bytes);
+// One packet if the socket takes it now: true sent, false it would block (its buffer is full).
+Result<bool> try_send(int conn, const std::vector<uint8_t>& bytes);
 
 }  // namespace moecache::daemon

@@ -14,6 +14,10 @@
 //                          read when the copy is queued, as the driver stages it).
 //                          An event query completes the work up to its record every other time.
 //   fake_cuda_capturing    every stream reports an active capture
+// Captures (cuStreamBeginCapture_v2 .. cuStreamEndCapture) are modelled as the driver keeps them:
+// while one is open, a context synchronisation, a cuMemFree or a module load invalidates it, and
+// its cuStreamEndCapture says so (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED); fake_cuda_counts counts
+// the captures so spoiled (invalidated).
 //   fake_cuda_memory_limit bytes per device
 //   fake_cuda_kernels      0: cuModuleLoadData refuses every image. Else a module loads into the
 //                          current context when its PTX has the hook's copy kernel
@@ -46,6 +50,7 @@ struct fake_cuda_counters {
     unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
     unsigned long long peer_calls, peer_bytes;
     unsigned long long kernel_launches, kernel_bytes;
+    unsigned long long captures, invalidated;
 };
 __attribute__((visibility("default"))) fake_cuda_counters fake_cuda_counts;
 __attribute__((visibility("default"))) int fake_cuda_kernels = 1;
@@ -102,6 +107,15 @@ Stream* legacy[kMaxDevices] = {};
 int current_device() { return ctx_stack.empty() ? 0 : ctx_stack.back(); }
 // As the real driver: what makes or registers memory or events needs a current context.
 bool no_context() { return ctx_stack.empty(); }
+
+// Open captures by stream, and whether something spoiled each.
+std::map<CUstream, bool> capturing;
+void spoil_captures() {
+    for (auto& [stream, spoiled] : capturing) {
+        if (!spoiled) ++fake_cuda_counts.invalidated;
+        spoiled = true;
+    }
+}
 
 const Allocation* allocation_of(CUdeviceptr p, size_t n = 1) {
     auto it = allocations.upper_bound(p);
@@ -271,6 +285,7 @@ API cuCtxPopCurrent_v2(CUcontext* c) {
 }
 API cuCtxSynchronize() {
     std::lock_guard lock(mu);
+    spoil_captures();
     ++fake_cuda_counts.syncs;
     run_device(current_device());
     return CUDA_SUCCESS;
@@ -307,9 +322,26 @@ API cuStreamSynchronize(CUstream s) {
     run(stream_of(s));
     return CUDA_SUCCESS;
 }
-API cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* st) {
-    *st = fake_cuda_capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+API cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus* st) {
+    std::lock_guard lock(mu);
+    *st = fake_cuda_capturing || capturing.count(s) ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
     return CUDA_SUCCESS;
+}
+API cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode) {
+    std::lock_guard lock(mu);
+    if (s == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (!capturing.emplace(s, false).second) return CUDA_ERROR_ILLEGAL_STATE;
+    ++fake_cuda_counts.captures;
+    return CUDA_SUCCESS;
+}
+API cuStreamEndCapture(CUstream s, CUgraph* g) {
+    std::lock_guard lock(mu);
+    const auto it = capturing.find(s);
+    if (it == capturing.end()) return CUDA_ERROR_ILLEGAL_STATE;
+    const bool spoiled = it->second;
+    capturing.erase(it);
+    if (g) *g = spoiled ? nullptr : reinterpret_cast<CUgraph>(&fake_cuda_counts);
+    return spoiled ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
 }
 API cuEventCreate(CUevent* e, unsigned int) {
     std::lock_guard lock(mu);
@@ -367,6 +399,7 @@ API cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
 }
 API cuMemFree_v2(CUdeviceptr p) {
     std::lock_guard lock(mu);
+    spoil_captures();
     auto it = allocations.find(p);
     if (it == allocations.end()) return CUDA_ERROR_INVALID_VALUE;
     run_all();  // as cudaFree: nothing queued may still touch it
@@ -460,6 +493,7 @@ std::vector<std::unique_ptr<Module>> modules;
 }  // namespace
 API cuModuleLoadData(CUmodule* m, const void* image) {
     std::lock_guard lock(mu);
+    spoil_captures();
     if (m == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
     if (!fake_cuda_kernels || strstr(static_cast<const char*>(image), ".entry moecache_copy16(") == nullptr)
@@ -578,7 +612,8 @@ const Entry table[] = {
     P("cuMemcpy", cuMemcpy_ptds), E(cuMemcpyAsync), P("cuMemcpyAsync", cuMemcpyAsync_ptsz),
     V("cuMemHostRegister", cuMemHostRegister_v2), E(cuMemHostUnregister), E(cuPointerGetAttributes),
     E(cuDeviceCanAccessPeer), E(cuCtxEnablePeerAccess), E(cuMemcpyPeerAsync), E(cuModuleLoadData), E(cuModuleUnload),
-    E(cuModuleGetFunction), E(cuLaunchKernel),
+    E(cuModuleGetFunction), E(cuLaunchKernel), V("cuStreamBeginCapture", cuStreamBeginCapture_v2),
+    E(cuStreamEndCapture),
 };
 
 CUresult CUDAAPI get_proc(const char* symbol, void** pfn, int version, cuuint64_t flags,

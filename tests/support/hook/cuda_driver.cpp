@@ -28,7 +28,7 @@ std::string CudaDriver::load() {
         const char* name;
         cuuint64_t flags;
     };
-    void* fns[20] = {};
+    void* fns[22] = {};
     const Want want[] = {
         {"cuInit", 0}, {"cuDeviceGet", 0}, {"cuDeviceGetCount", 0},
         {"cuDevicePrimaryCtxRetain", 0}, {"cuCtxSetCurrent", 0}, {"cuStreamCreate", 0},
@@ -36,6 +36,7 @@ std::string CudaDriver::load() {
         {"cuMemAlloc", 0}, {"cuMemFree", 0}, {"cuMemGetInfo", 0}, {"cuMemcpyHtoD", 0},
         {"cuMemcpyHtoDAsync", 0}, {"cuMemcpyHtoDAsync", CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM},
         {"cuMemcpyAsync", 0}, {"cuMemcpy", 0}, {"cuMemcpyDtoH", 0},
+        {"cuStreamBeginCapture", 0}, {"cuStreamEndCapture", 0},
     };
     for (size_t i = 0; i < std::size(want); ++i)
         if (!get(fns[i], want[i].name, want[i].flags)) return std::string("cuGetProcAddress gave no ") + want[i].name;
@@ -44,6 +45,7 @@ std::string CudaDriver::load() {
     as(stream_create, 5), as(stream_destroy, 6), as(stream_synchronize, 7), as(ctx_synchronize, 8);
     as(mem_alloc, 9), as(mem_free, 10), as(mem_get_info, 11), as(htod, 12), as(htod_async, 13);
     as(htod_async_ptsz, 14), as(memcpy_async, 15), as(memcpy_sync, 16), as(dtoh, 17);
+    as(begin_capture, 18), as(end_capture, 19);
     if (init(0) != CUDA_SUCCESS) return "cuInit failed: no usable CUDA device here";
     if (!use_device(0)) return "no primary context on device 0";
     return "";

@@ -51,6 +51,8 @@ struct CudaDriver {
     CUresult(CUDAAPI* memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
     CUresult(CUDAAPI* memcpy_sync)(CUdeviceptr, CUdeviceptr, size_t) = nullptr;
     CUresult(CUDAAPI* dtoh)(void*, CUdeviceptr, size_t) = nullptr;
+    CUresult(CUDAAPI* begin_capture)(CUstream, CUstreamCaptureMode) = nullptr;
+    CUresult(CUDAAPI* end_capture)(CUstream, CUgraph*) = nullptr;
 
 private:
     bool get(void*& fn, const char* name, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT);

@@ -155,6 +155,8 @@ private:
     // of its clients may.
     [[nodiscard]] bool may_release_ram(const Client& c, const ModelEntry& m) const;
     void direct_pools();
+    void on_client_writable(Client& c);
+    void watch_writable(Client& c, bool on);
     void reply(Client& c, uint32_t request, const protocol::Body& body);
     bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
     // A request that cannot be met: a Failure, and the client stays connected (true).
