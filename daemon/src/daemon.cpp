@@ -192,18 +192,9 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->add_plain_models();
     d->refresh_models();
 
-    if (d->config_.dbus_bus != "off") {
-        // As for metrics: without a bus the daemon still manages memory; say so and go on.
-        auto b = DbusService::open(*d, d->config_.dbus_bus, d->config_.dbus_admin_group);
-        if (b) {
-            d->dbus_ = std::move(*b);
-            d->bus_events_ = d->dbus_->epoll_events();
-            MC_TRY_VOID(watch(EventSource::Bus, d->dbus_->fd(), d->bus_events_));
-            MC_LOG(LOG_INFO, "D-Bus: org.moecache1 on the {} bus", d->dbus_->bus());
-        } else {
-            MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus): {}", b.error().what());
-        }
-    }
+    // As for metrics: without a bus the daemon still manages memory; say so and go on (and try
+    // again now and then: the bus may start later, or come back).
+    if (d->config_.dbus_bus != "off") d->connect_bus();
     d->last_save_ = std::chrono::steady_clock::now();
     d->place();
     return d;
@@ -235,6 +226,9 @@ void Daemon::note_error(const char* doing, const std::string& what) {
 
 void Daemon::tick() {
     resume_listener();
+    if (!dbus_ && config_.dbus_bus != "off" &&
+        std::chrono::steady_clock::now() - last_bus_try_ > std::chrono::seconds(kBusRetrySeconds))
+        connect_bus();
     expire_silent_clients();
     cgroup_ = own_memory_cgroup_limit();
     refresh_models();
@@ -469,8 +463,46 @@ int Daemon::loop_timeout() const {
     return t;
 }
 
+void Daemon::connect_bus() {
+    last_bus_try_ = std::chrono::steady_clock::now();
+    auto b = DbusService::open(*this, config_.dbus_bus, config_.dbus_admin_group);
+    if (!b) {
+        if (!bus_missing_said_) MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus): {}; trying again every {} s",
+                                       b.error().what(), kBusRetrySeconds);
+        bus_missing_said_ = true;
+        return;
+    }
+    epoll_event ev{};
+    ev.events = (*b)->epoll_events();
+    ev.data.u64 = event_data(EventSource::Bus, (*b)->fd());
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, (*b)->fd(), &ev) != 0) {
+        MC_LOG(LOG_WARNING, "D-Bus: epoll_ctl add: {}", std::strerror(errno));
+        return;
+    }
+    dbus_ = std::move(*b);
+    bus_events_ = ev.events;
+    bus_models_ = {UINT32_MAX, 0};
+    MC_LOG(LOG_INFO, "D-Bus: org.moecache1 on the {} bus", dbus_->bus());
+    bus_missing_said_ = false;
+}
+
+// The bus went away (its daemon stopped or restarted): the loop goes on without it.
+void Daemon::lose_bus() {
+    (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, dbus_->fd(), nullptr);
+    MC_LOG(LOG_WARNING, "D-Bus: lost the {} bus: going on without the D-Bus API, connecting again every {} s",
+           dbus_->bus(), kBusRetrySeconds);
+    dbus_.reset();
+    bus_events_ = 0;
+    bus_missing_said_ = true;
+    last_bus_try_ = std::chrono::steady_clock::now();
+}
+
 void Daemon::sync_bus() {
     if (!dbus_) return;
+    if (dbus_->lost()) {
+        lose_bus();
+        return;
+    }
     // Every model added takes a new id and every model removed shrinks the list: the two together
     // change whenever the set does, so most turns compare two numbers and touch nothing.
     const std::pair<uint32_t, size_t> shape{next_model_id_, models_.size()};
@@ -483,6 +515,10 @@ void Daemon::sync_bus() {
 
 void Daemon::update_bus_watch() {
     const uint32_t want = dbus_->epoll_events();
+    if (dbus_->lost()) {
+        lose_bus();
+        return;
+    }
     if (want == bus_events_) return;
     epoll_event ev{};
     ev.events = want;

@@ -504,6 +504,42 @@ TEST_F(DbusApi, PressureBackoffIsSignalled) {
     EXPECT_TRUE(w.pressure.load());
 }
 
+// The bus going away (its daemon stopped, or restarted) is a warning, not a crash: the daemon goes
+// on without its D-Bus API and takes the bus back when it is there again. (Stopped mid-run on the
+// GPU machine, the daemon threw out of its loop: "Failed to get bus poll data".)
+TEST_F(DbusApi, TheBusGoingAwayIsAWarningAndItComesBack) {
+    auto d = in_process_daemon(bus_, dir_);
+    ASSERT_TRUE(d) << d.error().what();
+    const std::string address = bus_->address();
+    ASSERT_EQ((*d)->status().bus, address);
+    bus_.reset();  // the bus daemon stops
+    for (int i = 0; i < 50 && !(*d)->status().bus.empty(); ++i) ASSERT_TRUE((*d)->step(20));
+    EXPECT_TRUE((*d)->status().bus.empty()) << "still on a bus that went away";
+    for (int i = 0; i < 20; ++i) {
+        ASSERT_TRUE((*d)->step(5));
+        (*d)->tick();
+    }
+    // It comes back at the same address: the daemon connects again within its retry interval.
+    bus_ = std::make_unique<test::PrivateBus>(dir_.path(), std::string(MOECACHE_SOURCE_DIR) + "/dbus/org.moecache1.conf");
+    ASSERT_TRUE(bus_->ok()) << bus_->output();
+    ASSERT_EQ(bus_->address(), address);
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while ((*d)->status().bus.empty() && std::chrono::steady_clock::now() < end) {
+        (*d)->tick();
+        ASSERT_TRUE((*d)->step(100));
+    }
+    ASSERT_EQ((*d)->status().bus, address) << "did not take the bus back";
+    // moecachectl is answered again (the loop turns while it waits: the daemon is this process).
+    test::Background ctl({MOECACHE_CTL_BIN, "--bus", address, "status"});
+    int code = -1;
+    for (int i = 0; i < 500 && code == -1; ++i) {
+        ASSERT_TRUE((*d)->step(10));
+        code = ctl.wait(0.01);
+    }
+    EXPECT_EQ(code, 0) << ctl.output();
+    EXPECT_NE(ctl.output().find("lock"), std::string::npos) << ctl.output();
+}
+
 // A burst of setters over D-Bus is planned once per loop turn, not once per call: setters record
 // what they change and the turn's end plans it.
 TEST_F(DbusApi, ABurstOfSettersIsPlannedOncePerLoopTurn) {

@@ -363,7 +363,7 @@ DbusService::~DbusService() {
         impl_->models.clear();
         impl_->manager.reset();
         impl_->bus_proxy.reset();
-        if (impl_->conn) impl_->conn->releaseName(kBusName);
+        if (impl_->conn && !lost_) impl_->conn->releaseName(kBusName);  // a lost bus has forgotten it
     } catch (const std::exception& e) {
         MC_LOG(LOG_WARNING, "D-Bus: on leaving the bus: {}", e.what());
     }
@@ -390,23 +390,41 @@ Result<std::unique_ptr<DbusService>> DbusService::open(Control& daemon, const st
                      bus, e.getName(), e.getMessage());
     }
     std::unique_ptr<DbusService> s(new DbusService(std::move(impl)));
+    try {
+        s->fd_ = s->impl_->conn->getEventLoopPollData().fd;
+    } catch (const sdbus::Error& e) {
+        return failf("the {} bus: {}: {}", bus, e.getName(), e.getMessage());
+    }
     s->sync_models();
     s->process();
     return s;
 }
 
-int DbusService::fd() const { return impl_->conn->getEventLoopPollData().fd; }
+int DbusService::fd() const { return fd_; }
 
 uint32_t DbusService::epoll_events() const {
-    const auto pd = impl_->conn->getEventLoopPollData();
-    uint32_t ev = 0;
-    if (pd.events & POLLIN) ev |= EPOLLIN;
-    if (pd.events & POLLOUT) ev |= EPOLLOUT;
-    return ev;
+    if (lost_) return 0;
+    try {
+        const auto pd = impl_->conn->getEventLoopPollData();
+        uint32_t ev = 0;
+        if (pd.events & POLLIN) ev |= EPOLLIN;
+        if (pd.events & POLLOUT) ev |= EPOLLOUT;
+        return ev;
+    } catch (const std::exception&) {
+        lost_ = true;
+        return 0;
+    }
 }
 
 int DbusService::timeout_ms() const {
-    const auto pd = impl_->conn->getEventLoopPollData();
+    if (lost_) return -1;
+    sdbus::IConnection::PollData pd{};
+    try {
+        pd = impl_->conn->getEventLoopPollData();
+    } catch (const std::exception&) {
+        lost_ = true;
+        return -1;
+    }
     if (pd.timeout_usec == UINT64_MAX) return -1;
     timespec now{};
     ::clock_gettime(CLOCK_MONOTONIC, &now);
@@ -416,15 +434,18 @@ int DbusService::timeout_ms() const {
 }
 
 void DbusService::process() {
+    if (lost_) return;
     // A bounded number per turn, so that a flood of calls cannot starve the rest of the loop.
     for (int i = 0; i < 256; ++i) {
         try {
-            if (!impl_->conn->processPendingRequest()) return;
+            if (!impl_->conn->processPendingRequest()) break;
         } catch (const std::exception& e) {
-            MC_LOG(LOG_WARNING, "D-Bus: {}", e.what());
+            (void)epoll_events();  // a broken connection says so here
+            if (!lost_) MC_LOG(LOG_WARNING, "D-Bus: {}", e.what());
             return;
         }
     }
+    (void)epoll_events();
 }
 
 void DbusService::sync_models() {

@@ -27,9 +27,11 @@ public:
 
     [[nodiscard]] int fd() const;
     // What to wait for on fd() now (EPOLLIN, and EPOLLOUT while output is queued), and how long
-    // at most (ms; -1: no timeout of its own).
+    // at most (ms; -1: no timeout of its own). None of these throws: a connection that broke
+    // (the bus went away) makes lost() true, and the daemon then closes this service.
     [[nodiscard]] uint32_t epoll_events() const;
     [[nodiscard]] int timeout_ms() const;
+    [[nodiscard]] bool lost() const { return lost_; }
     // Handles everything that can be handled now. Never throws.
     void process();
     // One object per model the daemon knows: adds the new, removes the gone.
@@ -42,6 +44,8 @@ private:
     struct Impl;
     explicit DbusService(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
+    mutable bool lost_ = false;
+    int fd_ = -1;  // as it was when the connection was made
 };
 
 }  // namespace moecache::daemon

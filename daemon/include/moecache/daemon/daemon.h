@@ -179,6 +179,8 @@ private:
     void trace_model(const ModelEntry& m);
     void trace_routing(const ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
     void flush_trace();
+    void connect_bus();
+    void lose_bus();
     void sync_bus();
     void announce_budget(const std::string& name, uint64_t bytes);
     void cache_fetched(uint32_t model, uint32_t slot);
@@ -204,6 +206,9 @@ private:
     uint64_t trace_records_ = 0;
     bool trace_failed_ = false;  // a write failed: the trace was closed, stop_trace() says so
     uint32_t bus_events_ = 0;    // what epoll waits for on the bus's fd
+    std::chrono::steady_clock::time_point last_bus_try_{};  // without a bus: when it last tried one
+    bool bus_missing_said_ = false;
+    static constexpr int kBusRetrySeconds = 10;
     std::pair<uint32_t, size_t> bus_models_{UINT32_MAX, 0};  // (next id, count) the bus's model objects match
     std::set<uint32_t> traced_models_;  // ids whose description the trace has
     std::chrono::steady_clock::time_point trace_start_{};
