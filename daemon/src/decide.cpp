@@ -52,6 +52,10 @@ void Daemon::place() {
     f.planner = PlannerSettings{config_.admit_after_uses, config_.elite_share, config_.hysteresis};
     std::vector<ModelEntry*> loaded;
     std::map<std::string, uint32_t> families;
+    const auto now = std::chrono::steady_clock::now();
+    std::set<uint32_t> registered;  // models a live client registered
+    for (const auto& c : clients_)
+        if (!c->dead) registered.insert(c->models.begin(), c->models.end());
     for (auto& m : models_) {
         if (!m->res) continue;
         const ModelResidency& r = *m->res;
@@ -60,6 +64,7 @@ void Daemon::place() {
         mf.view = r.view(model_cap(*m));
         mf.view.family = families.try_emplace(family, static_cast<uint32_t>(families.size())).first->second;
         if (m->config.family_budget) mf.view.family_budget = m->config.family_budget->resolve(mem_total_);
+        mf.view.standby = registered.count(m->id) == 0 && now - m->last_used > kStandbyAfter;
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);
             return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot)};

@@ -85,6 +85,7 @@ void Daemon::consume_page_cache_batch() {
     // One use per expert per batch: a read of one expert arrives as several folios.
     std::sort(used_this_batch_.begin(), used_this_batch_.end());
     used_this_batch_.erase(std::unique(used_this_batch_.begin(), used_this_batch_.end()), used_this_batch_.end());
+    const auto now = std::chrono::steady_clock::now();
     for (auto& m : models_) {
         if (!m->res) continue;
         const uint32_t n = m->res->n_experts();
@@ -92,6 +93,7 @@ void Daemon::consume_page_cache_batch() {
             if (id != m->id || slot >= m->res->n_slots()) continue;
             const uint32_t expert = slot % n;
             m->res->heat().record(slot / n, std::span<const uint32_t>(&expert, 1));
+            m->last_used = now;
         }
     }
     used_this_batch_.clear();
@@ -104,6 +106,7 @@ void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint
 
 void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
     trace_routing(m, block, experts, tokens);
+    m.last_used = std::chrono::steady_clock::now();
     if (const auto layer = m.res->layer_of_block(block)) {
         // The clock advances once per batch: on the first MoE layer's report.
         if (*layer == 0) m.res->heat().advance_clock(tokens);

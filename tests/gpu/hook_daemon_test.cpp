@@ -264,7 +264,8 @@ TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
         httplib::Client c("127.0.0.1", std::stoi(port[1]));
         auto r = c.Get("/metrics");
         if (r && r->status == 200) metrics = r->body;
-        if (std::regex_search(metrics, m, hits) && std::stoull(m[1]) > 0) break;
+        // The hook reports every 2 s (and when its pool grows): wait for a report after `hook`.
+        if (std::regex_search(metrics, m, hits) && std::stoull(m[1]) >= std::max<uint64_t>(hook.slice_hits / 2, 1)) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     ASSERT_TRUE(std::regex_search(metrics, m, hits)) << metrics;

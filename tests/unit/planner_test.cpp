@@ -179,6 +179,39 @@ TEST(Planner, AFamilySharesHeatAndItsSmallestBudget) {
     EXPECT_EQ(plan_placement(loose, 100 * kExpert, s).lock.size(), 5u);
 }
 
+// A family member no runtime uses (the prompt model while the decode model runs) shares the heat
+// but takes only what the model in use leaves: on the GPU machine the idle prompt model took most
+// of a squeezed cgroup's locks from the decode model. Locks it holds go first when room is short.
+TEST(Planner, AModelOnStandbyTakesOnlyWhatTheModelsInUseLeave) {
+    World a(1, 8);
+    for (uint32_t e = 0; e < 6; ++e) a.use(0, e, 10 + static_cast<int>(e));
+    ModelView decode = a.view, prompt = a.view;  // one heat table: a family
+    prompt.standby = true;
+    PlannerSettings s;
+    const ModelView views[] = {prompt, decode};
+    auto p = plan_placement(views, 4 * kExpert, s);
+    ASSERT_EQ(p.lock.size(), 4u);
+    for (const auto& r : p.lock) EXPECT_EQ(r.model, 1u) << "a standby model's expert took a lock";
+    // Room beyond the model in use: the standby model gets it, hottest first.
+    p = plan_placement(views, 8 * kExpert, s);
+    ASSERT_EQ(p.lock.size(), 8u);
+    for (size_t i = 0; i < 6; ++i) EXPECT_EQ(p.lock[i].model, 1u);
+    EXPECT_EQ(p.lock[6], (SlotRef{0, 5}));
+    EXPECT_EQ(p.lock[7], (SlotRef{0, 4}));
+    // The standby model holds locks and the model in use wants the room: the standby's go.
+    ModelView held[] = {prompt, decode};
+    for (uint32_t e = 0; e < 6; ++e) held[0].locked[e] = 1;
+    p = plan_placement(held, 6 * kExpert, s);
+    EXPECT_EQ(p.lock.size(), 6u);
+    EXPECT_EQ(p.release.size(), 6u);
+    for (const auto& r : p.release) EXPECT_EQ(r.model, 0u);
+    // Both on standby (nothing runs yet): the order among them is heat's, as without the flag.
+    ModelView idle[] = {prompt, decode};
+    idle[1].standby = true;
+    ModelView plain[] = {a.view, a.view};
+    EXPECT_EQ(plan_placement(idle, 5 * kExpert, s).lock, plan_placement(plain, 5 * kExpert, s).lock);
+}
+
 TEST(Heat, DecaysByHalfLife) {
     HeatTable h(1, 4, 100);
     const uint32_t e[] = {1};

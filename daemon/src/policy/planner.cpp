@@ -10,7 +10,7 @@ namespace {
 
 struct Candidate {
     SlotRef ref;
-    int klass;     // 0 must, 1 elite, 2 regular
+    int klass;     // 0 must, 1 elite, 2 regular; a model on standby: 4 elite, 5 regular
     double score;  // within a class, higher first
     uint64_t bytes;
     bool locked;
@@ -40,7 +40,8 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::v
             if (m.heat->uses(l, e) < s.admit_after_uses) {
                 // Not admitted, but locked (a profile from an older run, a pin that was removed):
                 // it competes like the rest so that it is released in its turn, not at once.
-                if (locked) out.push_back({{mi, slot}, 2, m.heat->heat(l, e) * (1 + s.hysteresis), m.slot_bytes[slot], true});
+                if (locked)
+                    out.push_back({{mi, slot}, m.standby ? 5 : 2, m.heat->heat(l, e) * (1 + s.hysteresis), m.slot_bytes[slot], true});
                 continue;
             }
             layer.emplace_back(m.heat->heat(l, e), e);
@@ -52,7 +53,8 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::v
             const uint32_t slot = l * ne + layer[i].second;
             const bool locked = m.locked[slot] != 0;
             const double score = layer[i].first * (locked ? 1 + s.hysteresis : 1.0);
-            out.push_back({{mi, slot}, i < n_elite ? 1 : 2, score, m.slot_bytes[slot], locked});
+            const int klass = (i < n_elite ? 1 : 2) + (m.standby ? 3 : 0);
+            out.push_back({{mi, slot}, klass, score, m.slot_bytes[slot], locked});
         }
     }
 }

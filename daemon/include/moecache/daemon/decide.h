@@ -17,12 +17,15 @@
 #include "moecache/daemon/planner.h"
 #include "moecache/daemon/tier.h"
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
 namespace moecache::daemon {
 
 inline constexpr uint64_t kLockBytesPerTurn = 512ull << 20;  // bounds how long one turn spends in mlock
+// A model no client registered and nothing used for this long is on standby (planner.h).
+inline constexpr std::chrono::seconds kStandbyAfter{60};
 
 // One slot (an expert, or the dense part) as the turn sees it.
 struct SlotFacts {

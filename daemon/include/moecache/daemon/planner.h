@@ -4,7 +4,8 @@
 //   1. pinned experts and the dense part of models that lock it (used by every token);
 //   2. the elite: the hottest `elite_share` of each layer (among admitted experts);
 //   3. everything admitted (used at least `admit_after_uses` times), hottest first, where a
-//      locked expert counts `1 + hysteresis` times its heat so placements do not churn.
+//      locked expert counts `1 + hysteresis` times its heat so placements do not churn;
+//   4. the elite and then the rest of models on standby (no runtime uses them now), likewise.
 // Budgets (the global cap, each model's and each family's) are filled greedily in that order. An expert a VRAM
 // pool holds is not wanted in RAM (one place), unless pinned.
 #pragma once
@@ -39,6 +40,11 @@ struct ModelView {
     // Models with the same family number share a cap: the smallest family_budget among them.
     uint32_t family = std::numeric_limits<uint32_t>::max();  // max: in no family
     uint64_t family_budget = std::numeric_limits<uint64_t>::max();
+    // No runtime uses it now (no client registered it, no page of it used lately): its experts
+    // rank after every expert of a model in use, so that a family member at rest (the prompt
+    // model while the decode model runs) takes only what those leave. Its pins and dense part
+    // keep their place.
+    bool standby = false;
 };
 
 struct SlotRef {
