@@ -83,18 +83,21 @@ protected:
         while (std::chrono::steady_clock::now() < end) {
             EXPECT_TRUE(d_->step(5));
             pollfd p{s, POLLIN, 0};
-            if (::poll(&p, 1, 0) == 1) {
-                std::vector<uint8_t> buf(kMaxMessageBytes);
-                const ssize_t n = ::recv(s, buf.data(), buf.size(), MSG_DONTWAIT);
-                if (n <= 0) return std::nullopt;
-                buf.resize(static_cast<size_t>(n));
-                auto m = decode(buf, 0);
-                EXPECT_TRUE(m) << m.error().what();
-                return m ? std::optional<Message>(*m) : std::nullopt;
-            }
+            if (::poll(&p, 1, 0) == 1) return take(s);  // readable and nothing: the peer closed
         }
         ADD_FAILURE() << "no reply within " << seconds << " s";
         return std::nullopt;
+    }
+
+    // A packet the client has now, decoded (nullopt: none waiting, or the peer closed).
+    static std::optional<Message> take(int s) {
+        std::vector<uint8_t> buf(kMaxMessageBytes);
+        const ssize_t n = ::recv(s, buf.data(), buf.size(), MSG_DONTWAIT);
+        if (n <= 0) return std::nullopt;
+        buf.resize(static_cast<size_t>(n));
+        auto m = decode(buf, 0);
+        EXPECT_TRUE(m) << m.error().what();
+        return m ? std::optional<Message>(*m) : std::nullopt;
     }
 
     // The peer closed the connection (after whatever it sent).
@@ -463,12 +466,8 @@ TEST_F(ClientSocketTest, ASlowReaderGetsEveryMessageInOrder) {
     while (got < kRequests && std::chrono::steady_clock::now() < end) {
         ASSERT_TRUE(d_->step(0));
         for (int k = 0; k < 32; ++k) {
-            std::vector<uint8_t> buf(kMaxMessageBytes);
-            const ssize_t n = ::recv(s.get(), buf.data(), buf.size(), MSG_DONTWAIT);
-            if (n <= 0) break;
-            buf.resize(static_cast<size_t>(n));
-            auto m = decode(buf, 0);
-            ASSERT_TRUE(m) << m.error().what();
+            const auto m = take(s.get());
+            if (!m) break;
             ASSERT_TRUE(std::holds_alternative<Failure>(m->body));
             ASSERT_EQ(m->request, next) << "a reply out of order or lost";
             ++next;
@@ -536,12 +535,8 @@ TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {
     for (;;) {
         pollfd p{s.get(), POLLIN, 0};
         if (::poll(&p, 1, 50) != 1) break;
-        std::vector<uint8_t> buf(kMaxMessageBytes);
-        const ssize_t n = ::recv(s.get(), buf.data(), buf.size(), MSG_DONTWAIT);
-        if (n <= 0) break;
-        buf.resize(static_cast<size_t>(n));
-        auto m = decode(buf, 0);
-        ASSERT_TRUE(m) << m.error().what();
+        const auto m = take(s.get());
+        if (!m) break;
         if (const auto* dir = std::get_if<Directive>(&m->body)) {
             EXPECT_EQ(dir->model, model);
             if (dir->action == Action::Lock) locked.insert({dir->block, dir->expert});
