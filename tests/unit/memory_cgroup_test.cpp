@@ -1,6 +1,6 @@
 // Which memory cgroup limit binds the daemon: parsed from /proc/self/cgroup and the limit files of
 // a cgroup tree, here a fake one in a temporary directory (the real hierarchy is the root tests').
-#include "moecache/daemon/memory_cgroup.h"
+#include "moecache/memory_cgroup.h"
 #include "temp_dir.h"
 
 #include <gtest/gtest.h>

@@ -1,4 +1,5 @@
 #include "capture_gate.h"
+#include "moecache/memory_cgroup.h"
 #include "staging.h"
 
 #include "driver.h"
@@ -25,48 +26,6 @@
 #endif
 
 namespace moecache::cuda::hook {
-namespace {
-
-// The tightest memory limit of the cgroups this process is in, or of their ancestors (cgroup v2's
-// memory.max, v1's memory.limit_in_bytes); UINT64_MAX where none binds. Pinned pages must be
-// resident: the default pin budget is half of what the process may hold, not half of the machine.
-uint64_t memory_cgroup_limit() {
-    uint64_t limit = UINT64_MAX;
-    FILE* f = std::fopen("/proc/self/cgroup", "re");
-    if (f == nullptr) return limit;
-    char line[4096];
-    while (std::fgets(line, sizeof line, f) != nullptr) {
-        std::string l(line);
-        while (!l.empty() && (l.back() == '\n' || l.back() == '\r')) l.pop_back();
-        const auto a = l.find(':'), b = l.find(':', a == std::string::npos ? 0 : a + 1);
-        if (a == std::string::npos || b == std::string::npos) continue;
-        const std::string controllers = l.substr(a + 1, b - a - 1);
-        std::string path = l.substr(b + 1);
-        std::string root, file;
-        if (l.compare(0, 2, "0:") == 0 && controllers.empty()) {
-            root = "/sys/fs/cgroup";
-            file = "memory.max";
-        } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
-            root = "/sys/fs/cgroup/memory";
-            file = "memory.limit_in_bytes";
-        } else {
-            continue;
-        }
-        for (;;) {
-            if (FILE* m = std::fopen((root + path + "/" + file).c_str(), "re")) {
-                unsigned long long v = 0;
-                if (std::fscanf(m, "%llu", &v) == 1 && v > 0) limit = std::min<uint64_t>(limit, v);
-                std::fclose(m);
-            }
-            if (path.empty() || path == "/") break;
-            path = path.substr(0, path.rfind('/'));
-        }
-    }
-    std::fclose(f);
-    return limit;
-}
-
-}  // namespace
 namespace {
 
 constexpr size_t kPartBytes = 128 << 10;  // what one thread takes at a time
@@ -290,7 +249,13 @@ bool Engine::register_wanted() {
     if (drv == nullptr || device < 0) return false;
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     uint64_t budget = cfg_.pin_budget;
-    if (budget == 0) budget = std::min(static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page, memory_cgroup_limit()) / 2;
+    if (budget == 0) {
+        // Half of what this process may hold: pinned pages must be resident, and a runtime in a
+        // memory cgroup may hold less than the machine has.
+        uint64_t may_hold = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page;
+        if (const auto cg = own_memory_cgroup_limit()) may_hold = std::min(may_hold, cg->limit);
+        budget = may_hold / 2;
+    }
     if (ahead_models_ != models_.size()) {
         ahead_models_ = models_.size();
         uint64_t all = 0;

@@ -2,7 +2,7 @@
 
 #include "moecache/log.h"
 
-#include "moecache/daemon/memory_cgroup.h"
+#include "moecache/memory_cgroup.h"
 
 #include <fcntl.h>
 #include <sys/epoll.h>

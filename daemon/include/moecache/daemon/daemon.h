@@ -11,7 +11,7 @@
 #include "moecache/daemon/control.h"
 #include "moecache/daemon/decide.h"
 #include "moecache/daemon/fetch.h"
-#include "moecache/daemon/memory_cgroup.h"
+#include "moecache/memory_cgroup.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
 #include "moecache/daemon/system_memory.h"

@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-namespace moecache::daemon {
+namespace moecache {
 
 struct MemoryCgroupLimit {
     std::string dir;     // the cgroup directory whose limit binds
@@ -25,4 +25,4 @@ struct MemoryCgroupLimit {
 std::optional<MemoryCgroupLimit> own_memory_cgroup_limit(const std::string& proc_cgroup = "/proc/self/cgroup",
                                                          const std::string& root = "/sys/fs/cgroup");
 
-}  // namespace moecache::daemon
+}  // namespace moecache

@@ -1,4 +1,4 @@
-#include "moecache/daemon/memory_cgroup.h"
+#include "moecache/memory_cgroup.h"
 
 #include <unistd.h>
 
@@ -7,7 +7,7 @@
 #include <sstream>
 #include <vector>
 
-namespace moecache::daemon {
+namespace moecache {
 namespace {
 
 // A limit file's value: "max" (v2) and anything at or past 2^62 (v1's "unlimited" is
@@ -97,4 +97,4 @@ std::optional<MemoryCgroupLimit> own_memory_cgroup_limit(const std::string& proc
     return std::nullopt;
 }
 
-}  // namespace moecache::daemon
+}  // namespace moecache
