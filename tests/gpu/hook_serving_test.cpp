@@ -23,6 +23,8 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <tuple>
+#include <regex>
 #include <thread>
 
 namespace moecache::test {
@@ -279,6 +281,95 @@ TEST_F(Captures, NoCaptureIsSpoiledByTheHooksSynchronisations) {
     EXPECT_GT(ended.load(), 100u) << "captures did not run alongside";
     EXPECT_EQ(spoiled.load(), 0u) << "a synchronisation of the hook spoiled a runtime's capture";
     EXPECT_EQ(refused.load(), 0u);
+    destroy(s);
+}
+
+// Routing from the runtime's read-back: llama.cpp reads its router's ids to the host and then
+// copies the experts they name. A prompt batch's copies carry nearly every expert (the union says
+// little); its read-back says how many tokens chose each, and the hook reports the experts more
+// of them chose than an even share, once, with the batch's token count. A decoded token is one
+// event of its experts, not one per group of neighbours. A read-back that does not check out
+// against the copy that follows is not used.
+class Routes : public HookServing {
+protected:
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        // The client on (these tests turn it off), writing what it reports as a trace, with no daemon.
+        trace_ = dir_.path() + "/routes.jsonl";
+        socket_ = dir_.path() + "/no-daemon.sock";
+        return {{"MOECACHE_CUDA_POOL", "25%"}, {"MOECACHE_CUDA_CLIENT", "on"}, {"MOECACHE_SOCKET", socket_.c_str()},
+                {"MOECACHE_TRACE", trace_.c_str()}};
+    }
+    // The runtime's read-back of `ids` (n_used a token), then its grouped copies of their union.
+    void batch(uint32_t l, const std::vector<int32_t>& ids, const std::vector<uint32_t>& copied, CUstream s) {
+        ASSERT_EQ(cu_.htod(ids_dev_, ids.data(), ids.size() * 4), CUDA_SUCCESS);
+        std::vector<int32_t> back(ids.size());
+        ASSERT_EQ(cu_.dtoh(back.data(), ids_dev_, back.size() * 4), CUDA_SUCCESS);
+        for (uint32_t t = 0; t < 3; ++t) ASSERT_TRUE(copy_experts(cu_, model_, dst_[l][t], l, t, copied, s));
+    }
+    // The decisions written so far: (block, tokens, experts).
+    std::vector<std::tuple<uint32_t, uint32_t, std::vector<uint32_t>>> decisions() const {
+        std::vector<std::tuple<uint32_t, uint32_t, std::vector<uint32_t>>> out;
+        std::ifstream f(trace_);
+        std::string line;
+        const std::regex d(R"("b":(\d+),"n":(\d+),"e":\[([0-9,]*)\])");
+        std::smatch m;
+        while (std::getline(f, line)) {
+            if (!std::regex_search(line, m, d)) continue;
+            std::vector<uint32_t> e;
+            std::stringstream ss(m[3].str());
+            for (std::string x; std::getline(ss, x, ',');) e.push_back(static_cast<uint32_t>(std::stoul(x)));
+            out.emplace_back(std::stoul(m[1].str()), std::stoul(m[2].str()), e);
+        }
+        return out;
+    }
+    mutable std::string trace_, socket_;
+    CUdeviceptr ids_dev_ = 0;
+};
+
+TEST_F(Routes, APromptBatchIsReportedFromTheIdsTheRuntimeReadBack) {
+    auto s = new_streams();
+    warm_up(s);
+    ASSERT_EQ(cu_.mem_alloc(&ids_dev_, 1u << 16), CUDA_SUCCESS);
+    const uint32_t k = model_.map.n_experts_used, ne = model_.map.n_experts;  // 4 of 32
+    // A prompt batch of 64 tokens in layer 0: experts 0-7 are chosen by most tokens, the rest
+    // now and then, every expert by one at least.
+    std::vector<int32_t> ids;
+    std::vector<uint32_t> count(ne, 0);
+    for (uint32_t t = 0; t < 64; ++t)
+        for (uint32_t j = 0; j < k; ++j) {
+            const uint32_t e = j < 3 ? (t + j * 3) % 8 : 8 + (t * 7 + j) % 24;
+            ids.push_back(static_cast<int32_t>(e));
+            ++count[e];
+        }
+    std::vector<uint32_t> all(ne), hot;
+    for (uint32_t e = 0; e < ne; ++e) {
+        all[e] = e;
+        if (count[e] * ne > 64 * k) hot.push_back(e);
+    }
+    ASSERT_FALSE(hot.empty());
+    ASSERT_LT(hot.size(), ne / 2);
+    batch(0, ids, all, s[0]);
+    // A decoded token in layer 1: one event of its four experts (apart in the file: four groups).
+    batch(1, {1, 5, 9, 30}, {1, 5, 9, 30}, s[0]);
+    // A read-back that the copy does not bear out (a stale one, or not ids at all) in layer 2.
+    batch(2, {0, 1, 2, 3}, {20, 22, 24, 26}, s[0]);
+    ASSERT_GE(hook_.sync(10000), 1);
+    const uint32_t b0 = model_.map.layers[0].index, b1 = model_.map.layers[1].index, b2 = model_.map.layers[2].index;
+    auto has = [&](uint32_t b, uint32_t n, const std::vector<uint32_t>& e) {
+        for (const auto& [db, dn, de] : decisions())
+            if (db == b && dn == n && de == e) return true;
+        return false;
+    };
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!has(b2, 1, {26}) && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::stringstream text;
+    text << std::ifstream(trace_).rdbuf();
+    ASSERT_FALSE(decisions().empty()) << "no decision in the trace:\n" << text.str();
+    EXPECT_TRUE(has(b0, 64, hot)) << "the prompt batch's hot experts, once, with its 64 tokens\n" << text.str().substr(0, 4000);
+    EXPECT_FALSE(has(b0, 1, all)) << "the prompt batch was reported as its union";
+    EXPECT_TRUE(has(b1, 1, {1, 5, 9, 30})) << "the decoded token as one event";
+    EXPECT_FALSE(has(b1, 1, {5})) << "the decoded token as a group at a time";
+    for (uint32_t e : {20u, 22u, 24u, 26u}) EXPECT_TRUE(has(b2, 1, {e})) << "a read-back the copy did not bear out was used";
     destroy(s);
 }
 

@@ -15,19 +15,21 @@
 namespace moecache::cuda::hook {
 
 void Engine::report(Model& m, uint32_t block, uint32_t first, uint32_t n) {
+    constexpr uint32_t kMost = 1024;  // experts of one copy, at most (a layer of 1024 experts)
+    uint32_t ids[kMost];
+    n = std::min(n, kMost);
+    for (uint32_t i = 0; i < n; ++i) ids[i] = first + i;
+    report_experts(m, block, ids, n, 1);
+}
+
+void Engine::report_experts(Model& m, uint32_t block, const uint32_t* experts, uint32_t n, uint32_t tokens) {
     if (client_ == nullptr) return;
     const uint32_t h = m.client_handle.load(std::memory_order_relaxed);
     if (h == UINT32_MAX) return;
-    uint32_t ids[22];
-    for (uint32_t done = 0; done < n;) {
-        const uint32_t k = std::min<uint32_t>(n - done, 22);
-        for (uint32_t i = 0; i < k; ++i) ids[i] = first + done + i;
-        // The client's ring has one writer at a time; a report never waits for another.
-        std::unique_lock lock(report_mu_, std::try_to_lock);
-        if (!lock.owns_lock()) return;
-        if (moecache_client_report(client_, h, block, ids, k, 1) == 1) reported_.fetch_add(1, std::memory_order_relaxed);
-        done += k;
-    }
+    // The client's ring has one writer at a time; a report never waits for another.
+    std::unique_lock lock(report_mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return;
+    if (moecache_client_report(client_, h, block, experts, n, tokens) == 1) reported_.fetch_add(1, std::memory_order_relaxed);
 }
 
 bool Engine::daemon_wants_one_place(int device) const {

@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include "capture_gate.h"
+
 #include "driver.h"
 #include "log.h"
 #include "moecache/client.h"
@@ -243,6 +245,12 @@ void Engine::shutdown() {
                     dp->device, tensors, which.c_str(), h, m, pct(h, m), dh, dm, pct(dh, dm), dp->decode_admits.load(),
                     static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined, ps.cross_stream, dp->peer_lookups.load());
             }
+    if (cfg_.log && (readback_reports_.load() || readbacks_refused_.load()))
+        say("routing from the runtime's read-back ids: %" PRIu64 " layer batches, %" PRIu64 " read-backs that did not match the copy",
+            readback_reports_.load(), readbacks_refused_.load());
+    if (cfg_.log && (capture_gate().waits() || capture_gate().stale()))
+        say("graph captures that waited for the hook: %" PRIu64 ", open captures the hook stopped waiting for: %" PRIu64,
+            capture_gate().waits(), capture_gate().stale());
     stopping_.store(true);
 }
 

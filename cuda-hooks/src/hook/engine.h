@@ -61,6 +61,9 @@ public:
     // Serves a host-to-device copy through the pool and the staging buffers; true when it did (the
     // result in *result), false when the caller must pass it through as it is.
     bool serve(const HostToDeviceCopy& c, CUresult* result);
+    // A small device-to-host copy the runtime made on this thread (routes.cpp): perhaps its
+    // router's choices read back, as llama.cpp reads them before it copies the experts they name.
+    void note_readback(const void* dst, size_t bytes);
     // Before the runtime destroys a stream: what it queued on pool slots stays ordered.
     void on_stream_destroy(CUstream stream);
     // After an allocation failed for want of memory: frees pool memory on the current device.
@@ -234,6 +237,11 @@ private:
     void drop_host_copy(const Model& m, uint32_t block, uint32_t expert);
     void poll_directives();
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
+    // routes.cpp: the routing one copy of a layer's first expert tensor tells, from the runtime's
+    // read-back ids where they check out against the copy, else from the copy's experts where it
+    // is a routing copy (`routing`: not every expert of the tensor).
+    void report_copy(Model& m, const ExpertCopy& cls, bool routing);
+    void report_experts(Model& m, uint32_t block, const uint32_t* experts, uint32_t n, uint32_t tokens);
     void report_pools();
     [[nodiscard]] bool daemon_wants_one_place(int device) const;
     // pools.cpp: peer access between a new pool's device and the others'.
@@ -264,6 +272,7 @@ private:
     size_t ahead_models_ = SIZE_MAX, ahead_model_ = 0;
     size_t ahead_run_ = 0;
     std::vector<std::pair<void*, size_t>> ahead_ranges_;  // registered whole tensors
+    std::atomic<uint64_t> readback_reports_{0}, readbacks_refused_{0};  // routes.cpp
     std::vector<std::pair<uintptr_t, size_t>> unregistering_;  // background thread: slices let go, not yet unregistered
     moecache_client* client_ = nullptr;
     CopyCrew crew_;

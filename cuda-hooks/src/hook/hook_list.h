@@ -40,6 +40,12 @@
       (CUdeviceptr dst, const void* src, size_t n, CUstream s), (dst, src, n, s))                              \
     X(cuMemcpyHtoDAsync_v2_ptsz, "cuMemcpyHtoDAsync", 3020, true,                                              \
       (CUdeviceptr dst, const void* src, size_t n, CUstream s), (dst, src, n, s))                              \
+    X(cuMemcpyDtoH_v2, "cuMemcpyDtoH", 3020, false, (void* dst, CUdeviceptr src, size_t n), (dst, src, n))      \
+    X(cuMemcpyDtoH_v2_ptds, "cuMemcpyDtoH", 3020, true, (void* dst, CUdeviceptr src, size_t n), (dst, src, n))  \
+    X(cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", 3020, false, (void* dst, CUdeviceptr src, size_t n, CUstream s), \
+      (dst, src, n, s))                                                                                        \
+    X(cuMemcpyDtoHAsync_v2_ptsz, "cuMemcpyDtoHAsync", 3020, true,                                              \
+      (void* dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s))                                    \
     X(cuMemcpy, "cuMemcpy", 4000, false, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))          \
     X(cuMemcpy_ptds, "cuMemcpy", 4000, true, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))     \
     X(cuMemcpyAsync, "cuMemcpyAsync", 4000, false, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s),  \

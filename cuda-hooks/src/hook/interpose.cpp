@@ -114,6 +114,11 @@ bool serve(const HostToDeviceCopy& c, CUresult* r) noexcept {
     }
 }
 
+// A small device-to-host copy: perhaps a runtime reading its router's choices back (engine.h).
+void readback(void* dst, size_t n) noexcept {
+    if (Engine* e = Engine::peek()) e->note_readback(dst, n);
+}
+
 bool yield_memory(size_t bytes) noexcept {
     try {
         Engine* e = Engine::peek();
@@ -149,7 +154,9 @@ cudaError_t runtime_copy(Call real, void* dst, const void* src, size_t n, cudaMe
         CUresult r = CUDA_SUCCESS;
         if (serve(c, &r) && r == CUDA_SUCCESS) return cudaSuccess;
     }
-    return real();
+    const cudaError_t r = real();
+    if (r == cudaSuccess && Nest::outer() && kind == cudaMemcpyDeviceToHost) readback(dst, n);
+    return r;
 }
 
 template <class Call>
@@ -259,6 +266,21 @@ CUresult on_cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUs
 }
 CUresult on_cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void* src, size_t n, CUstream stream) {
     CU_COPY(cuMemcpyHtoDAsync_v2_ptsz, true, true, true, src, (dst, src, n, stream));
+}
+#define CU_READBACK(name, call_args)                              \
+    Nest nest;                                                    \
+    auto real = REAL_CU(name);                                    \
+    if (real == nullptr) return MISSING_CU;                       \
+    const CUresult r = real call_args;                            \
+    if (r == CUDA_SUCCESS && Nest::outer()) readback(dst, n);     \
+    return r
+CUresult on_cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) { CU_READBACK(cuMemcpyDtoH_v2, (dst, src, n)); }
+CUresult on_cuMemcpyDtoH_v2_ptds(void* dst, CUdeviceptr src, size_t n) { CU_READBACK(cuMemcpyDtoH_v2_ptds, (dst, src, n)); }
+CUresult on_cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+    CU_READBACK(cuMemcpyDtoHAsync_v2, (dst, src, n, s));
+}
+CUresult on_cuMemcpyDtoHAsync_v2_ptsz(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+    CU_READBACK(cuMemcpyDtoHAsync_v2_ptsz, (dst, src, n, s));
 }
 CUresult on_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     CUstream stream = nullptr;

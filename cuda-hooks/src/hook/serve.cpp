@@ -215,9 +215,10 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     Model& m = *snap->models[cls->model];
     const int32_t ls = cls->block < m.layer_slot.size() ? m.layer_slot[cls->block] : -1;
     if (ls < 0) return false;
-    // A copy of every expert of a tensor is a weight upload, not a routing decision.
+    // A copy of every expert of a tensor is a weight upload, not a routing decision (unless the
+    // runtime's read-back of its router's ids says it is one: a batch that used every expert).
     const bool routing = cls->n_experts < m.map.n_experts;
-    if (routing && cls->tensor == 0) report(m, cls->block, cls->first_expert, cls->n_experts);
+    if (cls->tensor == 0) report_copy(m, *cls, routing);
     const Driver* drv = driver();
     if (drv == nullptr) return false;
     const CUstream stream = effective_stream(c);
