@@ -144,5 +144,70 @@ TEST(TraceGen, TheFileIsOneModelAndOneDecisionPerTokenAndLayer) {
     EXPECT_FALSE(write_trace(*r, dir.file("no-such-dir/t.jsonl"), "k", 1, 1));
 }
 
+// The families of routing whose structure popularity alone does not describe (issue 22), each
+// moving what it is for.
+TEST(TraceGen, ZipfBurstsShiftsAndPromptBatchesEachShowInTheirStatistic) {
+    // Zipf (alpha 1.2, 256 experts): the hottest eighth takes far more than an even share.
+    Spec z = small(1500);
+    z.n_experts = 256;
+    z.zipf = 1.2;
+    auto zr = generate(z);
+    ASSERT_TRUE(zr) << zr.error().what();
+    EXPECT_GT(measure(*zr).top_eighth, 0.5);
+    // Bursty: a layer keeps most of its previous token's experts about `keep` of the time.
+    Spec b = small(1500);
+    b.skew = {1.0, 1.0};
+    const double plain = measure(*generate(b)).reuse;
+    b.keep = 0.6;
+    const double bursty = measure(*generate(b)).reuse;
+    EXPECT_GT(bursty, plain + 0.15) << plain << " -> " << bursty;
+    EXPECT_GT(bursty, 0.6 * 7 / 8) << "kept 7 of 8 experts 60 % of the time";
+    // A topic change: the hottest experts of the first half are not those of the second.
+    Spec t = small(2000);
+    t.skew = {3.0, 1.0};
+    t.shift_at = 1000;
+    auto tr = generate(t);
+    ASSERT_TRUE(tr);
+    auto hottest = [&](uint64_t from, uint64_t to) {
+        std::vector<uint32_t> c(64, 0);
+        for (uint64_t i = from; i < to; ++i)
+            for (uint16_t e : tr->at(i, 0)) ++c[e];
+        return static_cast<uint32_t>(std::max_element(c.begin(), c.end()) - c.begin());
+    };
+    EXPECT_NE(hottest(0, 1000), hottest(1000, 2000));
+    // Prompt batches: a step of 512 tokens every 400 decoded ones, written as one decision per
+    // layer with its count and the union of its experts.
+    Spec p = small(2000);
+    p.skew = {1.0, 1.0};
+    p.prompt_tokens = 512;
+    p.prompt_every = 400;
+    auto pr = generate(p);
+    ASSERT_TRUE(pr);
+    test::TempDir dir;
+    ASSERT_TRUE(write_trace(*pr, dir.file("p.jsonl"), "k", 4096, 1000));
+    std::ifstream f(dir.file("p.jsonl"));
+    std::string line;
+    uint64_t tokens = 0, batches = 0;
+    while (std::getline(f, line)) {
+        const auto d = nlohmann::json::parse(line);
+        if (!d.contains("n")) continue;
+        if (d.at("b") == 0) tokens += d.at("n").get<uint64_t>();
+        if (d.at("n") == 512) {
+            ++batches;
+            EXPECT_GT(d.at("e").size(), 48u) << "a batch's union is most of the experts";
+        }
+    }
+    EXPECT_EQ(tokens, 2000u);
+    // 400 decoded, 512 in a batch, 400, 512, and the last 176 decoded.
+    EXPECT_EQ(batches, 2u * 6) << "two batches, one decision in each of six layers";
+    // Out of range is refused by name.
+    Spec bad = small();
+    bad.keep = 1.0;
+    EXPECT_FALSE(generate(bad));
+    bad = small();
+    bad.prompt_tokens = 4;
+    EXPECT_FALSE(generate(bad));
+}
+
 }  // namespace
 }  // namespace moecache::tracegen

@@ -13,11 +13,18 @@ Writes a synthetic router trace (docs/trace.md): per token, the experts of every
 mkmodel's router (popularity skew) with temporal locality and layer-to-layer correlation.
   -o, --output FILE     the trace (JSON lines)
   --preset NAME         deepseek-v4-flash | low-skew | uniform: fits the skew and the layer
-                        correlation to the preset's published statistics for these counts
+                        correlation to the preset's published statistics for these counts;
+                        zipf-256 | topic-shift | bursty | prompts: routing of other structure
+                        (their own expert count unless --experts says otherwise)
   --skew S, --skew-shape P   the router skew by hand (excludes --preset)
   --follow B            layer-to-layer correlation: a logit boost in [0, 100] for the experts paired
                         with this token's experts of the previous layer (by hand; else the preset's)
   --reuse R             token-to-token noise correlation in [0, 1) (temporal locality; 0)
+  --zipf A              Zipf-like popularity of exponent A instead of the router's skew
+  --keep P              bursty: with probability P a layer keeps its previous token's experts but one
+  --shift T             the popularity drawn anew at token T (a topic change)
+  --prompt N:EVERY      a prompt batch of N tokens every EVERY decoded tokens (one decision per
+                        layer: the batch's union, with its token count)
   --layers L            MoE layers (16)
   --experts N           experts per layer (64)
   --experts-used K      experts per token (8)
@@ -39,7 +46,7 @@ int main(int argc, char** argv) {
     Spec spec;
     std::string output, preset, key = "synthetic";
     uint64_t expert_bytes = 1671168, token_us = 25000;
-    bool skew_given = false, follow_given = false;
+    bool skew_given = false, follow_given = false, experts_given = false;
     auto die = [](const std::string& m) { return mkmodel::usage_error("moecache-tracegen", m); };
     auto option = [&](const std::string& a, const std::string& v) -> moecache::Result<bool> {
         bool ok = true;
@@ -50,7 +57,15 @@ int main(int argc, char** argv) {
         else if (a == "--follow") { ok = mkmodel::parse_double(v, spec.follow); follow_given = true; }
         else if (a == "--reuse") ok = mkmodel::parse_double(v, spec.reuse);
         else if (a == "--layers") ok = mkmodel::parse_number(v, spec.n_layers);
-        else if (a == "--experts") ok = mkmodel::parse_number(v, spec.n_experts);
+        else if (a == "--experts") { ok = mkmodel::parse_number(v, spec.n_experts); experts_given = true; }
+        else if (a == "--zipf") ok = mkmodel::parse_double(v, spec.zipf);
+        else if (a == "--keep") ok = mkmodel::parse_double(v, spec.keep);
+        else if (a == "--shift") ok = mkmodel::parse_number(v, spec.shift_at);
+        else if (a == "--prompt") {
+            const auto colon = v.find(':');
+            ok = colon != std::string::npos && mkmodel::parse_number(v.substr(0, colon), spec.prompt_tokens) &&
+                 mkmodel::parse_number(v.substr(colon + 1), spec.prompt_every);
+        }
         else if (a == "--experts-used") ok = mkmodel::parse_number(v, spec.n_used);
         else if (a == "--tokens") ok = mkmodel::parse_number(v, spec.tokens);
         else if (a == "--seed") ok = mkmodel::parse_number(v, spec.seed);
@@ -74,6 +89,7 @@ int main(int argc, char** argv) {
             return die(fmt::format("unknown preset '{}'; known:{}", preset, names));
         }
         const double follow = spec.follow;
+        if (p->family.experts != 0 && !experts_given) spec.n_experts = p->family.experts;
         auto fitted = fit(*p, spec);
         if (!fitted) return die(fitted.error().what());
         spec = *fitted;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -54,6 +55,12 @@ Result<Routing> generate(const Spec& s) {
     if (!(s.follow >= 0 && s.follow <= 100)) return failf("trace: follow must be in [0, 100], not {}", s.follow);
     if (!(s.skew.scale >= 0 && std::isfinite(s.skew.scale)) || !(s.skew.shape > 0 && std::isfinite(s.skew.shape)))
         return failf("trace: skew S must be >= 0 and P > 0");
+    if (!(s.zipf >= 0 && s.zipf <= 10)) return failf("trace: zipf alpha must be in [0, 10], not {}", s.zipf);
+    if (!(s.keep >= 0 && s.keep < 1)) return failf("trace: keep must be in [0, 1), not {}", s.keep);
+    if (s.shift_at >= s.tokens && s.shift_at != 0) return failf("trace: shift must come before the last token ({})", s.tokens);
+    if ((s.prompt_tokens == 0) != (s.prompt_every == 0))
+        return failf("trace: a prompt needs both its tokens and how many decoded tokens apart (--prompt N:EVERY)");
+    if (s.prompt_tokens > (1u << 16)) return failf("trace: a prompt batch of at most 65536 tokens, not {}", s.prompt_tokens);
 
     const uint32_t L = s.n_layers, E = s.n_experts, K = s.n_used;
     Normal normal(s.seed);
@@ -62,17 +69,30 @@ Result<Routing> generate(const Spec& s) {
     // keeps every layer's popularity.
     std::vector<std::vector<uint32_t>> by_rank(L, std::vector<uint32_t>(E)), pair(L, std::vector<uint32_t>(E));
     std::vector<double> bias(static_cast<size_t>(L) * E);
-    for (uint32_t l = 0; l < L; ++l) {
-        std::iota(by_rank[l].begin(), by_rank[l].end(), 0u);
-        std::shuffle(by_rank[l].begin(), by_rank[l].end(), normal.engine());
-        for (uint32_t r = 0; r < E; ++r)
-            bias[size_t{l} * E + by_rank[l][r]] = -s.skew.scale * std::pow(std::log(static_cast<double>(r) + 1.0), s.skew.shape);
-    }
-    for (uint32_t l = 0; l + 1 < L; ++l)
-        for (uint32_t r = 0; r < E; ++r) pair[l][by_rank[l][r]] = by_rank[l + 1][r];
+    auto draw_popularity = [&] {
+        for (uint32_t l = 0; l < L; ++l) {
+            std::iota(by_rank[l].begin(), by_rank[l].end(), 0u);
+            std::shuffle(by_rank[l].begin(), by_rank[l].end(), normal.engine());
+            for (uint32_t r = 0; r < E; ++r) {
+                const double lr = std::log(static_cast<double>(r) + 1.0);
+                bias[size_t{l} * E + by_rank[l][r]] = s.zipf > 0 ? -s.zipf * lr : -s.skew.scale * std::pow(lr, s.skew.shape);
+            }
+        }
+        for (uint32_t l = 0; l + 1 < L; ++l)
+            for (uint32_t r = 0; r < E; ++r) pair[l][by_rank[l][r]] = by_rank[l + 1][r];
+    };
+    draw_popularity();
+    // Gumbel noise for Zipf: top-k of log-weights plus Gumbel(0, 1) is a draw of k without
+    // replacement, each in proportion to its weight.
+    auto gumbel = [&] {
+        double u = 0;
+        while (u <= 0 || u >= 1) u = static_cast<double>(normal.engine()() >> 11) * 0x1.0p-53;
+        return -std::log(-std::log(u));
+    };
+    std::uniform_real_distribution<double> coin(0.0, 1.0);
     // Each layer's noise: an AR(1) process over tokens.
     std::vector<double> noise(static_cast<size_t>(L) * E);
-    for (auto& v : noise) v = normal();
+    for (auto& v : noise) v = s.zipf > 0 ? gumbel() : normal();
     const double keep = std::sqrt(1.0 - s.reuse * s.reuse);
 
     Routing out;
@@ -83,18 +103,43 @@ Result<Routing> generate(const Spec& s) {
     out.experts.resize(s.tokens * L * K);
     std::vector<std::pair<double, uint32_t>> logits(E);
     for (uint64_t t = 0; t < s.tokens; ++t) {
+        if (s.shift_at > 0 && t == s.shift_at) draw_popularity();
         for (uint32_t l = 0; l < L; ++l) {
             double* z = &noise[size_t{l} * E];
             if (t > 0)
-                for (uint32_t e = 0; e < E; ++e) z[e] = s.reuse * z[e] + keep * normal();
+                for (uint32_t e = 0; e < E; ++e) z[e] = s.zipf > 0 ? gumbel() : s.reuse * z[e] + keep * normal();
+            uint16_t* dst = &out.experts[(t * L + l) * K];
+            if (t > 0 && s.keep > 0 && coin(normal.engine()) < s.keep) {
+                // Bursty: the previous token's experts but one, which the router draws anew.
+                const auto prev = out.at(t - 1, l);
+                std::copy(prev.begin(), prev.end(), dst);
+                const auto drop = static_cast<uint32_t>(normal.engine()() % K);
+                for (uint32_t e = 0; e < E; ++e) logits[e] = {bias[size_t{l} * E + e] + z[e], e};
+                for (uint32_t i = 0; i < K; ++i) logits[dst[i]].first = -std::numeric_limits<double>::infinity();
+                const auto best = std::max_element(logits.begin(), logits.end(),
+                                                   [](const auto& a, const auto& b) { return a.first < b.first; });
+                dst[drop] = static_cast<uint16_t>(best->second);
+                std::sort(dst, dst + K);
+                continue;
+            }
             for (uint32_t e = 0; e < E; ++e) logits[e] = {bias[size_t{l} * E + e] + z[e], e};
             if (l > 0)
                 for (uint16_t a : out.at(t, l - 1)) logits[pair[l - 1][a]].first += s.follow;
             std::nth_element(logits.begin(), logits.begin() + (K - 1), logits.end(),
                              [](const auto& a, const auto& b) { return a.first > b.first; });
-            uint16_t* dst = &out.experts[(t * L + l) * K];
             for (uint32_t i = 0; i < K; ++i) dst[i] = static_cast<uint16_t>(logits[i].second);
             std::sort(dst, dst + K);
+        }
+    }
+    // Prompt batches: every prompt_every decoded tokens, the next prompt_tokens tokens are one step.
+    if (s.prompt_tokens > 0) {
+        uint64_t t = 0;
+        while (t < s.tokens) {
+            for (uint32_t i = 0; i < s.prompt_every && t < s.tokens; ++i, ++t) out.steps.push_back(1);
+            if (t >= s.tokens) break;
+            const auto n = static_cast<uint32_t>(std::min<uint64_t>(s.prompt_tokens, s.tokens - t));
+            out.steps.push_back(n);
+            t += n;
         }
     }
     return out;
@@ -175,10 +220,19 @@ const std::vector<Preset>& presets() {
         {"deepseek-v4-flash",
          "published DeepSeek-V4-Flash routing: the hottest 12.5 % of a layer's experts take ~58 % of "
          "routings, the hottest 25 % ~71 %; the next layer's experts ~70 % predictable from this layer's",
-         "deepseek-v4-flash", 0.70},
+         "deepseek-v4-flash", 0.70, {}},
         {"low-skew", "close to uniform, as reported for OLMoE: the hottest 12.5 % take ~18 %, 25 % ~33 %",
-         "low-skew", -1},
-        {"uniform", "every expert equally likely, no correlation", "uniform", -1},
+         "low-skew", -1, {}},
+        {"uniform", "every expert equally likely, no correlation", "uniform", -1, {}},
+        // Routing of other structure (issue 22): popularity alone does not describe it.
+        {"zipf-256", "256 experts of a fixed Zipf-like popularity (alpha 1.2), drawn without replacement", "", -1,
+         {256, 1.2, 0, 0, 0, 0}},
+        {"topic-shift", "128 experts, DeepSeek-like skew, the popularity drawn anew at mid-trace (a topic change)",
+         "deepseek-v4-flash", -1, {128, 0, 0.5, 0, 0, 0}},
+        {"bursty", "128 experts, DeepSeek-like skew; 60 % of the time a layer keeps its previous token's experts but one",
+         "deepseek-v4-flash", -1, {128, 0, 0, 0.6, 0, 0}},
+        {"prompts", "128 experts, DeepSeek-like skew, a 512-token prompt batch every 400 decoded tokens",
+         "deepseek-v4-flash", -1, {128, 0, 0, 0, 512, 400}},
     };
     return kPresets;
 }
@@ -190,6 +244,15 @@ const Preset* find_preset(const std::string& name) {
 }
 
 Result<Spec> fit(const Preset& preset, Spec shape) {
+    shape.zipf = preset.family.zipf;
+    shape.keep = preset.family.keep;
+    shape.prompt_tokens = preset.family.prompt_tokens;
+    shape.prompt_every = preset.family.prompt_every;
+    shape.shift_at = static_cast<uint64_t>(preset.family.shift_fraction * static_cast<double>(shape.tokens));
+    if (preset.skew_preset.empty()) {  // Zipf: nothing to fit
+        shape.follow = 0;
+        return shape;
+    }
     const mkmodel::Preset* skew = mkmodel::find_preset(preset.skew_preset);
     if (!skew) return failf("trace preset {}: no router skew preset {}", preset.name, preset.skew_preset);
     if (shape.n_used == 0 || shape.n_used >= shape.n_experts)
@@ -245,14 +308,25 @@ Result<void> write_trace(const Routing& r, const std::string& path, const std::s
     f << trace::header_line(1) << trace::model_line(model);
     std::string line;
     std::vector<uint32_t> experts;
-    for (uint64_t t = 0; t < r.tokens; ++t)
+    std::vector<char> in(r.n_experts);
+    uint64_t t = 0, step = 0;
+    while (t < r.tokens) {
+        const uint64_t n = step < r.steps.size() ? r.steps[step] : 1;
+        ++step;
         for (uint32_t l = 0; l < r.n_layers; ++l) {
-            const auto e = r.at(t, l);
-            experts.assign(e.begin(), e.end());
+            // A step of many tokens (a prompt batch): the union of its experts, once, with its count.
+            std::fill(in.begin(), in.end(), 0);
+            for (uint64_t i = t; i < t + n && i < r.tokens; ++i)
+                for (uint16_t e : r.at(i, l)) in[e] = 1;
+            experts.clear();
+            for (uint32_t e = 0; e < r.n_experts; ++e)
+                if (in[e]) experts.push_back(e);
             line.clear();
-            trace::append_decision(line, t * token_us, 0, l, 1, experts);
+            trace::append_decision(line, t * token_us, 0, l, static_cast<uint32_t>(n), experts);
             f << line;
         }
+        t += n;
+    }
     f.flush();
     if (!f) return fail_errno("writing the trace {}", path);
     return {};

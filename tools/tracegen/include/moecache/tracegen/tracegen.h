@@ -7,6 +7,15 @@
 //           of layer l (the same popularity rank, so every layer keeps its popularity) get this
 //           much added to their logits, so the next layer's experts can be predicted from this
 //           layer's.
+// And the families routing of other structure needs (issue 22's), each off by default:
+//   zipf    popularity Zipf-like: P(rank r) ~ (r + 1)^-alpha, each token's k experts drawn without
+//           replacement (Gumbel noise on -alpha ln(r + 1) instead of the router's normal noise);
+//   shift   at this token the popularity is drawn anew in every layer (a topic change);
+//   keep    bursty reuse: with this probability a layer keeps its previous token's experts but one,
+//           which is drawn anew (the rest of the time the token is routed afresh);
+//   prompt  a prompt batch of `prompt_tokens` tokens every `prompt_every` decoded tokens: one step
+//           of many tokens, written as one decision per layer with its token count and the union
+//           of its experts (what a runtime's large-batch copies carry).
 // Presets fit the controls to published statistics; measure() reads the same statistics off any
 // routing, generated or recorded.
 #pragma once
@@ -30,6 +39,10 @@ struct Spec {
     double reuse = 0;          // [0, 1)
     double follow = 0;         // [0, 100], in logit units
     uint64_t seed = 1;
+    double zipf = 0;           // alpha > 0: Zipf-like popularity (overrides skew)
+    uint64_t shift_at = 0;     // > 0: the popularity is drawn anew at this token
+    double keep = 0;           // [0, 1): bursty reuse
+    uint32_t prompt_tokens = 0, prompt_every = 0;  // prompt batches between decodes
 };
 
 // The experts of every token in every layer, each list sorted.
@@ -39,6 +52,8 @@ struct Routing {
     uint32_t n_used = 0;
     uint64_t tokens = 0;
     std::vector<uint16_t> experts;  // [token][layer][i]
+    // Tokens per step, in order: 1 a decoded token, more a prompt batch. Empty: every step one token.
+    std::vector<uint32_t> steps;
 
     [[nodiscard]] std::span<const uint16_t> at(uint64_t token, uint32_t layer) const {
         return {experts.data() + (token * n_layers + layer) * n_used, n_used};
@@ -62,8 +77,15 @@ struct Stats {
 struct Preset {
     std::string name;
     std::string description;
-    std::string skew_preset;  // mkmodel's preset of the same routing skew
+    std::string skew_preset;  // mkmodel's preset of the same routing skew ("": Zipf, family.zipf)
     double next_layer = -1;   // target next-layer predictability; < 0: none (follow = 0)
+    struct Family {
+        uint32_t experts = 0;         // the family's own expert count (0: as asked)
+        double zipf = 0;
+        double shift_fraction = 0;    // the popularity drawn anew this far into the trace
+        double keep = 0;
+        uint32_t prompt_tokens = 0, prompt_every = 0;
+    } family;
 };
 const std::vector<Preset>& presets();
 const Preset* find_preset(const std::string& name);
