@@ -53,7 +53,8 @@ struct Daemon::ModelEntry {
     };
     std::map<uint32_t, CacheFetch> prefetching;
     // When a runtime last used it (a page fault or read in it, a routing report): a model that no
-    // client registered and nothing used for kStandbyAfter is on standby (planner.h).
+    // client registered is on standby (planner.h) once nothing used it for kStandbyAfter, or at once
+    // while a live client uses another model of its family (the prompt-model swap).
     std::chrono::steady_clock::time_point last_used{};
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
     // [policy] predict: the model's route predictor, how right it has been, and per layer what it

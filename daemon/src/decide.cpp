@@ -56,6 +56,11 @@ void Daemon::place() {
     std::set<uint32_t> registered;  // models a live client registered
     for (const auto& c : clients_)
         if (!c->dead) registered.insert(c->models.begin(), c->models.end());
+    // Families a live client uses a model of: its other models wait at once (the prompt-model swap:
+    // the runtime moved to another quantization, whose experts the RAM is for now).
+    std::set<std::string> families_in_use;
+    for (const auto& m : models_)
+        if (m->res && registered.count(m->id) != 0) families_in_use.insert(family_of(*m));
     for (auto& m : models_) {
         if (!m->res) continue;
         const ModelResidency& r = *m->res;
@@ -64,7 +69,8 @@ void Daemon::place() {
         mf.view = r.view(model_cap(*m));
         mf.view.family = families.try_emplace(family, static_cast<uint32_t>(families.size())).first->second;
         if (m->config.family_budget) mf.view.family_budget = m->config.family_budget->resolve(mem_total_);
-        mf.view.standby = registered.count(m->id) == 0 && now - m->last_used > kStandbyAfter;
+        mf.view.standby = registered.count(m->id) == 0 &&
+                          (now - m->last_used > kStandbyAfter || families_in_use.count(family) != 0);
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);
             return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot)};

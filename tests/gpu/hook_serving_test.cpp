@@ -11,6 +11,7 @@
 #include "temp_dir.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -627,6 +628,43 @@ TEST_F(AutoOverBudget, NothingIsRegisteredWithoutADaemonToChoose) {
         EXPECT_EQ(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 0u);
     }
     EXPECT_EQ(st.fallbacks, 0u);
+    destroy(s);
+}
+
+// A miss whose pages are not in the page cache (a model larger than RAM, lazily loaded) is read from
+// the file by the staging threads, in large requests, instead of faulted in through the mapping a
+// page at a time; the bytes are the file's all the same.
+class ColdMisses : public AutoOverBudget {};
+
+TEST_F(ColdMisses, MissesNotInThePageCacheAreReadFromTheFile) {
+    auto s = new_streams();
+    warm_up(s);
+    sync_all();
+    // The model leaves the page cache: this process's pages unmapped, then dropped.
+    ASSERT_EQ(madvise(const_cast<uint8_t*>(model_.base), model_.size, MADV_DONTNEED), 0);
+    {
+        const int fd = ::open(files_[0].c_str(), O_RDONLY | O_CLOEXEC);
+        ASSERT_GE(fd, 0);
+        ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+        ::close(fd);
+    }
+    std::vector<unsigned char> in((model_.size + 4095) / 4096);
+    ASSERT_EQ(mincore(const_cast<uint8_t*>(model_.base), model_.size, in.data()), 0);
+    if (std::count_if(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; }) > static_cast<long>(in.size() / 2))
+        GTEST_SKIP() << "the page cache kept the model (a file system that cannot drop it, such as tmpfs)";
+    const auto before = hook_.stats();
+    // Whole tensors, as a prompt batch copies them: every slice the small pool lacks comes from the host.
+    std::vector<uint32_t> all(32);
+    for (uint32_t e = 0; e < 32; ++e) all[e] = e;
+    for (uint32_t l = 0; l < 4 && !HasFailure(); ++l)
+        for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, all, s[0]), 1);
+    const auto after = hook_.stats();
+    EXPECT_GT(after.slice_misses - before.slice_misses, 4u * 3u * 16u);
+    // Nearly every missed byte was read from the file (the copies' small pieces, under 256 KiB, go
+    // the driver's way).
+    EXPECT_GT(after.bytes_read_from_files - before.bytes_read_from_files, (after.bytes_from_host - before.bytes_from_host) / 2)
+        << "staged " << (after.bytes_staged - before.bytes_staged) << " of " << (after.bytes_from_host - before.bytes_from_host);
+    EXPECT_EQ(after.fallbacks, 0u);
     destroy(s);
 }
 

@@ -70,6 +70,7 @@ typedef struct moecache_cuda_stats {
     uint64_t pieces;          /* copies queued for them (device-to-device and from the host) */
     uint64_t peer_hits;       /* of slice_hits, copied from another device's pool */
     uint64_t bytes_from_peers; /* of bytes_from_pool, from another device's pool */
+    uint64_t bytes_read_from_files; /* staged bytes read from the model files (pread), not through their mappings */
 } moecache_cuda_stats;
 
 void moecache_cuda_stats_get(moecache_cuda_stats* out);

@@ -163,6 +163,7 @@ void Engine::stats(moecache_cuda_stats* out) {
     out->pieces = pieces_.load();
     out->peer_hits = peer_hits_.load();
     out->bytes_from_peers = bytes_peer_.load();
+    out->bytes_read_from_files = host_bytes_read_from_files();
     for (auto& p : pools_)
         if (auto* dp = p.load()) {
             std::lock_guard lock(dp->mu);
@@ -201,11 +202,11 @@ void Engine::shutdown() {
         moecache_cuda_stats s;
         stats(&s);
         say("%" PRIu64 " host-to-device copies, %" PRIu64 " of experts, %" PRIu64 " served; slices %" PRIu64
-            " hit / %" PRIu64 " missed; %.2f GiB from the pool, %.2f GiB from the host (%.2f GiB staged); pool %.2f GiB"
+            " hit / %" PRIu64 " missed; %.2f GiB from the pool, %.2f GiB from the host (%.2f GiB staged, %.2f GiB of it read from the files); pool %.2f GiB"
             " on %" PRIu64 " device(s), %" PRIu64 " admitted, %" PRIu64 " evicted; %" PRIu64 " stream joins; %" PRIu64
             " router events reported; %" PRIu64 " slices (%.2f GiB) from another device's pool; %.1f ms in the hook for expert copies (%.1f us each), %" PRIu64 " copies queued for them (%" PRIu64 " by the copy kernel)",
             s.copies, s.expert_copies, s.served, s.slice_hits, s.slice_misses, s.bytes_from_pool / 1073741824.0,
-            s.bytes_from_host / 1073741824.0, s.bytes_staged / 1073741824.0, s.pool_bytes / 1073741824.0, s.devices,
+            s.bytes_from_host / 1073741824.0, s.bytes_staged / 1073741824.0, s.bytes_read_from_files / 1073741824.0, s.pool_bytes / 1073741824.0, s.devices,
             s.admitted, s.evicted, s.stream_joins, s.reported, s.peer_hits, s.bytes_from_peers / 1073741824.0,
             static_cast<double>(s.serve_ns) / 1e6,
             static_cast<double>(s.serve_ns) / 1e3 / static_cast<double>(std::max<uint64_t>(s.expert_copies, 1)), s.pieces,

@@ -89,6 +89,7 @@ private:
         std::string path;
         ExpertMap map;
         std::vector<InodeId> files;
+        std::vector<int> fds;  // by file: the hook's own descriptor of it (misses read through it), or -1
         std::vector<int32_t> layer_slot;   // by block index: index into map.layers, or -1
         std::vector<uint32_t> slice_base;  // by layer slot
         std::vector<uint32_t> slices_per_expert;  // by layer slot
@@ -228,7 +229,7 @@ private:
     // serve.cpp: the host's pieces of slices [first, first + n) of a copy (PIN=register splits them
     // at registered slices' page-aligned edges); `bytes` may run past the last slice (padding).
     CUresult copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,
-                                   uint64_t slice_bytes, CUdeviceptr dst, const uint8_t* src, uint64_t offset,
+                                   uint64_t slice_bytes, CUdeviceptr dst, const HostBytes& from, uint64_t offset,
                                    uint64_t bytes, CUstream stream);
     // daemon_link.cpp
     void apply_daemon_budgets();
@@ -249,7 +250,7 @@ private:
     // serve.cpp
     bool serve_copy(const HostToDeviceCopy& c, CUresult* result);
     void settle(DevicePool& dp, const Driver* drv, StreamId sid);  // under dp.mu
-    CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream);
+    CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const HostBytes& src, size_t bytes, CUstream stream);
 
     HookConfig cfg_;
     int wake_fd_ = -1;

@@ -82,6 +82,17 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
     for (const auto& f : m->map.files) {
         auto id = identify_file(f.path);
         m->files.push_back(id ? *id : InodeId{});
+        // Kept open for good (models live until exit): misses are read through it (staging.h), and
+        // read no more than they ask for (no read-ahead into neighbouring, often cold, experts).
+        int rfd = id ? ::open(f.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK) : -1;
+        struct stat fst {};
+        if (rfd >= 0 && (fstat(rfd, &fst) != 0 || !S_ISREG(fst.st_mode) || static_cast<uint64_t>(fst.st_ino) != id->inode ||
+                         major(fst.st_dev) != id->dev_major || minor(fst.st_dev) != id->dev_minor)) {
+            ::close(rfd);
+            rfd = -1;
+        }
+        if (rfd >= 0) (void)posix_fadvise(rfd, 0, 0, POSIX_FADV_RANDOM);
+        m->fds.push_back(rfd);
     }
     uint32_t max_block = 0;
     for (const auto& l : m->map.layers) max_block = std::max(max_block, l.index);

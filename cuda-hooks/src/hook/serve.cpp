@@ -109,15 +109,18 @@ CUresult Engine::copy_in_device(const DevicePool& dp, CUdeviceptr dst, CUdevicep
     return drv->memcpy_dtod_async(dst, src, bytes, stream);
 }
 
-CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* src, size_t bytes, CUstream stream) {
+// Through the staging buffers where they are faster (measured when the pool was made) or where the
+// bytes are not all in the page cache (read from the file, not faulted in through the mapping).
+CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const HostBytes& src, size_t bytes, CUstream stream) {
     const Driver* drv = driver();
-    if (bytes >= kMinStaged && dp.staged.load(std::memory_order_acquire)) {
+    if (bytes >= kMinStaged && dp.staging != nullptr &&
+        (dp.staged.load(std::memory_order_acquire) || !resident(src.src, bytes))) {
         uint64_t staged = 0;
         const CUresult r = dp.staging->copy(dst, src, bytes, stream, &staged);
         bytes_staged_.fetch_add(staged, std::memory_order_relaxed);
         return r;
     }
-    return drv->memcpy_htod_async(dst, src, bytes, stream);
+    return drv->memcpy_htod_async(dst, src.src, bytes, stream);
 }
 
 // The host's bytes [offset, offset + bytes) of a copy whose slices start at `first_expert`. With
@@ -126,9 +129,10 @@ CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const uint8_t* 
 // the usual way. Without a daemon a slice not registered yet is asked for (the background thread
 // registers it); with one, the daemon's locks choose.
 CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uint32_t tensor, uint32_t first_expert,
-                                       uint64_t slice_bytes, CUdeviceptr dst, const uint8_t* src, uint64_t offset,
+                                       uint64_t slice_bytes, CUdeviceptr dst, const HostBytes& from, uint64_t offset,
                                        uint64_t bytes, CUstream stream) {
-    if (!cfg_.registers()) return copy_from_host(dp, dst + offset, src + offset, bytes, stream);
+    const uint8_t* src = from.src;
+    if (!cfg_.registers()) return copy_from_host(dp, dst + offset, from.at(offset), bytes, stream);
     // What misses ask for: with a daemon, nothing (its locks choose); registering ahead, the runs
     // of what missed first; PIN=register, each slice that missed. auto when the budget cannot hold
     // the model and no daemon is there registers nothing: slices pinned in the order they first
@@ -149,7 +153,7 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
             return;
         }
         if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = drv->memcpy_htod_async(dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
-        if (r == CUDA_SUCCESS && lo > run) r = copy_from_host(dp, dst + run, src + run, lo - run, stream);
+        if (r == CUDA_SUCCESS && lo > run) r = copy_from_host(dp, dst + run, from.at(run), lo - run, stream);
         direct_lo = lo;
         direct_hi = hi;
         run = hi;
@@ -181,7 +185,7 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
         at = s1;
     }
     if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = drv->memcpy_htod_async(dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
-    if (r == CUDA_SUCCESS && offset + bytes > run) r = copy_from_host(dp, dst + run, src + run, offset + bytes - run, stream);
+    if (r == CUDA_SUCCESS && offset + bytes > run) r = copy_from_host(dp, dst + run, from.at(run), offset + bytes - run, stream);
     return r;
 }
 
@@ -400,7 +404,8 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     if (n_pieces == 0 && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;  // cannot happen: at most 2 pieces a slice
     for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
         if (pieces[p].pool_address == 0) {
-            rc = copy_slices_from_host(*dp, m, ls, cls->tensor, cls->first_expert, cls->slice_bytes, c.dst, src,
+            rc = copy_slices_from_host(*dp, m, ls, cls->tensor, cls->first_expert, cls->slice_bytes, c.dst,
+                                       HostBytes{src, cls->file < m.fds.size() ? m.fds[cls->file] : -1, cls->file_offset},
                                        pieces[p].offset, pieces[p].bytes, stream);
             from_host += pieces[p].bytes;
             ++n_calls;

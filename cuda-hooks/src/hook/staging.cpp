@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 
@@ -35,6 +36,39 @@ constexpr auto kSpin = std::chrono::microseconds(400);
 constexpr auto kMaxBufferWait = std::chrono::milliseconds(20);
 
 }  // namespace
+
+namespace {
+std::atomic<uint64_t> g_read_from_files{0};
+}  // namespace
+
+void read_host_bytes(uint8_t* dst, const HostBytes& from, size_t n) {
+    size_t done = 0;
+    while (from.fd >= 0 && done < n) {
+        const ssize_t r = pread(from.fd, dst + done, n - done, static_cast<off_t>(from.file_offset + done));
+        if (r > 0) done += static_cast<size_t>(r);
+        else if (r < 0 && errno == EINTR) continue;
+        else break;  // an error, or the end of the file: the mapping has the rest
+    }
+    if (done > 0) g_read_from_files.fetch_add(done, std::memory_order_relaxed);
+    if (done < n) memcpy(dst + done, from.src + done, n - done);
+}
+
+uint64_t host_bytes_read_from_files() { return g_read_from_files.load(std::memory_order_relaxed); }
+
+bool resident(const uint8_t* p, size_t n) {
+    static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
+    unsigned char in[1024];
+    while (a < end) {
+        const size_t pages = std::min<size_t>(sizeof in, (end - a + page - 1) / page);
+        if (mincore(reinterpret_cast<void*>(a), pages * page, in) != 0) return true;  // cannot tell: as before
+        for (size_t i = 0; i < pages; ++i)
+            if ((in[i] & 1) == 0) return false;
+        a += pages * page;
+    }
+    return true;
+}
 
 // --- CopyCrew -----------------------------------------------------------------------------------
 
@@ -58,7 +92,7 @@ bool CopyCrew::take_part(uint32_t generation) {
         if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) break;
     }
     const size_t off = size_t{static_cast<uint32_t>(v)} * part_;
-    memcpy(dst_ + off, src_ + off, std::min(part_, n_ - off));
+    read_host_bytes(dst_ + off, src_.at(off), std::min(part_, n_ - off));
     done_parts_.fetch_add(1, std::memory_order_acq_rel);
     return true;
 }
@@ -83,14 +117,14 @@ void CopyCrew::work() {
     }
 }
 
-void CopyCrew::copy(void* dst, const void* src, size_t n) {
+void CopyCrew::copy(void* dst, const HostBytes& src, size_t n) {
     std::unique_lock lock(busy_, std::try_to_lock);
     if (!lock.owns_lock() || threads_.empty() || n < 2 * kPartBytes) {
-        memcpy(dst, src, n);
+        read_host_bytes(static_cast<uint8_t*>(dst), src, n);
         return;
     }
     dst_ = static_cast<uint8_t*>(dst);
-    src_ = static_cast<const uint8_t*>(src);
+    src_ = src;
     n_ = n;
     // Parts small enough for every thread to get some, large enough to be worth a thread.
     part_ = std::max<size_t>(kPartBytes, (n / (threads_.size() + 1) + 4095) & ~size_t{4095});
@@ -141,14 +175,14 @@ bool StagingRing::wait_free(Buffer& b) {
     }
 }
 
-CUresult StagingRing::copy(CUdeviceptr dst, const uint8_t* src, size_t n, CUstream stream, uint64_t* staged) {
+CUresult StagingRing::copy(CUdeviceptr dst, const HostBytes& src, size_t n, CUstream stream, uint64_t* staged) {
     std::lock_guard lock(mu_);
     for (size_t off = 0; off < n;) {
         const size_t len = std::min(buffer_bytes_, n - off);
         Buffer& b = buffers_[next_];
         CUresult r = CUDA_SUCCESS;
         if (wait_free(b)) {
-            crew_->copy(b.host, src + off, len);
+            crew_->copy(b.host, src.at(off), len);
             r = drv_->memcpy_htod_async(dst + off, b.host, len, stream);
             if (r == CUDA_SUCCESS) r = drv_->event_record(b.read, stream);
             if (r == CUDA_SUCCESS) {
@@ -157,7 +191,7 @@ CUresult StagingRing::copy(CUdeviceptr dst, const uint8_t* src, size_t n, CUstre
                 *staged += len;
             }
         } else {
-            r = drv_->memcpy_htod_async(dst + off, src + off, len, stream);
+            r = drv_->memcpy_htod_async(dst + off, src.src + off, len, stream);
         }
         if (r != CUDA_SUCCESS) return r;
         off += len;
@@ -534,8 +568,9 @@ void Engine::set_up_copies(DevicePool& dp) {
         const uint64_t lo = largest != nullptr ? largest->offset & ~(page - 1) : 0;
         const size_t n = largest != nullptr ? std::min<uint64_t>(largest->bytes_per_expert * owner->map.n_experts, kProbeBytes) : 0;
         void* view = MAP_FAILED;
+        UniqueFd fd;
         if (n >= kStagingBuffer) {
-            UniqueFd fd(::open(owner->map.files[largest->file].path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+            fd = UniqueFd(::open(owner->map.files[largest->file].path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
             if (fd) view = mmap(nullptr, n + (largest->offset - lo), PROT_READ, MAP_SHARED, fd.get(), static_cast<off_t>(lo));
             // As lazy load maps a model: no read-around. Read-around would also fill the page cache
             // with large folios across expert edges, which cannot leave RAM one expert at a time
@@ -556,22 +591,23 @@ void Engine::set_up_copies(DevicePool& dp) {
                 if (drv->memcpy_htod_async(scratch, src, n, s) == CUDA_SUCCESS && drv->stream_synchronize(s) == CUDA_SUCCESS)
                     direct = std::min(direct, seconds_since(t0));
                 t0 = std::chrono::steady_clock::now();
-                if (ring->copy(scratch, src, n, s, &ignored) == CUDA_SUCCESS && drv->stream_synchronize(s) == CUDA_SUCCESS)
+                if (ring->copy(scratch, HostBytes{src, fd.get(), largest->offset}, n, s, &ignored) == CUDA_SUCCESS && drv->stream_synchronize(s) == CUDA_SUCCESS)
                     staged = std::min(staged, seconds_since(t0));
             }
             use = staged * 1.15 < direct;
             if (cfg_.log || !use)
                 say("device %d: misses %s: pinned staging %.1f GB/s (%u threads), as the runtime asks %.1f GB/s", dp.device,
-                    use ? "go through pinned staging" : "are copied as the runtime asks", static_cast<double>(n) / staged / 1e9,
+                    use ? "go through pinned staging" : "in the page cache are copied as the runtime asks", static_cast<double>(n) / staged / 1e9,
                     crew_.helpers() + 1, static_cast<double>(n) / direct / 1e9);
         }
         if (view != MAP_FAILED) munmap(view, n + (largest->offset - lo));
         if (s != nullptr) (void)drv->stream_destroy(s);
         if (scratch != 0) (void)drv->mem_free(scratch);
     }
-    if (!use) return;
+    // Kept either way: misses whose pages are not in the page cache are read from the file through
+    // it (copy_from_host), which beats faulting them in through the mapping wherever staging loses.
     dp.staging = std::move(ring);
-    dp.staged.store(true, std::memory_order_release);
+    dp.staged.store(use, std::memory_order_release);
 }
 
 }  // namespace moecache::cuda::hook

@@ -19,6 +19,25 @@ namespace moecache::cuda::hook {
 
 struct Driver;
 
+// Where a miss's bytes come from: the runtime's mapping of the model, and where the hook holds the
+// file open, the same bytes in the file. They are read from the file (pread) rather than through
+// the mapping: a lazily loaded model (MADV_RANDOM) faults a page at a time, one synchronous 4 KiB
+// read each from storage, where pread reads the whole part in large requests, several threads at
+// once, and from the page cache as fast as a memcpy.
+struct HostBytes {
+    const uint8_t* src = nullptr;
+    int fd = -1;               // -1: the mapping only
+    uint64_t file_offset = 0;  // of src[0]
+    [[nodiscard]] HostBytes at(size_t off) const { return {src + off, fd, file_offset + off}; }
+};
+// n bytes of `from` into dst: pread from the file where there is one, the mapping for what it did not give.
+void read_host_bytes(uint8_t* dst, const HostBytes& from, size_t n);
+// Bytes read_host_bytes has read from files, in this process.
+uint64_t host_bytes_read_from_files();
+// Whether every page of [p, p + n) is in the page cache (mincore): a copy through the mapping of
+// one that is not would fault it in from storage a page at a time.
+bool resident(const uint8_t* p, size_t n);
+
 // memcpy by several threads at once. The threads spin briefly after a copy (the next one often
 // comes within microseconds) and then sleep.
 class CopyCrew {
@@ -32,7 +51,7 @@ public:
     [[nodiscard]] unsigned helpers() const { return static_cast<unsigned>(threads_.size()); }
     // Returns when all `n` bytes are copied; the caller copies a share. Copies that come while
     // another is under way are done by their caller alone.
-    void copy(void* dst, const void* src, size_t n);
+    void copy(void* dst, const HostBytes& src, size_t n);
 
 private:
     void work();
@@ -45,7 +64,7 @@ private:
     std::atomic<uint32_t> done_parts_{0};
     std::atomic<bool> stopping_{false};
     uint8_t* dst_ = nullptr;
-    const uint8_t* src_ = nullptr;
+    HostBytes src_;
     size_t n_ = 0, part_ = 0;
     uint32_t parts_ = 0;
 };
@@ -66,7 +85,7 @@ public:
     // Queues the copy of [src, src + n) to dst on `stream`, in order with what the stream has queued.
     // Returns when the bytes are in pinned buffers (the source may change after that, as with the
     // driver's own copies from pageable memory). *staged counts what went through the buffers.
-    CUresult copy(CUdeviceptr dst, const uint8_t* src, size_t n, CUstream stream, uint64_t* staged);
+    CUresult copy(CUdeviceptr dst, const HostBytes& src, size_t n, CUstream stream, uint64_t* staged);
     [[nodiscard]] size_t buffer_bytes() const { return buffer_bytes_; }
 
 private:
