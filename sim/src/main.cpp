@@ -100,6 +100,7 @@ int main(int argc, char** argv) {
         else if (a == "--vram") vram = v;
         else if (a == "--ram") ram = v;
         else if (a == "--predict") predict_mode = v;
+        else if (a == "--pool-directed") ok = mkmodel::parse_double(v, base.pool_directed) && base.pool_directed >= 0 && base.pool_directed <= 1;
         else if (a == "--tick") ok = mkmodel::parse_double(v, base.tick_seconds) && base.tick_seconds > 0 && base.tick_seconds < 1e6;
         else if (a == "--layers") ok = mkmodel::parse_number(v, shape.n_layers);
         else if (a == "--experts") ok = mkmodel::parse_number(v, shape.n_experts);

@@ -263,6 +263,27 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     auto in_vram = [&](uint32_t slot) { return setup.device() && view.in_vram[slot] != 0; };
     auto in_ram = [&](uint32_t slot) { return view.locked[slot] != 0 || cache.has(slot); };
     auto fit_cache = [&] { cache.shrink_to(setup.ram_bytes - std::min(locked_bytes, setup.ram_bytes), bytes_of); };
+    // An expert entered the pool (`evicted` left it). One place: the daemon unlocks RAM's copy and
+    // drops it, but pages the runtime maps stay in the page cache until the kernel needs them:
+    // first to go.
+    auto enter_vram = [&](uint32_t s, const cuda::SliceRef& evicted) {
+        view.in_vram[s] = 1;
+        if (evicted.model != cuda::kNoSlot) view.in_vram[evicted.slice] = 0;
+        const bool was_in_ram = in_ram(s);
+        if (view.locked[s]) {
+            view.locked[s] = 0;
+            locked_bytes -= bytes_of(s);
+        }
+        cache.remove(s, bytes_of(s));
+        if (was_in_ram) cache.insert_cold(s, bytes_of(s));
+    };
+    uint32_t directed_capacity = 0;  // experts: the directed share of the pool
+    if (setup.device()) {
+        uint64_t all = 0;
+        for (uint32_t s = 0; s < n_slots; ++s) all += bytes_of(s);
+        const double mean = static_cast<double>(all) / std::max<uint32_t>(n_slots, 1);
+        directed_capacity = static_cast<uint32_t>(setup.pool_directed * static_cast<double>(setup.vram_bytes) / std::max(mean, 1.0));
+    }
 
     // The daemon's decide step as its loop runs it (decide.h): the turn's facts (what is locked,
     // what the page cache holds, what a pool holds), decide_turn(), and its actions carried out.
@@ -323,11 +344,26 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         fit_cache();
         if (setup.device()) {
             std::vector<uint8_t> want(n_slots, 0);
-            for (uint32_t s : daemon::pool_elite(heat, setup.planner)) want[s] = 1;
+            const std::vector<uint32_t> wanted = setup.pool_directed > 0
+                ? daemon::pool_wanted(heat, setup.planner, directed_capacity)
+                : daemon::pool_elite(heat, setup.planner);
+            for (uint32_t s : wanted) want[s] = 1;
             for (uint32_t s = 0; s < n_slots; ++s)
                 if (want[s] != promoted[s]) {
                     hook_heat.set_promoted(0, s, want[s] != 0);
                     promoted[s] = want[s];
+                }
+            // The hook fills its pool with what it was directed to hold and RAM has (the daemon's
+            // locks), ahead of use, hottest first.
+            if (setup.pool_directed > 0)
+                for (uint32_t s : wanted) {
+                    if (view.in_vram[s] || !view.locked[s]) continue;
+                    cuda::SliceRef evicted;
+                    if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, cuda::same_stream_only(), &evicted) == 0 ||
+                        pool.commit({0, s, s}) == 0)
+                        continue;
+                    ledger.ahead_to_device(Where::Ram, bytes_of(s));
+                    enter_vram(s, evicted);
                 }
         }
     };
@@ -387,17 +423,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
                 if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, cuda::same_stream_only(), &evicted) == 0 ||
                     pool.commit({0, s, s}) == 0)
                     continue;
-                view.in_vram[s] = 1;
-                if (evicted.model != cuda::kNoSlot) view.in_vram[evicted.slice] = 0;
-                // One place: the daemon unlocks RAM's copy and drops it, but pages the runtime maps
-                // stay in the page cache until the kernel needs them: first to go.
-                const bool was_in_ram = in_ram(s);
-                if (view.locked[s]) {
-                    view.locked[s] = 0;
-                    locked_bytes -= bytes_of(s);
-                }
-                cache.remove(s, bytes_of(s));
-                if (was_in_ram) cache.insert_cold(s, bytes_of(s));
+                enter_vram(s, evicted);
             }
         }
         for (uint32_t s : slots)

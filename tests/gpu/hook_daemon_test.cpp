@@ -56,6 +56,8 @@ protected:
         get(init_, "cuInit");
         get(alloc_, "cuMemAlloc");
         get(htod_async_, "cuMemcpyHtoDAsync");
+        get(dtoh_, "cuMemcpyDtoH");
+        get(ctx_sync_, "cuCtxSynchronize");
         CUresult(CUDAAPI * retain)(CUcontext*, CUdevice) = nullptr;
         CUresult(CUDAAPI * set_current)(CUcontext) = nullptr;
         get(retain, "cuDevicePrimaryCtxRetain");
@@ -85,7 +87,8 @@ protected:
                        "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
                        "[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[dbus]\nbus = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = " + elite_share() +
                        "\n[vram]\npool = " +
-                       std::to_string(3 * (slice_ + 512)) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") + "\n");
+                       std::to_string(pool_experts() * 3 * (slice_ + 512)) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") +
+                       "\ndirected = " + directed() + "\n");
         // The daemon runs without the hook or the fake driver.
         const std::string preload = getenv("LD_PRELOAD"), libpath = getenv("LD_LIBRARY_PATH");
         unsetenv("LD_PRELOAD");
@@ -122,6 +125,8 @@ protected:
         for (size_t t = 0; t < 3; ++t) ASSERT_EQ(alloc_(&dst_[t], slice_ * map_.n_experts + 512), CUDA_SUCCESS);
     }
     [[nodiscard]] virtual bool keep_both() const { return false; }
+    [[nodiscard]] virtual uint64_t pool_experts() const { return 1; }
+    [[nodiscard]] virtual std::string directed() const { return "0"; }
     [[nodiscard]] virtual std::string elite_share() const { return "0"; }
     void TearDown() override {
         if (base_ != nullptr && base_ != MAP_FAILED) munmap(base_, size_);
@@ -228,6 +233,8 @@ protected:
     CUresult(CUDAAPI* init_)(unsigned) = nullptr;
     CUresult(CUDAAPI* alloc_)(CUdeviceptr*, size_t) = nullptr;
     CUresult(CUDAAPI* htod_async_)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+    CUresult(CUDAAPI* dtoh_)(void*, CUdeviceptr, size_t) = nullptr;
+    CUresult(CUDAAPI* ctx_sync_)() = nullptr;
 };
 
 TEST_F(HookDaemon, AnExpertInVramLeavesRamAndComesBackWhenDemoted) {
@@ -331,6 +338,53 @@ TEST_F(HookDaemonElite, ThePoolKeepsWhatTheDaemonPromotes) {
         << "directives " << stats().directives << ", in VRAM " << stats().experts_in_vram << ", A cached " << cached(kA)
         << ", C cached " << cached(kC) << " (mapped here: " << mapped_here(kC) << " pages; " << pages(kC) << "; folios " << folios(kC) << ")\n"
         << log();
+    moecache_client_close(other);
+}
+
+// A runtime that starts where the daemon already knows the hot experts (a restart with the profile,
+// a prompt model of the same family before it, another runtime here): the daemon directs the
+// hook's pool to hold them ([vram] directed), and the hook fills its pool with them from the pages
+// the daemon locks, before this process copies any of them. Their first copies are pool hits, byte
+// for byte the file's.
+class HookDaemonWarm : public HookDaemon {
+    [[nodiscard]] uint64_t pool_experts() const override { return 4; }
+    [[nodiscard]] std::string directed() const override { return "1"; }
+};
+
+TEST_F(HookDaemonWarm, ThePoolIsFilledAheadWithWhatTheDaemonDirects) {
+    constexpr uint32_t kA = 3;
+    const uint32_t hot[] = {5, 8, 11, 14};  // no two neighbours (folios across edges)
+    moecache_client* other = moecache_client_open(dir_.file("moecached.sock").c_str(), "other-runtime");
+    ASSERT_NE(other, nullptr);
+    uint32_t h = 0;
+    ASSERT_EQ(moecache_client_register_model(other, model_.c_str(), &h), 0);
+    ASSERT_EQ(moecache_client_wait_ready(other, 10000), 1);
+    use(kA, 1);
+    ASSERT_GE(sync(10000), 1);
+    // Another runtime's router says which experts are hot; this process copies only A meanwhile.
+    ASSERT_TRUE(until(
+        [&] {
+            for (int i = 0; i < 50; ++i) (void)moecache_client_report(other, h, map_.layers[0].index, hot, 4, 1);
+            return stats().filled_ahead >= 4 * 3 && stats().experts_in_vram == 4;
+        },
+        kA, 1, kA, 0))
+        << "filled ahead " << stats().filled_ahead << " slices, in VRAM " << stats().experts_in_vram << ", directives "
+        << stats().directives << ", pinned " << stats().pinned_bytes << "\n"
+        << log();
+    // Their first copies here: from the pool, byte for byte.
+    const auto before = stats();
+    for (uint32_t e : hot) use(e, 1);
+    ASSERT_EQ(ctx_sync_(), CUDA_SUCCESS);
+    const auto after = stats();
+    EXPECT_EQ(after.slice_hits - before.slice_hits, 4u * 3u) << "every slice of the hot experts from the pool";
+    EXPECT_EQ(after.slice_misses, before.slice_misses);
+    for (size_t t = 0; t < 3; ++t) {
+        std::vector<uint8_t> back(slice_ * map_.n_experts);
+        ASSERT_EQ(dtoh_(back.data(), dst_[t], back.size()), CUDA_SUCCESS);
+        for (uint32_t e : hot)
+            EXPECT_EQ(memcmp(back.data() + e * slice_, base_ + map_.layers[0].tensors[t].offset + e * slice_, slice_), 0)
+                << "tensor " << t << " expert " << e;
+    }
     moecache_client_close(other);
 }
 

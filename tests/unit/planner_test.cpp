@@ -252,5 +252,26 @@ TEST(Heat, ProfilesRoundTripAndRefuseOtherModels) {
     }
 }
 
+// What a pool is directed to hold: the elite of each layer whatever the capacity, then the hottest
+// admitted experts of any layer up to the capacity, hottest first; never one used too rarely.
+TEST(Planner, APoolIsDirectedToTheHottestExpertsOfAnyLayerHottestFirst) {
+    World w(2, 8);
+    w.use(0, 1, 9);
+    w.use(0, 2, 7);
+    w.use(1, 3, 8);
+    w.use(1, 4, 2);
+    w.use(1, 6, 1);  // used once: not admitted (admit_after_uses 2)
+    PlannerSettings s;
+    s.admit_after_uses = 2;
+    s.elite_share = 0;
+    EXPECT_EQ(pool_wanted(w.heat, s, 3), (std::vector<uint32_t>{1, 8 + 3, 2}));
+    EXPECT_EQ(pool_wanted(w.heat, s, 100), (std::vector<uint32_t>{1, 8 + 3, 2, 8 + 4})) << "only admitted experts";
+    EXPECT_TRUE(pool_wanted(w.heat, s, 0).empty());
+    // The elite (one a layer) stays directed even where the capacity is smaller.
+    s.elite_share = 0.125;
+    EXPECT_EQ(pool_wanted(w.heat, s, 1), (std::vector<uint32_t>{1, 8 + 3}));
+    EXPECT_EQ(pool_wanted(w.heat, s, 3), (std::vector<uint32_t>{1, 8 + 3, 2}));
+}
+
 }  // namespace
 }  // namespace moecache::daemon

@@ -214,6 +214,7 @@ void Engine::poll_directives() {
             continue;
         }
         directives_.fetch_add(1, std::memory_order_relaxed);
+        note_promoted(*m, e, d[i].action == MOECACHE_PROMOTE);
         for (auto& p : pools_) {
             DevicePool* dp = p.load();
             if (dp == nullptr) continue;

@@ -125,6 +125,7 @@ void Engine::run() {
         apply_daemon_budgets();
         poll_directives();
         drain_placements();
+        more = fill_pools() || more;
         flush_unregisters();
         // One place, again now and then: a read of a neighbour maps an expert's pages back in
         // (fault-around) whenever it faults.
@@ -164,6 +165,7 @@ void Engine::stats(moecache_cuda_stats* out) {
     out->peer_hits = peer_hits_.load();
     out->bytes_from_peers = bytes_peer_.load();
     out->bytes_read_from_files = host_bytes_read_from_files();
+    out->filled_ahead = filled_.load();
     for (auto& p : pools_)
         if (auto* dp = p.load()) {
             std::lock_guard lock(dp->mu);
@@ -242,9 +244,10 @@ void Engine::shutdown() {
                 auto pct = [](uint64_t a, uint64_t b) { return 100.0 * static_cast<double>(a) / static_cast<double>(std::max<uint64_t>(a + b, 1)); };
                 say("device %d: copies %u expert tensors (layer and tensor: %s); slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%),"
                     " in decode steps %" PRIu64 " / %" PRIu64 " (%.1f%%, %" PRIu64 " admitted); pool %.2f GiB;"
-                    " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64,
+                    " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64 "; slices filled ahead %" PRIu64,
                     dp->device, tensors, which.c_str(), h, m, pct(h, m), dh, dm, pct(dh, dm), dp->decode_admits.load(),
-                    static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined, ps.cross_stream, dp->peer_lookups.load());
+                    static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined, ps.cross_stream, dp->peer_lookups.load(),
+                    dp->filled.load());
             }
     if (cfg_.log && (readback_reports_.load() || readbacks_refused_.load()))
         say("routing from the runtime's read-back ids: %" PRIu64 " layer batches, %" PRIu64 " read-backs that did not match the copy",

@@ -105,6 +105,7 @@ private:
         // exactly what is locked and in no pool (follow_registration).
         std::vector<uint8_t> daemon_locked;
         std::vector<uint64_t> pooled_on;
+        std::vector<uint8_t> promoted;  // by expert (background thread only): the daemon's Promote
         // Registering ahead (background thread only): runs of neighbouring expert tensors.
         std::vector<TensorRun> runs;
         std::vector<uint32_t> run_of_tensor;  // by tensor (slice / n_experts)
@@ -177,6 +178,11 @@ private:
         // after all, query failed, wait failed.
         std::array<std::atomic<uint64_t>, 8> join_failures{};
         std::atomic<uint64_t> sized_for{0};  // seen_bytes when last sized (by the background thread)
+        // Filling ahead (fill.cpp; background thread): the hook's stream and scratch buffer on this
+        // device, and the slices filled so far.
+        CUstream fill_stream = nullptr;
+        CUdeviceptr fill_scratch = 0;
+        std::atomic<uint64_t> filled{0};
         // Background thread only.
         uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;
         uint64_t daemon_budget = 0;  // applied; 0: none, else bytes + 1
@@ -237,6 +243,9 @@ private:
     void rezap_pooled();
     void drop_host_copy(const Model& m, uint32_t block, uint32_t expert);
     void poll_directives();
+    // fill.cpp: the pools filled ahead with what the daemon promoted; true while there is more.
+    void note_promoted(Model& m, uint32_t expert, bool promoted);
+    bool fill_pools();
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
     // routes.cpp: the routing one copy of a layer's first expert tensor tells, from the runtime's
     // read-back ids where they check out against the copy, else from the copy's experts where it
@@ -282,6 +291,9 @@ private:
     std::mutex wanted_mu_;
     std::vector<std::pair<uint32_t, uint32_t>> wanted_;  // (model, slice) to register
     std::atomic<bool> follow_locks_{false};
+    // Background thread only: the experts the daemon promoted, in the order it did (hottest first).
+    std::vector<std::pair<uint32_t, uint32_t>> fill_queue_;  // (model, expert)
+    bool fill_queue_dirty_ = false;                           // holds some no longer promoted
     std::atomic<bool> told_destroy_{false};  // PIN=register: a daemon's locks, not misses, choose
     std::mutex sync_mu_;
     std::condition_variable sync_cv_;
@@ -289,7 +301,8 @@ private:
     std::atomic<uint64_t> copies_{0}, expert_copies_{0}, served_{0}, hits_{0}, misses_{0}, bytes_pool_{0},
         bytes_host_{0}, bytes_staged_{0}, captured_{0}, fallbacks_{0}, pinned_bytes_{0}, reported_{0}, in_vram_{0},
         yielded_{0}, n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0}, joins_{0},
-        unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0}, peer_hits_{0}, bytes_peer_{0}, kernel_copies_{0};
+        unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0}, peer_hits_{0}, bytes_peer_{0}, kernel_copies_{0},
+        filled_{0};
 };
 
 }  // namespace moecache::cuda::hook

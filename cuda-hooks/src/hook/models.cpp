@@ -111,6 +111,7 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
     m->n_experts = static_cast<uint32_t>(m->map.layers.size()) * m->map.n_experts;
     m->daemon_locked.assign(m->n_experts, 0);
     m->pooled_on.assign(m->n_experts, 0);
+    m->promoted.assign(m->n_experts, 0);
     for (auto& p : pools_)
         if (auto* dp = p.load()) {
             std::lock_guard lock(dp->mu);

@@ -496,18 +496,34 @@ void Daemon::flush_clients() {
     }
 }
 
-// The daemon's view of what belongs in VRAM, for each client with a pool: the elite of each layer
-// by heat (all clients' telemetry, and the profile saved before a restart), among admitted experts.
-// Promote what joins it, Unpromote what leaves; the hook's own policy fills the rest of its pool.
+// The daemon's view of what belongs in VRAM, for each client with a pool: by heat (all clients'
+// telemetry, and the profile saved before a restart or shared by the model's family), among
+// admitted experts, the elite of each layer and the hottest of any layer up to [vram] directed of
+// the pool it reported (pool_wanted). Promote what joins it, hottest first (the hook fills its
+// pool in that order), Unpromote what leaves; the hook's own policy fills the rest of its pool.
 void Daemon::direct_pools() {
     for (auto& cp : clients_) {
         Client& c = *cp;
         if (c.dead || !c.has_pool) continue;
         std::set<std::pair<uint32_t, uint32_t>> want;
+        std::vector<std::pair<uint32_t, uint32_t>> order;  // hottest first
         const PlannerSettings settings{config_.admit_after_uses, config_.elite_share, config_.hysteresis};
+        uint64_t pool_bytes = 0;
+        for (const auto& [device, stats] : c.pools) pool_bytes += stats.pool_bytes;
+        size_t n_models = 0;
+        for (auto& m : models_)
+            if (m->res && std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) ++n_models;
         for (auto& m : models_) {
             if (!m->res || std::find(c.models.begin(), c.models.end(), m->id) == c.models.end()) continue;
-            for (uint32_t slot : pool_elite(m->res->heat(), settings)) want.emplace(m->id, slot);
+            // The pool's share for this model, in experts of its mean size (split evenly between the
+            // client's models).
+            const uint64_t expert_bytes = m->res->n_slots() > 0 ? m->res->model().map().expert_bytes_total / m->res->n_slots() : 0;
+            const double share = config_.pool_directed * static_cast<double>(pool_bytes) / static_cast<double>(std::max<size_t>(n_models, 1));
+            const auto capacity = expert_bytes > 0
+                ? static_cast<uint32_t>(std::min<double>(share / static_cast<double>(expert_bytes), m->res->n_slots()))
+                : 0u;
+            for (uint32_t slot : pool_wanted(m->res->heat(), settings, capacity))
+                if (want.emplace(m->id, slot).second) order.emplace_back(m->id, slot);
         }
         auto send = [&](std::pair<uint32_t, uint32_t> key, Action a) {
             for (auto& m : models_)
@@ -517,7 +533,7 @@ void Daemon::direct_pools() {
                     c.outbox.push_back(Directive{a, m->id, map.layers[l].index, key.second % map.n_experts});
                 }
         };
-        for (const auto& key : want)
+        for (const auto& key : order)
             if (c.promoted.insert(key).second) send(key, Action::Promote);
         for (auto it = c.promoted.begin(); it != c.promoted.end();) {
             if (want.count(*it) == 0) {

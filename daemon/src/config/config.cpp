@@ -474,6 +474,7 @@ const Key<Config> kDbusKeys[] = {
 const Key<Config> kVramKeys[] = {
     MC_KEY("pool", Config, MC_TRY_VOID(read_vram_pool(v, t))),
     MC_KEY("keep_ram_copy", Config, t.keep_ram_copy = MC_TRY(read_bool(v))),
+    MC_KEY("directed", Config, t.pool_directed = MC_TRY(read_number(v, {0, true}, {1, true}))),
 };
 
 const Key<ModelConfig> kModelKeys[] = {

@@ -127,4 +127,27 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
     return out;
 }
 
+std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity) {
+    const uint32_t ne = heat.n_experts();
+    std::vector<uint32_t> elite = pool_elite(heat, s);
+    std::vector<uint8_t> in(size_t{heat.n_layers()} * ne, 0);
+    for (uint32_t slot : elite) in[slot] = 1;
+    std::vector<std::pair<double, uint32_t>> rest;
+    for (uint32_t l = 0; l < heat.n_layers(); ++l)
+        for (uint32_t e = 0; e < ne; ++e)
+            if (!in[l * ne + e] && heat.uses(l, e) >= s.admit_after_uses) rest.emplace_back(heat.heat(l, e), l * ne + e);
+    const size_t more = capacity > elite.size() ? std::min<size_t>(capacity - elite.size(), rest.size()) : 0;
+    std::partial_sort(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(more), rest.end(),
+                      [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+    std::vector<std::pair<double, uint32_t>> out;
+    out.reserve(elite.size() + more);
+    for (uint32_t slot : elite) out.emplace_back(heat.heat(slot / ne, slot % ne), slot);
+    out.insert(out.end(), rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(more));
+    std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::vector<uint32_t> slots;
+    slots.reserve(out.size());
+    for (const auto& [h, slot] : out) slots.push_back(slot);
+    return slots;
+}
+
 }  // namespace moecache::daemon

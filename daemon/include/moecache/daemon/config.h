@@ -124,6 +124,9 @@ struct Config {
     // Keep the RAM copy of an expert that sits in a VRAM pool (the one-place rule off): for runtimes
     // that also compute experts on the CPU, e.g. llama.cpp below its offload batch threshold.
     bool keep_ram_copy = false;
+    // The share of each pool the daemon directs: its hottest experts, which the hook fills ahead of
+    // the runtime's copies (the elite of each layer always).
+    double pool_directed = 0.5;
 
     // [[model]]
     std::vector<ModelConfig> models;

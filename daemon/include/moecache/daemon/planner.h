@@ -66,4 +66,11 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
 // pool's own policy fills the rest.
 std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s);
 
+// What a client's pool is directed to hold: the elite of each layer, then the hottest admitted
+// experts of any layer, `capacity` experts in all (at least the elite), hottest first. The hook
+// fills its pool with them ahead of the runtime's copies (from what the daemon locks: a model's
+// heat, saved or shared by its family, starts its pool warm) and ranks them above what it admits
+// by itself; the rest of the pool follows the hook's own counts.
+std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity);
+
 }  // namespace moecache::daemon

@@ -1,0 +1,157 @@
+// Filling a device's pool ahead of the runtime's copies with what the daemon directed it to hold
+// (its Promote directives, hottest first: daemon::pool_wanted), from the pages the daemon keeps
+// locked in RAM and the hook has registered for DMA. A runtime that starts after a restart of its
+// model, or after a prompt model of the same family, then finds its hot experts in VRAM from its
+// first tokens instead of admitting them one miss at a time; and each expert that enters the pool
+// leaves RAM (one place), where the daemon locks the next ones.
+//
+// On the background thread. The bytes go host -> a scratch buffer of the device's -> the slot, on a
+// stream of the hook's own: the slot is admitted under the device's lock (ordered after whichever
+// stream used it last), the host's bytes are queued without the lock, and the slot is committed and
+// its device-to-device copy queued under the lock again, as the copy path admits what missed. A
+// slot the pool gave up meanwhile (it shrank or yielded) is never written: only the scratch buffer,
+// which is the hook's alone, is written before the commit.
+#include "driver.h"
+#include "engine.h"
+#include "joiner.h"
+#include "log.h"
+
+#include <algorithm>
+
+namespace moecache::cuda::hook {
+namespace {
+
+constexpr uint64_t kFillScratch = 64ull << 20;  // per device: the most a turn fills
+constexpr uint32_t kMostRefused = 64;           // admissions the pool refused before a turn gives up
+
+}  // namespace
+
+void Engine::note_promoted(Model& m, uint32_t expert, bool promoted) {
+    if (expert >= m.promoted.size() || (m.promoted[expert] != 0) == promoted) return;
+    m.promoted[expert] = promoted ? 1 : 0;
+    if (promoted) fill_queue_.emplace_back(m.id, expert);
+    else fill_queue_dirty_ = true;
+}
+
+bool Engine::fill_pools() {
+    if (client_ == nullptr || fill_queue_.empty()) return false;
+    if (fill_queue_dirty_) {  // what was unpromoted leaves the queue, the rest keeps its order
+        fill_queue_.erase(std::remove_if(fill_queue_.begin(), fill_queue_.end(),
+                                         [&](const auto& q) { return models_[q.first]->promoted[q.second] == 0; }),
+                          fill_queue_.end());
+        fill_queue_dirty_ = false;
+    }
+    const Driver* drv = driver();
+    if (drv == nullptr) return false;
+    bool more = false;
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        if (dp == nullptr || dp->bytes.load() == 0) continue;
+        DeviceContext ctx(drv, d);
+        if (!ctx.ok()) continue;
+        if (dp->fill_stream == nullptr) {
+            if (drv->stream_create(&dp->fill_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+                dp->fill_stream = nullptr;
+                continue;
+            }
+            if (drv->mem_alloc(&dp->fill_scratch, kFillScratch) != CUDA_SUCCESS) {
+                dp->fill_scratch = 0;
+                continue;
+            }
+        }
+        if (dp->fill_scratch == 0) continue;
+        struct Piece {
+            Model* m;
+            int32_t ls;
+            uint32_t tensor, expert;  // expert: within the layer
+            SliceRef ref;
+            uint64_t bytes, tail, at;  // the slice's bytes, the next slice's head after it, where in scratch
+        };
+        std::vector<Piece> pieces;
+        StreamId sid = 0;
+        {
+            std::lock_guard lock(dp->mu);
+            sid = dp->stream_id(dp->fill_stream);
+            Joiner order(*dp, drv, dp->fill_stream, d);
+            uint64_t used = 0;
+            uint32_t refused = 0;
+            for (const auto& [mi, e] : fill_queue_) {
+                Model& m = *models_[mi];
+                if (m.promoted[e] == 0 || m.daemon_locked[e] == 0 || m.pooled_on[e] >> d & 1) continue;
+                const auto ls = static_cast<int32_t>(e / m.map.n_experts);
+                const uint32_t local = e % m.map.n_experts;
+                const auto& layer = m.map.layers[static_cast<size_t>(ls)];
+                // Only from registered pages (the daemon's locks, registered by the turn before):
+                // the staging buffers are the runtime's misses'.
+                uint64_t need = 0;
+                bool ready = true;
+                for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)] && ready; ++t) {
+                    const uint32_t slice = m.slice(ls, t, local);
+                    const uint8_t st = m.registered[slice].load(std::memory_order_acquire);
+                    ready = st == Model::kInside || st == Model::kWhole;
+                    need += layer.tensors[t].bytes_per_expert + kSlotTail;
+                }
+                if (!ready) continue;
+                if (used + need > kFillScratch) {
+                    more = true;
+                    break;
+                }
+                for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)]; ++t) {
+                    const uint32_t tensor_id = m.slice(ls, t, 0) / m.map.n_experts;
+                    if (mi >= dp->seen.size() || tensor_id >= dp->seen[mi].size() || !dp->seen[mi][tensor_id]) continue;
+                    const uint64_t bytes = layer.tensors[t].bytes_per_expert;
+                    const SliceRef ref{m.id, m.slice(ls, t, local), e};
+                    SliceRef evicted;
+                    if (dp->pool.admit(ref, bytes, sid, dp->heat, order, &evicted, true) == 0) {
+                        ++refused;
+                        continue;
+                    }
+                    if (evicted.model != kNoSlot && evicted.model < models_.size())
+                        note_expert(*dp, *models_[evicted.model], evicted.expert);
+                    const uint64_t tail = local + 1 < m.map.n_experts ? std::min<uint64_t>(dp->pool.tail_room(bytes), bytes) : 0;
+                    pieces.push_back({&m, ls, t, local, ref, bytes, tail, used});
+                    used += (bytes + tail + 255) & ~uint64_t{255};
+                }
+                if (refused >= kMostRefused) break;
+            }
+            joins_.fetch_add(order.joins, std::memory_order_relaxed);
+        }
+        if (pieces.empty()) continue;
+        // The host's bytes into the scratch buffer: straight from the registered pages, the edges
+        // (a page each side) the usual way.
+        CUresult rc = CUDA_SUCCESS;
+        for (auto& p : pieces) {
+            const auto [a, b] = slice_span(*p.m, p.ref.slice);
+            const auto& t = p.m->map.layers[static_cast<size_t>(p.ls)].tensors[p.tensor];
+            if (a == 0) {
+                rc = CUDA_ERROR_INVALID_VALUE;  // not mapped now: nothing is committed
+                break;
+            }
+            const HostBytes from{reinterpret_cast<const uint8_t*>(a), t.file < p.m->fds.size() ? p.m->fds[t.file] : -1,
+                                 t.offset + uint64_t{p.expert} * t.bytes_per_expert};
+            rc = copy_slices_from_host(*dp, *p.m, p.ls, p.tensor, p.expert, p.bytes, dp->fill_scratch + p.at, from, 0,
+                                       p.bytes + p.tail, dp->fill_stream);
+            if (rc != CUDA_SUCCESS) break;
+        }
+        std::lock_guard lock(dp->mu);
+        uint64_t filled = 0;
+        for (auto& p : pieces) {
+            const uint64_t slot = rc == CUDA_SUCCESS ? dp->pool.commit(p.ref, static_cast<uint32_t>(p.tail)) : 0;
+            if (slot == 0) {
+                dp->pool.drop(p.m->id, p.ref.slice);
+            } else if (copy_in_device(*dp, slot, dp->fill_scratch + p.at, p.bytes + p.tail, dp->fill_stream) != CUDA_SUCCESS) {
+                dp->pool.drop(p.m->id, p.ref.slice);
+            } else {
+                ++filled;
+            }
+        }
+        for (auto& p : pieces) note_expert(*dp, *p.m, p.ref.expert);
+        settle(*dp, drv, sid);
+        filled_.fetch_add(filled, std::memory_order_relaxed);
+        dp->filled.fetch_add(filled, std::memory_order_relaxed);
+        if (filled > 0) more = true;
+    }
+    return more;
+}
+
+}  // namespace moecache::cuda::hook
