@@ -339,7 +339,9 @@ bool Engine::register_wanted() {
         const auto [a, b] = slice_pages(m, slice);
         uint8_t next = Model::kNever;
         bool registered = false;
-        if (b > a && pinned_bytes_.load() + (b - a) <= budget) {
+        // With a daemon the slices asked for are the pages it keeps locked: resident already, and
+        // bounded by its own lock budget (its memory cgroup's room), not by the hook's.
+        if (b > a && (follow_locks_.load() || pinned_bytes_.load() + (b - a) <= budget)) {
             const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
                                                        CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
             if (rc == CUDA_SUCCESS) {
