@@ -22,6 +22,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -359,12 +360,24 @@ TEST_F(HookDaemonWarm, ThePoolIsFilledAheadWithWhatTheDaemonDirects) {
     uint32_t h = 0;
     ASSERT_EQ(moecache_client_register_model(other, model_.c_str(), &h), 0);
     ASSERT_EQ(moecache_client_wait_ready(other, 10000), 1);
+    // Another runtime's router says which experts are hot, and the daemon locks them, before this
+    // process's hook is there: it learns of those locks when it registers the model.
+    auto report = [&] {
+        for (int i = 0; i < 50; ++i) (void)moecache_client_report(other, h, map_.layers[0].index, hot, 4, 1);
+    };
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while (!std::all_of(std::begin(hot), std::end(hot), [&](uint32_t e) { return cached(e) == 1.0; }) &&
+           std::chrono::steady_clock::now() < end) {
+        report();
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_TRUE(std::all_of(std::begin(hot), std::end(hot), [&](uint32_t e) { return cached(e) == 1.0; })) << log();
     use(kA, 1);
     ASSERT_GE(sync(10000), 1);
-    // Another runtime's router says which experts are hot; this process copies only A meanwhile.
+    // This process copies only A meanwhile.
     ASSERT_TRUE(until(
         [&] {
-            for (int i = 0; i < 50; ++i) (void)moecache_client_report(other, h, map_.layers[0].index, hot, 4, 1);
+            report();
             return stats().filled_ahead >= 4 * 3 && stats().experts_in_vram == 4;
         },
         kA, 1, kA, 0))

@@ -474,6 +474,12 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
     reply(c, rq,
           ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
                           static_cast<uint32_t>(map.files.size())});
+    // What is locked already (a warm start's locks, another runtime's): a client learns the locks
+    // from Lock and Unlock only (a CUDA hook registers them for DMA, and fills its pool from them),
+    // so it hears of those made before it came, now, before anything decided later.
+    for (uint32_t slot = 0; slot < entry->res->n_slots(); ++slot)
+        if (entry->res->state(slot).tier() == Tier::Locked)
+            reply(c, 0, Directive{Action::Lock, entry->id, map.layers[slot / map.n_experts].index, slot % map.n_experts});
     return true;
 }
 
