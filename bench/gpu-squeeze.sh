@@ -43,16 +43,22 @@
 #   squeezed CPU runs decode this many), LAYERS EXPERTS USED EMBD FF (the shape: 32 128 8 2048
 #   1792), TYPE (q5_K), PROMPT_TYPE (q3_K), THREADS (llama-server's -t; its own default unless
 #   set), DBUS_DAEMON (a dbus-daemon for a private bus; default the PATH's), SERVER_TIMEOUT (900 s
-#   for a server to load), DEADLINE (seconds: no run starts after it; the table is still printed).
+#   for a server to load), DEADLINE (seconds: no run starts after it; the table is still printed),
+#   ROUND_FROM (1: the first round's number, so that the rounds of several calls share WORKDIR),
+#   TABLE_ONLY=1 (print the table of what WORKDIR holds, every round found, and run nothing).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 top=$(cd "$here/.." && pwd)
 source "$here/common.sh"
 bin=$(realpath "${1:?usage: bench/gpu-squeeze.sh LLAMA_BIN [WORKDIR]}")
 work=${2:-/var/tmp/moecache-gpu-squeeze}
+rounds=${ROUNDS:-2}
+round_from=${ROUND_FROM:-1}
+configs=(${CONFIGS:-unsq-cpu sq-cpu sq-recipe sq-static mc-cold mc-warm mcS-cold mcS-warm swap-family swap-alone text})
+layers=${LAYERS:-32}
+if [ "${TABLE_ONLY:-0}" != 1 ]; then
 [ "$(id -u)" = 0 ] || { echo "gpu-squeeze: needs root (a memory cgroup, the daemon's locks, BPF)" >&2; exit 2; }
 [ -x "$bin/llama-server" ] || { echo "gpu-squeeze: $bin/llama-server is missing" >&2; exit 2; }
-rounds=${ROUNDS:-2}
 pool=${POOL:-50}
 small_pool=${SMALL_POOL:-10}
 ram_share=${RAM_SHARE:-0.66}
@@ -61,8 +67,6 @@ requests=${REQUESTS:-3}
 prompt_words=${PROMPT_WORDS:-1200}
 n_predict=${N_PREDICT:-128}
 sq_n_predict=${SQ_N_PREDICT:-32}
-layers=${LAYERS:-32}
-configs=(${CONFIGS:-unsq-cpu sq-cpu sq-recipe sq-static mc-cold mc-warm mcS-cold mcS-warm swap-family swap-alone text})
 mkdir -p "$work"
 work=$(realpath "$work")
 
@@ -172,11 +176,12 @@ start_daemon() {
   for _ in $(seq 200); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done
   for _ in $(seq 600); do [ "$(metric moecache_prefetch_queued_bytes)" = 0 ] && break; sleep 0.1; done
 }
-stop_daemon() {
+stop_daemon() {  # stop_daemon RUN: its log kept as RUN.daemon.log
   [ -n "$dpid" ] || return 0
   kill "$dpid" 2>/dev/null || echo "  (moecached had exited: $(tail -1 "$work/daemon.log"))" >&2
   wait "$dpid" 2>/dev/null || true
   dpid=
+  cp "$work/daemon.log" "$work/$1.daemon.log" 2>/dev/null || true
 }
 # One place, live: experts both locked and in a pool (not pinned, keep_ram_copy off), sampled.
 sample_one_place() {
@@ -269,7 +274,7 @@ run() {
       serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" $(hook_env "$p")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
-      stop_daemon ;;  # saves the heat the warm run starts from
+      stop_daemon "$out" ;;  # saves the heat the warm run starts from
     swap-family|swap-alone)
       [ "$c" = swap-alone ] && daemon_config separate || daemon_config
       rm -rf "$work/state/profiles"
@@ -282,7 +287,7 @@ run() {
       serve "$out" "$model" 1 "$work/short-prompt.json" "$n_predict" $(hook_env "$pool")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
-      stop_daemon ;;
+      stop_daemon "$out" ;;
     *) echo "gpu-squeeze: unknown configuration $c" >&2; exit 2 ;;
   esac
   echo $(( $(oom_kills) - k0 )) > "$work/$out.oom"
@@ -292,7 +297,7 @@ run() {
 echo "decode model $(numfmt --to=iec "$model_bytes") ($model), prompt model $(du -h "$pmodel" | cut -f1);" \
      "memory cgroup $(numfmt --to=iec "$limit") ($cg), pool $pool % / $small_pool %, reserve $reserve, bus $bus, $rounds round(s)"
 started=$SECONDS
-for r in $(seq "$rounds"); do
+for r in $(seq "$round_from" $(( round_from + rounds - 1 ))); do
   for c in "${configs[@]}"; do
     [ "$c" = text ] && [ "$r" != 1 ] && continue
     if [ -n "${DEADLINE:-}" ] && [ $(( SECONDS - started )) -ge "$DEADLINE" ]; then
@@ -303,6 +308,12 @@ for r in $(seq "$rounds"); do
     run "$c" "$r"
   done
 done
+echo "$expert_bytes" > "$work/expert_bytes"
+fi  # TABLE_ONLY
+
+expert_bytes=$(cat "$work/expert_bytes" 2>/dev/null || echo 0)
+rounds=$(ls "$work" | sed -n 's/^[a-zS-]*\.\([0-9]*\)\.json$/\1/p' | sort -n | tail -1)
+rounds=${rounds:-0}
 
 python3 - "$work" "$rounds" "$expert_bytes" "$layers" "${configs[*]}" <<'EOF'
 import json, os, re, statistics, sys
@@ -324,7 +335,7 @@ for c in configs:
         reqs = load(base + ".json")
         if reqs is None: continue
         row = rows.setdefault(c, {"pp": [], "tg": [], "tg1": [], "l50": [], "steady": [], "disk_tok": [], "oom": [], "load": [],
-                                  "hit": [], "both": [], "locked": [], "ramp": []})
+                                  "hit": [], "both": [], "locked": [], "ramp": [], "filled": []})
         ok = [q for q in reqs if "error" not in q]
         if ok:
             row["pp"].append(med([q["prompt_tps"] for q in ok]))
@@ -343,6 +354,8 @@ for c in configs:
             log = open(base + ".server.log", errors="replace").read()
             h = re.findall(r"slices (\d+) hit / (\d+) missed", log)
             if h: row["hit"].append(100.0 * sum(int(a) for a, _ in h) / max(sum(int(a) + int(b) for a, b in h), 1))
+            fl = re.findall(r"slices filled ahead (\d+)", log)
+            if fl: row["filled"].append(sum(int(x) for x in fl))
         except OSError: pass
         try:
             samples = [list(map(int, l.split())) for l in open(base + ".oneplace") if l.strip()]
@@ -360,8 +373,8 @@ sq_pp = med(rows.get("sq-cpu", {}).get("pp", []))
 print(f"\nmedians of {rounds} round(s); tok/s; x unsq / x sq: steady decode against unsq-cpu's, and against sq-cpu's decode; "
       f"storage MiB per decoded token (requests 2.., between first and last token); 1 % of an expert per layer = "
       f"{expert_bytes * layers / 100 / 2**20:.2f} MiB")
-print("| config | load s | pp | pp x sq | decode | steady | x unsq | x sq | first request 25-50 / steady | storage MiB/token | pool hit % | locked GiB | both (max) | OOM |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| config | load s | pp | pp x sq | decode | steady | x unsq | x sq | first request 25-50 / steady | storage MiB/token | pool hit % | slices filled ahead | locked GiB | both (max) | OOM |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for c in configs:
     if c not in rows: continue
     w = rows[c]
@@ -371,7 +384,7 @@ for c in configs:
     ppx = pp / sq_pp if pp and sq_pp else None
     dt = med(w["disk_tok"])
     print(f"| {c} | {f(med(w['load']))} | {f(pp)} | {f(ppx, 2)} | {f(med(w['tg']))} | {f(st)} | {f(xu, 2)} | {f(xs, 2)} | "
-          f"{f(med(w['ramp']), 2)} | {f(dt / 2**20 if dt is not None else None, 2)} | {f(med(w['hit']))} | {f(med(w['locked']))} | "
+          f"{f(med(w['ramp']), 2)} | {f(dt / 2**20 if dt is not None else None, 2)} | {f(med(w['hit']))} | {f(med(w['filled']), 0)} | {f(med(w['locked']))} | "
           f"{f(med(w['both']), 0)} | {f(sum(x for x in w['oom'] if x) if w['oom'] else None, 0)} |")
 ref = texts.get("text", [None])[0]
 if ref:
