@@ -51,8 +51,9 @@ struct Setup {
     daemon::PlannerSettings planner;
     double half_life_tokens = 4096;
     // The share of the VRAM pool the daemon directs (daemon::pool_wanted: its hottest experts, filled
-    // from RAM ahead of use, as the hook does); 0: the elite alone, admitted on use.
-    double pool_directed = 0;
+    // from RAM ahead of use, as the hook does; the daemon's [vram] directed); 0: the elite alone,
+    // admitted on use.
+    double pool_directed = 0.5;
     [[nodiscard]] bool device() const { return vram_bytes > 0; }
 };
 
