@@ -246,9 +246,10 @@ serve() {
 }
 
 drop_caches() { sync; echo 1 > /proc/sys/vm/drop_caches; }
-hook_env() {  # hook_env POOL_PERCENT
-  echo LD_PRELOAD="$rearm:$hook" MOECACHE_LOAD=lazy MOECACHE_REARM_MS=0 GGML_OP_OFFLOAD_MIN_BATCH=1 \
-       MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1 MOECACHE_SOCKET="$work/moecached.sock"
+hook_env() {  # hook_env POOL_PERCENT: the environment of config/'s llama-server drop-in, with the bundle's paths
+  sed -n 's/^Environment=//p' "$top/config/llama-server.service.d/moecache.conf" |
+    sed -e "s|/usr/lib/|$bundle/lib/|g" -e "s|/run/moecache/moecached.sock|$work/moecached.sock|"
+  echo MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1
 }
 
 # run CONFIG ROUND: one configuration's run, its rows in $work/CONFIG.ROUND.*.
