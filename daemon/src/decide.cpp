@@ -66,11 +66,15 @@ void Daemon::place() {
         const ModelResidency& r = *m->res;
         ModelFacts mf;
         const std::string family = family_of(*m);
-        mf.view = r.view(model_cap(*m));
+        // A model no live client holds while one of its family is in use (the runtime moved to
+        // another quantization: the prompt-model swap) holds nothing: its locks and reads would take
+        // the RAM the model in use needs, under a squeeze all of it.
+        const bool left = registered.count(m->id) == 0 && families_in_use.count(family) != 0;
+        const uint64_t cap = left ? 0 : model_cap(*m);
+        mf.view = r.view(cap);
         mf.view.family = families.try_emplace(family, static_cast<uint32_t>(families.size())).first->second;
         if (m->config.family_budget) mf.view.family_budget = m->config.family_budget->resolve(mem_total_);
-        mf.view.standby = registered.count(m->id) == 0 &&
-                          (now - m->last_used > kStandbyAfter || families_in_use.count(family) != 0);
+        mf.view.standby = left || (registered.count(m->id) == 0 && now - m->last_used > kStandbyAfter);
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);
             return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot)};
@@ -79,7 +83,7 @@ void Daemon::place() {
         for (uint32_t s = 0; s < r.n_slots(); ++s) mf.slots.push_back(facts(s));
         mf.dense = facts(kDenseSlot);
         mf.holder.locked = r.locked_bytes();
-        mf.holder.cap = model_cap(*m);
+        mf.holder.cap = cap;
         mf.holder.family = family;
         mf.holder.family_budget = mf.view.family_budget;
         if (m->registered) {
@@ -114,14 +118,20 @@ uint64_t Daemon::total_locked() const {
 // everything else queued, so that its next faults in them hit the page cache instead of waiting
 // for storage one page at a time (a runtime that maps with MADV_RANDOM, as lazy load does, reads
 // nothing around a fault).
+// Not for a model a CUDA hook uses (a client with a VRAM pool): the hook reads a miss from the file
+// itself, whole slices at a time, so a read of the rest here would read it twice, ahead of the
+// reads that lock the hot set.
 void Daemon::fetch_missed() {
     if (missed_this_batch_.empty()) return;
     if (config_.on_miss) {
         std::sort(missed_this_batch_.begin(), missed_this_batch_.end());
         missed_this_batch_.erase(std::unique(missed_this_batch_.begin(), missed_this_batch_.end()), missed_this_batch_.end());
+        std::set<uint32_t> hooked;
+        for (const auto& c : clients_)
+            if (!c->dead && c->has_pool) hooked.insert(c->models.begin(), c->models.end());
         for (const auto& [id, slot] : missed_this_batch_) {
             ModelEntry* m = find_model(id);
-            if (!m || !m->res || slot >= m->res->n_slots() || !m->res->wanted_in_ram(slot)) continue;
+            if (!m || !m->res || slot >= m->res->n_slots() || !m->res->wanted_in_ram(slot) || hooked.count(id) != 0) continue;
             // Being read for a lock already: that read is as good.
             if (m->res->state(slot).tier() != Tier::Storage) continue;
             const uint64_t q = cache_fetch(*m, slot, FetchReason::Miss);

@@ -345,7 +345,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         if (setup.device()) {
             std::vector<uint8_t> want(n_slots, 0);
             const std::vector<uint32_t> wanted = setup.pool_directed > 0
-                ? daemon::pool_wanted(heat, setup.planner, directed_capacity)
+                ? daemon::pool_wanted(heat, setup.planner, directed_capacity, promoted)
                 : daemon::pool_elite(heat, setup.planner);
             for (uint32_t s : wanted) want[s] = 1;
             for (uint32_t s = 0; s < n_slots; ++s)

@@ -127,7 +127,8 @@ protected:
     }
     [[nodiscard]] virtual bool keep_both() const { return false; }
     [[nodiscard]] virtual uint64_t pool_experts() const { return 1; }
-    [[nodiscard]] virtual std::string directed() const { return "0"; }
+    // The daemon directs the pool: under one place the hook displaces only what it promoted.
+    [[nodiscard]] virtual std::string directed() const { return "1"; }
     [[nodiscard]] virtual std::string elite_share() const { return "0"; }
     void TearDown() override {
         if (base_ != nullptr && base_ != MAP_FAILED) munmap(base_, size_);

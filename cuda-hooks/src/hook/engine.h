@@ -163,6 +163,10 @@ private:
         std::atomic<uint64_t> seen_bytes{0};  // expert bytes of the layers seen
         std::atomic<uint64_t> bytes{0};       // allocated; written under mu, read anywhere
         std::atomic<bool> staged{false};      // misses go through `staging`
+        // The daemon asked for one place here (the background thread keeps it current): an expert
+        // the pool takes leaves RAM, and one it lets go is read from storage again. The copy path
+        // then evicts only for what the daemon promoted: its own admissions fill free slots.
+        std::atomic<bool> one_place{false};
         // The hook's copy kernel in the device's primary context (copy_kernel.h); null: the
         // driver's device-to-device copies. Set by the background thread before the pool is published.
         CUfunction copy_fn = nullptr;
@@ -246,6 +250,7 @@ private:
     // fill.cpp: the pools filled ahead with what the daemon promoted; true while there is more.
     void note_promoted(Model& m, uint32_t expert, bool promoted);
     bool fill_pools();
+    bool fill_device(DevicePool& dp);
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
     // routes.cpp: the routing one copy of a layer's first expert tensor tells, from the runtime's
     // read-back ids where they check out against the copy, else from the copy's experts where it

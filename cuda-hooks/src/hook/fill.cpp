@@ -12,6 +12,7 @@
 // slot the pool gave up meanwhile (it shrank or yielded) is never written: only the scratch buffer,
 // which is the hook's alone, is written before the commit.
 #include "driver.h"
+#include "capture_gate.h"
 #include "engine.h"
 #include "joiner.h"
 #include "log.h"
@@ -33,6 +34,10 @@ void Engine::note_promoted(Model& m, uint32_t expert, bool promoted) {
     else fill_queue_dirty_ = true;
 }
 
+// Each device's turn runs with no stream capture open (capture_gate.h): the fill's stream is ordered
+// after the runtime's streams that used a slot last (an event recorded on them, waited for on the
+// fill's stream), and an event recorded on a stream being captured would draw the fill's stream, and
+// its copies, into the runtime's graph.
 bool Engine::fill_pools() {
     if (client_ == nullptr || fill_queue_.empty()) return false;
     if (fill_queue_dirty_) {  // what was unpromoted leaves the queue, the rest keeps its order
@@ -47,19 +52,35 @@ bool Engine::fill_pools() {
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
         if (dp == nullptr || dp->bytes.load() == 0) continue;
+        // The gate holds the runtime's captures back: taken only when there is something to fill.
+        const bool work = std::any_of(fill_queue_.begin(), fill_queue_.end(), [&](const auto& q) {
+            const Model& m = *models_[q.first];
+            return m.promoted[q.second] != 0 && m.daemon_locked[q.second] != 0 && (m.pooled_on[q.second] >> d & 1) == 0;
+        });
+        if (work) capture_gate().exclusive([&] { more = fill_device(*dp) || more; });
+    }
+    return more;
+}
+
+bool Engine::fill_device(DevicePool& pool) {
+    const Driver* drv = driver();
+    DevicePool* dp = &pool;
+    const int d = dp->device;
+    bool more = false;
+    {
         DeviceContext ctx(drv, d);
-        if (!ctx.ok()) continue;
+        if (!ctx.ok()) return false;
         if (dp->fill_stream == nullptr) {
             if (drv->stream_create(&dp->fill_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
                 dp->fill_stream = nullptr;
-                continue;
+                return false;
             }
             if (drv->mem_alloc(&dp->fill_scratch, kFillScratch) != CUDA_SUCCESS) {
                 dp->fill_scratch = 0;
-                continue;
+                return false;
             }
         }
-        if (dp->fill_scratch == 0) continue;
+        if (dp->fill_scratch == 0) return false;
         struct Piece {
             Model* m;
             int32_t ls;
@@ -116,7 +137,7 @@ bool Engine::fill_pools() {
             }
             joins_.fetch_add(order.joins, std::memory_order_relaxed);
         }
-        if (pieces.empty()) continue;
+        if (pieces.empty()) return more;
         // The host's bytes into the scratch buffer: straight from the registered pages, the edges
         // (a page each side) the usual way.
         CUresult rc = CUDA_SUCCESS;

@@ -326,11 +326,15 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         std::lock_guard lock(dp->mu);
         sid = dp->stream_id(stream);
         Joiner order(*dp, drv, stream, device);
+        // Under one place a slice the pool lets go is read from storage again when next wanted: only
+        // what the daemon promoted (its ranking holds still) displaces anything, the rest takes free slots.
+        const bool one_place = dp->one_place.load(std::memory_order_relaxed);
         for (uint32_t i = 0; i < cls->n_experts && n_admits < kMaxAdmits; ++i) {
             if (from_slot[i] != 0 || cls->first_expert + i >= nexp) continue;
             const SliceRef ref = ref_of(i);
             SliceRef evicted;
-            if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, !batch) == 0) continue;
+            const bool evict = !batch && (!one_place || dp->heat.heat(ref.model, ref.expert) >= ExpertHeat::kPromoted);
+            if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, evict) == 0) continue;
             admits[n_admits++] = {ref, uint64_t{i} * cls->slice_bytes};
             if (evicted.model != kNoSlot && evicted.model < snap->models.size())
                 note_expert(*dp, *snap->models[evicted.model], evicted.expert);

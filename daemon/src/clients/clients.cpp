@@ -528,7 +528,10 @@ void Daemon::direct_pools() {
             const auto capacity = expert_bytes > 0
                 ? static_cast<uint32_t>(std::min<double>(share / static_cast<double>(expert_bytes), m->res->n_slots()))
                 : 0u;
-            for (uint32_t slot : pool_wanted(m->res->heat(), settings, capacity))
+            std::vector<uint8_t> held(m->res->n_slots(), 0);
+            for (const auto& [mid, slot] : c.promoted)
+                if (mid == m->id && slot < held.size()) held[slot] = 1;
+            for (uint32_t slot : pool_wanted(m->res->heat(), settings, capacity, held))
                 if (want.emplace(m->id, slot).second) order.emplace_back(m->id, slot);
         }
         auto send = [&](std::pair<uint32_t, uint32_t> key, Action a) {

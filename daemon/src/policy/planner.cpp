@@ -127,7 +127,8 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
     return out;
 }
 
-std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity) {
+std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity,
+                                  std::span<const uint8_t> held) {
     const uint32_t ne = heat.n_experts();
     std::vector<uint32_t> elite = pool_elite(heat, s);
     std::vector<uint8_t> in(size_t{heat.n_layers()} * ne, 0);
@@ -135,7 +136,11 @@ std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& 
     std::vector<std::pair<double, uint32_t>> rest;
     for (uint32_t l = 0; l < heat.n_layers(); ++l)
         for (uint32_t e = 0; e < ne; ++e)
-            if (!in[l * ne + e] && heat.uses(l, e) >= s.admit_after_uses) rest.emplace_back(heat.heat(l, e), l * ne + e);
+            if (!in[l * ne + e] && heat.uses(l, e) >= s.admit_after_uses) {
+                const uint32_t slot = l * ne + e;
+                const bool holds = slot < held.size() && held[slot] != 0;
+                rest.emplace_back(heat.heat(l, e) * (holds ? 1 + s.hysteresis : 1.0), slot);
+            }
     const size_t more = capacity > elite.size() ? std::min<size_t>(capacity - elite.size(), rest.size()) : 0;
     std::partial_sort(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(more), rest.end(),
                       [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });

@@ -126,7 +126,7 @@ struct Config {
     bool keep_ram_copy = false;
     // The share of each pool the daemon directs: its hottest experts, which the hook fills ahead of
     // the runtime's copies (the elite of each layer always).
-    double pool_directed = 0.5;
+    double pool_directed = 0.9;
 
     // [[model]]
     std::vector<ModelConfig> models;

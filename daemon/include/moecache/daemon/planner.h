@@ -71,6 +71,10 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
 // fills its pool with them ahead of the runtime's copies (from what the daemon locks: a model's
 // heat, saved or shared by its family, starts its pool warm) and ranks them above what it admits
 // by itself; the rest of the pool follows the hook's own counts.
-std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity);
+// `held`: per slot, 1 where the pool is directed to hold it now: it counts `1 + hysteresis` times
+// its heat, so that the direction does not swing between experts of nearly equal heat (each swing
+// is a fill, and under one place a read from storage).
+std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity,
+                                  std::span<const uint8_t> held = {});
 
 }  // namespace moecache::daemon

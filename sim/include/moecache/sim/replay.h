@@ -53,7 +53,7 @@ struct Setup {
     // The share of the VRAM pool the daemon directs (daemon::pool_wanted: its hottest experts, filled
     // from RAM ahead of use, as the hook does; the daemon's [vram] directed); 0: the elite alone,
     // admitted on use.
-    double pool_directed = 0.5;
+    double pool_directed = 0.9;
     [[nodiscard]] bool device() const { return vram_bytes > 0; }
 };
 
