@@ -275,6 +275,7 @@ run() {
       serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" $(hook_env "$p")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
+      cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true
       stop_daemon "$out" ;;  # saves the heat the warm run starts from
     swap-family|swap-alone)
       [ "$c" = swap-alone ] && daemon_config separate || daemon_config
@@ -288,6 +289,7 @@ run() {
       serve "$out" "$model" 1 "$work/short-prompt.json" "$n_predict" $(hook_env "$pool")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
+      cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true
       stop_daemon "$out" ;;
     *) echo "gpu-squeeze: unknown configuration $c" >&2; exit 2 ;;
   esac
