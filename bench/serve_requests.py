@@ -31,7 +31,7 @@ def sectors_read(dev):
 
 def rate(times, a, b):
     """Tokens a..b (0-based arrival index) per second; None when the run is too short."""
-    if len(times) <= b or times[b] <= times[a]:
+    if a < 0 or b <= a or len(times) <= b or times[b] <= times[a]:
         return None
     return (b - a) / (times[b] - times[a])
 
