@@ -40,7 +40,7 @@
 # Environment: BUNDLE (a scripts/bundle.sh directory; made from MOECACHE_BUILD, default build,
 #   when not given), CONFIGS, ROUNDS (2), POOL (50), SMALL_POOL (10), RAM_SHARE (0.66),
 #   RESERVE (2GiB), REQUESTS (3), PROMPT_WORDS (1200), N_PREDICT (128), SQ_N_PREDICT (32: the
-#   squeezed CPU runs decode this many), LAYERS EXPERTS USED EMBD FF (the shape: 32 128 8 2048
+#   squeezed CPU runs decode this many), SQ_REQUESTS (REQUESTS: how many requests they send), LAYERS EXPERTS USED EMBD FF (the shape: 32 128 8 2048
 #   1792), TYPE (q5_K), PROMPT_TYPE (q3_K), THREADS (llama-server's -t; its own default unless
 #   set), DBUS_DAEMON (a dbus-daemon for a private bus; default the PATH's), SERVER_TIMEOUT (900 s
 #   for a server to load), DEADLINE (seconds: no run starts after it; the table is still printed),
@@ -99,7 +99,7 @@ dev=$(basename "$(df --output=source "$model" | tail -1)")
 sectors() { awk -v d="$dev" '$3 == d {print $6}' /proc/diskstats; }
 
 # Prompts of ordinary words, one per request (different texts: nothing is cached between them).
-python3 - "$work" "$prompt_words" "$requests" <<'EOF'
+python3 - "$work" "$prompt_words" "$requests" "${SQ_REQUESTS:-$requests}" <<'EOF'
 import json, random, sys
 work, words, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 vocab = "the of and to in is was for on that with as by at from his her they this which or an be are".split()
@@ -107,6 +107,8 @@ def text(seed, k):
     r = random.Random(seed)
     return " ".join(r.choice(vocab) for _ in range(k))
 json.dump([text(100 + i, words) for i in range(n)], open(f"{work}/prompts.json", "w"))
+sq = int(sys.argv[4])  # the squeezed CPU runs: the first SQ_REQUESTS of them
+json.dump([text(100 + i, words) for i in range(min(n, sq))], open(f"{work}/prompts-sq.json", "w"))
 json.dump([text(7, words * 2)], open(f"{work}/long-prompt.json", "w"))  # the swap's prompt
 json.dump([text(8, 24)], open(f"{work}/short-prompt.json", "w"))        # and its decode request
 EOF
@@ -260,9 +262,9 @@ run() {
   case $c in
     unsq-cpu) cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
     text) cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
-    sq-cpu) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
-    sq-recipe) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$sq_n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
-    sq-static) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
+    sq-cpu) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
+    sq-recipe) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
+    sq-static) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
     mc-cold|mcS-cold|mc-warm|mcS-warm)
       local p=$pool
       [[ $c == mcS-* ]] && p=$small_pool
