@@ -156,7 +156,13 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
         SlotState& st = m->res->state(slot);
         if (st.fetches_pending > 0) --st.fetches_pending;
         if (err != 0 && err != ECANCELED) MC_LOG(LOG_WARNING, "model {}: prefetch failed: {}", m->path, std::strerror(err));
-        if (st.fetches_pending == 0 && st.tier() == Tier::Fetching) m->waiting.push_back(slot);
+        if (st.fetches_pending == 0 && st.tier() == Tier::Fetching) {
+            m->waiting.push_back(slot);
+            // Locked at the end of this turn, not the next tick: locking keeps pace with the reads
+            // (on the GPU machine a warm start locked 230 MB/s off a 1.7 GB/s disk, tick-bound, and
+            // a runtime's first requests read from storage what the daemon had not locked yet).
+            request_place();
+        }
     }
 }
 
