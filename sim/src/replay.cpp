@@ -420,7 +420,10 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             for (uint32_t s : slots) {
                 if (view.in_vram[s]) continue;
                 cuda::SliceRef evicted;
-                if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, cuda::same_stream_only(), &evicted) == 0 ||
+                // As the hook under one place (the daemon directs the pool): only what the daemon
+                // promoted displaces anything; the rest takes free slots.
+                const bool evict = setup.pool_directed == 0 || promoted[s] != 0;
+                if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, cuda::same_stream_only(), &evicted, evict) == 0 ||
                     pool.commit({0, s, s}) == 0)
                     continue;
                 enter_vram(s, evicted);
