@@ -163,6 +163,7 @@ void Engine::drain_placements() {
                 if (ev.in_vram) m.pooled_on[ev.expert] |= uint64_t{1} << d;
                 else m.pooled_on[ev.expert] &= ~(uint64_t{1} << d);
             }
+            ++fill_gen_;
             const auto ls = static_cast<int32_t>(ev.expert / m.map.n_experts);
             if (cfg_.registers() && follow_locks_.load()) {
                 follow_registration(m, ls, e);
@@ -211,6 +212,7 @@ void Engine::poll_directives() {
         if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) {
             // With a daemon the registered tier is what the daemon keeps locked (and no pool holds).
             m->daemon_locked[e] = d[i].action == MOECACHE_LOCK ? 1 : 0;
+            ++fill_gen_;
             if (cfg_.registers()) follow_registration(*m, ls, d[i].expert);
             continue;
         }

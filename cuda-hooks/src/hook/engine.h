@@ -186,6 +186,7 @@ private:
         // device, and the slices filled so far.
         CUstream fill_stream = nullptr;
         CUdeviceptr fill_scratch = 0;
+        uint64_t fill_idle = UINT64_MAX;  // fill_gen_ when it last found nothing to fill
         std::atomic<uint64_t> filled{0};
         // Background thread only.
         uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;
@@ -299,6 +300,9 @@ private:
     // Background thread only: the experts the daemon promoted, in the order it did (hottest first).
     std::vector<std::pair<uint32_t, uint32_t>> fill_queue_;  // (model, expert)
     bool fill_queue_dirty_ = false;                           // holds some no longer promoted
+    // Moves when what a fill could do changes: a Promote or Unpromote, a Lock or Unlock, an expert
+    // leaving a pool, a pool resized.
+    uint64_t fill_gen_ = 0;
     std::atomic<bool> told_destroy_{false};  // PIN=register: a daemon's locks, not misses, choose
     std::mutex sync_mu_;
     std::condition_variable sync_cv_;

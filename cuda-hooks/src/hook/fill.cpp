@@ -29,6 +29,7 @@ constexpr uint32_t kMostRefused = 64;           // admissions the pool refused b
 
 void Engine::note_promoted(Model& m, uint32_t expert, bool promoted) {
     if (expert >= m.promoted.size() || (m.promoted[expert] != 0) == promoted) return;
+    ++fill_gen_;
     m.promoted[expert] = promoted ? 1 : 0;
     if (promoted) fill_queue_.emplace_back(m.id, expert);
     else fill_queue_dirty_ = true;
@@ -51,7 +52,7 @@ bool Engine::fill_pools() {
     bool more = false;
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
-        if (dp == nullptr || dp->bytes.load() == 0) continue;
+        if (dp == nullptr || dp->bytes.load() == 0 || dp->fill_idle == fill_gen_) continue;
         // The gate holds the runtime's captures back: taken only when there is something to fill.
         const bool work = std::any_of(fill_queue_.begin(), fill_queue_.end(), [&](const auto& q) {
             const Model& m = *models_[q.first];
@@ -90,12 +91,12 @@ bool Engine::fill_device(DevicePool& pool) {
         };
         std::vector<Piece> pieces;
         StreamId sid = 0;
+        uint32_t refused = 0;
         {
             std::lock_guard lock(dp->mu);
             sid = dp->stream_id(dp->fill_stream);
             Joiner order(*dp, drv, dp->fill_stream, d);
             uint64_t used = 0;
-            uint32_t refused = 0;
             for (const auto& [mi, e] : fill_queue_) {
                 Model& m = *models_[mi];
                 if (m.promoted[e] == 0 || m.daemon_locked[e] == 0 || m.pooled_on[e] >> d & 1) continue;
@@ -122,6 +123,9 @@ bool Engine::fill_device(DevicePool& pool) {
                     if (mi >= dp->seen.size() || tensor_id >= dp->seen[mi].size() || !dp->seen[mi][tensor_id]) continue;
                     const uint64_t bytes = layer.tensors[t].bytes_per_expert;
                     const SliceRef ref{m.id, m.slice(ls, t, local), e};
+                    // Pooled already: a device that copies only some of an expert's tensors (the
+                    // second of two GPUs) never holds the expert whole, and its slices stay here.
+                    if (dp->pool.holds(ref.model, ref.slice)) continue;
                     SliceRef evicted;
                     if (dp->pool.admit(ref, bytes, sid, dp->heat, order, &evicted, true) == 0) {
                         ++refused;
@@ -137,7 +141,10 @@ bool Engine::fill_device(DevicePool& pool) {
             }
             joins_.fetch_add(order.joins, std::memory_order_relaxed);
         }
-        if (pieces.empty()) return more;
+        if (pieces.empty()) {
+            if (!more && refused == 0) dp->fill_idle = fill_gen_;  // nothing to do until something changes
+            return more;
+        }
         // The host's bytes into the scratch buffer: straight from the registered pages, the edges
         // (a page each side) the usual way.
         CUresult rc = CUDA_SUCCESS;

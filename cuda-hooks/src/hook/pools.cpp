@@ -201,6 +201,7 @@ void Engine::free_arenas(DevicePool& dp, const std::vector<uint64_t>& bases) {
 void Engine::resize_pool(DevicePool& dp) {
     const Driver* drv = driver();
     if (drv == nullptr) return;
+    ++fill_gen_;  // room, or tensors, a fill may now use
     DeviceContext ctx(drv, dp.device);
     if (!ctx.ok()) return;
     // Slot bytes, and the room experts of that size take (each slice with its slot's tail room).

@@ -348,6 +348,7 @@ bool Engine::register_wanted() {
                 pinned_bytes_.fetch_add(b - a);
                 next = Model::kInside;
                 registered = true;
+                ++fill_gen_;  // a pool may fill from it now
             }
         } else if (follow_locks_.load()) {
             next = Model::kNone;  // over the budget now; a later lock may fit

@@ -101,6 +101,10 @@ public:
     uint32_t drop_expert(uint32_t model, uint32_t expert);
     // How many of the expert's slices are pooled.
     [[nodiscard]] uint32_t pooled_slices(uint32_t model, uint32_t expert) const;
+    // Whether the slice has a slot (filled or being filled).
+    [[nodiscard]] bool holds(uint32_t model, uint32_t slice) const {
+        return model < slot_of_.size() && slice < slot_of_[model].size() && slot_of_[model][slice] != kNoSlot;
+    }
     // Gives up whole arenas until at least `bytes` are free, coldest first; returns their base
     // addresses, to be freed once the device has finished what it queued.
     std::vector<uint64_t> release(uint64_t bytes, const ExpertHeat& heat);
