@@ -7,7 +7,7 @@
 # Environment: gpu-squeeze's; CALL_SECONDS (540): gpu-squeeze is stopped then, and the results still
 # come back.
 set -u
-top=$(cd "$(dirname "$0")/../.." && pwd)
+top=$(cd "$(dirname "$0")/.." && pwd)
 g=$(realpath "${1:-$top/third_party_local/gpu}")
 cd "$top"
 w=/var/tmp/gsq
