@@ -28,6 +28,8 @@ public:
     [[nodiscard]] uint32_t n_layers() const { return n_layers_; }
     [[nodiscard]] uint32_t n_experts() const { return n_experts_; }
     void set_half_life(double tokens) { half_life_ = tokens; }
+    // Times the routing was seen to shift (the old heat was cut: see record()).
+    [[nodiscard]] uint64_t shifts() const { return shifts_; }
 
     // Profiles: JSON text {"key", "n_layers", "n_experts", "clock", "experts": [[layer, expert,
     // heat, uses], ...]} with heat decayed to the clock. Loading checks the shape.
@@ -42,8 +44,15 @@ private:
     };
     [[nodiscard]] size_t index(uint32_t layer, uint32_t expert) const { return size_t{layer} * n_experts_ + expert; }
     [[nodiscard]] double decayed(const Cell& c) const;
+    void forget(double keep);  // every cell's heat times `keep`
 
     uint32_t n_layers_ = 0, n_experts_ = 0;
+    // Shift detection: how often a routed expert was among the colder half of its layer (below the
+    // layer's mean heat), recently and over the long run; a jump forgets the old hot set.
+    double surprise_fast_ = 0, surprise_slow_ = 0;
+    uint64_t events_ = 0, quiet_until_ = 0, shifts_ = 0;
+    std::vector<double> layer_total_;  // decayed sum of the layer's heat, as of layer_at_
+    std::vector<uint64_t> layer_at_;
     double half_life_ = 4096;
     uint64_t clock_ = 0;
     std::vector<Cell> cells_;

@@ -1,0 +1,81 @@
+// The heat table's shift detection: when the routing changes (a topic, a language, a new client),
+// the experts of the new distribution rank above the old hot set within a few hundred tokens, not
+// the half-life's thousands; a routing that only fluctuates around one distribution forgets nothing.
+#include "moecache/daemon/heat.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace moecache::daemon {
+namespace {
+
+constexpr uint32_t kLayers = 4, kExperts = 64, kUsed = 8;
+
+// One token: every layer routes to kUsed distinct experts drawn from a Zipf-like popularity over
+// `order` (order[0] the most popular).
+void token(HeatTable& h, std::mt19937& rng, const std::vector<uint32_t>& order) {
+    std::vector<double> w(kExperts);
+    for (uint32_t r = 0; r < kExperts; ++r) w[r] = 1.0 / std::pow(r + 1.0, 1.2);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+        std::vector<uint32_t> picked;
+        std::discrete_distribution<uint32_t> pick(w.begin(), w.end());
+        while (picked.size() < kUsed) {
+            const uint32_t e = order[pick(rng)];
+            if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+        }
+        h.record(l, picked);
+    }
+    h.advance_clock(1);
+}
+
+// How many of `hot` (the new distribution's top 8) are among the table's top 8 of layer 0.
+int top_overlap(const HeatTable& h, const std::vector<uint32_t>& hot) {
+    std::vector<std::pair<double, uint32_t>> r;
+    for (uint32_t e = 0; e < kExperts; ++e) r.emplace_back(h.heat(0, e), e);
+    std::sort(r.begin(), r.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    int n = 0;
+    for (int i = 0; i < 8; ++i) n += std::count(hot.begin(), hot.begin() + 8, r[i].second) > 0 ? 1 : 0;
+    return n;
+}
+
+TEST(HeatShift, ANewDistributionTakesTheTopWithinAFewHundredTokens) {
+    HeatTable h(kLayers, kExperts, 4096);
+    std::mt19937 rng(5);
+    std::vector<uint32_t> before(kExperts), after(kExperts);
+    for (uint32_t e = 0; e < kExperts; ++e) before[e] = after[e] = e;
+    std::shuffle(after.begin(), after.end(), rng);
+    for (int t = 0; t < 3000; ++t) token(h, rng, before);
+    EXPECT_GE(top_overlap(h, before), 6);
+    for (int t = 0; t < 400; ++t) token(h, rng, after);
+    // Without forgetting, 3000 tokens of the old distribution against 400 of the new (half-life
+    // 4096) keep most of the old top: the new one has only begun to show.
+    EXPECT_GE(top_overlap(h, after), 6) << "the old hot set is still on top 400 tokens after the shift";
+    EXPECT_GE(h.shifts(), 1u);
+}
+
+TEST(HeatShift, ASteadyDistributionIsNotForgotten) {
+    HeatTable h(kLayers, kExperts, 4096);
+    std::mt19937 rng(9);
+    std::vector<uint32_t> order(kExperts);
+    for (uint32_t e = 0; e < kExperts; ++e) order[e] = e;
+    for (int t = 0; t < 1000; ++t) token(h, rng, order);
+    const double hottest = h.heat(0, 0);
+    for (int t = 0; t < 6000; ++t) token(h, rng, order);
+    // Decay alone over 6000 more tokens, the same distribution: the top expert's heat converges to
+    // its rate times 4096 / ln 2 and does not fall by a forgetting's 4x on the way.
+    double low = hottest;
+    EXPECT_GT(h.heat(0, 0), 0.8 * hottest);
+    for (int t = 0; t < 2000; ++t) {
+        token(h, rng, order);
+        low = std::min(low, h.heat(0, 0));
+    }
+    EXPECT_GT(low, 0.6 * hottest) << "a steady routing was taken for a shift";
+    EXPECT_EQ(h.shifts(), 0u);
+}
+
+}  // namespace
+}  // namespace moecache::daemon
