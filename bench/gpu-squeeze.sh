@@ -173,7 +173,9 @@ $fam_p
 TOML
 }
 start_daemon() {
-  sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "$work/moecached.toml" > "$work/daemon.log" 2>&1 &
+  # Each line stamped with the time (epoch seconds, as RUN.times: the swap's timeline).
+  sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "$work/moecached.toml" \
+    > >(while IFS= read -r l; do printf '%s %s\n' "${EPOCHREALTIME%????}" "$l"; done > "$work/daemon.log") 2>&1 &
   dpid=$!
   for _ in $(seq 200); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done
   for _ in $(seq 600); do [ "$(metric moecache_prefetch_queued_bytes)" = 0 ] && break; sleep 0.1; done
@@ -185,7 +187,8 @@ stop_daemon() {  # stop_daemon RUN: its log kept as RUN.daemon.log
   dpid=
   cp "$work/daemon.log" "$work/$1.daemon.log" 2>/dev/null || true
 }
-# One place, live: experts both locked and in a pool (not pinned, keep_ram_copy off), sampled.
+# One place, live: experts both locked and in a pool (not pinned, keep_ram_copy off), sampled:
+# "BOTH POOLED LOCKED EPOCH" a line.
 sample_one_place() {
   local out=$1
   : > "$out"
@@ -196,11 +199,12 @@ import json, sys
 try: e = json.load(sys.stdin)
 except ValueError: sys.exit()
 both = sum(1 for x in e if x["tier"] == "vram+ram" and not x["pinned"])
-print(both, sum(1 for x in e if x["vram_pools"]), sum(1 for x in e if x["tier"] == "ram"))' >> "$out" || true
+import time
+print(both, sum(1 for x in e if x["vram_pools"]), sum(1 for x in e if x["tier"] == "ram"), f"{time.time():.1f}")' >> "$out" || true
     else
       http_get "http://127.0.0.1:$port/metrics" 2>/dev/null | awk '
         /^moecache_experts\{/ && /decode/ { if ($0 ~ /tier="vram\+ram"/) b += $2; if ($0 ~ /tier="vram"/) v += $2; if ($0 ~ /tier="ram"/) r += $2 }
-        END { print b + 0, v + 0, r + 0 }' >> "$out" || true
+        END { srand(); print b + 0, v + 0, r + 0, srand() }' >> "$out" || true
     fi
   done
 }
@@ -227,6 +231,7 @@ serve() {
   spid=$!
   local t0 ok=0
   t0=$(date +%s.%N)
+  echo "start $t0" > "$work/$name.times"
   for _ in $(seq $(( ${SERVER_TIMEOUT:-900} * 5 ))); do
     kill -0 "$spid" 2>/dev/null || break
     http_get http://127.0.0.1:18080/health >/dev/null 2>&1 && { ok=1; break; }
@@ -234,6 +239,7 @@ serve() {
   done
   local load_s
   load_s=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+  echo "healthy ${EPOCHREALTIME%????}" >> "$work/$name.times"
   if [ $ok = 1 ]; then
     python3 "$here/serve_requests.py" http://127.0.0.1:18080 "$prompts" "$work/$name.json" --n-predict "$n" --disk "$dev" --raw --ban 3-258 ||
       echo "gpu-squeeze: $name: the requests failed" >&2
@@ -241,6 +247,7 @@ serve() {
     echo "gpu-squeeze: $name: llama-server did not come up: $(tail -n 3 "$work/$name.server.log")" >&2
     echo '[{"error": "no server"}]' > "$work/$name.json"
   fi
+  echo "done ${EPOCHREALTIME%????}" >> "$work/$name.times"
   kill "$spid" 2>/dev/null || true
   wait "$spid" 2>/dev/null || true
   spid=
@@ -304,7 +311,7 @@ echo "decode model $(numfmt --to=iec "$model_bytes") ($model), prompt model $(du
 started=$SECONDS
 for r in $(seq "$round_from" $(( round_from + rounds - 1 ))); do
   for c in "${configs[@]}"; do
-    [ "$c" = text ] && [ "$r" != 1 ] && continue
+    [ "$c" = text ] && [ "$r" != "$round_from" ] && continue  # once a call
     if [ -n "${DEADLINE:-}" ] && [ $(( SECONDS - started )) -ge "$DEADLINE" ]; then
       echo "  round $r: $c skipped: DEADLINE ($DEADLINE s) passed" >&2
       continue
@@ -363,7 +370,7 @@ for c in configs:
             if fl: row["filled"].append(sum(int(x) for x in fl))
         except OSError: pass
         try:
-            samples = [list(map(int, l.split())) for l in open(base + ".oneplace") if l.strip()]
+            samples = [list(map(int, l.split()[:3])) for l in open(base + ".oneplace") if l.strip()]
             if samples:
                 row["both"].append(max(s[0] for s in samples))
         except (OSError, ValueError): pass

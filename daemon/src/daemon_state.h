@@ -12,6 +12,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -56,6 +57,9 @@ struct Daemon::ModelEntry {
     // client registered is on standby (planner.h) once nothing used it for kStandbyAfter, or at once
     // while a live client uses another model of its family (the prompt-model swap).
     std::chrono::steady_clock::time_point last_used{};
+    // When the last client holding it went (unset while one holds it, or none ever did): of two
+    // members of a family that no client holds, the one left last waits for the other (decide.cpp).
+    std::optional<std::chrono::steady_clock::time_point> runtime_left;
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
     // [policy] predict: the model's route predictor, how right it has been, and per layer what it
     // expects the next token to use there.

@@ -61,6 +61,22 @@ void Daemon::place() {
     std::set<std::string> families_in_use;
     for (const auto& m : models_)
         if (m->res && registered.count(m->id) != 0) families_in_use.insert(family_of(*m));
+    // A model whose runtime left while another member of its family waits for one, and was not left
+    // after it (never used, or used before), waits for that member, and that member is not put on
+    // standby for being idle: the runtime moves between them (the prompt-model swap: the prompt
+    // model's server went, the decode model's is starting), and the RAM is read full of the member
+    // that comes next rather than kept for the one that went.
+    auto goes_before = [&](const ModelEntry& next, const ModelEntry& went) {
+        return &next != &went && next.res && went.res && went.runtime_left && registered.count(next.id) == 0 &&
+               registered.count(went.id) == 0 && family_of(next) == family_of(went) &&
+               (!next.runtime_left || *next.runtime_left < *went.runtime_left);
+    };
+    auto yields = [&](const ModelEntry& m) {
+        return std::any_of(models_.begin(), models_.end(), [&](const auto& o) { return goes_before(*o, m); });
+    };
+    auto awaited = [&](const ModelEntry& m) {
+        return std::any_of(models_.begin(), models_.end(), [&](const auto& o) { return goes_before(m, *o); });
+    };
     for (auto& m : models_) {
         if (!m->res) continue;
         const ModelResidency& r = *m->res;
@@ -74,7 +90,8 @@ void Daemon::place() {
         mf.view = r.view(cap);
         mf.view.family = families.try_emplace(family, static_cast<uint32_t>(families.size())).first->second;
         if (m->config.family_budget) mf.view.family_budget = m->config.family_budget->resolve(mem_total_);
-        mf.view.standby = left || (registered.count(m->id) == 0 && now - m->last_used > kStandbyAfter);
+        mf.view.standby = left || (registered.count(m->id) == 0 &&
+                                   (yields(*m) || (now - m->last_used > kStandbyAfter && !awaited(*m))));
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);
             return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot)};

@@ -710,67 +710,109 @@ TEST_F(ClientSocketTest, AUsersModelWithAnOperatorModelsKeyStaysInItsOwnFamily) 
         << "the user's profile is saved under the user's name";
 }
 
-// The prompt-model swap: two quantizations of one model, one family. While a runtime uses the
-// prompt model, the family's heat locks that model's hot experts; once the runtime has moved to the
-// decode model (the prompt model's client gone, the decode model's registered), the prompt model
-// waits at once (it was used a moment ago: idleness alone would keep it for a minute) and its locks
-// go to the decode model's same hot experts.
-TEST_F(ClientSocketTest, TheModelARuntimeLeftForAnotherOfItsFamilyGivesItsLocksAtOnce) {
-    auto spec = test::small_spec();
-    const uint64_t per_q8 = mkmodel::bytes_per_expert(spec);
-    spec.expert_type = *ggml_type_info(ggml::Q4_K);
-    const std::string prompt_model = dir_.file("prompt-q4_K.gguf");
-    test::write_model(spec, prompt_model);
-    // Room for the decode model's four hot experts, and not for one of the prompt model's beside them.
-    Config c = test::daemon_config(model_, dir_.file("state"), 4 * per_q8 + per_q8 / 4);
-    c.models.push_back(c.models[0]);
-    c.models[1].path = prompt_model;
-    c.page_cache_telemetry = "off";
-    start(c);
-    const std::string sock = d_->status().socket_path;
-    const uint32_t hot[] = {1, 5, 9, 13};
-    auto model_status = [&](const std::string& path) {
+// The prompt-model swap: two quantizations of one model, one family (the fixture's model decodes,
+// a Q4_K sibling takes prompts), with room for the decode model's four hot experts and not for one
+// of the prompt model's beside them. A runtime uses the prompt model and routes to the hot experts
+// (the family's heat locks the prompt model's), then goes.
+class FamilySwapTest : public ClientSocketTest {
+protected:
+    void SetUp() override {
+        ClientSocketTest::SetUp();
+        if (IsSkipped()) return;
+        auto spec = test::small_spec();
+        const uint64_t per_q8 = mkmodel::bytes_per_expert(spec);
+        spec.expert_type = *ggml_type_info(ggml::Q4_K);
+        prompt_model_ = dir_.file("prompt-q4_K.gguf");
+        test::write_model(spec, prompt_model_);
+        Config c = test::daemon_config(model_, dir_.file("state"), 4 * per_q8 + per_q8 / 4);
+        c.models.push_back(c.models[0]);
+        c.models[1].path = prompt_model_;
+        c.page_cache_telemetry = "off";
+        start(c);
+        sock_ = d_->status().socket_path;
+    }
+
+    ModelStatus model_status(const std::string& path) const {
         const auto st = d_->status();
         for (const auto& m : st.models)
             if (m.path == path) return m;
         ADD_FAILURE() << path << " is not loaded";
         return st.models.front();
-    };
-    auto locked_hot = [&](const std::string& path) {
+    }
+    int locked_hot(const std::string& path) const {
         int n = 0;
         for (const auto& e : model_status(path).experts)
-            if (e.block == 0 && e.tier == Tier::Locked && std::find(std::begin(hot), std::end(hot), e.expert) != std::end(hot)) ++n;
+            if (e.block == 0 && e.tier == Tier::Locked && std::find(std::begin(kHot), std::end(kHot), e.expert) != std::end(kHot)) ++n;
         return n;
-    };
-    auto turns = [&](int n) {
+    }
+    void turns(int n) {
         for (int i = 0; i < n; ++i) {
             ASSERT_TRUE(d_->step(10));
             if (i % 10 == 0) d_->tick();
         }
-    };
+    }
+    // A runtime of the prompt model that routes to the hot experts and is gone when this returns.
+    void run_prompt_model() {
+        int ready = -1;
+        const pid_t prompt = spawn_as(0, [&] {
+            uint32_t h = 0;
+            moecache_client* cl = registered_client(sock_, prompt_model_, "prompt-runtime", h);
+            for (int i = 0; i < 200; ++i) moecache_client_report(cl, h, 0, kHot, 4, 1);
+        }, ready);
+        ASSERT_GT(prompt, 0);
+        ASSERT_TRUE(until_ready(ready));
+        turns(60);
+        EXPECT_EQ(locked_hot(prompt_model_), 4) << "the model in use holds its hot experts";
+        ::kill(prompt, SIGKILL);
+        ::waitpid(prompt, nullptr, 0);
+    }
+
+    static constexpr uint32_t kHot[] = {1, 5, 9, 13};
+    std::string prompt_model_, sock_;
+};
+
+// Once the runtime has moved to the decode model (the prompt model's client gone, the decode
+// model's registered), the prompt model waits at once (it was used a moment ago: idleness alone
+// would keep it for a minute) and its locks go to the decode model's same hot experts.
+TEST_F(FamilySwapTest, TheModelARuntimeLeftForAnotherOfItsFamilyGivesItsLocksAtOnce) {
+    run_prompt_model();
     int ready = -1;
-    const pid_t prompt = spawn_as(0, [&] {
-        uint32_t h = 0;
-        moecache_client* cl = registered_client(sock, prompt_model, "prompt-runtime", h);
-        for (int i = 0; i < 200; ++i) moecache_client_report(cl, h, 0, hot, 4, 1);
-    }, ready);
-    ASSERT_GT(prompt, 0);
-    ASSERT_TRUE(until_ready(ready));
-    turns(60);
-    EXPECT_EQ(locked_hot(prompt_model), 4) << "the model in use holds its hot experts";
-    ::kill(prompt, SIGKILL);
-    ::waitpid(prompt, nullptr, 0);
     const pid_t decode = spawn_as(0, [&] {
         uint32_t h = 0;
-        (void)registered_client(sock, model_, "decode-runtime", h);  // it has routed nothing yet
+        (void)registered_client(sock_, model_, "decode-runtime", h);  // it has routed nothing yet
     }, ready);
     ASSERT_GT(decode, 0);
     ASSERT_TRUE(until_ready(ready));
     turns(100);
     EXPECT_EQ(locked_hot(model_), 4) << "the family's heat locks the decode model's hot experts";
-    EXPECT_EQ(model_status(prompt_model).locked_bytes, 0u) << "the prompt model waits";
+    EXPECT_EQ(model_status(prompt_model_).locked_bytes, 0u) << "the prompt model waits";
     ::kill(decode, SIGKILL);
     ::waitpid(decode, nullptr, 0);
+}
+
+// Between the two runtimes (the prompt model's server gone, the decode model's still loading: on
+// the GPU machine 15 s, time to read most of the hot set), the RAM already goes to the member that
+// comes next, not to the one the runtime left; and the next time round, to the other.
+TEST_F(FamilySwapTest, TheModelARuntimeLeftWaitsForTheOtherMemberOfItsFamily) {
+    run_prompt_model();
+    turns(100);
+    EXPECT_EQ(locked_hot(model_), 4) << "the decode model's hot experts are locked before its runtime comes";
+    EXPECT_EQ(model_status(prompt_model_).locked_bytes, 0u) << "the model the runtime left waits";
+    // The decode model's runtime comes and goes: the prompt model is next again.
+    int ready = -1;
+    const pid_t decode = spawn_as(0, [&] {
+        uint32_t h = 0;
+        moecache_client* cl = registered_client(sock_, model_, "decode-runtime", h);
+        for (int i = 0; i < 50; ++i) moecache_client_report(cl, h, 0, kHot, 4, 1);
+    }, ready);
+    ASSERT_GT(decode, 0);
+    ASSERT_TRUE(until_ready(ready));
+    turns(20);
+    ::kill(decode, SIGKILL);
+    ::waitpid(decode, nullptr, 0);
+    turns(100);
+    EXPECT_EQ(locked_hot(prompt_model_), 4) << "the prompt model is next";
+    EXPECT_LT(locked_hot(model_), 4) << "the decode model waits: it keeps only the room the prompt model leaves";
 }
 
 TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {

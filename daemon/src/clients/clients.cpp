@@ -466,6 +466,7 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
             return cannot(c, rq, errnum, why);
         }
     }
+    entry->runtime_left.reset();
     if (std::find(c.models.begin(), c.models.end(), entry->id) == c.models.end()) {
         c.models.push_back(entry->id);
         one_place_due_.insert(entry->id);  // one more client that needs what its pool does not hold
@@ -652,8 +653,11 @@ void Daemon::reap_clients() {
             return std::find(c->models.begin(), c->models.end(), id) != c->models.end();
         });
         if (held) continue;
-        for (auto& m : models_)
-            if (m->id == id && m->registered) close_model(*m, "its last client is gone");
+        for (auto& m : models_) {
+            if (m->id != id) continue;
+            m->runtime_left = std::chrono::steady_clock::now();
+            if (m->registered) close_model(*m, "its last client is gone");
+        }
         models_.erase(std::remove_if(models_.begin(), models_.end(),
                                      [&](const auto& m) { return m->id == id && m->registered; }),
                       models_.end());
