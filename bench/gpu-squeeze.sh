@@ -178,7 +178,22 @@ start_daemon() {
     > >(while IFS= read -r l; do printf '%s %s\n' "${EPOCHREALTIME%????}" "$l"; done > "$work/daemon.log") 2>&1 &
   dpid=$!
   for _ in $(seq 200); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done
-  for _ in $(seq 600); do [ "$(metric moecache_prefetch_queued_bytes)" = 0 ] && break; sleep 0.1; done
+  # A warm start's reads and locks done before the runtime comes (the service runs from boot): the
+  # metrics answer, nothing is queued and the locks stay the same for 2 s; at most 90 s.
+  local m q l prev=-1 same=0
+  for _ in $(seq 180); do
+    sleep 0.5
+    m=$(http_get "http://127.0.0.1:$port/metrics" 2>/dev/null) || continue
+    q=$(awk '$1 == "moecache_prefetch_queued_bytes" {print $2}' <<< "$m")
+    l=$(awk 'index($1, "moecache_locked_bytes") == 1 {s += $2} END {printf "%.0f", s}' <<< "$m")
+    if [ "${q:-1}" = 0 ] && [ "$l" = "$prev" ]; then
+      same=$(( same + 1 ))
+      [ $same -ge 4 ] && break
+    else
+      same=0
+    fi
+    prev=$l
+  done
 }
 stop_daemon() {  # stop_daemon RUN: its log kept as RUN.daemon.log
   [ -n "$dpid" ] || return 0
