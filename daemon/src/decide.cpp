@@ -54,8 +54,12 @@ void Daemon::place() {
     std::map<std::string, uint32_t> families;
     const auto now = std::chrono::steady_clock::now();
     std::set<uint32_t> registered;  // models a live client registered
+    std::set<uint32_t> pooled;      // ... and of those, models a CUDA hook's VRAM pool serves
     for (const auto& c : clients_)
-        if (!c->dead) registered.insert(c->models.begin(), c->models.end());
+        if (!c->dead) {
+            registered.insert(c->models.begin(), c->models.end());
+            if (c->has_pool) pooled.insert(c->models.begin(), c->models.end());
+        }
     // Families a live client uses a model of: its other models wait at once (the prompt-model swap:
     // the runtime moved to another quantization, whose experts the RAM is for now).
     std::set<std::string> families_in_use;
@@ -86,7 +90,21 @@ void Daemon::place() {
         // another quantization: the prompt-model swap) holds nothing: its locks and reads would take
         // the RAM the model in use needs, under a squeeze all of it.
         const bool left = registered.count(m->id) == 0 && families_in_use.count(family) != 0;
-        const uint64_t cap = left ? 0 : model_cap(*m);
+        uint64_t cap = left ? 0 : model_cap(*m);
+        // RAM alone (no VRAM pool serves the model): the share of the lock cap that the routing's
+        // temporal locality makes worth more to the page cache's LRU than to locks by heat, learnt
+        // by the heat table from the tier's room in experts a layer (heat.h, set_split_capacity).
+        if (pooled.count(m->id) == 0 && r.n_slots() > 0 && r.n_experts() > 0) {
+            uint64_t all = 0;
+            for (uint32_t s = 0; s < r.n_slots(); ++s) all += r.slot_bytes(s);
+            const double mean = std::max(1.0, static_cast<double>(all) / r.n_slots());
+            const double layers = static_cast<double>(r.n_slots() / r.n_experts());
+            m->res->heat().set_split_capacity(static_cast<double>(std::min(f.lock_cap, all)) / mean / layers);
+            const double share = m->res->heat().recency_share();
+            if (share > 0) cap = std::min(cap, static_cast<uint64_t>(static_cast<double>(f.lock_cap) * (1.0 - share)));
+        } else {
+            m->res->heat().set_split_capacity(0);
+        }
         mf.view = r.view(cap);
         mf.view.family = families.try_emplace(family, static_cast<uint32_t>(families.size())).first->second;
         if (m->config.family_budget) mf.view.family_budget = m->config.family_budget->resolve(mem_total_);

@@ -233,6 +233,14 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     view.slot_bytes.resize(n_slots);
     for (uint32_t s = 0; s < n_slots; ++s) view.slot_bytes[s] = bytes_of(s);
     view.budget = setup.ram_bytes;
+    // RAM alone: the split of it between the locks (by heat) and the page cache's LRU is learnt
+    // (heat.h, set_split_capacity), as the daemon does.
+    if (!setup.device()) {
+        uint64_t all = 0;
+        for (uint32_t s = 0; s < n_slots; ++s) all += bytes_of(s);
+        const double mean = static_cast<double>(all) / std::max<uint32_t>(n_slots, 1);
+        heat.set_split_capacity(static_cast<double>(setup.ram_bytes) / std::max(mean, 1.0) / std::max<uint32_t>(n_layers, 1));
+    }
     uint64_t locked_bytes = 0;
     PageCache cache(n_slots);
     std::vector<uint8_t> promoted(n_slots, 0);
@@ -297,7 +305,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             daemon::TurnFacts f;
             f.memory.total = setup.ram_bytes;
             f.memory.available = setup.ram_bytes - std::min(locked_bytes, setup.ram_bytes);
-            f.lock_cap = setup.ram_bytes;
+            f.lock_cap = static_cast<uint64_t>(static_cast<double>(setup.ram_bytes) * (1.0 - heat.recency_share()));
             f.planner = setup.planner;
             daemon::ModelFacts& mf = f.models.emplace_back();
             mf.view = view;

@@ -1,6 +1,8 @@
 // The heat table's shift detection: when the routing changes (a topic, a language, a new client),
 // the experts of the new distribution rank above the old hot set within a few hundred tokens, not
 // the half-life's thousands; a routing that only fluctuates around one distribution forgets nothing.
+// Its split between recency and frequency: routing with temporal locality (a layer keeping its
+// previous token's experts) gives the page cache's LRU a share; a stationary routing none.
 #include "moecache/daemon/heat.h"
 
 #include <gtest/gtest.h>
@@ -75,6 +77,57 @@ TEST(HeatShift, ASteadyDistributionIsNotForgotten) {
     }
     EXPECT_GT(low, 0.6 * hottest) << "a steady routing was taken for a shift";
     EXPECT_EQ(h.shifts(), 0u);
+}
+
+// Bursty routing: with probability `keep` a layer keeps its previous token's experts but one (a
+// fresh Zipf draw in its place), else it routes afresh.
+void bursty_token(HeatTable& h, std::mt19937& rng, std::vector<std::vector<uint32_t>>& prev, double keep) {
+    std::vector<double> w(kExperts);
+    for (uint32_t r = 0; r < kExperts; ++r) w[r] = 1.0 / std::pow(r + 1.0, 1.2);
+    std::discrete_distribution<uint32_t> pick(w.begin(), w.end());
+    std::bernoulli_distribution kept(keep);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+        std::vector<uint32_t> picked;
+        if (!prev[l].empty() && kept(rng)) picked.assign(prev[l].begin(), prev[l].end() - 1);
+        while (picked.size() < kUsed) {
+            const uint32_t e = pick(rng);
+            if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+        }
+        std::shuffle(picked.begin(), picked.end(), rng);
+        h.record(l, picked);
+        prev[l] = picked;
+    }
+    h.advance_clock(1);
+}
+
+TEST(HeatSplit, ABurstyRoutingGivesThePageCachesLruAShare) {
+    HeatTable h(kLayers, kExperts, 4096);
+    h.set_split_capacity(16);  // a quarter of each layer's experts
+    std::mt19937 rng(3);
+    std::vector<std::vector<uint32_t>> prev(kLayers);
+    for (int t = 0; t < 3000; ++t) bursty_token(h, rng, prev, 0.6);
+    EXPECT_GT(h.recency_share(), 0.0) << "heat alone " << h.split_score(0) << ", an eighth to recency " << h.split_score(1)
+                                      << ", a quarter " << h.split_score(2);
+    EXPECT_GT(h.split_score(2), h.split_score(0) + 0.05) << "a quarter of the room as an LRU holds more of this routing";
+}
+
+TEST(HeatSplit, AStationaryRoutingKeepsEveryLockToHeat) {
+    HeatTable h(kLayers, kExperts, 4096);
+    h.set_split_capacity(16);
+    std::mt19937 rng(4);
+    std::vector<uint32_t> order(kExperts);
+    for (uint32_t e = 0; e < kExperts; ++e) order[e] = e;
+    for (int t = 0; t < 3000; ++t) token(h, rng, order);
+    EXPECT_EQ(h.recency_share(), 0.0) << "heat alone " << h.split_score(0) << ", an eighth to recency " << h.split_score(1);
+}
+
+TEST(HeatSplit, NothingIsLearntWithoutARoom) {
+    HeatTable h(kLayers, kExperts, 4096);
+    std::mt19937 rng(3);
+    std::vector<std::vector<uint32_t>> prev(kLayers);
+    for (int t = 0; t < 1000; ++t) bursty_token(h, rng, prev, 0.9);
+    EXPECT_EQ(h.recency_share(), 0.0);
+    EXPECT_EQ(h.split_score(0), 0.0);
 }
 
 }  // namespace

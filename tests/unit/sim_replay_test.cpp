@@ -58,6 +58,25 @@ TEST(SimReplay, ThePolicyKeepsUpWithLruAndLfuOnAShortTrace) {
     }
 }
 
+// Issue 22's recency: with RAM alone, routing with temporal locality (bursty: a layer keeps its
+// previous token's experts) is held at least as well as LRU holds it, by the split the heat table
+// learns between locks and the page cache's LRU; routing without it (uniform, Zipf-like) keeps up
+// with LFU as before (a split taken for noise loses there).
+TEST(SimReplay, RamFollowsRecencyWhereTheRoutingHasIt) {
+    for (const char* preset : {"bursty", "uniform", "zipf-256"}) {
+        const Trace trace = preset_trace(preset, 2000);
+        TableOptions opt;
+        opt.budgets = {0.25, 0.5};
+        for (const auto& row : table_rows(preset, trace, trace.models[0], opt)) {
+            if (row.tier != "RAM") continue;
+            SCOPED_TRACE(fmt::format("{} RAM {:.0f} %", preset, row.budget * 100));
+            const double lru = row.tier_rate(row.baseline(Baseline::Lru));
+            const double lfu = row.tier_rate(row.baseline(Baseline::Lfu));
+            EXPECT_GE(row.tier_rate(row.moecache), std::max(lru, lfu) - 0.005) << "LRU " << lru << ", LFU " << lfu;
+        }
+    }
+}
+
 // The recorded llama.cpp trace in sim/traces reads back and the policy keeps up with LRU and LFU
 // on it too.
 TEST(SimReplay, ARecordedLlamaCppTraceReplays) {

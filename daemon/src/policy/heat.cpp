@@ -2,7 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 namespace moecache::daemon {
 
@@ -25,6 +27,7 @@ void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32
     if (layer_at_[layer] != clock_) total *= std::exp2(-static_cast<double>(clock_ - layer_at_[layer]) / half_life_);
     layer_at_[layer] = clock_;
     const double mean = total / n_experts_;
+    if (split_capacity_ > 0 && weight == 1) score_splits(layer, experts);
     uint32_t surprised = 0, seen = 0;
     for (uint32_t e : experts) {
         if (e >= n_experts_) continue;
@@ -58,6 +61,77 @@ void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32
         quiet_until_ = events_ + 4096;
         surprise_fast_ = surprise_slow_;
     }
+}
+
+// For split k (of kSplits): F = (1 - k/8) C experts of each layer held by heat, and an LRU of the
+// (C - F) x layers experts' room over the accesses to the others. A routed expert is held if its
+// heat ranks under F, or if that LRU holds it; then it is the LRU's most lately used.
+void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) {
+    const uint32_t n = n_experts_;
+    const double cap = std::min(split_capacity_, static_cast<double>(n));
+    // The heat ranks as the tier's locks last followed them: a placement runs about once a second
+    // (20-50 tokens of decode), so the ranks are taken anew every kSplitRankTokens tokens, not at
+    // each event (the expert just routed would rank first at once, which no lock does).
+    if (split_rank_.size() != cells_.size()) {
+        split_rank_.assign(cells_.size(), 0);
+        split_rank_at_.assign(n_layers_, UINT64_MAX);
+        split_lru_.assign(kSplits, Lru{});
+        for (auto& l : split_lru_) {
+            l.at.resize(cells_.size());
+            l.in.assign(cells_.size(), 0);
+        }
+    }
+    uint32_t* rank = &split_rank_[index(layer, 0)];
+    if (split_rank_at_[layer] == UINT64_MAX || clock_ - split_rank_at_[layer] >= kSplitRankTokens) {
+        split_rank_at_[layer] = clock_;
+        std::vector<uint32_t> order(n);
+        std::vector<double> h(n);
+        for (uint32_t i = 0; i < n; ++i) h[i] = decayed(cells_[index(layer, i)]);
+        std::iota(order.begin(), order.end(), 0u);
+        std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return h[a] > h[b] || (h[a] == h[b] && a < b); });
+        for (uint32_t r = 0; r < n; ++r) rank[order[r]] = r;
+    }
+    uint32_t held[kSplits] = {}, seen = 0;
+    for (uint32_t e : experts) {
+        if (e >= n) continue;
+        ++seen;
+        const auto cell = static_cast<uint32_t>(index(layer, e));
+        for (unsigned k = 0; k < kSplits; ++k) {
+            const auto by_heat = static_cast<uint32_t>(std::lround((1.0 - k / 8.0) * cap));
+            if (rank[e] < by_heat) {
+                ++held[k];
+                continue;
+            }
+            Lru& l = split_lru_[k];
+            const auto room = static_cast<size_t>(std::max(0.0, (cap - by_heat) * n_layers_));
+            if (l.in[cell]) {
+                ++held[k];
+                l.order.splice(l.order.begin(), l.order, l.at[cell]);
+                continue;
+            }
+            if (room == 0) continue;
+            l.order.push_front(cell);
+            l.at[cell] = l.order.begin();
+            l.in[cell] = 1;
+            while (l.order.size() > room) {
+                l.in[l.order.back()] = 0;
+                l.order.pop_back();
+            }
+        }
+    }
+    if (seen == 0) return;
+    ++split_events_;
+    const double w = 1.0 / static_cast<double>(std::min<uint64_t>(split_events_, 4096));
+    unsigned best = split_k_;
+    for (unsigned k = 0; k < kSplits; ++k) {
+        split_score_[k] += (static_cast<double>(held[k]) / seen - split_score_[k]) * w;
+        if (split_score_[k] > split_score_[best]) best = k;
+    }
+    // Recency only where it clearly pays: a split with a share for it must hold a point more than
+    // heat alone (on routings without temporal locality the splits differ by noise, and a lock set
+    // cut for nothing costs more than the scores show: what leaves the locks is read again).
+    if (best != 0 && split_score_[best] < split_score_[0] + 0.01) best = 0;
+    if (split_events_ >= 1024 && best != split_k_ && split_score_[best] > split_score_[split_k_] + 0.002) split_k_ = best;
 }
 
 void HeatTable::forget(double keep) {
