@@ -134,6 +134,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
         ms.key = r.model().profile_key();
         ms.family = family_of(*m);
         ms.locked_bytes = r.locked_bytes();
+        ms.recency_share = r.heat().recency_share();
         ms.dropped_bytes = r.dropped_bytes();
         ms.dense_tier = r.state(kDenseSlot).tier();
         ms.dense_bytes = r.slot_bytes(kDenseSlot);

@@ -37,6 +37,7 @@ DaemonStatus sample() {
     m.path = "/models/we\"ird\nname\xff.gguf";
     m.loaded = true;
     m.locked_bytes = 4096;
+    m.recency_share = 0.25;
     ExpertStatus e;
     e.tier = Tier::Locked;
     e.telemetry.read_bytes = 100;
@@ -78,6 +79,9 @@ TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
     const std::string text = render_metrics(sample());
     EXPECT_NE(text.find("# TYPE moecache_locked_bytes gauge\n"), std::string::npos);
     EXPECT_NE(text.find("# TYPE moecache_storage_read_bytes_total counter\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_recency_share{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\"} 0.25\n"),
+              std::string::npos)
+        << text;
     EXPECT_NE(text.find("moecache_locked_bytes{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\"} 4096\n"),
               std::string::npos)
         << text;

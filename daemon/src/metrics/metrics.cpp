@@ -79,6 +79,9 @@ std::string render_metrics(const DaemonStatus& s) {
              "What the daemon may lock now: the lock budget within RAM (and its memory cgroup limit) less the reserve, and any pressure cap.", s.lock_cap);
     w.family("moecache_locked_bytes", "gauge", "Bytes of model files the daemon holds locked in RAM, per model.");
     for (const auto& m : s.models) w.sample("moecache_locked_bytes", model_labels(m), m.locked_bytes);
+    w.family("moecache_recency_share", "gauge",
+             "The share of the model's lock cap left to the page cache's LRU: learnt from its routing's temporal locality (0: locks by heat alone).");
+    for (const auto& m : s.models) w.sample("moecache_recency_share", model_labels(m), m.recency_share);
     w.scalar("moecache_process_locked_bytes", "gauge",
              "What the kernel counts as locked by the daemon (VmLck).", s.vmlck_bytes);
     w.scalar("moecache_under_pressure", "gauge",

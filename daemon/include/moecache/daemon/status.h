@@ -32,6 +32,7 @@ struct ModelStatus {
     bool registered = false;  // by a client, not configured
     uint32_t owner_uid = 0;   // of that client
     uint64_t locked_bytes = 0;
+    double recency_share = 0;  // of its lock cap left to the page cache's LRU (heat.h), learnt
     uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
     uint32_t experts_in_vram = 0;  // held by at least one VRAM pool
     uint32_t n_experts_total = 0, experts_locked = 0, experts_pinned = 0;
