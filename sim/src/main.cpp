@@ -31,8 +31,8 @@ The table:
   --trace FILE          a recorded trace beside them (repeatable; sim/traces has one of llama.cpp)
   --layers L --experts N --experts-used K --tokens T --seed X   the synthetic traces' shape
                         (16, 64, 8, 4000, 1)
-  Exits 1 when a target is missed: every tier and budget within 1 point of the better of LRU and
-  LFU, and 60 % of the LRU-to-Belady gap closed on deepseek-v4-flash.
+  Exits 1 when a target is missed: every tier and budget within 0.5 points of the better of LRU
+  and LFU, and 60 % of the LRU-to-Belady gap closed wherever that gap is 3 points or more.
 Both:
   --tick S              how often the daemon plans, in trace seconds (1)
   --pool-directed F     the share of the VRAM pool the daemon directs and the hook fills ahead (0.9,

@@ -60,7 +60,9 @@ std::vector<std::string> missed_targets(const TableRow& row, const TableOptions&
     if (row.vs_best_points() < -opt.max_points_below_best)
         out.push_back(fmt::format("{}: moecache {:.1f} % is {:.1f} points below the better of LRU and LFU", where,
                                   100 * row.tier_rate(row.predicted), -row.vs_best_points()));
-    if (row.trace == opt.gap_trace && row.gap_closed() < opt.min_gap_closed)
+    const double gap = row.tier_rate(row.baseline(Baseline::Belady)) - row.tier_rate(row.baseline(Baseline::Lru));
+    if ((opt.gap_trace.empty() || row.trace == opt.gap_trace) && gap >= opt.min_gap_points &&
+        row.gap_closed() < opt.min_gap_closed)
         out.push_back(fmt::format("{}: moecache closes {:.0f} % of the LRU-to-Belady gap, under {:.0f} %", where,
                                   100 * row.gap_closed(), 100 * opt.min_gap_closed));
     return out;
