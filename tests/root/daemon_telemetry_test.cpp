@@ -324,15 +324,22 @@ TEST_F(DaemonTelemetryTest, PageFaultsOfARuntimeMarkTheExpertUsed) {
 TEST_F(DaemonTelemetryTest, AFloodBeyondTheRingRaisesTheDropCounter) {
     auto d = start(4096);
     ASSERT_TRUE(d);
-    // The loop is not turned while the flood runs: the file read and dropped 20 times, thousands
-    // of events (one per folio) into a ring of 128 slots.
+    // The loop is not turned while the flood runs: the experts read and dropped 20 times, thousands
+    // of events (one per folio) into a ring of 128 slots. The experts alone, not the file from its
+    // start: the header and dense tensors come first in the file and, in single-page folios (when
+    // the kernel finds no large ones), filled the whole ring before an expert was read.
+    std::vector<ByteRange> experts;
+    for (const auto& l : maps_[0].layers)
+        for (uint32_t e = 0; e < maps_[0].n_experts; ++e)
+            for (const auto& r : maps_[0].ranges(l.index, e)) experts.push_back(r);
     in_child([&] {
         const int fd = ::open(a_.c_str(), O_RDONLY);
         ::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
         char buf[kPage];
         for (int i = 0; i < 20; ++i) {
-            ::lseek(fd, 0, SEEK_SET);
-            while (::read(fd, buf, sizeof buf) > 0) {}
+            for (const auto& r : experts)
+                for (uint64_t off = r.offset; off < r.offset + r.length; off += kPage)
+                    (void)!::pread(fd, buf, sizeof buf, static_cast<off_t>(off));
             if (i + 1 < 20) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         }
         ::close(fd);
