@@ -94,12 +94,14 @@ void Daemon::place() {
         // RAM alone (no VRAM pool serves the model): the share of the lock cap that the routing's
         // temporal locality makes worth more to the page cache's LRU than to locks by heat, learnt
         // by the heat table from the tier's room in experts a layer (heat.h, set_split_capacity).
-        if (pooled.count(m->id) == 0 && r.n_slots() > 0 && r.n_experts() > 0) {
-            uint64_t all = 0;
-            for (uint32_t s = 0; s < r.n_slots(); ++s) all += r.slot_bytes(s);
-            const double mean = std::max(1.0, static_cast<double>(all) / r.n_slots());
-            const double layers = static_cast<double>(r.n_slots() / r.n_experts());
-            m->res->heat().set_split_capacity(static_cast<double>(std::min(f.lock_cap, all)) / mean / layers);
+        const auto& map = r.model().map();
+        if (pooled.count(m->id) == 0 && r.n_slots() > 0 && map.expert_bytes_total > 0) {
+            // The room in experts a layer: the cap over the mean expert (the map's totals, not a
+            // sum over the slots each turn).
+            const uint64_t all = map.expert_bytes_total;
+            const double per_expert = static_cast<double>(all) / r.n_slots();
+            const double layers = static_cast<double>(map.layers.size());
+            m->res->heat().set_split_capacity(static_cast<double>(std::min(f.lock_cap, all)) / per_expert / layers);
             const double share = m->res->heat().recency_share();
             if (share > 0) cap = std::min(cap, static_cast<uint64_t>(static_cast<double>(f.lock_cap) * (1.0 - share)));
         } else {

@@ -751,20 +751,29 @@ protected:
             if (i % 10 == 0) d_->tick();
         }
     }
+    // A runtime that registers `path` and routes to the hot experts `reports` times; ready when
+    // this returns (-1: it did not start).
+    pid_t start_runtime(const std::string& path, const char* name, int reports) {
+        int ready = -1;
+        const pid_t pid = spawn_as(0, [&] {
+            uint32_t h = 0;
+            moecache_client* cl = registered_client(sock_, path, name, h);
+            for (int i = 0; i < reports; ++i) moecache_client_report(cl, h, 0, kHot, 4, 1);
+        }, ready);
+        if (pid <= 0 || !until_ready(ready)) return -1;
+        return pid;
+    }
+    static void stop_runtime(pid_t pid) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+    }
     // A runtime of the prompt model that routes to the hot experts and is gone when this returns.
     void run_prompt_model() {
-        int ready = -1;
-        const pid_t prompt = spawn_as(0, [&] {
-            uint32_t h = 0;
-            moecache_client* cl = registered_client(sock_, prompt_model_, "prompt-runtime", h);
-            for (int i = 0; i < 200; ++i) moecache_client_report(cl, h, 0, kHot, 4, 1);
-        }, ready);
+        const pid_t prompt = start_runtime(prompt_model_, "prompt-runtime", 200);
         ASSERT_GT(prompt, 0);
-        ASSERT_TRUE(until_ready(ready));
         turns(60);
         EXPECT_EQ(locked_hot(prompt_model_), 4) << "the model in use holds its hot experts";
-        ::kill(prompt, SIGKILL);
-        ::waitpid(prompt, nullptr, 0);
+        stop_runtime(prompt);
     }
 
     static constexpr uint32_t kHot[] = {1, 5, 9, 13};
@@ -776,18 +785,12 @@ protected:
 // would keep it for a minute) and its locks go to the decode model's same hot experts.
 TEST_F(FamilySwapTest, TheModelARuntimeLeftForAnotherOfItsFamilyGivesItsLocksAtOnce) {
     run_prompt_model();
-    int ready = -1;
-    const pid_t decode = spawn_as(0, [&] {
-        uint32_t h = 0;
-        (void)registered_client(sock_, model_, "decode-runtime", h);  // it has routed nothing yet
-    }, ready);
+    const pid_t decode = start_runtime(model_, "decode-runtime", 0);  // it has routed nothing yet
     ASSERT_GT(decode, 0);
-    ASSERT_TRUE(until_ready(ready));
     turns(100);
     EXPECT_EQ(locked_hot(model_), 4) << "the family's heat locks the decode model's hot experts";
     EXPECT_EQ(model_status(prompt_model_).locked_bytes, 0u) << "the prompt model waits";
-    ::kill(decode, SIGKILL);
-    ::waitpid(decode, nullptr, 0);
+    stop_runtime(decode);
 }
 
 // Between the two runtimes (the prompt model's server gone, the decode model's still loading: on
@@ -799,17 +802,10 @@ TEST_F(FamilySwapTest, TheModelARuntimeLeftWaitsForTheOtherMemberOfItsFamily) {
     EXPECT_EQ(locked_hot(model_), 4) << "the decode model's hot experts are locked before its runtime comes";
     EXPECT_EQ(model_status(prompt_model_).locked_bytes, 0u) << "the model the runtime left waits";
     // The decode model's runtime comes and goes: the prompt model is next again.
-    int ready = -1;
-    const pid_t decode = spawn_as(0, [&] {
-        uint32_t h = 0;
-        moecache_client* cl = registered_client(sock_, model_, "decode-runtime", h);
-        for (int i = 0; i < 50; ++i) moecache_client_report(cl, h, 0, kHot, 4, 1);
-    }, ready);
+    const pid_t decode = start_runtime(model_, "decode-runtime", 50);
     ASSERT_GT(decode, 0);
-    ASSERT_TRUE(until_ready(ready));
     turns(20);
-    ::kill(decode, SIGKILL);
-    ::waitpid(decode, nullptr, 0);
+    stop_runtime(decode);
     turns(100);
     EXPECT_EQ(locked_hot(prompt_model_), 4) << "the prompt model is next";
     EXPECT_LT(locked_hot(model_), 4) << "the decode model waits: it keeps only the room the prompt model leaves";

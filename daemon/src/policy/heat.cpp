@@ -91,29 +91,33 @@ void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) 
         std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return h[a] > h[b] || (h[a] == h[b] && a < b); });
         for (uint32_t r = 0; r < n; ++r) rank[order[r]] = r;
     }
+    uint32_t by_heat[kSplits];
+    size_t room[kSplits];
+    for (unsigned k = 0; k < kSplits; ++k) {
+        by_heat[k] = static_cast<uint32_t>(std::lround((1.0 - k / 8.0) * cap));
+        room[k] = static_cast<size_t>(std::max(0.0, (cap - by_heat[k]) * n_layers_));
+    }
     uint32_t held[kSplits] = {}, seen = 0;
     for (uint32_t e : experts) {
         if (e >= n) continue;
         ++seen;
         const auto cell = static_cast<uint32_t>(index(layer, e));
         for (unsigned k = 0; k < kSplits; ++k) {
-            const auto by_heat = static_cast<uint32_t>(std::lround((1.0 - k / 8.0) * cap));
-            if (rank[e] < by_heat) {
+            if (rank[e] < by_heat[k]) {
                 ++held[k];
                 continue;
             }
             Lru& l = split_lru_[k];
-            const auto room = static_cast<size_t>(std::max(0.0, (cap - by_heat) * n_layers_));
             if (l.in[cell]) {
                 ++held[k];
                 l.order.splice(l.order.begin(), l.order, l.at[cell]);
                 continue;
             }
-            if (room == 0) continue;
+            if (room[k] == 0) continue;
             l.order.push_front(cell);
             l.at[cell] = l.order.begin();
             l.in[cell] = 1;
-            while (l.order.size() > room) {
+            while (l.order.size() > room[k]) {
                 l.in[l.order.back()] = 0;
                 l.order.pop_back();
             }
