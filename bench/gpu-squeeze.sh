@@ -143,7 +143,6 @@ port=18475
 http_get() { python3 -c 'import sys, urllib.request
 try: sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())
 except Exception as e: sys.stderr.write(f"http_get {sys.argv[1]}: {e}\n"); sys.exit(1)' "$1"; }
-metric() { http_get "http://127.0.0.1:$port/metrics" 2>/dev/null | awk -v m="$1" 'index($1, m) == 1 {s += $2} END {print s + 0}'; }
 # daemon_config FAMILIES: both models configured; FAMILIES=separate gives each a family of its own.
 daemon_config() {
   local fam_d= fam_p=
