@@ -62,7 +62,6 @@ void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded)
         }
     for (const auto& r : a.lock)
         if (ModelEntry* m = live(r.model)) lock_admitted(*m, r.slot);
-    direct_pools();
     flush_clients();
 }
 

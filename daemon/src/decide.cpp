@@ -43,6 +43,9 @@ MemoryFacts Daemon::memory_facts() const {
 void Daemon::place() {
     place_requested_ = false;
     ++plans_;
+    // What the pools are directed to hold first: the experts bound for VRAM are then not read for
+    // RAM by this very turn's plan (bind_promoted).
+    direct_pools();
     if (const auto m = read_system_memory()) memory_now_ = *m;
     TurnFacts f;
     f.memory = memory_facts();
@@ -114,7 +117,8 @@ void Daemon::place() {
                                    (yields(*m) || (now - m->last_used > kStandbyAfter && !awaited(*m))));
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);
-            return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot)};
+            return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot),
+                             r.read_for_ram(slot)};
         };
         mf.slots.reserve(r.n_slots());
         for (uint32_t s = 0; s < r.n_slots(); ++s) mf.slots.push_back(facts(s));
@@ -241,7 +245,7 @@ void Daemon::fetch_predicted() {
         if (m == nullptr || !m->res || slot >= m->res->n_slots()) continue;
         const ModelResidency& r = *m->res;
         const SlotState& st = r.state(slot);
-        if (st.tier() != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.wanted_in_ram(slot)) continue;
+        if (st.tier() != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.read_for_ram(slot)) continue;
         queued += cache_fetch(*m, slot, FetchReason::Prediction);
     }
     if (queued == 0) return;

@@ -402,6 +402,75 @@ TEST_F(HookDaemonWarm, ThePoolIsFilledAheadWithWhatTheDaemonDirects) {
     moecache_client_close(other);
 }
 
+// Every runtime of the model has a pool (the prompt-model swap's decode server, alone on its
+// model; here another runtime whose pool holds the hot experts already): what the daemon promotes
+// is read once, from the file into VRAM by the hook, never into
+// RAM by the daemon first (no lock, so no release to VRAM afterwards), and its first copies here are
+// pool hits, byte for byte the file's.
+TEST_F(HookDaemonWarm, WhatEveryPoolIsDirectedToHoldIsFilledFromTheFileNotReadIntoRam) {
+    constexpr uint32_t kA = 3;
+    const uint32_t hot[] = {5, 8, 11, 14};
+    use(kA, 1);
+    ASSERT_GE(sync(10000), 1);
+    ASSERT_TRUE(until([&] { return stats().pool_bytes == 4 * 3 * (slice_ + 512); }, kA, 1, kA, 0)) << log();
+    // Another runtime with a pool of its own says which experts are hot; this process copies only A.
+    moecache_client* other = moecache_client_open(dir_.file("moecached.sock").c_str(), "other-runtime");
+    ASSERT_NE(other, nullptr);
+    uint32_t h = 0;
+    ASSERT_EQ(moecache_client_register_model(other, model_.c_str(), &h), 0);
+    ASSERT_EQ(moecache_client_wait_ready(other, 10000), 1);
+    const moecache_pool_stats pool{0, 0, 0, 0, 64u << 20};
+    ASSERT_EQ(moecache_client_report_pool(other, 0, &pool), 0);
+    for (uint32_t e : hot) ASSERT_EQ(moecache_client_report_placement(other, h, map_.layers[0].index, e, 0), 0);
+    // The router's reports come through a ring the daemon may read before the socket: they start
+    // once the daemon counts both pools (before that, one runtime without a pool needs them in RAM).
+    std::smatch port;
+    const std::string out = log();
+    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    httplib::Client c("127.0.0.1", std::stoi(port[1]));
+    const std::string both = "moecache_vram_pool_bytes{device=\"0\"} " + std::to_string((64u << 20) + stats().pool_bytes) + "\n";
+    std::string metrics;
+    for (int i = 0; i < 100 && metrics.find(both) == std::string::npos; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (auto r = c.Get("/metrics"); r && r->status == 200) metrics = r->body;
+    }
+    ASSERT_NE(metrics.find(both), std::string::npos) << metrics;
+    auto report = [&] {
+        for (int i = 0; i < 50; ++i) (void)moecache_client_report(other, h, map_.layers[0].index, hot, 4, 1);
+    };
+    ASSERT_TRUE(until(
+        [&] {
+            report();
+            return stats().filled_ahead >= 4 * 3 && stats().experts_in_vram == 4;
+        },
+        kA, 1, kA, 0))
+        << "filled ahead " << stats().filled_ahead << " slices, in VRAM " << stats().experts_in_vram << ", directives "
+        << stats().directives << "\n"
+        << log();
+    // One place: in VRAM, not in RAM (what the fill's reads left in the page cache is dropped).
+    ASSERT_TRUE(until([&] { return std::all_of(std::begin(hot), std::end(hot), [&](uint32_t e) { return cached(e) <= kLeft; }); },
+                      kA, 1, kA, 0))
+        << log();
+    auto r = c.Get("/metrics");
+    ASSERT_TRUE(r && r->status == 200);
+    EXPECT_NE(r->body.find("moecache_vram_releases_total 0\n"), std::string::npos)
+        << "an expert locked and then released to VRAM was read into RAM first\n"
+        << r->body;
+    const auto before = stats();
+    for (uint32_t e : hot) use(e, 1);
+    ASSERT_EQ(ctx_sync_(), CUDA_SUCCESS);
+    const auto after = stats();
+    EXPECT_EQ(after.slice_hits - before.slice_hits, 4u * 3u) << "every slice of the hot experts from the pool";
+    for (size_t t = 0; t < 3; ++t) {
+        std::vector<uint8_t> back(slice_ * map_.n_experts);
+        ASSERT_EQ(dtoh_(back.data(), dst_[t], back.size()), CUDA_SUCCESS);
+        for (uint32_t e : hot)
+            EXPECT_EQ(memcmp(back.data() + e * slice_, base_ + map_.layers[0].tensors[t].offset + e * slice_, slice_), 0)
+                << "tensor " << t << " expert " << e;
+    }
+    moecache_client_close(other);
+}
+
 // A runtime that copies large buffers from memory that maps no model (it loaded its model without
 // mmap): the hook tells the daemon, which counts the bytes on /metrics.
 TEST_F(HookDaemon, LargeCopiesFromUnmappedMemoryReachTheMetrics) {

@@ -462,6 +462,41 @@ TEST_F(TwoDevices, EachDeviceSizesItsPoolForTheLayersItCopies) {
     destroy(s);
 }
 
+// With one device every expert copy goes to it: its pool is made and sized for all of the model's
+// experts when the runtime first copies the model's other weights (while it loads), before any
+// expert copy, so that the daemon can direct it and the hook fill it ahead of the first prompt.
+class OneDevice : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "50%"}}; }
+};
+
+TEST_F(OneDevice, ThePoolIsSizedForEveryExpertWhenTheModelLoads) {
+    // The first tensor's bytes before the first expert tensor: none of them an expert's.
+    uint64_t first_expert = UINT64_MAX;
+    for (const auto& l : model_.map.layers)
+        for (const auto& t : l.tensors) first_expert = std::min(first_expert, t.offset);
+    ASSERT_GT(first_expert, 8192u) << "the generated model has other weights before its experts";
+    CUdeviceptr other = 0;
+    ASSERT_EQ(cu_.mem_alloc(&other, 4096), CUDA_SUCCESS);
+    const uint8_t* weights = model_.base + (first_expert - 4096) / 4096 * 4096;
+    ASSERT_EQ(cu_.htod(other, weights, 4096), CUDA_SUCCESS);  // finds the model (a scan)
+    ASSERT_GE(hook_.sync(10000), 1) << "the hook did not find the mapped model";
+    for (int i = 0; i < 50 && hook_.pool_bytes(0) == 0; ++i) {
+        ASSERT_EQ(cu_.htod(other, weights, 4096), CUDA_SUCCESS);  // the model known: wants this device's pool
+        (void)hook_.sync(200);
+    }
+    EXPECT_EQ(hook_.stats().expert_copies, 0u);
+    const double share = static_cast<double>(hook_.pool_bytes(0)) / static_cast<double>(expert_bytes_of(0));
+    EXPECT_GT(share, 0.45) << "a pool for every expert before the first expert copy";
+    EXPECT_LE(share, 0.5);
+    // The copies then served as ever, byte for byte.
+    auto s = new_streams();
+    for (int i = 0; i < 20; ++i) token(s, i % 5 == 0);
+    sync_all();
+    EXPECT_GT(hook_.stats().slice_hits, 0u);
+    EXPECT_EQ(hook_.stats().fallbacks, 0u);
+    destroy(s);
+}
+
 class DeviceSizes : public TwoDevices {
     std::vector<std::pair<const char*, const char*>> env() const override {
         // 12 slots on device 0: a slice and the 512 bytes of the next one's head each.

@@ -45,6 +45,7 @@ const Driver* driver() {
         get(d.stream_create, "cuStreamCreate");
         get(d.stream_destroy, "cuStreamDestroy_v2");
         ok = all;
+        d.device_get_count = reinterpret_cast<decltype(d.device_get_count)>(real_dlsym(lib, "cuDeviceGetCount"));
         d.device_can_access_peer = reinterpret_cast<decltype(d.device_can_access_peer)>(real_dlsym(lib, "cuDeviceCanAccessPeer"));
         d.ctx_enable_peer_access = reinterpret_cast<decltype(d.ctx_enable_peer_access)>(real_dlsym(lib, "cuCtxEnablePeerAccess"));
         d.memcpy_peer_async = reinterpret_cast<decltype(d.memcpy_peer_async)>(real_dlsym(lib, "cuMemcpyPeerAsync"));

@@ -35,7 +35,9 @@ struct Driver {
     CUresult (*mem_free_host)(void*);
     CUresult (*stream_create)(CUstream*, unsigned int);
     CUresult (*stream_destroy)(CUstream);
-    // Optional (null when the driver lacks them): reading another device's pool.
+    // Optional (null when the driver lacks them): how many devices the process sees.
+    CUresult (*device_get_count)(int*);
+    // Optional: reading another device's pool.
     CUresult (*device_can_access_peer)(int*, CUdevice, CUdevice);
     CUresult (*ctx_enable_peer_access)(CUcontext, unsigned int);
     CUresult (*memcpy_peer_async)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);

@@ -106,6 +106,9 @@ private:
         std::vector<uint8_t> daemon_locked;
         std::vector<uint64_t> pooled_on;
         std::vector<uint8_t> promoted;  // by expert (background thread only): the daemon's Promote
+        // How many experts are promoted now (read by the copy path: the daemon directs this
+        // model's pools, and a prompt's batches admit only what it promoted).
+        std::atomic<uint32_t> n_promoted{0};
         // Registering ahead (background thread only): runs of neighbouring expert tensors.
         std::vector<TensorRun> runs;
         std::vector<uint32_t> run_of_tensor;  // by tensor (slice / n_experts)
@@ -156,6 +159,10 @@ private:
         std::vector<CUdeviceptr> arenas;
         std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled
         std::vector<std::vector<uint8_t>> seen;  // [model][tensor (slice / n_experts)]: this device copies it
+        // The process has this one device: it copies every expert tensor, and the pool is sized for
+        // all of them when it is made (at the runtime's first copy of a model's bytes, while it loads)
+        // rather than layer by layer as the first prompt's copies arrive.
+        bool sole = false;
         std::vector<PlacementEvent> placements;  // for the background thread
         std::unordered_map<CUstream, StreamId> stream_ids;  // live streams
         std::vector<StreamState> streams;
@@ -216,6 +223,9 @@ private:
     void tell_unmapped();
     // pools.cpp
     bool allocate_pool(int device);  // false: nothing to size it by yet
+    void want_pool(int device);      // serve.cpp: asks the background thread for device's pool
+    void want_pool_here();           // ... for the calling thread's device
+    bool fillable(const Model& m, uint32_t expert) const;  // fill.cpp
     void resize_pool(DevicePool& dp);
     // The pool's size for a device whose experts take `experts` bytes in slots (tail rooms included).
     [[nodiscard]] uint64_t pool_target(const DevicePool& dp, uint64_t experts) const;

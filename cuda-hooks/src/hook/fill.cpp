@@ -31,8 +31,31 @@ void Engine::note_promoted(Model& m, uint32_t expert, bool promoted) {
     if (expert >= m.promoted.size() || (m.promoted[expert] != 0) == promoted) return;
     ++fill_gen_;
     m.promoted[expert] = promoted ? 1 : 0;
+    if (promoted) m.n_promoted.fetch_add(1, std::memory_order_relaxed);
+    else m.n_promoted.fetch_sub(1, std::memory_order_relaxed);
     if (promoted) fill_queue_.emplace_back(m.id, expert);
     else fill_queue_dirty_ = true;
+}
+
+// Where a promoted expert's bytes come from: the daemon's locked pages, once registered (a turn
+// after its Lock: straight from them at DMA speed), or, where the daemon does not read it into RAM
+// (it leaves what it promoted to the pool), the model file through the staging buffers, read with
+// pread in large requests by several threads (the miss path's way), never a page fault at a time
+// through the mapping. A locked expert not registered yet waits for its registration.
+bool Engine::fillable(const Model& m, uint32_t expert) const {
+    const auto ls = static_cast<int32_t>(expert / m.map.n_experts);
+    const uint32_t local = expert % m.map.n_experts;
+    const auto& layer = m.map.layers[static_cast<size_t>(ls)];
+    if (m.daemon_locked[expert] != 0) {
+        for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)]; ++t) {
+            const uint8_t st = m.registered[m.slice(ls, t, local)].load(std::memory_order_acquire);
+            if (st != Model::kInside && st != Model::kWhole) return !cfg_.registers();
+        }
+        return true;
+    }
+    for (const auto& t : layer.tensors)
+        if (t.file >= m.fds.size() || m.fds[t.file] < 0) return false;
+    return true;
 }
 
 // Each device's turn runs with no stream capture open (capture_gate.h): the fill's stream is ordered
@@ -56,7 +79,7 @@ bool Engine::fill_pools() {
         // The gate holds the runtime's captures back: taken only when there is something to fill.
         const bool work = std::any_of(fill_queue_.begin(), fill_queue_.end(), [&](const auto& q) {
             const Model& m = *models_[q.first];
-            return m.promoted[q.second] != 0 && m.daemon_locked[q.second] != 0 && (m.pooled_on[q.second] >> d & 1) == 0;
+            return m.promoted[q.second] != 0 && (m.pooled_on[q.second] >> d & 1) == 0 && fillable(m, q.second);
         });
         if (work) capture_gate().exclusive([&] { more = fill_device(*dp) || more; });
     }
@@ -99,21 +122,13 @@ bool Engine::fill_device(DevicePool& pool) {
             uint64_t used = 0;
             for (const auto& [mi, e] : fill_queue_) {
                 Model& m = *models_[mi];
-                if (m.promoted[e] == 0 || m.daemon_locked[e] == 0 || m.pooled_on[e] >> d & 1) continue;
+                if (m.promoted[e] == 0 || m.pooled_on[e] >> d & 1 || !fillable(m, e)) continue;
                 const auto ls = static_cast<int32_t>(e / m.map.n_experts);
                 const uint32_t local = e % m.map.n_experts;
                 const auto& layer = m.map.layers[static_cast<size_t>(ls)];
-                // Only from registered pages (the daemon's locks, registered by the turn before):
-                // the staging buffers are the runtime's misses'.
                 uint64_t need = 0;
-                bool ready = true;
-                for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)] && ready; ++t) {
-                    const uint32_t slice = m.slice(ls, t, local);
-                    const uint8_t st = m.registered[slice].load(std::memory_order_acquire);
-                    ready = st == Model::kInside || st == Model::kWhole;
+                for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)]; ++t)
                     need += layer.tensors[t].bytes_per_expert + kSlotTail;
-                }
-                if (!ready) continue;
                 if (used + need > kFillScratch) {
                     more = true;
                     break;

@@ -103,13 +103,20 @@ void Engine::add_model_to(DevicePool& dp, const Model& m) {
     if (dp.full.size() <= m.id) dp.full.resize(m.id + 1);
     dp.full[m.id].assign(m.n_experts, 0);
     if (dp.seen.size() <= m.id) dp.seen.resize(m.id + 1);
-    dp.seen[m.id].assign(m.n_slices / std::max<uint32_t>(m.map.n_experts, 1), 0);
+    dp.seen[m.id].assign(m.n_slices / std::max<uint32_t>(m.map.n_experts, 1), dp.sole ? 1 : 0);
+    if (!dp.sole) return;
+    uint64_t bytes = 0;  // as the copy path counts what it sees
+    for (const auto& l : m.map.layers)
+        for (const auto& t : l.tensors) bytes += t.bytes_per_expert * m.map.n_experts;
+    dp.seen_bytes.fetch_add(bytes);
 }
 
 bool Engine::allocate_pool(int device) {
     if (driver() == nullptr || models_.empty()) return false;
     auto* dp = new DevicePool;
     dp->device = device;
+    int devices = 0;
+    dp->sole = driver()->device_get_count != nullptr && driver()->device_get_count(&devices) == CUDA_SUCCESS && devices == 1;
     if (driver()->primary_ctx_retain(&dp->ctx, device) != CUDA_SUCCESS) dp->ctx = nullptr;
     {
         std::lock_guard lock(dp->mu);

@@ -138,6 +138,24 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
     return r;
 }
 
+// A device the runtime copies a model's bytes to gets a pool (by the background thread).
+void Engine::want_pool(int device) {
+    if ((devices_wanted_.fetch_or(uint64_t{1} << device) >> device & 1) == 0) {
+        const uint64_t one = 1;
+        (void)!write(wake_fd_, &one, sizeof one);
+    }
+}
+
+// The same from a copy of a model's bytes that are not experts (its attention and dense weights,
+// while it loads): a process with one device makes the pool for every expert then, and the daemon
+// directs and fills it before the first prompt copies an expert.
+void Engine::want_pool_here() {
+    const Driver* drv = driver();
+    CUdevice device = 0;
+    if (drv == nullptr || drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices) return;
+    if (pools_[device].load(std::memory_order_acquire) == nullptr) want_pool(device);
+}
+
 bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
     const auto t0 = std::chrono::steady_clock::now();
     const bool served = serve_copy(c, result);
@@ -161,6 +179,8 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
                 unmapped_copies_.fetch_add(1, std::memory_order_relaxed);
                 unmapped_bytes_.fetch_add(c.bytes, std::memory_order_relaxed);
             }
+        } else {
+            want_pool_here();  // the runtime loads a model's other weights onto this device
         }
         return false;
     }
@@ -193,10 +213,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     }
     DevicePool* dp = pools_[device].load(std::memory_order_acquire);
     if (dp == nullptr) {
-        if ((devices_wanted_.fetch_or(uint64_t{1} << device) >> device & 1) == 0) {
-            const uint64_t one = 1;
-            (void)!write(wake_fd_, &one, sizeof one);
-        }
+        want_pool(device);
         return false;
     }
     const uint32_t nexp = m.map.n_experts;
@@ -327,13 +344,20 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         sid = dp->stream_id(stream);
         Joiner order(*dp, drv, stream, device);
         // Under one place a slice the pool lets go is read from storage again when next wanted: only
-        // what the daemon promoted (its ranking holds still) displaces anything, the rest takes free slots.
+        // what the daemon promoted (its ranking holds still) displaces anything, the rest takes free
+        // slots. A prompt's batch, which carries nearly every expert, admits only what the daemon
+        // promoted once it directs the model's pool: the rest of the prompt's experts are RAM's (the
+        // daemon locks them), and a free slot one of them took would be taken back by the next
+        // promoted expert, sending it to storage.
         const bool one_place = dp->one_place.load(std::memory_order_relaxed);
+        const bool directed = one_place && m.n_promoted.load(std::memory_order_relaxed) > 0;
         for (uint32_t i = 0; i < cls->n_experts && n_admits < kMaxAdmits; ++i) {
             if (from_slot[i] != 0 || cls->first_expert + i >= nexp) continue;
             const SliceRef ref = ref_of(i);
             SliceRef evicted;
-            const bool evict = !batch && (!one_place || dp->heat.heat(ref.model, ref.expert) >= ExpertHeat::kPromoted);
+            const bool promoted = dp->heat.heat(ref.model, ref.expert) >= ExpertHeat::kPromoted;
+            if (batch && directed && !promoted) continue;
+            const bool evict = one_place ? promoted : !batch;
             if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, evict) == 0) continue;
             admits[n_admits++] = {ref, uint64_t{i} * cls->slice_bytes};
             if (evicted.model != kNoSlot && evicted.model < snap->models.size())

@@ -6,6 +6,7 @@
 // that cannot be met does not. Other clients never notice.
 #include "../daemon_state.h"
 
+#include "moecache/daemon/prefetcher.h"
 #include "moecache/log.h"
 
 #include <fcntl.h>
@@ -553,6 +554,49 @@ void Daemon::direct_pools() {
                 ++it;
             }
         }
+    }
+    bind_promoted();
+}
+
+// One read, one place, from the start: an expert every client of its model promoted (each one's
+// pool, under one place) is read by those hooks from the file into VRAM; the daemon does not read
+// it into RAM for a lock first. One it locked already stays locked until a pool takes it (the hook
+// fills from the registered pages). A client without a pool, or one whose pool may not take
+// experts out of RAM, needs them in RAM: then nothing is bound.
+void Daemon::bind_promoted() {
+    for (auto& m : models_) {
+        if (!m->res) continue;
+        const uint32_t n = m->res->n_slots();
+        std::vector<uint8_t> bound;
+        bool all = true;
+        uint32_t clients = 0;
+        for (const auto& c : clients_) {
+            if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
+            ++clients;
+            if (!c->has_pool || !c->pool_reported || !may_release_ram(*c, *m)) {
+                all = false;
+                break;
+            }
+        }
+        if (all && clients > 0 && !config_.keep_ram_copy) {
+            std::vector<uint32_t> count(n, 0);
+            for (const auto& c : clients_) {
+                if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
+                for (auto it = c->promoted.lower_bound({m->id, 0}); it != c->promoted.end() && it->first == m->id; ++it)
+                    if (it->second < n) ++count[it->second];
+            }
+            bound.assign(n, 0);
+            for (uint32_t s = 0; s < n; ++s) bound[s] = count[s] == clients ? 1 : 0;
+            // A read for a lock still queued (planned before the pools were known: a runtime's
+            // hook registers its model a moment before its pool) is cancelled: the hook reads it.
+            for (uint32_t s = 0; s < n; ++s) {
+                if (!bound[s] || m->res->vram_bound(s) || m->res->state(s).tier() != Tier::Fetching || m->res->pinned(s)) continue;
+                prefetcher_->cancel(fetch_tag(m->id, s));
+                m->res->abandon(s);
+                std::erase(m->waiting, s);
+            }
+        }
+        (void)m->res->set_vram_bound(std::move(bound));
     }
 }
 

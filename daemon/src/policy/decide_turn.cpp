@@ -44,7 +44,7 @@ TurnActions decide_turn(const TurnFacts& f) {
         const uint32_t ne = heat.n_experts();
         for (uint32_t slot = 0; slot < m.slots.size(); ++slot) {
             const SlotFacts& s = m.slots[slot];
-            if (planned[slot] || s.tier != Tier::Storage || !s.wanted_in_ram) continue;
+            if (planned[slot] || s.tier != Tier::Storage || !s.wanted_in_ram || !s.read_for_ram) continue;
             if (heat.uses(slot / ne, slot % ne) < f.planner.admit_after_uses) continue;
             candidates.push_back({slot, heat.heat(slot / ne, slot % ne), s.length > s.cached ? s.length - s.cached : 0});
         }

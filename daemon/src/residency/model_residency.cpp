@@ -2,6 +2,8 @@
 
 #include "moecache/log.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 
@@ -171,6 +173,15 @@ void ModelResidency::set_vram(uint32_t slot, uint32_t holders, bool ram_released
     vram_only_[slot] = ram_released ? 1 : 0;
 }
 
+bool ModelResidency::set_vram_bound(std::vector<uint8_t> bound) {
+    if (!bound.empty() && bound.size() != slots_.size()) bound.clear();
+    if (bound == vram_bound_ ||
+        (bound.empty() && std::none_of(vram_bound_.begin(), vram_bound_.end(), [](uint8_t b) { return b != 0; })))
+        return false;
+    vram_bound_ = std::move(bound);
+    return true;
+}
+
 void ModelResidency::drop_cached(uint32_t slot) {
     dropped_bytes_ += state(slot).cached_bytes;
     state(slot).cached_bytes = 0;
@@ -217,9 +228,10 @@ ModelView ModelResidency::view(uint64_t budget) const {
         v.locked[s] = slots_[s].tier() == Tier::Locked;
     }
     v.pinned = pinned_;
-    if (!keep_ram_copy_ && !vram_only_.empty()) {
+    if (!keep_ram_copy_ && (!vram_only_.empty() || !vram_bound_.empty())) {
         v.in_vram.resize(slots_.size());
-        for (uint32_t s = 0; s < slots_.size(); ++s) v.in_vram[s] = vram_only_[s];
+        for (uint32_t s = 0; s < slots_.size(); ++s)
+            v.in_vram[s] = (s < vram_only_.size() && vram_only_[s]) || !read_for_ram(s);
     }
     v.dense_wanted = config_.lock_dense;
     v.dense_locked = dense_.tier() == Tier::Locked;

@@ -124,6 +124,7 @@ private:
     // One place: settles, for each model a client's pool, registration or departure touched this
     // turn, which experts RAM gives up to VRAM (unlocked and dropped) and which it takes back.
     void settle_one_place();
+    void bind_promoted();  // after direct_pools: what the hooks read into VRAM, not RAM
     [[nodiscard]] uint64_t lock_cap() const;
     [[nodiscard]] MemoryFacts memory_facts() const;  // as read at the last placement
     // A model's own cap: its budget and its user's (registered models).

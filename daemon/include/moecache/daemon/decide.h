@@ -34,6 +34,7 @@ struct SlotFacts {
     uint64_t length = 0;      // bytes of it in the file(s)
     uint64_t lock_bytes = 0;  // bytes locking it costs (page-rounded)
     bool wanted_in_ram = true;  // false: a VRAM pool holds it (one place)
+    bool read_for_ram = true;   // false: not read for RAM either (bound for VRAM: ModelResidency::read_for_ram)
 };
 
 struct ModelFacts {

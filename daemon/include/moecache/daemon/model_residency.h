@@ -123,6 +123,18 @@ public:
     [[nodiscard]] bool wanted_in_ram(uint32_t slot) const {
         return keep_ram_copy_ || slot == kDenseSlot || !ram_released(slot) || (slot < pinned_.size() && pinned_[slot]);
     }
+    // Promoted to every VRAM pool that serves the model, and read from the file into them by the
+    // hooks (daemon::bind_promoted): not read into RAM for a lock. One locked already stays locked
+    // until a pool takes it. Empty: nothing is. True when it changed anything.
+    bool set_vram_bound(std::vector<uint8_t> bound);
+    [[nodiscard]] bool vram_bound(uint32_t slot) const { return slot < vram_bound_.size() && vram_bound_[slot]; }
+    // Whether the policy may read it from storage (or lock its cached pages) for RAM: wanted there,
+    // and not bound for VRAM while it is neither locked nor being read.
+    [[nodiscard]] bool read_for_ram(uint32_t slot) const {
+        return wanted_in_ram(slot) &&
+               (keep_ram_copy_ || !vram_bound(slot) || (slot < pinned_.size() && pinned_[slot]) ||
+                state(slot).tier() != Tier::Storage);
+    }
     void set_keep_ram_copy(bool keep) { keep_ram_copy_ = keep; }
     // Pinned experts are always wanted in RAM (within budgets): by configuration, or set at run time.
     [[nodiscard]] bool pinned(uint32_t slot) const { return slot < pinned_.size() && pinned_[slot]; }
@@ -154,6 +166,7 @@ private:
     std::vector<uint8_t> pinned_;
     std::vector<uint32_t> vram_;       // per slot: hooks holding it in VRAM
     std::vector<uint8_t> vram_only_;   // per slot: its RAM copy released to VRAM (one place)
+    std::vector<uint8_t> vram_bound_;  // per slot: set_vram_bound
     bool keep_ram_copy_ = false;
     uint64_t dropped_bytes_ = 0;
     std::vector<uint64_t> slot_bytes_, slot_length_;
