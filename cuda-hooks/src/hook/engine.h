@@ -27,6 +27,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -226,6 +227,13 @@ private:
     void want_pool(int device);      // serve.cpp: asks the background thread for device's pool
     void want_pool_here();           // ... for the calling thread's device
     bool fillable(const Model& m, uint32_t expert) const;  // fill.cpp
+    static uint64_t now_ns() {
+        return static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+    }
+    // When the copy path last saw a prompt's batch; fills from the file wait this long after one.
+    std::atomic<uint64_t> last_batch_ns_{0};
+    static constexpr uint64_t kPromptQuietNs = 2'000'000'000;
     void resize_pool(DevicePool& dp);
     // The pool's size for a device whose experts take `experts` bytes in slots (tail rooms included).
     [[nodiscard]] uint64_t pool_target(const DevicePool& dp, uint64_t experts) const;

@@ -41,7 +41,10 @@ void Engine::note_promoted(Model& m, uint32_t expert, bool promoted) {
 // after its Lock: straight from them at DMA speed), or, where the daemon does not read it into RAM
 // (it leaves what it promoted to the pool), the model file through the staging buffers, read with
 // pread in large requests by several threads (the miss path's way), never a page fault at a time
-// through the mapping. A locked expert not registered yet waits for its registration.
+// through the mapping. A locked expert not registered yet waits for its registration. Not from the
+// file while the runtime runs a prompt: its batches copy every expert from the host anyway (what is
+// promoted is admitted as it passes), and reads of the pool's experts beside the prompt's own, from
+// a ranking that each batch moves, would only compete with them for the disk.
 bool Engine::fillable(const Model& m, uint32_t expert) const {
     const auto ls = static_cast<int32_t>(expert / m.map.n_experts);
     const uint32_t local = expert % m.map.n_experts;
@@ -53,6 +56,7 @@ bool Engine::fillable(const Model& m, uint32_t expert) const {
         }
         return true;
     }
+    if (now_ns() - last_batch_ns_.load(std::memory_order_relaxed) < kPromptQuietNs) return false;
     for (const auto& t : layer.tensors)
         if (t.file >= m.fds.size() || m.fds[t.file] < 0) return false;
     return true;
@@ -157,7 +161,10 @@ bool Engine::fill_device(DevicePool& pool) {
             joins_.fetch_add(order.joins, std::memory_order_relaxed);
         }
         if (pieces.empty()) {
-            if (!more && refused == 0) dp->fill_idle = fill_gen_;  // nothing to do until something changes
+            // Nothing to do until something changes (a prompt that holds the file's fills back ends
+            // by itself: not idle then).
+            if (!more && refused == 0 && now_ns() - last_batch_ns_.load(std::memory_order_relaxed) >= kPromptQuietNs)
+                dp->fill_idle = fill_gen_;
             return more;
         }
         // The host's bytes into the scratch buffer: straight from the registered pages, the edges

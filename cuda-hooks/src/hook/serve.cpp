@@ -264,6 +264,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         step.most = std::max(step.most, step.experts);
         const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
         batch = !routing || cls->n_experts > wide || std::max(step.most, step.before) > wide;
+        if (batch) last_batch_ns_.store(now_ns(), std::memory_order_relaxed);
         if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
             dp->seen[m.id][tensor_id] = 1;
             dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].tensors[cls->tensor].bytes_per_expert * nexp);
@@ -345,10 +346,11 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         Joiner order(*dp, drv, stream, device);
         // Under one place a slice the pool lets go is read from storage again when next wanted: only
         // what the daemon promoted (its ranking holds still) displaces anything, the rest takes free
-        // slots. A prompt's batch, which carries nearly every expert, admits only what the daemon
-        // promoted once it directs the model's pool: the rest of the prompt's experts are RAM's (the
-        // daemon locks them), and a free slot one of them took would be taken back by the next
-        // promoted expert, sending it to storage.
+        // slots. A prompt's batch, which carries nearly every expert, displaces nothing (its next
+        // batch wants every expert again, and under one place what left the pool comes back from
+        // storage), and admits only what the daemon promoted once it directs the model's pool: the
+        // rest of the prompt's experts are RAM's (the daemon locks them), and a free slot one of
+        // them took would be taken back by the next promoted expert, sending it to storage.
         const bool one_place = dp->one_place.load(std::memory_order_relaxed);
         const bool directed = one_place && m.n_promoted.load(std::memory_order_relaxed) > 0;
         for (uint32_t i = 0; i < cls->n_experts && n_admits < kMaxAdmits; ++i) {
@@ -357,7 +359,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
             SliceRef evicted;
             const bool promoted = dp->heat.heat(ref.model, ref.expert) >= ExpertHeat::kPromoted;
             if (batch && directed && !promoted) continue;
-            const bool evict = one_place ? promoted : !batch;
+            const bool evict = !batch && (!one_place || promoted);
             if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, evict) == 0) continue;
             admits[n_admits++] = {ref, uint64_t{i} * cls->slice_bytes};
             if (evicted.model != kNoSlot && evicted.model < snap->models.size())
