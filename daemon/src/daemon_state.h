@@ -87,6 +87,10 @@ struct Daemon::Client {
     bool pool_reported = false;
     std::set<uint32_t> told_not_releasing;  // model ids its pool may not release: logged once each
     std::set<std::pair<uint32_t, uint32_t>> promoted;  // (model id, slot) it was told to keep in VRAM
+    // Its pool came to hold nine in ten of what it was directed to (bind_promoted): its first fill,
+    // from the files, is over, and the rest of its changes go through RAM's locks.
+    bool pool_filled = false;
+    std::chrono::steady_clock::time_point pool_since;  // when it first reported its pool
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
     protocol::Unmapped unmapped;                       // the last Unmapped it sent
     uint64_t events = 0, bad_events = 0;

@@ -195,6 +195,8 @@ private:
         CUstream fill_stream = nullptr;
         CUdeviceptr fill_scratch = 0;
         uint64_t fill_idle = UINT64_MAX;  // fill_gen_ when it last found nothing to fill
+        bool first_fill_done = false;     // it held nine in ten of what it was directed to, once
+        uint64_t made_ns = 0;             // when it was made: the first fill ends kFirstFillNs after
         std::atomic<uint64_t> filled{0};
         // Background thread only.
         uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;
@@ -226,7 +228,7 @@ private:
     bool allocate_pool(int device);  // false: nothing to size it by yet
     void want_pool(int device);      // serve.cpp: asks the background thread for device's pool
     void want_pool_here();           // ... for the calling thread's device
-    bool fillable(const Model& m, uint32_t expert) const;  // fill.cpp
+    bool fillable(const Model& m, uint32_t expert, bool from_file) const;  // fill.cpp
     static uint64_t now_ns() {
         return static_cast<uint64_t>(
             std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
@@ -234,6 +236,7 @@ private:
     // When the copy path last saw a prompt's batch; fills from the file wait this long after one.
     std::atomic<uint64_t> last_batch_ns_{0};
     static constexpr uint64_t kPromptQuietNs = 2'000'000'000;
+    static constexpr uint64_t kFirstFillNs = 120'000'000'000;  // the daemon's bound is the same
     void resize_pool(DevicePool& dp);
     // The pool's size for a device whose experts take `experts` bytes in slots (tail rooms included).
     [[nodiscard]] uint64_t pool_target(const DevicePool& dp, uint64_t experts) const;
@@ -269,7 +272,7 @@ private:
     // fill.cpp: the pools filled ahead with what the daemon promoted; true while there is more.
     void note_promoted(Model& m, uint32_t expert, bool promoted);
     bool fill_pools();
-    bool fill_device(DevicePool& dp);
+    bool fill_device(DevicePool& dp, bool from_file);
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
     // routes.cpp: the routing one copy of a layer's first expert tensor tells, from the runtime's
     // read-back ids where they check out against the copy, else from the copy's experts where it

@@ -41,11 +41,14 @@ void Engine::note_promoted(Model& m, uint32_t expert, bool promoted) {
 // after its Lock: straight from them at DMA speed), or, where the daemon does not read it into RAM
 // (it leaves what it promoted to the pool), the model file through the staging buffers, read with
 // pread in large requests by several threads (the miss path's way), never a page fault at a time
-// through the mapping. A locked expert not registered yet waits for its registration. Not from the
+// through the mapping, during the pool's first fill (`from_file`: until it holds nine in ten of
+// what it is directed to, as the daemon binds them: daemon::bind_promoted; after that a moving
+// ranking would read the pool over and over from storage, and the daemon's locks come first).
+// A locked expert not registered yet waits for its registration. Not from the
 // file while the runtime runs a prompt: its batches copy every expert from the host anyway (what is
 // promoted is admitted as it passes), and reads of the pool's experts beside the prompt's own, from
 // a ranking that each batch moves, would only compete with them for the disk.
-bool Engine::fillable(const Model& m, uint32_t expert) const {
+bool Engine::fillable(const Model& m, uint32_t expert, bool from_file) const {
     const auto ls = static_cast<int32_t>(expert / m.map.n_experts);
     const uint32_t local = expert % m.map.n_experts;
     const auto& layer = m.map.layers[static_cast<size_t>(ls)];
@@ -56,7 +59,7 @@ bool Engine::fillable(const Model& m, uint32_t expert) const {
         }
         return true;
     }
-    if (now_ns() - last_batch_ns_.load(std::memory_order_relaxed) < kPromptQuietNs) return false;
+    if (!from_file || now_ns() - last_batch_ns_.load(std::memory_order_relaxed) < kPromptQuietNs) return false;
     for (const auto& t : layer.tensors)
         if (t.file >= m.fds.size() || m.fds[t.file] < 0) return false;
     return true;
@@ -80,17 +83,28 @@ bool Engine::fill_pools() {
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
         if (dp == nullptr || dp->bytes.load() == 0 || dp->fill_idle == fill_gen_) continue;
+        if (!dp->first_fill_done) {
+            size_t promoted = 0, held = 0;
+            for (const Model* m : models_)
+                for (uint32_t e = 0; e < m->n_experts; ++e)
+                    if (m->promoted[e] != 0) {
+                        ++promoted;
+                        held += m->pooled_on[e] >> d & 1;
+                    }
+            if ((promoted > 0 && 10 * held >= 9 * promoted) || now_ns() - dp->made_ns > kFirstFillNs) dp->first_fill_done = true;
+        }
+        const bool from_file = !dp->first_fill_done;
         // The gate holds the runtime's captures back: taken only when there is something to fill.
         const bool work = std::any_of(fill_queue_.begin(), fill_queue_.end(), [&](const auto& q) {
             const Model& m = *models_[q.first];
-            return m.promoted[q.second] != 0 && (m.pooled_on[q.second] >> d & 1) == 0 && fillable(m, q.second);
+            return m.promoted[q.second] != 0 && (m.pooled_on[q.second] >> d & 1) == 0 && fillable(m, q.second, from_file);
         });
-        if (work) capture_gate().exclusive([&] { more = fill_device(*dp) || more; });
+        if (work) capture_gate().exclusive([&] { more = fill_device(*dp, from_file) || more; });
     }
     return more;
 }
 
-bool Engine::fill_device(DevicePool& pool) {
+bool Engine::fill_device(DevicePool& pool, bool from_file) {
     const Driver* drv = driver();
     DevicePool* dp = &pool;
     const int d = dp->device;
@@ -126,7 +140,7 @@ bool Engine::fill_device(DevicePool& pool) {
             uint64_t used = 0;
             for (const auto& [mi, e] : fill_queue_) {
                 Model& m = *models_[mi];
-                if (m.promoted[e] == 0 || m.pooled_on[e] >> d & 1 || !fillable(m, e)) continue;
+                if (m.promoted[e] == 0 || m.pooled_on[e] >> d & 1 || !fillable(m, e, from_file)) continue;
                 const auto ls = static_cast<int32_t>(e / m.map.n_experts);
                 const uint32_t local = e % m.map.n_experts;
                 const auto& layer = m.map.layers[static_cast<size_t>(ls)];

@@ -115,6 +115,7 @@ bool Engine::allocate_pool(int device) {
     if (driver() == nullptr || models_.empty()) return false;
     auto* dp = new DevicePool;
     dp->device = device;
+    dp->made_ns = now_ns();
     int devices = 0;
     dp->sole = driver()->device_get_count != nullptr && driver()->device_get_count(&devices) == CUDA_SUCCESS && devices == 1;
     if (driver()->primary_ctx_retain(&dp->ctx, device) != CUDA_SUCCESS) dp->ctx = nullptr;

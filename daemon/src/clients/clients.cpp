@@ -385,6 +385,7 @@ bool Daemon::on_pool_stats(Client& c, const PoolStats& x) {
     last = x;
     if (x.pool_bytes > 0 && !c.pool_reported) {
         c.pool_reported = c.has_pool = true;
+        c.pool_since = std::chrono::steady_clock::now();
         one_place_due_.insert(c.models.begin(), c.models.end());  // its placements count from now
     }
     return true;
@@ -558,12 +559,26 @@ void Daemon::direct_pools() {
     bind_promoted();
 }
 
-// One read, one place, from the start: an expert every client of its model promoted (each one's
-// pool, under one place) is read by those hooks from the file into VRAM; the daemon does not read
-// it into RAM for a lock first. One it locked already stays locked until a pool takes it (the hook
-// fills from the registered pages). A client without a pool, or one whose pool may not take
-// experts out of RAM, needs them in RAM: then nothing is bound.
+// One read, one place, from the start: while every client of a model fills its pool for the first
+// time (a runtime that starts warm: a profile, its family's heat), an expert every one of them was
+// directed to hold (under one place) is read by those hooks from the file into VRAM (into free
+// slots); the daemon does not read it into RAM for a lock first. One it locked already stays
+// locked until a pool takes it (the hook fills from the registered pages). Once a pool holds nine
+// in ten of what it was directed to, its changes (the ranking moving) go through RAM's locks again,
+// as a pool's later fills displace what it holds: a read from the file for each of those would
+// churn storage. A client without a pool, or one whose pool may not take experts out of RAM, needs
+// them in RAM: then nothing is bound.
 void Daemon::bind_promoted() {
+    constexpr std::chrono::seconds kFirstFill{120};  // the hook's own bound (fill.cpp) is the same
+    for (auto& cp : clients_) {
+        Client& c = *cp;
+        if (c.dead || c.pool_filled || !c.pool_reported || c.promoted.empty()) continue;
+        size_t held = 0;
+        for (const auto& key : c.promoted) held += c.vram.count(key);
+        // Or, whatever it holds, after kFirstFill (a pool that shrank, sizes the mean misjudged).
+        if (10 * held >= 9 * c.promoted.size() || std::chrono::steady_clock::now() - c.pool_since > kFirstFill)
+            c.pool_filled = true;
+    }
     for (auto& m : models_) {
         if (!m->res) continue;
         const uint32_t n = m->res->n_slots();
@@ -573,7 +588,7 @@ void Daemon::bind_promoted() {
         for (const auto& c : clients_) {
             if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
             ++clients;
-            if (!c->has_pool || !c->pool_reported || !may_release_ram(*c, *m)) {
+            if (!c->has_pool || !c->pool_reported || c->pool_filled || !may_release_ram(*c, *m)) {
                 all = false;
                 break;
             }
