@@ -102,6 +102,8 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
     c.copy_kernel = kernel == nullptr || !off_value(kernel);
     const char* one = get("MOECACHE_CUDA_ONE_PLACE");
     c.one_place = one == nullptr || !off_value(one);
+    const char* from_files = get("MOECACHE_CUDA_FILL_FROM_FILES");
+    c.fill_from_files = from_files != nullptr && *from_files != '\0' && !off_value(from_files);
     return c;
 }
 

@@ -89,7 +89,7 @@ protected:
                        "[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[dbus]\nbus = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = " + elite_share() +
                        "\n[vram]\npool = " +
                        std::to_string(pool_experts() * 3 * (slice_ + 512)) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") +
-                       "\ndirected = " + directed() + "\n");
+                       "\ndirected = " + directed() + "\nfill_from_files = " + (fill_from_files() ? "true" : "false") + "\n");
         // The daemon runs without the hook or the fake driver.
         const std::string preload = getenv("LD_PRELOAD"), libpath = getenv("LD_LIBRARY_PATH");
         unsetenv("LD_PRELOAD");
@@ -130,6 +130,7 @@ protected:
     // The daemon directs the pool: under one place the hook displaces only what it promoted.
     [[nodiscard]] virtual std::string directed() const { return "1"; }
     [[nodiscard]] virtual std::string elite_share() const { return "0"; }
+    [[nodiscard]] virtual bool fill_from_files() const { return false; }
     void TearDown() override {
         if (base_ != nullptr && base_ != MAP_FAILED) munmap(base_, size_);
         if (daemon_) {
@@ -402,12 +403,21 @@ TEST_F(HookDaemonWarm, ThePoolIsFilledAheadWithWhatTheDaemonDirects) {
     moecache_client_close(other);
 }
 
-// Every runtime of the model has a pool (the prompt-model swap's decode server, alone on its
-// model; here another runtime whose pool holds the hot experts already): what the daemon promotes
-// is read once, from the file into VRAM by the hook, never into
+// With [vram] fill_from_files and MOECACHE_CUDA_FILL_FROM_FILES=1, every runtime of the model has
+// a pool (the prompt-model swap's decode server, alone on its model; here another runtime whose
+// pool holds the hot experts already): what the daemon promotes is read once, from the file into VRAM by the hook, never into
 // RAM by the daemon first (no lock, so no release to VRAM afterwards), and its first copies here are
 // pool hits, byte for byte the file's.
-TEST_F(HookDaemonWarm, WhatEveryPoolIsDirectedToHoldIsFilledFromTheFileNotReadIntoRam) {
+class HookDaemonFromFiles : public HookDaemonWarm {
+protected:
+    void SetUp() override {
+        setenv("MOECACHE_CUDA_FILL_FROM_FILES", "1", 1);  // read at the hook's first copy, after this
+        HookDaemonWarm::SetUp();
+    }
+    [[nodiscard]] bool fill_from_files() const override { return true; }
+};
+
+TEST_F(HookDaemonFromFiles, WhatEveryPoolIsDirectedToHoldIsFilledFromTheFileNotReadIntoRam) {
     constexpr uint32_t kA = 3;
     const uint32_t hot[] = {5, 8, 11, 14};
     use(kA, 1);

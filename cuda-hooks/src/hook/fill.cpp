@@ -93,7 +93,7 @@ bool Engine::fill_pools() {
                     }
             if ((promoted > 0 && 10 * held >= 9 * promoted) || now_ns() - dp->made_ns > kFirstFillNs) dp->first_fill_done = true;
         }
-        const bool from_file = !dp->first_fill_done;
+        const bool from_file = cfg_.fill_from_files && !dp->first_fill_done;
         // The gate holds the runtime's captures back: taken only when there is something to fill.
         const bool work = std::any_of(fill_queue_.begin(), fill_queue_.end(), [&](const auto& q) {
             const Model& m = *models_[q.first];

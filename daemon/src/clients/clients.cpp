@@ -593,7 +593,7 @@ void Daemon::bind_promoted() {
                 break;
             }
         }
-        if (all && clients > 0 && !config_.keep_ram_copy) {
+        if (all && clients > 0 && !config_.keep_ram_copy && config_.fill_from_files) {
             std::vector<uint32_t> count(n, 0);
             for (const auto& c : clients_) {
                 if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;

@@ -475,6 +475,7 @@ const Key<Config> kVramKeys[] = {
     MC_KEY("pool", Config, MC_TRY_VOID(read_vram_pool(v, t))),
     MC_KEY("keep_ram_copy", Config, t.keep_ram_copy = MC_TRY(read_bool(v))),
     MC_KEY("directed", Config, t.pool_directed = MC_TRY(read_number(v, {0, true}, {1, true}))),
+    MC_KEY("fill_from_files", Config, t.fill_from_files = MC_TRY(read_bool(v))),
 };
 
 const Key<ModelConfig> kModelKeys[] = {

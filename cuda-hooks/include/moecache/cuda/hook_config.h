@@ -56,6 +56,9 @@ struct HookConfig {
     bool peers = true;      // a device's copies read other devices' pools (peer access); MOECACHE_CUDA_PEER=off
     bool copy_kernel = true;  // pool hits copied by the hook's kernel; MOECACHE_CUDA_COPY_KERNEL=off: the driver's copies
     bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
+    // A pool's first fill reads what the daemon directs from the model files, not only from its
+    // locks (MOECACHE_CUDA_FILL_FROM_FILES=1, with the daemon's [vram] fill_from_files).
+    bool fill_from_files = false;
 };
 
 // Parses one MOECACHE_CUDA_POOL value; nullopt and a reason in *error when it is not one.

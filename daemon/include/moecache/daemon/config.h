@@ -127,6 +127,11 @@ struct Config {
     // The share of each pool the daemon directs: its hottest experts, which the hook fills ahead of
     // the runtime's copies (the elite of each layer always).
     double pool_directed = 0.9;
+    // A pool's first fill from the model files (daemon::bind_promoted): while every pool of a model
+    // fills for the first time, what they are directed to hold is not read into RAM first; the
+    // hooks read it from the files (with MOECACHE_CUDA_FILL_FROM_FILES=1). Off until measured to pay
+    // in the prompt-model swap (docs/moecached.md).
+    bool fill_from_files = false;
 
     // [[model]]
     std::vector<ModelConfig> models;
