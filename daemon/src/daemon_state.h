@@ -90,6 +90,7 @@ struct Daemon::Client {
     // Its pool came to hold nine in ten of what it was directed to (bind_promoted): its first fill,
     // from the files, is over, and the rest of its changes go through RAM's locks.
     bool pool_filled = false;
+    uint32_t directed_capacity = 0;  // experts its pool is directed to hold, over its models (direct_pools)
     std::chrono::steady_clock::time_point pool_since;  // when it first reported its pool
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
     protocol::Unmapped unmapped;                       // the last Unmapped it sent

@@ -116,6 +116,8 @@ void Engine::run() {
         // A device that copies experts of layers it had not copied before needs a larger pool.
         bool resized = false;
         for (auto& slot : pools_)
+            if (DevicePool* dp = slot.load(); dp != nullptr) size_for_every_expert(*dp);
+        for (auto& slot : pools_)
             if (DevicePool* dp = slot.load(); dp != nullptr && dp->seen_bytes.load() != dp->sized_for) {
                 resize_pool(*dp);
                 resized = true;

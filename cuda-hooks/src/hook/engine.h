@@ -160,10 +160,12 @@ private:
         std::vector<CUdeviceptr> arenas;
         std::vector<std::vector<uint8_t>> full;  // [model][expert]: every slice pooled
         std::vector<std::vector<uint8_t>> seen;  // [model][tensor (slice / n_experts)]: this device copies it
-        // The process has this one device: it copies every expert tensor, and the pool is sized for
-        // all of them when it is made (at the runtime's first copy of a model's bytes, while it loads)
-        // rather than layer by layer as the first prompt's copies arrive.
+        // The process has this one device and a daemon directs its pool: it copies every expert
+        // tensor, and the pool is sized for all of them when it is made (at the runtime's first copy
+        // of a model's bytes, while it loads) rather than layer by layer as the first prompt's
+        // copies arrive.
         bool sole = false;
+        bool one_device = false;  // the process sees this device alone (sole once a daemon directs)
         std::vector<PlacementEvent> placements;  // for the background thread
         std::unordered_map<CUstream, StreamId> stream_ids;  // live streams
         std::vector<StreamState> streams;
@@ -226,6 +228,7 @@ private:
     void tell_unmapped();
     // pools.cpp
     bool allocate_pool(int device);  // false: nothing to size it by yet
+    void size_for_every_expert(DevicePool& dp);
     void want_pool(int device);      // serve.cpp: asks the background thread for device's pool
     void want_pool_here();           // ... for the calling thread's device
     bool fillable(const Model& m, uint32_t expert, bool from_file) const;  // fill.cpp

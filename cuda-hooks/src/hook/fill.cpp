@@ -84,14 +84,23 @@ bool Engine::fill_pools() {
         DevicePool* dp = pools_[d].load();
         if (dp == nullptr || dp->bytes.load() == 0 || dp->fill_idle == fill_gen_) continue;
         if (!dp->first_fill_done) {
-            size_t promoted = 0, held = 0;
-            for (const Model* m : models_)
+            // Done once the direction is of the pool's size (half of it at least: not the few
+            // experts the first routing named) and nine in ten of it are pooled; or after kFirstFillNs.
+            size_t promoted = 0, held = 0, experts = 0;
+            uint64_t room = 0;
+            for (const Model* m : models_) {
                 for (uint32_t e = 0; e < m->n_experts; ++e)
                     if (m->promoted[e] != 0) {
                         ++promoted;
                         held += m->pooled_on[e] >> d & 1;
                     }
-            if ((promoted > 0 && 10 * held >= 9 * promoted) || now_ns() - dp->made_ns > kFirstFillNs) dp->first_fill_done = true;
+                for (const auto& l : m->map.layers)
+                    for (const auto& t : l.tensors) room += (t.bytes_per_expert + kSlotTail) * m->map.n_experts;
+                experts += m->n_experts;
+            }
+            const double capacity = room > 0 ? static_cast<double>(dp->bytes.load()) * static_cast<double>(experts) / static_cast<double>(room) : 0;
+            const bool full = promoted > 0 && static_cast<double>(promoted) >= 0.5 * capacity && 10 * held >= 9 * promoted;
+            if (full || now_ns() - dp->made_ns > kFirstFillNs) dp->first_fill_done = true;
         }
         const bool from_file = cfg_.fill_from_files && !dp->first_fill_done;
         // The gate holds the runtime's captures back: taken only when there is something to fill.

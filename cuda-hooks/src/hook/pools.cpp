@@ -6,6 +6,7 @@
 #include "driver.h"
 #include "engine.h"
 #include "log.h"
+#include "moecache/client.h"
 
 #include <unistd.h>
 
@@ -97,6 +98,28 @@ void Engine::on_stream_destroy(CUstream stream) {
     }
 }
 
+// The process has one device and a daemon that directs its pool: the pool is sized for every
+// expert now (sole), not as the copies show them. Only for a daemon that can direct it: a pool no
+// expert copy ever comes to (a runtime that keeps its experts in VRAM itself) would hold VRAM for
+// nothing until it yields. Background thread.
+void Engine::size_for_every_expert(DevicePool& dp) {
+    if (dp.sole || !dp.one_device || client_ == nullptr) return;
+    int one_place = 0;
+    if (moecache_client_vram_policy(client_, static_cast<uint32_t>(dp.device), nullptr, &one_place) != 1) return;
+    std::lock_guard lock(dp.mu);
+    dp.sole = true;
+    for (const Model* m : models_) {
+        if (m->id >= dp.seen.size()) continue;
+        for (size_t ls = 0; ls < m->map.layers.size(); ++ls)
+            for (size_t ti = 0; ti < m->map.layers[ls].tensors.size(); ++ti) {
+                const uint32_t id = m->slice(static_cast<int32_t>(ls), static_cast<uint32_t>(ti), 0) / m->map.n_experts;
+                if (id >= dp.seen[m->id].size() || dp.seen[m->id][id]) continue;
+                dp.seen[m->id][id] = 1;
+                dp.seen_bytes.fetch_add(m->map.layers[ls].tensors[ti].bytes_per_expert * m->map.n_experts);
+            }
+    }
+}
+
 void Engine::add_model_to(DevicePool& dp, const Model& m) {
     dp.pool.add_model(m.id, m.n_slices, m.n_experts);
     dp.heat.add_model(m.id, m.n_experts);
@@ -117,7 +140,7 @@ bool Engine::allocate_pool(int device) {
     dp->device = device;
     dp->made_ns = now_ns();
     int devices = 0;
-    dp->sole = driver()->device_get_count != nullptr && driver()->device_get_count(&devices) == CUDA_SUCCESS && devices == 1;
+    dp->one_device = driver()->device_get_count != nullptr && driver()->device_get_count(&devices) == CUDA_SUCCESS && devices == 1;
     if (driver()->primary_ctx_retain(&dp->ctx, device) != CUDA_SUCCESS) dp->ctx = nullptr;
     {
         std::lock_guard lock(dp->mu);

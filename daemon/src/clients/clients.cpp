@@ -520,6 +520,7 @@ void Daemon::direct_pools() {
         uint64_t pool_bytes = 0;
         for (const auto& [device, stats] : c.pools) pool_bytes += stats.pool_bytes;
         size_t n_models = 0;
+        c.directed_capacity = 0;
         for (auto& m : models_)
             if (m->res && std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) ++n_models;
         for (auto& m : models_) {
@@ -531,6 +532,7 @@ void Daemon::direct_pools() {
             const auto capacity = expert_bytes > 0
                 ? static_cast<uint32_t>(std::min<double>(share / static_cast<double>(expert_bytes), m->res->n_slots()))
                 : 0u;
+            c.directed_capacity += capacity;
             std::vector<uint8_t> held(m->res->n_slots(), 0);
             for (const auto& [mid, slot] : c.promoted)
                 if (mid == m->id && slot < held.size()) held[slot] = 1;
@@ -572,12 +574,15 @@ void Daemon::bind_promoted() {
     constexpr std::chrono::seconds kFirstFill{120};  // the hook's own bound (fill.cpp) is the same
     for (auto& cp : clients_) {
         Client& c = *cp;
-        if (c.dead || c.pool_filled || !c.pool_reported || c.promoted.empty()) continue;
+        if (c.dead || c.pool_filled || !c.pool_reported) continue;
         size_t held = 0;
         for (const auto& key : c.promoted) held += c.vram.count(key);
-        // Or, whatever it holds, after kFirstFill (a pool that shrank, sizes the mean misjudged).
-        if (10 * held >= 9 * c.promoted.size() || std::chrono::steady_clock::now() - c.pool_since > kFirstFill)
-            c.pool_filled = true;
+        // Filled: the direction is the pool's size (not the few experts the first routing named)
+        // and the pool holds nine in ten of it. Or, whatever it holds, after kFirstFill (a pool
+        // that shrank, sizes the mean misjudged).
+        const bool full = !c.promoted.empty() && 10 * c.promoted.size() >= 9 * uint64_t{c.directed_capacity} &&
+                          10 * held >= 9 * c.promoted.size();
+        if (full || std::chrono::steady_clock::now() - c.pool_since > kFirstFill) c.pool_filled = true;
     }
     for (auto& m : models_) {
         if (!m->res) continue;
@@ -588,20 +593,30 @@ void Daemon::bind_promoted() {
         for (const auto& c : clients_) {
             if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
             ++clients;
-            if (!c->has_pool || !c->pool_reported || c->pool_filled || !may_release_ram(*c, *m)) {
+            if (!c->has_pool || !c->pool_reported || !may_release_ram(*c, *m)) {
                 all = false;
                 break;
             }
         }
         if (all && clients > 0 && !config_.keep_ram_copy && config_.fill_from_files) {
-            std::vector<uint32_t> count(n, 0);
+            // Per expert: every client holds it in its pool already or, filling its pool for the
+            // first time, was directed to hold it; and one at least is yet to fill it.
+            std::vector<uint32_t> ok(n, 0), filling(n, 0);
             for (const auto& c : clients_) {
                 if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
-                for (auto it = c->promoted.lower_bound({m->id, 0}); it != c->promoted.end() && it->first == m->id; ++it)
-                    if (it->second < n) ++count[it->second];
+                std::vector<uint8_t> here(n, 0);
+                for (auto it = c->vram.lower_bound({m->id, 0}); it != c->vram.end() && it->first == m->id; ++it)
+                    if (it->second < n) here[it->second] = 1;
+                if (!c->pool_filled)
+                    for (auto it = c->promoted.lower_bound({m->id, 0}); it != c->promoted.end() && it->first == m->id; ++it)
+                        if (it->second < n && !here[it->second]) here[it->second] = 2;
+                for (uint32_t s = 0; s < n; ++s) {
+                    ok[s] += here[s] != 0;
+                    filling[s] += here[s] == 2;
+                }
             }
             bound.assign(n, 0);
-            for (uint32_t s = 0; s < n; ++s) bound[s] = count[s] == clients ? 1 : 0;
+            for (uint32_t s = 0; s < n; ++s) bound[s] = ok[s] == clients && filling[s] > 0 ? 1 : 0;
             // A read for a lock still queued (planned before the pools were known: a runtime's
             // hook registers its model a moment before its pool) is cancelled: the hook reads it.
             for (uint32_t s = 0; s < n; ++s) {
