@@ -83,7 +83,7 @@ bool Engine::fill_pools() {
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
         if (dp == nullptr || dp->bytes.load() == 0 || dp->fill_idle == fill_gen_) continue;
-        if (!dp->first_fill_done) {
+        if (cfg_.fill_from_files && !dp->first_fill_done) {
             // Done once the direction is of the pool's size (half of it at least: not the few
             // experts the first routing named) and nine in ten of it are pooled; or after kFirstFillNs.
             size_t promoted = 0, held = 0, experts = 0;
