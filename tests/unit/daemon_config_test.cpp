@@ -72,7 +72,9 @@ std::string describe(const Config& c) {
     s << "dbus.bus = " << c.dbus_bus << "\n";
     s << "dbus.admin_group = " << c.dbus_admin_group << "\n";
     s << "vram.pool = " << (c.vram_pool ? std::to_string(*c.vram_pool) : "unset") << "\n"
-      << "vram.keep_ram_copy = " << c.keep_ram_copy << "\n";
+      << "vram.keep_ram_copy = " << c.keep_ram_copy << "\n"
+      << "vram.directed = " << c.pool_directed << "\n"
+      << "vram.fill_from_files = " << c.fill_from_files << "\n";
     for (const auto& m : c.models) {
         s << "model " << m.path << " budget " << (m.budget ? size(*m.budget) : "none")
           << " lock_dense " << m.lock_dense << " family " << m.family << " family_budget "
@@ -687,7 +689,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 36u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 37u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();
