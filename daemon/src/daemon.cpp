@@ -303,9 +303,10 @@ Result<void> Daemon::reload(Config config) {
     admin_gid_ = group_id(config_.dbus_admin_group);
     for (auto& m : models_)
         if (m->res) {
-            m->res->set_keep_ram_copy(config_.keep_ram_copy);
+            m->res->set_keep_ram_copy(config_.keep_ram_copy || !m->one_place);
             one_place_due_.insert(m->id);
         }
+    tell_vram_policy();  // [vram] keep_ram_copy may have changed
     if (config_.tick_seconds != old_tick)
         if (auto r = arm_tick(); !r) MC_LOG(LOG_WARNING, "daemon.tick_seconds: {}", r.error().what());
     if (config_.lock_budget.resolve(mem_total_) != old_budget) announce_budget("lock", config_.lock_budget.resolve(mem_total_));

@@ -61,6 +61,10 @@ struct Daemon::ModelEntry {
     // members of a family that no client holds, the one left last waits for the other (decide.cpp).
     std::optional<std::chrono::steady_clock::time_point> runtime_left;
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
+    // One place for its experts in VRAM pools: while the lock cap cannot hold its experts (and
+    // those of the other models in use) anyway (one_place_needed; decide.cpp).
+    bool one_place = true;
+    bool one_place_decided = false;  // one_place was decided once (before: the default, true)
     // [policy] predict: the model's route predictor, how right it has been, and per layer what it
     // expects the next token to use there.
     struct Prediction {
@@ -90,6 +94,7 @@ struct Daemon::Client {
     // Its pool came to hold nine in ten of what it was directed to (bind_promoted): its first fill,
     // from the files, is over, and the rest of its changes go through RAM's locks.
     bool pool_filled = false;
+    bool one_place_told = true;  // the one_place of the last VramPolicy it was sent
     uint32_t directed_capacity = 0;  // experts its pool is directed to hold, over its models (direct_pools)
     std::chrono::steady_clock::time_point pool_since;  // when it first reported its pool
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent

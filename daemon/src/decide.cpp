@@ -63,6 +63,7 @@ void Daemon::place() {
             registered.insert(c->models.begin(), c->models.end());
             if (c->has_pool) pooled.insert(c->models.begin(), c->models.end());
         }
+    decide_one_place(f.lock_cap, registered);
     // Families a live client uses a model of: its other models wait at once (the prompt-model swap:
     // the runtime moved to another quantization, whose experts the RAM is for now).
     std::set<std::string> families_in_use;
@@ -138,6 +139,32 @@ void Daemon::place() {
         loaded.push_back(m.get());
     }
     apply(decide_turn(f), loaded);
+}
+
+// One place where the RAM cannot keep the experts of the models in use locked anyway (each model
+// against its own budget too): budgets.h, one_place_needed. Decided at each placement and when a
+// client registers a model (before its hook's pool forms), and told to the clients that changed.
+void Daemon::decide_one_place(uint64_t cap, const std::set<uint32_t>& registered) {
+    uint64_t in_use = 0;
+    for (const auto& m : models_)
+        if (m->res && registered.count(m->id) != 0) in_use += m->res->model().map().expert_bytes_total;
+    bool told = false;
+    for (auto& m : models_) {
+        if (!m->res || registered.count(m->id) == 0) continue;
+        const uint64_t mine = m->res->model().map().expert_bytes_total;
+        const std::optional<bool> was = m->one_place_decided ? std::optional<bool>(m->one_place) : std::nullopt;
+        const bool needed = one_place_needed(in_use, cap, was) || one_place_needed(mine, model_cap(*m), was);
+        m->one_place_decided = true;
+        if (needed == m->one_place) continue;
+        MC_LOG(LOG_INFO, "model {}: experts in VRAM pools {} ({} of experts in use, lock cap {})", m->path,
+               needed ? "leave RAM (one place)" : "keep their RAM copy: the lock cap holds every expert", format_bytes(in_use),
+               format_bytes(cap));
+        m->one_place = needed;
+        m->res->set_keep_ram_copy(config_.keep_ram_copy || !needed);
+        one_place_due_.insert(m->id);
+        told = true;
+    }
+    if (told) tell_vram_policy();
 }
 
 uint64_t Daemon::model_cap(const ModelEntry& m) const {

@@ -104,7 +104,7 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
         return;
     }
     m.res = std::move(*res);
-    m.res->set_keep_ram_copy(config_.keep_ram_copy);
+    m.res->set_keep_ram_copy(config_.keep_ram_copy || !m.one_place);
     one_place_due_.insert(m.id);  // what its clients' pools hold, again for the new residency
     m.error.clear();
     watch_files(m);

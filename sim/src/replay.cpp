@@ -269,6 +269,16 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         view.in_vram.assign(n_slots, 0);
     }
     auto in_vram = [&](uint32_t slot) { return setup.device() && view.in_vram[slot] != 0; };
+    // One place as the daemon decides it (budgets.h): only where the RAM cannot keep every expert
+    // locked anyway. Where it can (the common GPU case of the table's VRAM rows, RAM = the model),
+    // an expert keeps its RAM copy in the pool and the hook's own admissions may displace.
+    bool one_place = true;
+    {
+        uint64_t all = 0;
+        for (uint32_t s = 0; s < n_slots; ++s) all += bytes_of(s);
+        one_place = daemon::one_place_needed(all, setup.ram_bytes, std::nullopt);
+    }
+    auto released = [&](uint32_t slot) { return one_place && in_vram(slot); };  // not wanted in RAM
     auto in_ram = [&](uint32_t slot) { return view.locked[slot] != 0 || cache.has(slot); };
     auto fit_cache = [&] { cache.shrink_to(setup.ram_bytes - std::min(locked_bytes, setup.ram_bytes), bytes_of); };
     // An expert entered the pool (`evicted` left it). One place: the daemon unlocks RAM's copy and
@@ -277,6 +287,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     auto enter_vram = [&](uint32_t s, const cuda::SliceRef& evicted) {
         view.in_vram[s] = 1;
         if (evicted.model != cuda::kNoSlot) view.in_vram[evicted.slice] = 0;
+        if (!one_place) return;
         const bool was_in_ram = in_ram(s);
         if (view.locked[s]) {
             view.locked[s] = 0;
@@ -309,13 +320,14 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             f.planner = setup.planner;
             daemon::ModelFacts& mf = f.models.emplace_back();
             mf.view = view;
+            if (!one_place) mf.view.in_vram.clear();
             mf.slots.resize(n_slots);
             for (uint32_t s = 0; s < n_slots; ++s)
                 mf.slots[s] = daemon::SlotFacts{view.locked[s] ? daemon::Tier::Locked
                                                 : reading[s]   ? daemon::Tier::Fetching
                                                                : daemon::Tier::Storage,
                                                 cache.has(s) || reading[s] ? bytes_of(s) : 0, bytes_of(s), bytes_of(s),
-                                                !in_vram(s)};
+                                                !released(s)};
             mf.holder.locked = locked_bytes;
             mf.holder.cap = view.budget;
             mf.waiting = std::move(waiting);
@@ -324,7 +336,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
                 if (r.slot == daemon::kDenseSlot || !view.locked[r.slot]) continue;
                 view.locked[r.slot] = 0;
                 locked_bytes -= bytes_of(r.slot);
-                if (!in_vram(r.slot)) cache.insert_cold(r.slot, bytes_of(r.slot));
+                if (!released(r.slot)) cache.insert_cold(r.slot, bytes_of(r.slot));
             }
             waiting = a.waiting.empty() ? std::vector<uint32_t>{} : a.waiting[0];
             for (const auto& r : a.read) {
@@ -343,7 +355,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             for (const auto& x : a.refused) {  // read, not locked: the page cache keeps it, first to go
                 if (x.at.slot == daemon::kDenseSlot || !reading[x.at.slot]) continue;
                 reading[x.at.slot] = 0;
-                if (!in_vram(x.at.slot)) cache.insert_cold(x.at.slot, bytes_of(x.at.slot));
+                if (!released(x.at.slot)) cache.insert_cold(x.at.slot, bytes_of(x.at.slot));
             }
             for (const auto& r : a.given_up)
                 if (r.slot != daemon::kDenseSlot) reading[r.slot] = 0;
@@ -428,9 +440,9 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             for (uint32_t s : slots) {
                 if (view.in_vram[s]) continue;
                 cuda::SliceRef evicted;
-                // As the hook under one place (the daemon directs the pool): only what the daemon
-                // promoted displaces anything; the rest takes free slots.
-                const bool evict = setup.pool_directed == 0 || promoted[s] != 0;
+                // As the hook: under one place (the daemon directs the pool) only what the daemon
+                // promoted displaces anything, the rest takes free slots; without it, any miss may.
+                const bool evict = !one_place || setup.pool_directed == 0 || promoted[s] != 0;
                 if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, cuda::same_stream_only(), &evicted, evict) == 0 ||
                     pool.commit({0, s, s}) == 0)
                     continue;

@@ -85,7 +85,7 @@ protected:
         // of the next slice's head the hook keeps after it).
         write_file(dir_.file("moecached.toml"),
                    "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\nsocket = \"" + dir_.file("moecached.sock") +
-                       "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
+                       "\"\ntick_seconds = 0.05\nlog_level = \"debug\"\n[budget]\nlock = \"" + lock_budget() + "\"\nreserve = \"1GiB\"\n[pressure]\nenabled = false\n"
                        "[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[dbus]\nbus = \"off\"\n[policy]\nadmit_after_uses = 1\nelite_share = " + elite_share() +
                        "\n[vram]\npool = " +
                        std::to_string(pool_experts() * 3 * (slice_ + 512)) + "\nkeep_ram_copy = " + (keep_both() ? "true" : "false") +
@@ -126,6 +126,8 @@ protected:
         for (size_t t = 0; t < 3; ++t) ASSERT_EQ(alloc_(&dst_[t], slice_ * map_.n_experts + 512), CUDA_SUCCESS);
     }
     [[nodiscard]] virtual bool keep_both() const { return false; }
+    // Below the model's 13 MB of experts: one place is for RAM that cannot lock every expert.
+    [[nodiscard]] virtual std::string lock_budget() const { return "8MiB"; }
     [[nodiscard]] virtual uint64_t pool_experts() const { return 1; }
     // The daemon directs the pool: under one place the hook displaces only what it promoted.
     [[nodiscard]] virtual std::string directed() const { return "1"; }
@@ -323,6 +325,27 @@ TEST_F(HookDaemonKeepBoth, AnExpertInVramKeepsItsRamCopy) {
     EXPECT_EQ(cached(kA), 1.0);
     EXPECT_EQ(stats().dropped_host_bytes, 0u);
     EXPECT_GT(stats().slice_hits, 0u);
+}
+
+// One place is for RAM that cannot keep every expert locked anyway: with a lock budget that holds
+// the whole model, the daemon tells the hook so (its VramPolicy), and the expert in VRAM keeps its
+// RAM copy as with [vram] keep_ram_copy, while the pool admits by its own counts.
+class HookDaemonRoomy : public HookDaemon {
+    [[nodiscard]] std::string lock_budget() const override { return "64MiB"; }
+};
+
+TEST_F(HookDaemonRoomy, WhereTheLockCapHoldsTheModelAnExpertInVramKeepsItsRamCopy) {
+    constexpr uint32_t kA = 3, kB = 9;
+    use(kA, 1);
+    ASSERT_GE(sync(10000), 1);
+    ASSERT_TRUE(until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * (slice_ + 512); }, kA, 4, kB, 2))
+        << log();
+    ASSERT_TRUE(until([&] { return cached(kA) == 1.0 && cached(kB) == 1.0; }, kA, 4, kB, 2)) << log();
+    for (int i = 0; i < 10; ++i) until([] { return true; }, kA, 4, kB, 2);
+    EXPECT_EQ(cached(kA), 1.0);
+    EXPECT_EQ(stats().dropped_host_bytes, 0u);
+    EXPECT_GT(stats().slice_hits, 0u);
+    EXPECT_NE(log().find("keep their RAM copy: the lock cap holds every expert"), std::string::npos) << log();
 }
 
 // The daemon's view wins: another client's router says C and D are the hot experts of layer 0, so

@@ -300,5 +300,18 @@ TEST(Decide, AWarmStartReadsTheProfilesHotExpertsBeyondThePlanIntoTheRoomThereIs
     EXPECT_TRUE(a.warm[0].slots.empty());
 }
 
+// One place is for RAM that cannot lock every expert anyway, with hysteresis at the edge.
+TEST(OnePlace, OnlyWhereTheExpertsDoNotFitTheLockCap) {
+    EXPECT_TRUE(one_place_needed(30 * kGiB, 17 * kGiB, std::nullopt)) << "the GPU machine's squeeze";
+    EXPECT_FALSE(one_place_needed(30 * kGiB, 100 * kGiB, std::nullopt)) << "RAM holds the model";
+    EXPECT_FALSE(one_place_needed(30 * kGiB, 30 * kGiB, std::nullopt)) << "exactly: it fits";
+    // On: stays on until the cap holds 1.1 times the experts.
+    EXPECT_TRUE(one_place_needed(30 * kGiB, 32 * kGiB, true));
+    EXPECT_FALSE(one_place_needed(30 * kGiB, 34 * kGiB, true));
+    // Off: on again as soon as they do not fit.
+    EXPECT_FALSE(one_place_needed(30 * kGiB, 30 * kGiB, false));
+    EXPECT_TRUE(one_place_needed(30 * kGiB, 30 * kGiB - 1, false));
+}
+
 }  // namespace
 }  // namespace moecache::daemon

@@ -217,9 +217,8 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
         c.hello = true;
         c.name = h->name;
         reply(c, rq, HelloReply{kVersion, c.id});
-        reply(c, 0, VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), !config_.keep_ram_copy});
-        for (const auto& [device, bytes] : config_.vram_pool_device)
-            reply(c, 0, VramPolicy{device, bytes, !config_.keep_ram_copy});
+        c.one_place_told = !config_.keep_ram_copy;
+        send_vram_policy(c);
         return true;
     }
     if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);
@@ -343,7 +342,7 @@ void Daemon::settle_one_place() {
         std::vector<uint32_t> released;
         for (uint32_t slot = 0; slot < n; ++slot) {
             const bool was = r.ram_released(slot);
-            const bool now = !config_.keep_ram_copy && clients > 0 && holders[slot] == clients && evictor[slot];
+            const bool now = !config_.keep_ram_copy && m->one_place && clients > 0 && holders[slot] == clients && evictor[slot];
             r.set_vram(slot, holders[slot], now);
             if (now && !was) released.push_back(slot);
             if (was && !now) {
@@ -477,6 +476,12 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
     reply(c, rq,
           ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
                           static_cast<uint32_t>(map.files.size())});
+    // One place as this model needs it, decided now: before its hook's pool forms.
+    std::set<uint32_t> registered;
+    for (const auto& o : clients_)
+        if (!o->dead) registered.insert(o->models.begin(), o->models.end());
+    decide_one_place(lock_cap(), registered);
+    tell_vram_policy();
     // What is locked already (a warm start's locks, another runtime's): a client learns the locks
     // from Lock and Unlock only (a CUDA hook registers them for DMA, and fills its pool from them),
     // so it hears of those made before it came, now, before anything decided later.
@@ -484,6 +489,31 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         if (entry->res->state(slot).tier() == Tier::Locked)
             reply(c, 0, Directive{Action::Lock, entry->id, map.layers[slot / map.n_experts].index, slot % map.n_experts});
     return true;
+}
+
+// The pool budgets and whether experts in its pools leave RAM, as the client was last told.
+void Daemon::send_vram_policy(Client& c) {
+    reply(c, 0, VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), c.one_place_told});
+    for (const auto& [device, bytes] : config_.vram_pool_device) reply(c, 0, VramPolicy{device, bytes, c.one_place_told});
+}
+
+// One place for a client: unless [vram] keep_ram_copy, while any of its models needs it
+// (ModelEntry::one_place); a client with no model yet hears the default. Sent again when it changes.
+void Daemon::tell_vram_policy() {
+    for (auto& cp : clients_) {
+        Client& c = *cp;
+        if (c.dead || !c.hello) continue;
+        bool any = c.models.empty(), wants = false;
+        for (const auto& m : models_)
+            if (std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) {
+                any = true;
+                wants = wants || m->one_place;
+            }
+        const bool one_place = !config_.keep_ram_copy && (c.models.empty() || (any && wants));
+        if (one_place == c.one_place_told) continue;
+        c.one_place_told = one_place;
+        send_vram_policy(c);
+    }
 }
 
 void Daemon::tell_clients(const ModelEntry& m, uint32_t slot, Action action) {
@@ -598,7 +628,7 @@ void Daemon::bind_promoted() {
                 break;
             }
         }
-        if (all && clients > 0 && !config_.keep_ram_copy && config_.fill_from_files) {
+        if (all && clients > 0 && !config_.keep_ram_copy && m->one_place && config_.fill_from_files) {
             // Per expert: every client holds it in its pool already or, filling its pool for the
             // first time, was directed to hold it; and one at least is yet to fill it.
             std::vector<uint32_t> ok(n, 0), filling(n, 0);

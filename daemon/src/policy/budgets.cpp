@@ -20,6 +20,12 @@ uint64_t lock_cap(const MemoryFacts& m, uint64_t lock_budget, uint64_t reserve, 
     return std::min({lock_budget, ram_cap, cgroup_cap, pressure_cap});
 }
 
+bool one_place_needed(uint64_t need, uint64_t cap, std::optional<bool> was) {
+    if (need > cap) return true;
+    if (!was.value_or(false)) return false;
+    return static_cast<double>(cap) < 1.1 * static_cast<double>(need);
+}
+
 uint64_t pressure_keep(uint64_t locked, double release_share) {
     return static_cast<uint64_t>(static_cast<double>(locked) * (1.0 - release_share));
 }

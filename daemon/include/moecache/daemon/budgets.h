@@ -37,6 +37,15 @@ uint64_t cgroup_others_need(const MemoryFacts& m);
 // (kNoCap: none).
 uint64_t lock_cap(const MemoryFacts& m, uint64_t lock_budget, uint64_t reserve, uint64_t pressure_cap = kNoCap);
 
+// One place (an expert a VRAM pool holds leaves RAM) is for RAM that cannot keep every expert of
+// the models locked anyway: where it can, dropping a pooled expert's RAM copy frees nothing the
+// models need, and costs the pool its freedom to follow the routing (an expert it lets go would be
+// read from storage again). `need`: the experts' bytes the RAM would keep; `cap`: what may be
+// locked. On once they do not fit; off again only once the cap holds 1.1 times them, so that a cap
+// that moves at the edge (pressure, a cgroup's other processes) does not flip it to and fro
+// (`was`: what it was; none at the first decision).
+bool one_place_needed(uint64_t need, uint64_t cap, std::optional<bool> was);
+
 // What memory pressure leaves locked: the locked bytes less the configured share to release.
 uint64_t pressure_keep(uint64_t locked, double release_share);
 

@@ -125,6 +125,8 @@ private:
     // turn, which experts RAM gives up to VRAM (unlocked and dropped) and which it takes back.
     void settle_one_place();
     void bind_promoted();  // after direct_pools: what the hooks read into VRAM, not RAM
+    void tell_vram_policy();  // clients.cpp: VramPolicy again to each client whose one place changed
+    void decide_one_place(uint64_t cap, const std::set<uint32_t>& registered);  // decide.cpp
     [[nodiscard]] uint64_t lock_cap() const;
     [[nodiscard]] MemoryFacts memory_facts() const;  // as read at the last placement
     // A model's own cap: its budget and its user's (registered models).
@@ -143,6 +145,7 @@ private:
     void consume_page_cache_batch();
     // The client socket (clients/clients.cpp).
     struct Client;
+    void send_vram_policy(Client& c);
     void accept_clients();
     void on_client_readable(Client& c);
     // Handles one packet; false when the client must be dropped (after a Failure was sent).
