@@ -503,13 +503,13 @@ void Daemon::tell_vram_policy() {
     for (auto& cp : clients_) {
         Client& c = *cp;
         if (c.dead || !c.hello) continue;
-        bool any = c.models.empty(), wants = false;
+        bool found = false, wants = false;
         for (const auto& m : models_)
             if (std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) {
-                any = true;
+                found = true;
                 wants = wants || m->one_place;
             }
-        const bool one_place = !config_.keep_ram_copy && (c.models.empty() || (any && wants));
+        const bool one_place = !config_.keep_ram_copy && (!found || wants);
         if (one_place == c.one_place_told) continue;
         c.one_place_told = one_place;
         send_vram_policy(c);
