@@ -32,10 +32,14 @@ void Engine::report_experts(Model& m, uint32_t block, const uint32_t* experts, u
     if (moecache_client_report(client_, h, block, experts, n, tokens) == 1) reported_.fetch_add(1, std::memory_order_relaxed);
 }
 
+// Only once every model is registered: the daemon decides one place for the models a client
+// registers and says so before it answers the registration (what it said at the handshake is a
+// default). A placement drained before that is dropped again by rezap_pooled.
 bool Engine::daemon_wants_one_place(int device) const {
     int one_place = 0;
     return cfg_.one_place && !pinned_all_ && client_ != nullptr &&
-           moecache_client_vram_policy(client_, static_cast<uint32_t>(device), nullptr, &one_place) == 1 && one_place == 1;
+           moecache_client_vram_policy(client_, static_cast<uint32_t>(device), nullptr, &one_place) == 1 && one_place == 1 &&
+           moecache_client_wait_ready(client_, 0) == 1;
 }
 
 // The daemon's budget for each device's pool, when it sets or changes one. And PIN=register: with a

@@ -7,6 +7,7 @@
 #include "../daemon_state.h"
 
 #include "moecache/daemon/prefetcher.h"
+#include "moecache/daemon/system_memory.h"
 #include "moecache/log.h"
 
 #include <fcntl.h>
@@ -473,15 +474,17 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         one_place_due_.insert(entry->id);  // one more client that needs what its pool does not hold
     }
     const auto& map = entry->res->model().map();
-    reply(c, rq,
-          ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
-                          static_cast<uint32_t>(map.files.size())});
-    // One place as this model needs it, decided now: before its hook's pool forms.
+    // One place as this model needs it, decided now and sent before the answer:
+    // the client hears it before its model counts as registered, and before its hook's pool forms.
     std::set<uint32_t> registered;
     for (const auto& o : clients_)
         if (!o->dead) registered.insert(o->models.begin(), o->models.end());
+    if (const auto now = read_system_memory()) memory_now_ = *now;  // the cap as it is, not as at the last placement
     decide_one_place(lock_cap(), registered);
     tell_vram_policy();
+    reply(c, rq,
+          ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
+                          static_cast<uint32_t>(map.files.size())});
     // What is locked already (a warm start's locks, another runtime's): a client learns the locks
     // from Lock and Unlock only (a CUDA hook registers them for DMA, and fills its pool from them),
     // so it hears of those made before it came, now, before anything decided later.
