@@ -229,6 +229,7 @@ private:
     // pools.cpp
     bool allocate_pool(int device);  // false: nothing to size it by yet
     void size_for_every_expert(DevicePool& dp);
+    void see_every_tensor(DevicePool& dp, const Model& m);  // under dp.mu
     void want_pool(int device);      // serve.cpp: asks the background thread for device's pool
     void want_pool_here();           // ... for the calling thread's device
     bool fillable(const Model& m, uint32_t expert, bool from_file) const;  // fill.cpp

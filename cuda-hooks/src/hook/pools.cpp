@@ -108,16 +108,20 @@ void Engine::size_for_every_expert(DevicePool& dp) {
     if (moecache_client_vram_policy(client_, static_cast<uint32_t>(dp.device), nullptr, &one_place) != 1) return;
     std::lock_guard lock(dp.mu);
     dp.sole = true;
-    for (const Model* m : models_) {
-        if (m->id >= dp.seen.size()) continue;
-        for (size_t ls = 0; ls < m->map.layers.size(); ++ls)
-            for (size_t ti = 0; ti < m->map.layers[ls].tensors.size(); ++ti) {
-                const uint32_t id = m->slice(static_cast<int32_t>(ls), static_cast<uint32_t>(ti), 0) / m->map.n_experts;
-                if (id >= dp.seen[m->id].size() || dp.seen[m->id][id]) continue;
-                dp.seen[m->id][id] = 1;
-                dp.seen_bytes.fetch_add(m->map.layers[ls].tensors[ti].bytes_per_expert * m->map.n_experts);
-            }
-    }
+    for (const Model* m : models_) see_every_tensor(dp, *m);
+}
+
+// Every expert tensor of the model counted as copied to this device (under dp.mu), as the copy
+// path counts one it sees for the first time.
+void Engine::see_every_tensor(DevicePool& dp, const Model& m) {
+    if (m.id >= dp.seen.size()) return;
+    for (size_t ls = 0; ls < m.map.layers.size(); ++ls)
+        for (size_t ti = 0; ti < m.map.layers[ls].tensors.size(); ++ti) {
+            const uint32_t id = m.slice(static_cast<int32_t>(ls), static_cast<uint32_t>(ti), 0) / m.map.n_experts;
+            if (id >= dp.seen[m.id].size() || dp.seen[m.id][id]) continue;
+            dp.seen[m.id][id] = 1;
+            dp.seen_bytes.fetch_add(m.map.layers[ls].tensors[ti].bytes_per_expert * m.map.n_experts);
+        }
 }
 
 void Engine::add_model_to(DevicePool& dp, const Model& m) {
@@ -126,12 +130,8 @@ void Engine::add_model_to(DevicePool& dp, const Model& m) {
     if (dp.full.size() <= m.id) dp.full.resize(m.id + 1);
     dp.full[m.id].assign(m.n_experts, 0);
     if (dp.seen.size() <= m.id) dp.seen.resize(m.id + 1);
-    dp.seen[m.id].assign(m.n_slices / std::max<uint32_t>(m.map.n_experts, 1), dp.sole ? 1 : 0);
-    if (!dp.sole) return;
-    uint64_t bytes = 0;  // as the copy path counts what it sees
-    for (const auto& l : m.map.layers)
-        for (const auto& t : l.tensors) bytes += t.bytes_per_expert * m.map.n_experts;
-    dp.seen_bytes.fetch_add(bytes);
+    dp.seen[m.id].assign(m.n_slices / std::max<uint32_t>(m.map.n_experts, 1), 0);
+    if (dp.sole) see_every_tensor(dp, m);
 }
 
 bool Engine::allocate_pool(int device) {
