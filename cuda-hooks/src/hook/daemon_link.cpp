@@ -48,18 +48,8 @@ bool Engine::daemon_wants_one_place(int device) const {
 void Engine::apply_daemon_budgets() {
     if (client_ == nullptr) return;
     if (cfg_.registers()) {
-        const bool daemon = moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1;
-        if (daemon && !follow_locks_.exchange(true)) {
-            for (Model* m : models_) std::fill(m->daemon_locked.begin(), m->daemon_locked.end(), 0);  // it says anew
-            unregister_ahead();
-            for (Model* m : models_)
-                for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
-                    uint8_t asked = Model::kAsked;
-                    if (!m->registered[slice].compare_exchange_strong(asked, Model::kNone)) unregister_slice(*m, slice);
-                }
-        } else if (!daemon) {
-            follow_locks_.store(false);
-        }
+        if (moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1) follow_daemon_locks();
+        else follow_locks_.store(false);
     }
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
@@ -72,6 +62,21 @@ void Engine::apply_daemon_budgets() {
         dp->daemon_budget = applied;
         resize_pool(*dp);
     }
+}
+
+// A daemon came (its first VramPolicy, or its first Lock: whichever the hook sees first, since the
+// client may read both between two of the hook's turns): what was registered before it is let go,
+// and what it locks is what it says from now on. Once per daemon: a Lock it sent is never wiped by
+// the transition that its VramPolicy, read later, would otherwise start.
+void Engine::follow_daemon_locks() {
+    if (follow_locks_.exchange(true)) return;
+    for (Model* m : models_) std::fill(m->daemon_locked.begin(), m->daemon_locked.end(), 0);
+    unregister_ahead();
+    for (Model* m : models_)
+        for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
+            uint8_t asked = Model::kAsked;
+            if (!m->registered[slice].compare_exchange_strong(asked, Model::kNone)) unregister_slice(*m, slice);
+        }
 }
 
 // One place: the bytes of an expert the pool holds need not stay in RAM. Its pages are paged out of
@@ -215,6 +220,7 @@ void Engine::poll_directives() {
         const uint32_t e = m->expert(ls, d[i].expert);
         if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) {
             // With a daemon the registered tier is what the daemon keeps locked (and no pool holds).
+            if (cfg_.registers()) follow_daemon_locks();
             m->daemon_locked[e] = d[i].action == MOECACHE_LOCK ? 1 : 0;
             ++fill_gen_;
             if (cfg_.registers()) follow_registration(*m, ls, d[i].expert);

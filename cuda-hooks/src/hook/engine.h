@@ -269,6 +269,7 @@ private:
                                    uint64_t bytes, CUstream stream);
     // daemon_link.cpp
     void apply_daemon_budgets();
+    void follow_daemon_locks();  // a daemon came: its locks are the registered tier from now on
     void drain_placements();
     void rezap_pooled();
     void drop_host_copy(const Model& m, uint32_t block, uint32_t expert);
