@@ -90,6 +90,7 @@ struct moecache_client {
     static constexpr uint32_t kMaxBudgetDevices = 64;
     std::array<std::atomic<uint64_t>, kMaxBudgetDevices> budgets{};  // pool bytes + 1; 0: none set
     std::array<std::atomic<int>, kMaxBudgetDevices> one_place{};     // 1 yes, 2 no, 0: not said
+    std::array<std::atomic<int>, kMaxBudgetDevices> recency{};       // 1 yes, 0: no or not said
 
     std::atomic<telemetry::TelemetryRing*> ring{nullptr};
     std::vector<std::unique_ptr<telemetry::TelemetryRing>> rings;  // every ring made, alive until close
@@ -156,6 +157,7 @@ void moecache_client::take_push(const Message& m) {
             if (b->device == kAllDevices || b->device == d) {
                 budgets[d].store(v);
                 one_place[d].store(b->one_place ? 1 : 2);
+                recency[d].store(b->recency ? 1 : 0);
             }
     }
 }
@@ -512,6 +514,11 @@ int moecache_client_vram_policy(const moecache_client* c, uint32_t device, uint6
     if (pool_bytes) *pool_bytes = v == UINT64_MAX ? UINT64_MAX : v - 1;
     if (one_place) *one_place = o == 1 ? 1 : 0;
     return 1;
+}
+
+int moecache_client_pool_recency(const moecache_client* c, uint32_t device) {
+    if (!c || device >= moecache_client::kMaxBudgetDevices || !c->connected.load()) return 0;
+    return c->recency[device].load() == 1 ? 1 : 0;
 }
 
 size_t moecache_client_poll(moecache_client* c, moecache_directive* out, size_t max) {

@@ -48,6 +48,7 @@ public:
         return v;
     }
     uint8_t u8(const char* what) { return static_cast<uint8_t>(get(1, what)); }
+    [[nodiscard]] bool more() const { return error_.empty() && at_ < b_.size(); }
     uint16_t u16(const char* what) { return static_cast<uint16_t>(get(2, what)); }
     uint32_t u32(const char* what) { return static_cast<uint32_t>(get(4, what)); }
     uint64_t u64(const char* what) { return get(8, what); }
@@ -188,6 +189,7 @@ std::vector<uint8_t> encode(const Message& m) {
                 body.u32(x.device);
                 body.u64(x.pool_bytes);
                 body.u8(x.one_place ? 1 : 0);
+                body.u8(x.recency ? 1 : 0);
             }
         },
         m.body);
@@ -391,6 +393,12 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             if (r.error().empty() && one > 1)
                 r.fail(fmt::format("at byte {}: VramPolicy one_place is {}, not 0 or 1", kHeaderBytes + 12, one));
             x.one_place = one == 1;
+            if (r.more()) {
+                const uint8_t rec = r.u8("VramPolicy.recency");
+                if (r.error().empty() && rec > 1)
+                    r.fail(fmt::format("at byte {}: VramPolicy recency is {}, not 0 or 1", kHeaderBytes + 13, rec));
+                x.recency = rec == 1;
+            }
             MC_TRY_VOID(expect_fds(0, "VramPolicy"));
             m.body = x;
             break;

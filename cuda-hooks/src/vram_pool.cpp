@@ -12,6 +12,8 @@ void ExpertHeat::add_model(uint32_t model, uint32_t n_experts) {
     experts_ += n_experts - heat_[model].size();
     heat_[model].resize(n_experts, 0);
     promoted_[model].resize(n_experts, 0);
+    if (last_.size() <= model) last_.resize(model + 1);
+    last_[model].resize(n_experts, 0);
 }
 
 void ExpertHeat::touch(uint32_t model, uint32_t expert, uint32_t amount) {
@@ -19,6 +21,12 @@ void ExpertHeat::touch(uint32_t model, uint32_t expert, uint32_t amount) {
     auto& h = heat_[model][expert];
     h = h >= kPromoted - 1 - amount ? kPromoted - 1 : h + amount;
     touches_ += amount;
+    if (++stamp_ >= kPromoted - 1) {  // order kept, room made
+        for (auto& m : last_)
+            for (auto& v : m) v /= 2;
+        stamp_ /= 2;
+    }
+    last_[model][expert] = stamp_;
     if (touches_ >= 64 * std::max<uint64_t>(experts_, 1)) {
         for (auto& m : heat_)
             for (auto& v : m) v /= 2;
@@ -36,7 +44,8 @@ void ExpertHeat::set_promoted(uint32_t model, uint32_t expert, bool promoted) {
 
 uint32_t ExpertHeat::heat(uint32_t model, uint32_t expert) const {
     if (model >= heat_.size() || expert >= heat_[model].size()) return 0;
-    return heat_[model][expert] + (promoted_[model][expert] ? kPromoted : 0);
+    if (promoted_[model][expert]) return heat_[model][expert] + kPromoted;
+    return recency_ ? last_[model][expert] : heat_[model][expert];
 }
 
 uint32_t ExpertHeat::hottest() const {

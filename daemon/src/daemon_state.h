@@ -95,6 +95,7 @@ struct Daemon::Client {
     // from the files, is over, and the rest of its changes go through RAM's locks.
     bool pool_filled = false;
     bool one_place_told = true;  // the one_place of the last VramPolicy it was sent
+    bool recency_told = false;   // ... and its recency (direct_pools: its pool's split)
     uint32_t directed_capacity = 0;  // experts its pool is directed to hold, over its models (direct_pools)
     std::chrono::steady_clock::time_point pool_since;  // when it first reported its pool
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent

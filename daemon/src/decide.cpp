@@ -43,6 +43,8 @@ MemoryFacts Daemon::memory_facts() const {
 void Daemon::place() {
     place_requested_ = false;
     ++plans_;
+    tokens_since_place_ = 0;
+    last_place_ = std::chrono::steady_clock::now();
     // What the pools are directed to hold first: the experts bound for VRAM are then not read for
     // RAM by this very turn's plan (bind_promoted).
     direct_pools();

@@ -109,7 +109,11 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
     m.last_used = std::chrono::steady_clock::now();
     if (const auto layer = m.res->layer_of_block(block)) {
         // The clock advances once per batch: on the first MoE layer's report.
-        if (*layer == 0) m.res->heat().advance_clock(tokens);
+        if (*layer == 0) {
+            m.res->heat().advance_clock(tokens);
+            tokens_since_place_ += tokens;
+            if (placement_due(tokens_since_place_, m.last_used - last_place_)) request_place();
+        }
         m.res->heat().record(*layer, experts);
         if (config_.predict) predict(m, *layer, experts);
     }

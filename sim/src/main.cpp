@@ -82,6 +82,7 @@ int main(int argc, char** argv) {
     uint32_t model_id = UINT32_MAX;
     tracegen::Spec shape;
     shape.tokens = 4000;
+    bool experts_given = false;
     auto flag = [&](const std::string& a) {
         if (a == "--table") return table = true;
         if (a == "--pinned") return pinned = true;
@@ -105,7 +106,7 @@ int main(int argc, char** argv) {
         else if (a == "--pool-directed") ok = mkmodel::parse_double(v, base.pool_directed) && base.pool_directed >= 0 && base.pool_directed <= 1;
         else if (a == "--tick") ok = mkmodel::parse_double(v, base.tick_seconds) && base.tick_seconds > 0 && base.tick_seconds < 1e6;
         else if (a == "--layers") ok = mkmodel::parse_number(v, shape.n_layers);
-        else if (a == "--experts") ok = mkmodel::parse_number(v, shape.n_experts);
+        else if (a == "--experts") ok = mkmodel::parse_number(v, shape.n_experts), experts_given = true;
         else if (a == "--experts-used") ok = mkmodel::parse_number(v, shape.n_used);
         else if (a == "--tokens") ok = mkmodel::parse_number(v, shape.tokens);
         else if (a == "--seed") ok = mkmodel::parse_number(v, shape.seed);
@@ -138,7 +139,10 @@ int main(int argc, char** argv) {
         for (const auto& name : preset_names) {
             const tracegen::Preset* p = tracegen::find_preset(name);
             if (!p) return die(fmt::format("unknown preset '{}' (see moecache-tracegen --help)", name));
-            auto spec = tracegen::fit(*p, shape);
+            // A family of other structure has its own expert count (issue 22's), as moecache-tracegen gives it.
+            tracegen::Spec own = shape;
+            if (p->family.experts != 0 && !experts_given) own.n_experts = p->family.experts;
+            auto spec = tracegen::fit(*p, own);
             if (!spec) return die(spec.error().what());
             auto routing = tracegen::generate(*spec);
             if (!routing) return die(routing.error().what());

@@ -266,6 +266,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         }
         pool.add_model(0, n_slots, n_slots);
         hook_heat.add_model(0, n_slots);
+
         view.in_vram.assign(n_slots, 0);
     }
     auto in_vram = [&](uint32_t slot) { return setup.device() && view.in_vram[slot] != 0; };
@@ -296,12 +297,14 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         cache.remove(s, bytes_of(s));
         if (was_in_ram) cache.insert_cold(s, bytes_of(s));
     };
-    uint32_t directed_capacity = 0;  // experts: the directed share of the pool
+    double pool_experts = 0;  // experts the pool holds
     if (setup.device()) {
         uint64_t all = 0;
         for (uint32_t s = 0; s < n_slots; ++s) all += bytes_of(s);
         const double mean = static_cast<double>(all) / std::max<uint32_t>(n_slots, 1);
-        directed_capacity = static_cast<uint32_t>(setup.pool_directed * static_cast<double>(setup.vram_bytes) / std::max(mean, 1.0));
+        pool_experts = static_cast<double>(setup.vram_bytes) / std::max(mean, 1.0);
+        if (setup.pool_directed > 0)
+            heat.set_split_capacity(pool_experts / std::max<uint32_t>(n_layers, 1), daemon::HeatTable::SplitFor::Pool);
     }
 
     // The daemon's decide step as its loop runs it (decide.h): the turn's facts (what is locked,
@@ -364,8 +367,12 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         fit_cache();
         if (setup.device()) {
             std::vector<uint8_t> want(n_slots, 0);
+            // The daemon directs the pool's frequency part; the hook keeps the rest as an LRU
+            // once the split gives recency a share (daemon::pool_directed_experts).
+            const double share = heat.recency_share(daemon::HeatTable::SplitFor::Pool);
+            hook_heat.set_recency(setup.pool_directed > 0 && share > 0);
             const std::vector<uint32_t> wanted = setup.pool_directed > 0
-                ? daemon::pool_wanted(heat, setup.planner, directed_capacity, promoted)
+                ? daemon::pool_wanted(heat, setup.planner, daemon::pool_directed_experts(pool_experts, setup.pool_directed, share), promoted)
                 : daemon::pool_elite(heat, setup.planner);
             for (uint32_t s : wanted) want[s] = 1;
             for (uint32_t s = 0; s < n_slots; ++s)
@@ -392,15 +399,25 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     uint64_t next_tick = tick_us;
     size_t j = 0;
     std::vector<uint32_t> slots;
+    // And between ticks as the router's reports advance the clock (placement_due, decide.h).
+    uint64_t tokens_since_plan = 0, last_plan_us = 0;
     for (const auto& d : trace.decisions) {
         if (d.model != model.id) continue;
         while (d.t_us >= next_tick) {
             plan();
+            tokens_since_plan = 0;
+            last_plan_us = next_tick;
             next_tick += tick_us;
         }
         if (d.layer == 0) {
             heat.advance_clock(d.tokens);
             ledger.tokens(d.tokens);
+            tokens_since_plan += d.tokens;
+            if (daemon::placement_due(tokens_since_plan, std::chrono::microseconds(d.t_us - std::min(d.t_us, last_plan_us)))) {
+                plan();
+                tokens_since_plan = 0;
+                last_plan_us = d.t_us;
+            }
         }
         const std::vector<uint32_t>* ahead = staged && j < staged->staged.size() ? &staged->staged[j] : nullptr;
         ++j;

@@ -301,6 +301,16 @@ TEST(Decide, AWarmStartReadsTheProfilesHotExpertsBeyondThePlanIntoTheRoomThereIs
 }
 
 // One place is for RAM that cannot lock every expert anyway, with hysteresis at the edge.
+// Between ticks, a placement follows the router's reports: after kPlaceEveryTokens tokens, not
+// sooner than kPlaceAtMostEvery after the last one; a prompt batch (many tokens) at once.
+TEST(PlacementDue, AfterEnoughTokensAndNotTooSoon) {
+    using std::chrono::milliseconds;
+    EXPECT_FALSE(placement_due(kPlaceEveryTokens - 1, milliseconds(5000)));
+    EXPECT_TRUE(placement_due(kPlaceEveryTokens, kPlaceAtMostEvery));
+    EXPECT_FALSE(placement_due(512, kPlaceAtMostEvery - milliseconds(1))) << "a burst of batches places at most so often";
+    EXPECT_TRUE(placement_due(512, milliseconds(250)));
+}
+
 TEST(OnePlace, OnlyWhereTheExpertsDoNotFitTheLockCap) {
     EXPECT_TRUE(one_place_needed(30 * kGiB, 17 * kGiB, std::nullopt)) << "the GPU machine's squeeze";
     EXPECT_FALSE(one_place_needed(30 * kGiB, 100 * kGiB, std::nullopt)) << "RAM holds the model";

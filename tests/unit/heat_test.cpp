@@ -121,6 +121,22 @@ TEST(HeatSplit, AStationaryRoutingKeepsEveryLockToHeat) {
     EXPECT_EQ(h.recency_share(), 0.0) << "heat alone " << h.split_score(0) << ", an eighth to recency " << h.split_score(1);
 }
 
+// The same learner at a VRAM pool's size, beside RAM's: each tier its own split from the same
+// events, learnt only where the tier's room is set (the pool's here, RAM's not).
+TEST(HeatSplit, APoolLearnsItsOwnSplitBesideRams) {
+    HeatTable h(kLayers, kExperts, 4096);
+    h.set_split_capacity(16, HeatTable::SplitFor::Pool);
+    std::mt19937 rng(3);
+    std::vector<std::vector<uint32_t>> prev(kLayers);
+    for (int t = 0; t < 3000; ++t) bursty_token(h, rng, prev, 0.6);
+    EXPECT_GT(h.recency_share(HeatTable::SplitFor::Pool), 0.0)
+        << "heat alone " << h.split_score(0, HeatTable::SplitFor::Pool) << ", a quarter to recency "
+        << h.split_score(2, HeatTable::SplitFor::Pool);
+    EXPECT_EQ(h.recency_share(), 0.0) << "RAM has no room set: nothing learnt for it";
+    EXPECT_EQ(h.split_score(0), 0.0);
+    EXPECT_EQ(h.split_capacity(HeatTable::SplitFor::Pool), 16.0);
+}
+
 TEST(HeatSplit, NothingIsLearntWithoutARoom) {
     HeatTable h(kLayers, kExperts, 4096);
     std::mt19937 rng(3);

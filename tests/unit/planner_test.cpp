@@ -267,10 +267,18 @@ TEST(Planner, APoolIsDirectedToTheHottestExpertsOfAnyLayerHottestFirst) {
     EXPECT_EQ(pool_wanted(w.heat, s, 3), (std::vector<uint32_t>{1, 8 + 3, 2}));
     EXPECT_EQ(pool_wanted(w.heat, s, 100), (std::vector<uint32_t>{1, 8 + 3, 2, 8 + 4})) << "only admitted experts";
     EXPECT_TRUE(pool_wanted(w.heat, s, 0).empty());
-    // The elite (one a layer) stays directed even where the capacity is smaller.
+    // Never more than the capacity, the elite (one a layer) included: the hottest of it. The rest
+    // of a pool is the hook's own part (its LRU where the recency split gave it a share).
     s.elite_share = 0.125;
-    EXPECT_EQ(pool_wanted(w.heat, s, 1), (std::vector<uint32_t>{1, 8 + 3}));
+    EXPECT_EQ(pool_wanted(w.heat, s, 1), (std::vector<uint32_t>{1}));
     EXPECT_EQ(pool_wanted(w.heat, s, 3), (std::vector<uint32_t>{1, 8 + 3, 2}));
+}
+
+TEST(Planner, TheRecencyShareComesOutOfTheDirectedPart) {
+    EXPECT_EQ(pool_directed_experts(100, 0.9, 0), 90u);
+    EXPECT_EQ(pool_directed_experts(100, 0.9, 0.5), 50u);
+    EXPECT_EQ(pool_directed_experts(100, 0.4, 0.25), 40u) << "the configured share caps it";
+    EXPECT_EQ(pool_directed_experts(100, 0.9, 1.0), 0u) << "all recency: nothing directed";
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ std::vector<Message> samples() {
         {0, Unmapped{0, 0, false}},
         {0, VramPolicy{kAllDevices, 8ull << 30, true}},
         {0, VramPolicy{3, kNoPoolLimit, false}},
+        {0, VramPolicy{0, 1ull << 30, true, true}},
     };
 }
 
@@ -44,6 +45,23 @@ TEST(Protocol, EveryMessageRoundTrips) {
         ASSERT_TRUE(back) << to_string(type_of(m.body)) << ": " << back.error().what();
         EXPECT_EQ(*back, m) << to_string(type_of(m.body));
     }
+}
+
+// The pool's recency is a trailing byte: a daemon that predates it sends none (read as false), and
+// a byte other than 0 or 1 is refused, named.
+TEST(Protocol, APoolPolicyWithoutItsRecencyByteReadsAsNone) {
+    auto bytes = encode({0, VramPolicy{2, 1ull << 30, false, true}});
+    bytes.pop_back();
+    const uint32_t length = static_cast<uint32_t>(bytes.size());
+    for (int i = 0; i < 4; ++i) bytes[8 + i] = static_cast<uint8_t>(length >> (8 * i));
+    auto back = decode(bytes, 0);
+    ASSERT_TRUE(back) << back.error().what();
+    EXPECT_EQ(*back, (Message{0, VramPolicy{2, 1ull << 30, false, false}}));
+    auto bad = encode({0, VramPolicy{2, 1ull << 30, false, true}});
+    bad.back() = 7;
+    auto r = decode(bad, 0);
+    ASSERT_FALSE(r);
+    EXPECT_NE(r.error().what().find("VramPolicy recency is 7"), std::string::npos) << r.error().what();
 }
 
 void expect_refused(const std::vector<uint8_t>& bytes, size_t fds, std::initializer_list<std::string> parts) {

@@ -230,6 +230,48 @@ TEST(ExpertHeat, HalvesAfterSixtyFourUsesPerExpert) {
     EXPECT_EQ(h.heat(3, 3), 0u) << "unknown model";
 }
 
+// Where the daemon's split gives recency a share, what it did not promote ranks by its last touch:
+// a pool of four with two promoted keeps the two experts used last beside them, however often
+// the others were used before.
+TEST_F(Pool, WithRecencyTheUndirectedPartKeepsWhatWasUsedLast) {
+    heat.set_promoted(0, 1, true);
+    heat.set_promoted(0, 2, true);
+    ASSERT_NE(admit(ref(1), kSlice, 7), 0u);
+    ASSERT_NE(admit(ref(2), kSlice, 7), 0u);
+    heat.touch(0, 10, 500);  // often, long ago
+    heat.touch(0, 11, 500);
+    ASSERT_NE(admit(ref(10), kSlice, 7), 0u);
+    ASSERT_NE(admit(ref(11), kSlice, 7), 0u);
+    heat.touch(0, 20);
+    heat.touch(0, 21);
+    EXPECT_EQ(admit(ref(20), kSlice, 7), 0u) << "by counts: one use does not displace 500";
+    heat.set_recency(true);
+    EXPECT_GT(heat.heat(0, 20), heat.heat(0, 10));
+    for (int i = 0; i < 64 && pool.lookup(ref(20), 7) == 0; ++i) (void)admit(ref(20), kSlice, 7);
+    heat.touch(0, 21);
+    for (int i = 0; i < 64 && pool.lookup(ref(21), 7) == 0; ++i) (void)admit(ref(21), kSlice, 7);
+    EXPECT_NE(pool.lookup(ref(20), 7), 0u);
+    EXPECT_NE(pool.lookup(ref(21), 7), 0u);
+    EXPECT_EQ(pool.lookup(ref(10), 7), 0u);
+    EXPECT_EQ(pool.lookup(ref(11), 7), 0u);
+    EXPECT_NE(pool.lookup(ref(1), 7), 0u) << "what the daemon promoted stays";
+    EXPECT_NE(pool.lookup(ref(2), 7), 0u);
+}
+
+TEST(ExpertHeat, WithRecencyTheLastTouchedRanksFirstAndAPromotionAboveAll) {
+    ExpertHeat h;
+    h.add_model(0, 3);
+    h.touch(0, 0, 100);
+    h.touch(0, 1);
+    EXPECT_GT(h.heat(0, 0), h.heat(0, 1)) << "by counts";
+    h.set_recency(true);
+    EXPECT_LT(h.heat(0, 0), h.heat(0, 1)) << "by the last touch";
+    h.set_promoted(0, 2, true);
+    EXPECT_GE(h.heat(0, 2), ExpertHeat::kPromoted) << "a promotion ranks above any stamp";
+    h.set_recency(false);
+    EXPECT_EQ(h.heat(0, 0), 100u);
+}
+
 TEST(CopyPlan, MergesHostRunsAndServesHits) {
     CopyPiece out[16];
     // Slices 0..4, pooled: 1 and 3. Padding 100 bytes, head of slice 5, which is pooled too.

@@ -72,6 +72,10 @@ MOECACHE_API int moecache_client_report_placement(moecache_client* c, uint32_t h
  * 0: keep both copies); 0 when no daemon is connected or it said nothing yet. */
 MOECACHE_API int moecache_client_vram_policy(const moecache_client* c, uint32_t device, uint64_t* pool_bytes,
                                              int* one_place);
+/* Whether the connected daemon asks this process's VRAM pool on `device` to keep the part it does
+ * not direct by recency (an LRU: the routing reuses what it just used) rather than by use counts:
+ * 1 yes, 0 no (or no daemon, or nothing said). */
+MOECACHE_API int moecache_client_pool_recency(const moecache_client* c, uint32_t device);
 /* How this process's VRAM pool on `device` (< 64) has served expert copies since it started:
  * cumulative counts, for the daemon's metrics. Sent in the background (the latest per device,
  * again after every reconnection). Returns 0 or -errno. */

@@ -55,7 +55,13 @@ void Engine::apply_daemon_budgets() {
         DevicePool* dp = pools_[d].load();
         uint64_t b = 0;
         int one_place = 0;
-        if (dp != nullptr) dp->one_place.store(daemon_wants_one_place(d), std::memory_order_relaxed);
+        if (dp != nullptr) {
+            dp->one_place.store(daemon_wants_one_place(d), std::memory_order_relaxed);
+            // The part of the pool the daemon does not direct: an LRU where its split says so.
+            const bool recency = moecache_client_pool_recency(client_, static_cast<uint32_t>(d)) == 1;
+            std::lock_guard lock(dp->mu);
+            dp->heat.set_recency(recency);
+        }
         if (dp == nullptr || moecache_client_vram_policy(client_, static_cast<uint32_t>(d), &b, &one_place) == 0) continue;
         const uint64_t applied = b == UINT64_MAX ? 0 : b + 1;
         if (dp->daemon_budget == applied) continue;

@@ -496,8 +496,9 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
 
 // The pool budgets and whether experts in its pools leave RAM, as the client was last told.
 void Daemon::send_vram_policy(Client& c) {
-    reply(c, 0, VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), c.one_place_told});
-    for (const auto& [device, bytes] : config_.vram_pool_device) reply(c, 0, VramPolicy{device, bytes, c.one_place_told});
+    reply(c, 0, VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), c.one_place_told, c.recency_told});
+    for (const auto& [device, bytes] : config_.vram_pool_device)
+        reply(c, 0, VramPolicy{device, bytes, c.one_place_told, c.recency_told});
 }
 
 // One place for a client: unless [vram] keep_ram_copy, while any of its models needs it
@@ -543,6 +544,8 @@ void Daemon::flush_clients() {
 // admitted experts, the elite of each layer and the hottest of any layer up to [vram] directed of
 // the pool it reported (pool_wanted). Promote what joins it, hottest first (the hook fills its
 // pool in that order), Unpromote what leaves; the hook's own policy fills the rest of its pool.
+// The pool's recency split (HeatTable::SplitFor::Pool, learnt at the pool's size) takes its share
+// out of the directed part, and the client is told to keep the rest as an LRU (VramPolicy recency).
 void Daemon::direct_pools() {
     for (auto& cp : clients_) {
         Client& c = *cp;
@@ -553,6 +556,7 @@ void Daemon::direct_pools() {
         uint64_t pool_bytes = 0;
         for (const auto& [device, stats] : c.pools) pool_bytes += stats.pool_bytes;
         size_t n_models = 0;
+        bool recency = false;
         c.directed_capacity = 0;
         for (auto& m : models_)
             if (m->res && std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) ++n_models;
@@ -561,10 +565,16 @@ void Daemon::direct_pools() {
             // The pool's share for this model, in experts of its mean size (split evenly between the
             // client's models).
             const uint64_t expert_bytes = m->res->n_slots() > 0 ? m->res->model().map().expert_bytes_total / m->res->n_slots() : 0;
-            const double share = config_.pool_directed * static_cast<double>(pool_bytes) / static_cast<double>(std::max<size_t>(n_models, 1));
-            const auto capacity = expert_bytes > 0
-                ? static_cast<uint32_t>(std::min<double>(share / static_cast<double>(expert_bytes), m->res->n_slots()))
-                : 0u;
+            const double room = static_cast<double>(pool_bytes) / static_cast<double>(std::max<size_t>(n_models, 1));
+            const double pool_experts = expert_bytes > 0 ? std::min<double>(room / static_cast<double>(expert_bytes), m->res->n_slots()) : 0;
+            HeatTable& heat = m->res->heat();
+            const uint32_t n_layers = std::max<uint32_t>(heat.n_layers(), 1);
+            // The split is learnt at the largest pool of the model's clients.
+            if (pool_experts / n_layers > heat.split_capacity(HeatTable::SplitFor::Pool))
+                heat.set_split_capacity(pool_experts / n_layers, HeatTable::SplitFor::Pool);
+            const double recency_share = config_.pool_directed > 0 ? heat.recency_share(HeatTable::SplitFor::Pool) : 0.0;
+            recency = recency || recency_share > 0;
+            const uint32_t capacity = pool_directed_experts(pool_experts, config_.pool_directed, recency_share);
             c.directed_capacity += capacity;
             std::vector<uint8_t> held(m->res->n_slots(), 0);
             for (const auto& [mid, slot] : c.promoted)
@@ -589,6 +599,12 @@ void Daemon::direct_pools() {
             } else {
                 ++it;
             }
+        }
+        if (recency != c.recency_told && c.hello) {
+            c.recency_told = recency;
+            MC_LOG(LOG_INFO, "client {}: the part of its pool not directed {}", c.id,
+                   recency ? "keeps what was used last (the routing reuses it)" : "follows its use counts again");
+            send_vram_policy(c);
         }
     }
     bind_promoted();

@@ -27,7 +27,7 @@ void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32
     if (layer_at_[layer] != clock_) total *= std::exp2(-static_cast<double>(clock_ - layer_at_[layer]) / half_life_);
     layer_at_[layer] = clock_;
     const double mean = total / n_experts_;
-    if (split_capacity_ > 0 && weight == 1) score_splits(layer, experts);
+    if ((splits_[0].capacity > 0 || splits_[1].capacity > 0) && weight == 1) score_splits(layer, experts);
     uint32_t surprised = 0, seen = 0;
     for (uint32_t e : experts) {
         if (e >= n_experts_) continue;
@@ -68,18 +68,12 @@ void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32
 // heat ranks under F, or if that LRU holds it; then it is the LRU's most lately used.
 void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) {
     const uint32_t n = n_experts_;
-    const double cap = std::min(split_capacity_, static_cast<double>(n));
     // The heat ranks as the tier's locks last followed them: a placement runs about once a second
     // (20-50 tokens of decode), so the ranks are taken anew every kSplitRankTokens tokens, not at
     // each event (the expert just routed would rank first at once, which no lock does).
     if (split_rank_.size() != cells_.size()) {
         split_rank_.assign(cells_.size(), 0);
         split_rank_at_.assign(n_layers_, UINT64_MAX);
-        split_lru_.assign(kSplits, Lru{});
-        for (auto& l : split_lru_) {
-            l.at.resize(cells_.size());
-            l.in.assign(cells_.size(), 0);
-        }
     }
     uint32_t* rank = &split_rank_[index(layer, 0)];
     if (split_rank_at_[layer] == UINT64_MAX || clock_ - split_rank_at_[layer] >= kSplitRankTokens) {
@@ -91,6 +85,21 @@ void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) 
         std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return h[a] > h[b] || (h[a] == h[b] && a < b); });
         for (uint32_t r = 0; r < n; ++r) rank[order[r]] = r;
     }
+    for (auto& sp : splits_)
+        if (sp.capacity > 0) score_split(sp, layer, experts);
+}
+
+void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t> experts) {
+    const uint32_t n = n_experts_;
+    const double cap = std::min(sp.capacity, static_cast<double>(n));
+    if (sp.lru.empty()) {
+        sp.lru.assign(kSplits, Lru{});
+        for (auto& l : sp.lru) {
+            l.at.resize(cells_.size());
+            l.in.assign(cells_.size(), 0);
+        }
+    }
+    const uint32_t* rank = &split_rank_[index(layer, 0)];
     uint32_t by_heat[kSplits];
     size_t room[kSplits];
     for (unsigned k = 0; k < kSplits; ++k) {
@@ -107,7 +116,7 @@ void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) 
                 ++held[k];
                 continue;
             }
-            Lru& l = split_lru_[k];
+            Lru& l = sp.lru[k];
             if (l.in[cell]) {
                 ++held[k];
                 l.order.splice(l.order.begin(), l.order, l.at[cell]);
@@ -124,18 +133,18 @@ void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) 
         }
     }
     if (seen == 0) return;
-    ++split_events_;
-    const double w = 1.0 / static_cast<double>(std::min<uint64_t>(split_events_, 4096));
-    unsigned best = split_k_;
+    ++sp.events;
+    const double w = 1.0 / static_cast<double>(std::min<uint64_t>(sp.events, 4096));
+    unsigned best = sp.k;
     for (unsigned k = 0; k < kSplits; ++k) {
-        split_score_[k] += (static_cast<double>(held[k]) / seen - split_score_[k]) * w;
-        if (split_score_[k] > split_score_[best]) best = k;
+        sp.score[k] += (static_cast<double>(held[k]) / seen - sp.score[k]) * w;
+        if (sp.score[k] > sp.score[best]) best = k;
     }
     // Recency only where it clearly pays: a split with a share for it must hold a point more than
     // heat alone (on routings without temporal locality the splits differ by noise, and a lock set
     // cut for nothing costs more than the scores show: what leaves the locks is read again).
-    if (best != 0 && split_score_[best] < split_score_[0] + 0.01) best = 0;
-    if (split_events_ >= 1024 && best != split_k_ && split_score_[best] > split_score_[split_k_] + 0.002) split_k_ = best;
+    if (best != 0 && sp.score[best] < sp.score[0] + 0.01) best = 0;
+    if (sp.events >= kSplitFirstEvents && best != sp.k && sp.score[best] > sp.score[sp.k] + 0.002) sp.k = best;
 }
 
 void HeatTable::forget(double keep) {

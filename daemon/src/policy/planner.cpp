@@ -149,6 +149,9 @@ std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& 
     for (uint32_t slot : elite) out.emplace_back(heat.heat(slot / ne, slot % ne), slot);
     out.insert(out.end(), rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(more));
     std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    // Never more than the pool holds: an elite larger than the directed part (a small pool, or a
+    // recency split that leaves the hook most of it) would take the room of the hook's own part.
+    if (out.size() > capacity) out.resize(capacity);
     std::vector<uint32_t> slots;
     slots.reserve(out.size());
     for (const auto& [h, slot] : out) slots.push_back(slot);

@@ -133,6 +133,10 @@ struct VramPolicy {
     uint32_t device = kAllDevices;
     uint64_t pool_bytes = kNoPoolLimit;
     bool one_place = true;
+    // The part of the pool the daemon does not direct ranks by recency (an LRU), not by the
+    // hook's counts: the daemon's split learnt that the routing reuses what it just used. A
+    // trailing byte, absent from daemons before it (read as false) and ignored by older clients.
+    bool recency = false;
     bool operator==(const VramPolicy&) const = default;
 };
 

@@ -32,11 +32,20 @@ public:
     void set_promoted(uint32_t model, uint32_t expert, bool promoted);
     [[nodiscard]] uint32_t heat(uint32_t model, uint32_t expert) const;  // with the promotion
     [[nodiscard]] uint32_t hottest() const;
+    // Recency for what was not promoted: where the daemon directs the pool by frequency (the
+    // share its split learnt: daemon/heat.h, pool_wanted), the rest of the pool is the recency
+    // part, and an expert not promoted ranks by when it was last touched (an LRU of that part)
+    // instead of by its count.
+    void set_recency(bool on) { recency_ = on; }
+    [[nodiscard]] bool recency() const { return recency_; }
 
 private:
     std::vector<std::vector<uint32_t>> heat_;  // [model][expert], below kPromoted
+    std::vector<std::vector<uint32_t>> last_;  // [model][expert]: stamp_ at its last touch
     std::vector<std::vector<uint8_t>> promoted_;
     uint64_t experts_ = 0, touches_ = 0;
+    uint32_t stamp_ = 0;  // below kPromoted: halved with every last_ when it would reach it
+    bool recency_ = false;
 };
 
 // A slice of an expert tensor: model-local slice index, and the model-local expert it belongs to.

@@ -229,6 +229,10 @@ private:
     bool in_step_ = false, place_requested_ = false;
     SystemMemory memory_now_;  // read at the start of each plan
     uint64_t plans_ = 0;
+    // Since the last placement: tokens the router reports advanced a model's clock by, and when it
+    // was (placement_due, decide.h).
+    uint64_t tokens_since_place_ = 0;
+    std::chrono::steady_clock::time_point last_place_{};
     // Failures the loop goes on after: counted by what it was doing, logged the first time and
     // then at most once a minute for each, with how many came in between.
     struct IgnoredErrors {

@@ -32,19 +32,31 @@ public:
     // Times the routing was seen to shift (the old heat was cut: see record()).
     [[nodiscard]] uint64_t shifts() const { return shifts_; }
 
-    // Recency against frequency, learnt online. A tier of `experts_per_layer` experts a layer (0:
-    // not learnt) is held as the hottest of each layer by heat plus, in the rest of its room, the
-    // most lately used of the others, all layers together (the page cache's LRU below the daemon's
-    // locks). Each router event is scored against every split of the room in eighths, as if the
-    // tier had held it so: the heat ranks as a placement last saw them, and for each split an LRU
-    // of its room replayed over the accesses its heat part would not have held (ARC's ghosts, one
-    // list per split rather than two sized by one). The split that held the most over the last
-    // ~4096 events is taken, one that gives recency a share only if it holds a point more than
-    // heat alone. No feedback: what the tier held does not change the scores.
-    void set_split_capacity(double experts_per_layer) { split_capacity_ = experts_per_layer; }
+    // Recency against frequency, learnt online, for each tier the heat ranks (SplitFor): a tier of
+    // `experts_per_layer` experts a layer (0: not learnt) is held as the hottest of each layer by
+    // heat plus, in the rest of its room, the most lately used of the others, all layers together
+    // (in RAM the page cache's LRU below the daemon's locks; in a VRAM pool the part the daemon
+    // does not direct, which the hook keeps as an LRU: cuda-hooks ExpertHeat::set_recency). Each
+    // router event is scored against every split of the room in eighths, as if the tier had held
+    // it so: the heat ranks as a placement last saw them, and for each split an LRU of its room
+    // replayed over the accesses its heat part would not have held (ARC's ghosts, one list per
+    // split rather than two sized by one). The split that held the most over the last ~4096
+    // events is taken, one that gives recency a share only if it holds a point more than heat
+    // alone. No feedback: what the tier held does not change the scores.
+    enum class SplitFor : unsigned { Ram = 0, Pool = 1 };
+    void set_split_capacity(double experts_per_layer, SplitFor tier = SplitFor::Ram) {
+        splits_[static_cast<unsigned>(tier)].capacity = experts_per_layer;
+    }
+    [[nodiscard]] double split_capacity(SplitFor tier = SplitFor::Ram) const {
+        return splits_[static_cast<unsigned>(tier)].capacity;
+    }
     // The share of the room for recency, in eighths: 0 (all by heat, the default) to 1.
-    [[nodiscard]] double recency_share() const { return split_k_ / 8.0; }
-    [[nodiscard]] double split_score(unsigned k) const { return k < kSplits ? split_score_[k] : 0; }
+    [[nodiscard]] double recency_share(SplitFor tier = SplitFor::Ram) const {
+        return splits_[static_cast<unsigned>(tier)].k / 8.0;
+    }
+    [[nodiscard]] double split_score(unsigned k, SplitFor tier = SplitFor::Ram) const {
+        return k < kSplits ? splits_[static_cast<unsigned>(tier)].score[k] : 0;
+    }
 
     // Profiles: JSON text {"key", "n_layers", "n_experts", "clock", "experts": [[layer, expert,
     // heat, uses], ...]} with heat decayed to the clock. Loading checks the shape.
@@ -61,6 +73,8 @@ private:
     [[nodiscard]] double decayed(const Cell& c) const;
     void forget(double keep);  // every cell's heat times `keep`
     void score_splits(uint32_t layer, std::span<const uint32_t> experts);
+    struct Split;
+    void score_split(Split& sp, uint32_t layer, std::span<const uint32_t> experts);
 
     uint32_t n_layers_ = 0, n_experts_ = 0;
     // Shift detection: how often a routed expert was among the colder half of its layer (below the
@@ -69,10 +83,11 @@ private:
     uint64_t events_ = 0, quiet_until_ = 0, shifts_ = 0;
     std::vector<double> layer_total_;  // decayed sum of the layer's heat, as of layer_at_
     std::vector<uint64_t> layer_at_;
-    // The recency split (set_split_capacity): each split's share of routed experts it would have
+    // The recency splits (set_split_capacity): each split's share of routed experts it would have
     // held, a running mean over ~4096 events.
     static constexpr unsigned kSplits = 9;
     static constexpr uint64_t kSplitRankTokens = 32;
+    static constexpr uint64_t kSplitFirstEvents = 2048;  // a full window before the first move
     std::vector<uint32_t> split_rank_;     // per cell: its heat rank in its layer, as last taken
     std::vector<uint64_t> split_rank_at_;  // per layer: the clock then
     struct Lru {  // cells, most lately used first
@@ -80,11 +95,14 @@ private:
         std::vector<std::list<uint32_t>::iterator> at;
         std::vector<uint8_t> in;
     };
-    std::vector<Lru> split_lru_;  // per split
-    double split_capacity_ = 0;
-    double split_score_[kSplits] = {};
-    uint64_t split_events_ = 0;
-    unsigned split_k_ = 0;
+    struct Split {
+        double capacity = 0;          // experts per layer; 0: not learnt
+        std::vector<Lru> lru;         // per split
+        double score[kSplits] = {};
+        uint64_t events = 0;
+        unsigned k = 0;
+    };
+    Split splits_[2];
     double half_life_ = 4096;
     uint64_t clock_ = 0;
     std::vector<Cell> cells_;

@@ -12,6 +12,7 @@
 
 #include "moecache/daemon/heat.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -67,7 +68,8 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
 std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s);
 
 // What a client's pool is directed to hold: the elite of each layer, then the hottest admitted
-// experts of any layer, `capacity` experts in all (at least the elite), hottest first. The hook
+// experts of any layer, `capacity` experts in all (the hottest of the elite where it is larger),
+// hottest first. The hook
 // fills its pool with them ahead of the runtime's copies (from what the daemon locks: a model's
 // heat, saved or shared by its family, starts its pool warm) and ranks them above what it admits
 // by itself; the rest of the pool follows the hook's own counts.
@@ -76,5 +78,13 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
 // is a fill, and under one place a read from storage).
 std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity,
                                   std::span<const uint8_t> held = {});
+
+// How many experts of a pool of `pool_experts` the daemon directs: its `directed` share ([vram]
+// directed), less the share the pool's recency split gives the hook's LRU part
+// (HeatTable::recency_share(SplitFor::Pool)).
+[[nodiscard]] inline uint32_t pool_directed_experts(double pool_experts, double directed, double recency_share) {
+    const double share = std::max(0.0, std::min(directed, 1.0 - recency_share));
+    return static_cast<uint32_t>(share * pool_experts);
+}
 
 }  // namespace moecache::daemon
