@@ -189,7 +189,7 @@ std::vector<uint8_t> encode(const Message& m) {
                 body.u32(x.device);
                 body.u64(x.pool_bytes);
                 body.u8(x.one_place ? 1 : 0);
-                body.u8(x.recency ? 1 : 0);
+                if (x.recency) body.u8(1);  // present only when on: one encoding per message
             }
         },
         m.body);
@@ -395,8 +395,9 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             x.one_place = one == 1;
             if (r.more()) {
                 const uint8_t rec = r.u8("VramPolicy.recency");
-                if (r.error().empty() && rec > 1)
-                    r.fail(fmt::format("at byte {}: VramPolicy recency is {}, not 0 or 1", kHeaderBytes + 13, rec));
+                if (r.error().empty() && rec != 1)
+                    r.fail(fmt::format("at byte {}: VramPolicy recency is {}: the byte is there only when it is 1",
+                                       kHeaderBytes + 13, rec));
                 x.recency = rec == 1;
             }
             MC_TRY_VOID(expect_fds(0, "VramPolicy"));

@@ -32,6 +32,7 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
             {4, TelemetrySetup{1u << 20}},    {5, Goodbye{}},          {1, HelloReply{1, 42}},
             {2, Ok{}},                        {3, Failure{13, "no"}},  {4, ModelRegistered{9, 61, 256, 5}},
             {0, Directive{Action::Unlock, 9, 12, 255}},
+            {0, VramPolicy{3, 1ull << 30, true, false}}, {0, VramPolicy{kAllDevices, kNoPoolLimit, false, true}},
         };
         int i = 0;
         for (const auto& m : seeds) {

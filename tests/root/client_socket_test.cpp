@@ -32,6 +32,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <random>
 #include <set>
 
 namespace moecache::daemon {
@@ -972,6 +973,53 @@ TEST_F(ClientSocketTest, APoolTakesExpertsOutOfRamOnlyWhenEveryClientHoldsThemAn
     EXPECT_TRUE(settle([&] { return facts().expert_locked_bytes == 0; })) << "they did not leave RAM again";
     stop(root);
     stop(user);
+}
+
+// A pool's recency split, end to end: a runtime whose router keeps what it just used (nine tokens
+// in ten reuse the previous token's experts, the rest drawn evenly: no expert hotter than another)
+// reports a pool of a quarter of the experts; the daemon learns the split at the pool's size and
+// tells the client to keep what it does not direct as an LRU (VramPolicy recency).
+TEST_F(ClientSocketTest, ARoutingThatReusesWhatItUsedGivesThePoolARecencyShare) {
+    auto parts = open_gguf_model(model_);
+    ASSERT_TRUE(parts);
+    auto map = ExpertMap::build(*parts);
+    ASSERT_TRUE(map);
+    const uint64_t expert = map->expert_bytes_total / (uint64_t{map->layers.size()} * map->n_experts);
+    start();
+    const std::string sock = d_->status().socket_path, model = model_;
+    int ready = -1;
+    const pid_t pid = spawn_as(0, [=] {
+        uint32_t h = 0;
+        moecache_client* cl = registered_client(sock, model, "bursty", h);
+        const moecache_pool_stats stats{0, 0, 0, 0, 16 * expert};  // 4 experts of each of 4 layers
+        if (moecache_client_report_pool(cl, 0, &stats) != 0) ::_exit(6);
+        if (moecache_client_pool_recency(cl, 0) != 0) ::_exit(7);  // nothing learnt yet
+        ::usleep(500000);  // the daemon places: the pool's size reaches its split
+        std::mt19937 rng(5);
+        std::uniform_int_distribution<uint32_t> any(0, 15);
+        std::bernoulli_distribution keep(0.9);
+        uint32_t prev[4][2] = {};
+        for (int t = 0; t < 1500; ++t) {
+            for (uint32_t block = 0; block < 4; ++block) {
+                uint32_t* e = prev[block];
+                if (t == 0 || !keep(rng)) {
+                    e[0] = any(rng);
+                    do e[1] = any(rng); while (e[1] == e[0]);
+                }
+                (void)moecache_client_report(cl, h, block, e, 2, 1);
+            }
+            if (t % 8 == 7) ::usleep(2000);  // within what the ring holds
+        }
+        for (int i = 0; i < 200 && moecache_client_pool_recency(cl, 0) != 1; ++i) ::usleep(50000);
+        if (moecache_client_pool_recency(cl, 0) != 1) ::_exit(8);
+    }, ready);
+    ASSERT_GT(pid, 0);
+    const bool told = until_ready(ready);
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(told) << "the client was not told to keep its pool's rest by recency (child "
+                      << (WIFEXITED(status) ? WEXITSTATUS(status) : -1) << ")";
 }
 
 }  // namespace

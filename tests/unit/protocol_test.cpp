@@ -57,11 +57,14 @@ TEST(Protocol, APoolPolicyWithoutItsRecencyByteReadsAsNone) {
     auto back = decode(bytes, 0);
     ASSERT_TRUE(back) << back.error().what();
     EXPECT_EQ(*back, (Message{0, VramPolicy{2, 1ull << 30, false, false}}));
-    auto bad = encode({0, VramPolicy{2, 1ull << 30, false, true}});
-    bad.back() = 7;
-    auto r = decode(bad, 0);
-    ASSERT_FALSE(r);
-    EXPECT_NE(r.error().what().find("VramPolicy recency is 7"), std::string::npos) << r.error().what();
+    EXPECT_EQ(encode({0, VramPolicy{2, 1ull << 30, false, false}}), bytes) << "off: no byte (one encoding per message)";
+    for (uint8_t b : {uint8_t{0}, uint8_t{7}}) {
+        auto bad = encode({0, VramPolicy{2, 1ull << 30, false, true}});
+        bad.back() = b;
+        auto r = decode(bad, 0);
+        ASSERT_FALSE(r) << int{b};
+        EXPECT_NE(r.error().what().find("VramPolicy recency is " + std::to_string(b)), std::string::npos) << r.error().what();
+    }
 }
 
 void expect_refused(const std::vector<uint8_t>& bytes, size_t fds, std::initializer_list<std::string> parts) {

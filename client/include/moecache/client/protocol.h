@@ -135,7 +135,9 @@ struct VramPolicy {
     bool one_place = true;
     // The part of the pool the daemon does not direct ranks by recency (an LRU), not by the
     // hook's counts: the daemon's split learnt that the routing reuses what it just used. A
-    // trailing byte, absent from daemons before it (read as false) and ignored by older clients.
+    // trailing byte 1, sent only when on (absent: off, as from daemons before it). A client older
+    // than it refuses such a message (nothing may follow a message's fields), hangs up and
+    // reconnects: daemon and clients are upgraded together.
     bool recency = false;
     bool operator==(const VramPolicy&) const = default;
 };
