@@ -104,6 +104,24 @@ TEST(SimReplay, RamFollowsRecencyWhereTheRoutingHasIt) {
     }
 }
 
+// And a VRAM pool: the daemon learns the pool's own split (at its size) and directs only the
+// frequency part; the hook keeps the rest as an LRU. Bursty routing is then held as LRU holds it
+// (it was 8 points below with the pool directed by heat alone), Zipf-like as LFU holds it.
+TEST(SimReplay, APoolFollowsRecencyWhereTheRoutingHasIt) {
+    for (const char* preset : {"bursty", "zipf-256"}) {
+        const Trace trace = preset_trace(preset, 2000);
+        TableOptions opt;
+        opt.budgets = {0.25, 0.5};
+        for (const auto& row : table_rows(preset, trace, trace.models[0], opt)) {
+            if (row.tier != "VRAM") continue;
+            SCOPED_TRACE(fmt::format("{} VRAM {:.0f} %", preset, row.budget * 100));
+            const double lru = row.tier_rate(row.baseline(Baseline::Lru));
+            const double lfu = row.tier_rate(row.baseline(Baseline::Lfu));
+            EXPECT_GE(row.tier_rate(row.moecache), std::max(lru, lfu) - 0.005) << "LRU " << lru << ", LFU " << lfu;
+        }
+    }
+}
+
 // The recorded llama.cpp trace in sim/traces reads back and the policy keeps up with LRU and LFU
 // on it too.
 TEST(SimReplay, ARecordedLlamaCppTraceReplays) {
