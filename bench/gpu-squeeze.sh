@@ -229,7 +229,28 @@ static_ot() {  # the last layers' experts on the GPU, as many bytes as a pool of
   echo "blk\.($(seq -s '|' "$first" $(( layers - 1 ))))\.ffn_.*_exps\.=CUDA0"
 }
 
+# wait_settled MODEL: until moecached has placed MODEL (reads done, pools filled: `moecachectl wait`,
+# or moecache_model_settled on /metrics without a bus), at most WARM_WAIT seconds; prints the seconds.
+wait_settled() {
+  local m=$1 t0=$SECONDS
+  if [ "$bus" != off ]; then
+    "$ctl" wait "$m" --timeout "${WARM_WAIT:-150}" >&2 || true
+  else
+    local same=0
+    while [ $(( SECONDS - t0 )) -lt "${WARM_WAIT:-150}" ] && [ $same -lt 4 ]; do
+      if http_get "http://127.0.0.1:$port/metrics" 2>/dev/null | grep -F "model=\"$(basename "$m")\"" | grep -q '^moecache_model_settled{.* 1$'; then
+        same=$(( same + 1 ))
+      else
+        same=0
+      fi
+      sleep 0.5
+    done
+  fi
+  echo $(( SECONDS - t0 ))
+}
+
 # serve NAME MODEL CGROUP(0/1) PROMPTS N_PREDICT ENV...: one llama-server, the requests, stopped.
+# With GATE=1 the requests wait for wait_settled (a swap's decode model: placed before its first token).
 serve() {
   local name=$1 m=$2 in_cg=$3 prompts=$4 n=$5
   shift 5
@@ -254,6 +275,10 @@ serve() {
   local load_s
   load_s=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
   echo "healthy ${EPOCHREALTIME%????}" >> "$work/$name.times"
+  if [ $ok = 1 ] && [ "${GATE:-0}" = 1 ]; then
+    wait_settled "$m" > "$work/$name.settle"
+    echo "settled ${EPOCHREALTIME%????}" >> "$work/$name.times"
+  fi
   if [ $ok = 1 ]; then
     python3 "$here/serve_requests.py" http://127.0.0.1:18080 "$prompts" "$work/$name.json" --n-predict "$n" --disk "$dev" --raw --ban 3-258 ||
       echo "gpu-squeeze: $name: the requests failed" >&2
@@ -308,8 +333,9 @@ run() {
       # shellcheck disable=SC2046
       serve "$out.prompt" "$pmodel" 1 "$work/long-prompt.json" 1 $(hook_env "$pool")
       sample_one_place "$work/$out.oneplace" & sampler=$!
+      # The decode model's requests wait until moecached has placed it (SWAP_GATE=0: at once).
       # shellcheck disable=SC2046
-      serve "$out" "$model" 1 "$work/short-prompt.json" "$n_predict" $(hook_env "$pool")
+      GATE=${SWAP_GATE:-1} serve "$out" "$model" 1 "$work/short-prompt.json" "$n_predict" $(hook_env "$pool")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
       cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true
@@ -361,7 +387,7 @@ for c in configs:
         reqs = load(base + ".json")
         if reqs is None: continue
         row = rows.setdefault(c, {"pp": [], "tg": [], "tg1": [], "l50": [], "steady": [], "disk_tok": [], "oom": [], "load": [],
-                                  "hit": [], "both": [], "locked": [], "ramp": [], "filled": []})
+                                  "hit": [], "both": [], "locked": [], "ramp": [], "filled": [], "settle": []})
         ok = [q for q in reqs if "error" not in q]
         if ok:
             row["pp"].append(med([q["prompt_tps"] for q in ok]))
@@ -376,6 +402,7 @@ for c in configs:
             texts.setdefault(c, []).append([q["text"] for q in ok])
         row["oom"].append(num(base + ".oom"))
         row["load"].append(num(base + ".load"))
+        if os.path.exists(base + ".settle"): row["settle"].append(num(base + ".settle"))
         try:
             log = open(base + ".server.log", errors="replace").read()
             h = re.findall(r"slices (\d+) hit / (\d+) missed", log)
@@ -399,8 +426,8 @@ sq_pp = med(rows.get("sq-cpu", {}).get("pp", []))
 print(f"\nmedians of {rounds} round(s); tok/s; x unsq / x sq: steady decode against unsq-cpu's, and against sq-cpu's decode; "
       f"storage MiB per decoded token (requests 2.., between first and last token); 1 % of an expert per layer = "
       f"{expert_bytes * layers / 100 / 2**20:.2f} MiB")
-print("| config | load s | pp | pp x sq | decode | steady | x unsq | x sq | first request 25-50 / steady | storage MiB/token | pool hit % | slices filled ahead | locked GiB | both (max) | OOM |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| config | load s | settle s | pp | pp x sq | decode | steady | x unsq | x sq | first request 25-50 / steady | storage MiB/token | pool hit % | slices filled ahead | locked GiB | both (max) | OOM |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for c in configs:
     if c not in rows: continue
     w = rows[c]
@@ -409,7 +436,7 @@ for c in configs:
     xs = st / sq if st and sq else None
     ppx = pp / sq_pp if pp and sq_pp else None
     dt = med(w["disk_tok"])
-    print(f"| {c} | {f(med(w['load']))} | {f(pp)} | {f(ppx, 2)} | {f(med(w['tg']))} | {f(st)} | {f(xu, 2)} | {f(xs, 2)} | "
+    print(f"| {c} | {f(med(w['load']))} | {f(med(w['settle']))} | {f(pp)} | {f(ppx, 2)} | {f(med(w['tg']))} | {f(st)} | {f(xu, 2)} | {f(xs, 2)} | "
           f"{f(med(w['ramp']), 2)} | {f(dt / 2**20 if dt is not None else None, 2)} | {f(med(w['hit']))} | {f(med(w['filled']), 0)} | {f(med(w['locked']))} | "
           f"{f(med(w['both']), 0)} | {f(sum(x for x in w['oom'] if x) if w['oom'] else None, 0)} |")
 ref = texts.get("text", [None])[0]

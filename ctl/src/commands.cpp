@@ -41,6 +41,12 @@ const std::vector<Command> kCommands = {
      "--no-wait returns once queued, --timeout S bounds the wait. Prefetched pages are cached, not\n"
      "locked: the policy locks what is hot.",
      cmd_prefetch},
+    {"wait", "MODEL [--timeout S] [--settle S]", "wait until the model's placement is done (a runtime's readiness)",
+     "Returns once nothing of the model is being read from storage and every VRAM pool serving it holds\n"
+     "what moecached directed it to keep, and that has held for --settle seconds (2): a warm start, or\n"
+     "the decode model after a prompt model of its family, is then in place before the first request.\n"
+     "Exit 1 after --timeout seconds (300), saying what is still pending.",
+     cmd_wait},
     {"evict", "MODEL (EXPERTS...|--all)", "unlock experts and drop them from RAM",
      "Pinned experts are refused (unpin first); with --all they are skipped. The policy brings back\n"
      "what stays hot.",
@@ -125,12 +131,13 @@ _moecachectl() {{
     if [[ -z $verb ]]; then COMPREPLY=($(compgen -W "$verbs --json --bus --no-progress" -- "$cur")); return; fi
     case $verb in
         inspect|register) COMPREPLY=($(compgen -f -X '!*.gguf' -- "$cur") $(compgen -d -- "$cur")) ;;
-        experts|pin|unpin|prefetch|evict|unregister)
+        experts|pin|unpin|prefetch|wait|evict|unregister)
             if ((n == 0)); then COMPREPLY=($(compgen -W "$(_moecachectl_models)" -- "$cur"));
             else case $verb in
                 experts) COMPREPLY=($(compgen -W "--top" -- "$cur")) ;;
                 evict) COMPREPLY=($(compgen -W "--all" -- "$cur")) ;;
                 prefetch) COMPREPLY=($(compgen -W "--no-wait --timeout" -- "$cur")) ;;
+                wait) COMPREPLY=($(compgen -W "--timeout --settle" -- "$cur")) ;;
             esac; fi ;;
         budget) if ((n == 0)); then COMPREPLY=($(compgen -W "lock reserve $(_moecachectl_models)" -- "$cur")); fi ;;
         profile)

@@ -166,6 +166,7 @@ int cmd_budget(const Options& o, const std::vector<std::string>& args);
 int cmd_pin(const Options& o, const std::vector<std::string>& args);
 int cmd_unpin(const Options& o, const std::vector<std::string>& args);
 int cmd_prefetch(const Options& o, const std::vector<std::string>& args);
+int cmd_wait(const Options& o, const std::vector<std::string>& args);
 int cmd_evict(const Options& o, const std::vector<std::string>& args);
 int cmd_profile(const Options& o, const std::vector<std::string>& args);
 int cmd_trace(const Options& o, const std::vector<std::string>& args);

@@ -118,6 +118,22 @@ std::optional<ModelStatus> Daemon::model_status(uint32_t id, bool experts) const
     return model_status(*m, experts);
 }
 
+// Every live client's pool that serves the model holds nine in ten of the model's experts it was
+// directed to keep (a client that has a pool but has not said how large is not settled yet).
+bool Daemon::pools_settled(const ModelEntry& m) const {
+    for (const auto& c : clients_) {
+        if (c->dead || !c->has_pool || std::find(c->models.begin(), c->models.end(), m.id) == c->models.end()) continue;
+        if (!c->pool_reported) return false;
+        uint64_t promoted = 0, held = 0;
+        for (auto it = c->promoted.lower_bound({m.id, 0}); it != c->promoted.end() && it->first == m.id; ++it) {
+            ++promoted;
+            held += c->vram.count(*it);
+        }
+        if (10 * held < 9 * promoted) return false;
+    }
+    return true;
+}
+
 ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
     const ModelEntry* m = &me;
     ModelStatus ms;
@@ -165,6 +181,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
             ms.experts_in_vram += e.vram_holders > 0;
             ms.experts_locked += e.tier == Tier::Locked;
             ms.experts_pinned += e.pinned;
+            ms.experts_fetching += e.tier == Tier::Fetching;
             ms.expert_bytes += e.bytes;
             ms.expert_cached_bytes += e.cached_bytes;
             ms.expert_locked_bytes += e.locked_bytes;
@@ -173,6 +190,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
             if (m->prefetching.count(slot)) ms.prefetch_pending_bytes += r.slot_length(slot);
             if (experts) ms.experts.push_back(e);
         }
+        ms.settled = m->prefetching.empty() && ms.experts_fetching == 0 && pools_settled(*m);
     }
     return ms;
 }

@@ -371,8 +371,10 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             // once the split gives recency a share (daemon::pool_directed_experts).
             const double share = heat.recency_share(daemon::HeatTable::SplitFor::Pool);
             hook_heat.set_recency(setup.pool_directed > 0 && share > 0);
+            daemon::PlannerSettings planner = setup.planner;
+            planner.move_margin = one_place ? daemon::kOnePlaceMoveMargin : 0;  // as the daemon's direct_pools
             const std::vector<uint32_t> wanted = setup.pool_directed > 0
-                ? daemon::pool_wanted(heat, setup.planner, daemon::pool_directed_experts(pool_experts, setup.pool_directed, share), promoted)
+                ? daemon::pool_wanted(heat, planner, daemon::pool_directed_experts(pool_experts, setup.pool_directed, share), promoted)
                 : daemon::pool_elite(heat, setup.planner);
             for (uint32_t s : wanted) want[s] = 1;
             for (uint32_t s = 0; s < n_slots; ++s)

@@ -29,6 +29,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <functional>
@@ -1020,6 +1021,57 @@ TEST_F(ClientSocketTest, ARoutingThatReusesWhatItUsedGivesThePoolARecencyShare) 
     ::waitpid(pid, &status, 0);
     EXPECT_TRUE(told) << "the client was not told to keep its pool's rest by recency (child "
                       << (WIFEXITED(status) ? WEXITSTATUS(status) : -1) << ")";
+}
+
+// `settled` (moecachectl wait): a model whose pool was directed to hold experts it does not hold is
+// not settled, however done its reads are; once that pool's client goes, it is.
+TEST_F(ClientSocketTest, AModelIsNotSettledUntilItsPoolHoldsWhatItWasDirected) {
+    auto parts = open_gguf_model(model_);
+    ASSERT_TRUE(parts);
+    auto map = ExpertMap::build(*parts);
+    ASSERT_TRUE(map);
+    const uint64_t expert = map->expert_bytes_total / (uint64_t{map->layers.size()} * map->n_experts);
+    start();
+    const std::string sock = d_->status().socket_path, model = model_;
+    int ready = -1;
+    const pid_t pid = spawn_as(0, [=] {
+        uint32_t h = 0;
+        moecache_client* cl = registered_client(sock, model, "unfilled", h);
+        const moecache_pool_stats stats{0, 0, 0, 0, 8 * expert};
+        if (moecache_client_report_pool(cl, 0, &stats) != 0) ::_exit(6);
+        const uint32_t hot[] = {3, 7};
+        for (int t = 0; t < 300; ++t)
+            for (uint32_t block = 0; block < 4; ++block) (void)moecache_client_report(cl, h, block, hot, 2, 1);
+        // Directed, never reporting that it holds any of it.
+        moecache_directive d[64];
+        for (int i = 0; i < 400; ++i) {
+            const size_t n = moecache_client_poll(cl, d, 64);
+            if (std::any_of(d, d + n, [](const moecache_directive& x) { return x.action == MOECACHE_PROMOTE; })) return;
+            ::usleep(25000);
+        }
+        ::_exit(7);
+    }, ready);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(until_ready(ready)) << "the client's pool was never directed";
+    // Its reads done (the model is small: every lock lands within a few turns), yet not settled.
+    ModelStatus m;
+    for (int i = 0; i < 300; ++i) {
+        EXPECT_TRUE(d_->step(10));
+        m = d_->status().models.front();
+        if (m.experts_fetching == 0 && m.prefetching_experts == 0 && i >= 100) break;
+    }
+    EXPECT_EQ(m.experts_fetching, 0u);
+    EXPECT_EQ(m.prefetching_experts, 0u);
+    EXPECT_FALSE(m.settled) << "settled while its pool holds none of what it was directed (" << m.experts_in_vram << " in VRAM)";
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    bool settled = false;
+    for (int i = 0; i < 500 && !settled; ++i) {
+        EXPECT_TRUE(d_->step(10));
+        settled = d_->status().models.front().settled;
+    }
+    EXPECT_TRUE(settled) << "not settled once the pool's client had gone";
 }
 
 }  // namespace

@@ -266,6 +266,11 @@ TEST_F(DbusApi, MoecachectlDrivesEveryVerb) {
         if (!cached) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     EXPECT_TRUE(cached) << models;
+    // wait: with its reads done and no pool, the model is settled.
+    const auto waited = ctl_json({"wait", "0", "--timeout", "30", "--settle", "0.5"});
+    EXPECT_EQ(waited["model"], 0u) << waited.dump();
+    EXPECT_LT(waited["settled_after_seconds"].get<double>(), 30.0) << waited.dump();
+    EXPECT_EQ(ctl({"wait", "0", "--timeout", "soon"}).exit_code, 2);
 
     // trace: router decisions a client reports land in the file.
     const std::string trace = dir_.file("trace.jsonl");
@@ -323,7 +328,7 @@ TEST_F(DbusApi, MoecachectlDrivesEveryVerb) {
     // completion and help.
     const auto comp = ctl({"completion", "bash"});
     EXPECT_EQ(comp.exit_code, 0);
-    for (const char* verb : {"status", "models", "inspect", "experts", "budget", "pin", "unpin", "prefetch", "evict",
+    for (const char* verb : {"status", "models", "inspect", "experts", "budget", "pin", "unpin", "prefetch", "wait", "evict",
                              "profile", "trace", "register", "unregister"}) {
         EXPECT_NE(comp.out.find(verb), std::string::npos) << verb;
         EXPECT_EQ(ctl({"help", verb}).exit_code, 0) << verb;

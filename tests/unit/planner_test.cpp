@@ -274,6 +274,22 @@ TEST(Planner, APoolIsDirectedToTheHottestExpertsOfAnyLayerHottestFirst) {
     EXPECT_EQ(pool_wanted(w.heat, s, 3), (std::vector<uint32_t>{1, 8 + 3, 2}));
 }
 
+// Under one place a held expert keeps its place against a newcomer hotter by a share but not by a
+// few uses (noise at low heat: each move is a read from storage), and loses it to one clearly hotter.
+TEST(Planner, UnderOnePlaceANewcomerMustBeHotterByAFewUses) {
+    World w(1, 8);
+    w.use(0, 1, 2);  // held, 2 uses
+    w.use(0, 2, 4);  // a newcomer with 4: twice as hot, 2 uses more
+    PlannerSettings s;
+    s.elite_share = 0;
+    const std::vector<uint8_t> held = {0, 1, 0, 0, 0, 0, 0, 0};
+    EXPECT_EQ(pool_wanted(w.heat, s, 1, held), (std::vector<uint32_t>{2})) << "without a margin the share decides";
+    s.move_margin = kOnePlaceMoveMargin;
+    EXPECT_EQ(pool_wanted(w.heat, s, 1, held), (std::vector<uint32_t>{1})) << "2 uses more is noise under one place";
+    w.use(0, 2, 6);  // 10 uses against 2
+    EXPECT_EQ(pool_wanted(w.heat, s, 1, held), (std::vector<uint32_t>{2}));
+}
+
 TEST(Planner, TheRecencyShareComesOutOfTheDirectedPart) {
     EXPECT_EQ(pool_directed_experts(100, 0.9, 0), 90u);
     EXPECT_EQ(pool_directed_experts(100, 0.9, 0.5), 50u);

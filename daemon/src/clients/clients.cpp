@@ -552,7 +552,7 @@ void Daemon::direct_pools() {
         if (c.dead || !c.has_pool) continue;
         std::set<std::pair<uint32_t, uint32_t>> want;
         std::vector<std::pair<uint32_t, uint32_t>> order;  // hottest first
-        const PlannerSettings settings{config_.admit_after_uses, config_.elite_share, config_.hysteresis};
+        PlannerSettings settings{config_.admit_after_uses, config_.elite_share, config_.hysteresis};
         uint64_t pool_bytes = 0;
         for (const auto& [device, stats] : c.pools) pool_bytes += stats.pool_bytes;
         size_t n_models = 0;
@@ -579,6 +579,7 @@ void Daemon::direct_pools() {
             std::vector<uint8_t> held(m->res->n_slots(), 0);
             for (const auto& [mid, slot] : c.promoted)
                 if (mid == m->id && slot < held.size()) held[slot] = 1;
+            settings.move_margin = m->one_place ? kOnePlaceMoveMargin : 0;
             for (uint32_t slot : pool_wanted(m->res->heat(), settings, capacity, held))
                 if (want.emplace(m->id, slot).second) order.emplace_back(m->id, slot);
         }

@@ -97,6 +97,8 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     d[dbus_keys::kEvictedBytes] = m.evicted_bytes;
     d[dbus_keys::kPrefetchingExperts] = m.prefetching_experts;
     d[dbus_keys::kPrefetchPendingBytes] = m.prefetch_pending_bytes;
+    d[dbus_keys::kExpertsFetching] = m.experts_fetching;
+    d[dbus_keys::kSettled] = m.settled;
     return d;
 }
 

@@ -110,6 +110,9 @@ std::string render_metrics(const DaemonStatus& s) {
 
     w.family("moecache_model_loaded", "gauge", "1 when the model is open and managed, 0 when it cannot be (see the log).");
     for (const auto& m : s.models) w.sample("moecache_model_loaded", model_labels(m), uint64_t{m.loaded ? 1u : 0u});
+    w.family("moecache_model_settled", "gauge",
+             "1 when nothing of the model is being read and its VRAM pools hold what they were directed to (moecachectl wait).");
+    for (const auto& m : s.models) w.sample("moecache_model_settled", model_labels(m), uint64_t{m.settled ? 1u : 0u});
     w.family("moecache_experts", "gauge",
              "Routed experts per tier: ssd (storage only), fetching, ram (locked), vram (in a pool), vram+ram (in a pool "
              "and locked in RAM too).");

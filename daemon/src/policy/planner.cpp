@@ -139,7 +139,7 @@ std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& 
             if (!in[l * ne + e] && heat.uses(l, e) >= s.admit_after_uses) {
                 const uint32_t slot = l * ne + e;
                 const bool holds = slot < held.size() && held[slot] != 0;
-                rest.emplace_back(heat.heat(l, e) * (holds ? 1 + s.hysteresis : 1.0), slot);
+                rest.emplace_back(holds ? heat.heat(l, e) * (1 + s.hysteresis) + s.move_margin : heat.heat(l, e), slot);
             }
     const size_t more = capacity > elite.size() ? std::min<size_t>(capacity - elite.size(), rest.size()) : 0;
     std::partial_sort(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(more), rest.end(),

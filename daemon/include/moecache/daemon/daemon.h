@@ -194,6 +194,7 @@ private:
     uint64_t cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, uint32_t order = 0);
     void fetch_missed();
     [[nodiscard]] ModelStatus model_status(const ModelEntry& m, bool experts) const;
+    [[nodiscard]] bool pools_settled(const ModelEntry& m) const;
     void update_bus_watch();
     Result<void> arm_tick();  // the tick timer at config_.tick_seconds
 

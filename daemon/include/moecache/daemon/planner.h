@@ -26,7 +26,19 @@ struct PlannerSettings {
     uint32_t admit_after_uses = 2;
     double elite_share = 0.125;
     double hysteresis = 0.25;
+    // What an expert a pool is directed to hold counts on top of its `1 + hysteresis` times its
+    // heat (pool_wanted), in heat (routed uses, decayed). 0, or kOnePlaceMoveMargin under one place.
+    double move_margin = 0;
 };
+
+// Under one place an expert the pool gives up has no copy left in RAM: each change of the direction
+// is a read from storage (7 MiB at ~1 GB/s: as long as ~50 copies from pinned RAM over PCIe), so a
+// newcomer must also be hotter by a few uses, not only by a share. A share alone lets noise decide
+// where heat is low: after a prompt-model swap the decode model starts from the prompt's heat (a few
+// batch events an expert), and the first hundred tokens of decode, 2-8 uses an expert, re-ranked
+// the pool's edge at every placement: 9 GB read from storage in 128 tokens, tokens 25-50 at half the
+// speed of the later ones (GPU machine, 2026-12-02).
+inline constexpr double kOnePlaceMoveMargin = 4.0;
 
 struct ModelView {
     const HeatTable* heat = nullptr;   // n_layers x n_experts
@@ -74,8 +86,8 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
 // heat, saved or shared by its family, starts its pool warm) and ranks them above what it admits
 // by itself; the rest of the pool follows the hook's own counts.
 // `held`: per slot, 1 where the pool is directed to hold it now: it counts `1 + hysteresis` times
-// its heat, so that the direction does not swing between experts of nearly equal heat (each swing
-// is a fill, and under one place a read from storage).
+// its heat plus `move_margin`, so that the direction does not swing between experts of nearly equal
+// heat (each swing is a fill, and under one place a read from storage).
 std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity,
                                   std::span<const uint8_t> held = {});
 

@@ -41,6 +41,12 @@ struct ModelStatus {
     uint64_t dropped_bytes = 0;    // the daemon asked the kernel to drop (evict, one place, releases)
     uint32_t prefetching_experts = 0;   // an operator's prefetch still reading them
     uint64_t prefetch_pending_bytes = 0;
+    uint32_t experts_fetching = 0;      // being read for a lock
+    // Its placement is done for now: nothing of it is being read (for a lock, a warm start, a
+    // prefetch, a miss) and every VRAM pool that serves it holds nine in ten of what the daemon
+    // directed it to keep. What `moecachectl wait` waits for (a runtime's readiness: a warm start,
+    // the prompt-model swap).
+    bool settled = false;
     Tier dense_tier = Tier::Storage;
     uint64_t dense_bytes = 0;
     SlotTelemetry dense_telemetry;
