@@ -13,6 +13,8 @@
 namespace moecache::daemon {
 
 void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded) {
+    const auto started = std::chrono::steady_clock::now();
+    const uint64_t given_back_before = evicted_before_lock_;
     auto live = [&](uint32_t i) -> ModelEntry* { return i < loaded.size() && loaded[i]->res ? loaded[i] : nullptr; };
     for (const auto& r : a.release) {
         ModelEntry* m = live(r.model);
@@ -63,9 +65,29 @@ void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded)
     for (const auto& r : a.lock)
         if (ModelEntry* m = live(r.model)) lock_admitted(*m, r.slot);
     flush_clients();
+    // A turn that held the loop for long: every client waits on it (a reply, a Hello), and one that
+    // waits 5 s drops its connection. Said at most every 10 s.
+    const auto took = std::chrono::steady_clock::now() - started;
+    if (took > std::chrono::milliseconds(500) && started - last_slow_turn_log_ > std::chrono::seconds(10)) {
+        last_slow_turn_log_ = started;
+        MC_LOG(LOG_WARNING, "a placement took {} ms: {} released, {} queued for reading, {} locked, {} given back to storage "
+               "(evicted before their lock)", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+               a.release.size(), a.read.size(), a.lock.size(), evicted_before_lock_ - given_back_before);
+    }
 }
 
 void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {
+    // Read (or found cached) for this lock, its pages can be taken back by reclaim before the lock
+    // comes (a memory cgroup at its limit): mlock would read them again from storage, a page at a
+    // time, inside the loop (seconds for a few experts on a busy disk, while every client waits for
+    // a reply). Such a slot goes back to storage with what is cached of it: the plan reads it again.
+    if (const auto resident = m.res->resident_bytes(slot);
+        resident && *resident + m.res->slot_length(slot) / 32 < m.res->slot_length(slot)) {
+        m.res->abandon(slot);
+        m.res->state(slot).cached_bytes = *resident;
+        ++evicted_before_lock_;
+        return;
+    }
     if (auto r = m.res->lock(slot); r) {
         tell_clients(m, slot, protocol::Action::Lock);
         return;

@@ -151,14 +151,15 @@ Result<uint64_t> ModelResidency::release(uint32_t slot, bool drop) {
     return freed;
 }
 
+Result<uint64_t> ModelResidency::resident_bytes(uint32_t slot) {
+    uint64_t b = 0;
+    for (const auto& r : ranges(slot)) b += MC_TRY(probes_[r.file].resident_bytes(r.offset, r.length));
+    return b;
+}
+
 Result<void> ModelResidency::refresh_cached() {
-    auto cached = [&](uint32_t slot) -> Result<uint64_t> {
-        uint64_t b = 0;
-        for (const auto& r : ranges(slot)) b += MC_TRY(probes_[r.file].resident_bytes(r.offset, r.length));
-        return b;
-    };
-    for (uint32_t s = 0; s < slots_.size(); ++s) slots_[s].cached_bytes = MC_TRY(cached(s));
-    dense_.cached_bytes = MC_TRY(cached(kDenseSlot));
+    for (uint32_t s = 0; s < slots_.size(); ++s) slots_[s].cached_bytes = MC_TRY(resident_bytes(s));
+    dense_.cached_bytes = MC_TRY(resident_bytes(kDenseSlot));
     return {};
 }
 

@@ -264,6 +264,10 @@ private:
     std::set<uint32_t> one_place_due_;  // model ids whose one-place state settle_one_place() recomputes
     std::optional<gid_t> admin_gid_;    // [dbus] admin_group, resolved at start and reload
     uint64_t miss_fetches_ = 0, miss_fetch_bytes_ = 0, warm_fetch_bytes_ = 0, predict_fetch_bytes_ = 0;
+    // Slots a lock found evicted from the page cache since their read (lock_admitted): given back
+    // to the plan rather than faulted in from storage inside the loop.
+    uint64_t evicted_before_lock_ = 0;
+    std::chrono::steady_clock::time_point last_slow_turn_log_{};
     std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
     uint32_t self_tgid_ = 0;
     std::vector<std::unique_ptr<ModelEntry>> models_;

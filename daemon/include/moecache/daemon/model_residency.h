@@ -111,6 +111,8 @@ public:
     Result<uint64_t> release(uint32_t slot, bool drop);
     // Page-cache residency of every slot, by cachestat (mincore where the kernel lacks it).
     Result<void> refresh_cached();
+    // ... of one slot, now.
+    [[nodiscard]] Result<uint64_t> resident_bytes(uint32_t slot);
 
     // The one-place rule, as the daemon settled it from its clients' pools: how many pools hold
     // each expert, and whether RAM may give it up (every client of the model holds it in VRAM and
