@@ -71,15 +71,17 @@ void Daemon::place() {
     std::set<std::string> families_in_use;
     for (const auto& m : models_)
         if (m->res && registered.count(m->id) != 0) families_in_use.insert(family_of(*m));
-    // A model whose runtime left while another member of its family waits for one, and was not left
-    // after it (never used, or used before), waits for that member, and that member is not put on
-    // standby for being idle: the runtime moves between them (the prompt-model swap: the prompt
-    // model's server went, the decode model's is starting), and the RAM is read full of the member
-    // that comes next rather than kept for the one that went.
+    // A model whose runtime left while another member of its family waits for one, left before it,
+    // waits for that member, and that member is not put on standby for being idle: the runtime
+    // moves between them (the prompt-model swap: the prompt model's server went, the decode model's
+    // is starting), and the RAM is read full of the member that comes next rather than kept for the
+    // one that went. Not for a member no runtime ever used: nothing says it comes next (a family
+    // configured by a glob, one quantization served and restarted: on the GPU machine each stop of
+    // the decode model's server threw its 13 GiB of locks away to read the never-used prompt model).
     auto goes_before = [&](const ModelEntry& next, const ModelEntry& went) {
         return &next != &went && next.res && went.res && went.runtime_left && registered.count(next.id) == 0 &&
-               registered.count(went.id) == 0 && family_of(next) == family_of(went) &&
-               (!next.runtime_left || *next.runtime_left < *went.runtime_left);
+               registered.count(went.id) == 0 && family_of(next) == family_of(went) && next.runtime_left &&
+               *next.runtime_left < *went.runtime_left;
     };
     auto yields = [&](const ModelEntry& m) {
         return std::any_of(models_.begin(), models_.end(), [&](const auto& o) { return goes_before(*o, m); });

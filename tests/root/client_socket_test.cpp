@@ -805,15 +805,15 @@ TEST_F(FamilySwapTest, TheModelARuntimeLeftForAnotherOfItsFamilyGivesItsLocksAtO
     stop_runtime(decode);
 }
 
-// Between the two runtimes (the prompt model's server gone, the decode model's still loading: on
-// the GPU machine 15 s, time to read most of the hot set), the RAM already goes to the member that
-// comes next, not to the one the runtime left; and the next time round, to the other.
+// Between the two runtimes of a swap (the prompt model's server gone, the decode model's still
+// loading: on the GPU machine 15 s, time to read most of the hot set), the RAM already goes to the
+// member that comes next, not to the one the runtime left: the member that left before it. A member
+// no runtime ever used is not that: a model served alone and restarted keeps its locks.
 TEST_F(FamilySwapTest, TheModelARuntimeLeftWaitsForTheOtherMemberOfItsFamily) {
     run_prompt_model();
     turns(100);
-    EXPECT_EQ(locked_hot(model_), 4) << "the decode model's hot experts are locked before its runtime comes";
-    EXPECT_EQ(model_status(prompt_model_).locked_bytes, 0u) << "the model the runtime left waits";
-    // The decode model's runtime comes and goes: the prompt model is next again.
+    EXPECT_EQ(locked_hot(prompt_model_), 4) << "the decode model never ran: the model the runtime left keeps its locks";
+    // The decode model's runtime comes and goes: the prompt model is next.
     const pid_t decode = start_runtime(model_, "decode-runtime", 50);
     ASSERT_GT(decode, 0);
     turns(20);
@@ -821,6 +821,11 @@ TEST_F(FamilySwapTest, TheModelARuntimeLeftWaitsForTheOtherMemberOfItsFamily) {
     turns(100);
     EXPECT_EQ(locked_hot(prompt_model_), 4) << "the prompt model is next";
     EXPECT_LT(locked_hot(model_), 4) << "the decode model waits: it keeps only the room the prompt model leaves";
+    // And the prompt model's runtime again: now the decode model is next, before its runtime comes.
+    run_prompt_model();
+    turns(100);
+    EXPECT_EQ(locked_hot(model_), 4) << "the decode model's hot experts are locked before its runtime comes";
+    EXPECT_EQ(model_status(prompt_model_).locked_bytes, 0u) << "the model the runtime left waits";
 }
 
 TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {
