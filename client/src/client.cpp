@@ -43,7 +43,12 @@ using namespace moecache::protocol;
 constexpr size_t kMaxModels = 64;
 constexpr uint32_t kNoId = UINT32_MAX;
 constexpr uint32_t kRingBytes = 1u << 20;
-constexpr int kReplyTimeoutMs = 5000;
+// How long the client's thread waits for a reply before it gives the connection up and connects
+// again. A daemon that went away is seen at once (the socket hangs up); this is for one whose loop
+// is slow (a long placement under memory pressure): a new connection then costs the runtime its
+// registration, its pool's direction and its ring, so the thread waits rather than starting over
+// (5 s was seen too short on the GPU machine). The runtime's threads never wait on it.
+constexpr int kReplyTimeoutMs = 30000;
 
 struct Mapping {
     uint32_t file;

@@ -644,6 +644,24 @@ TEST_F(ClientSocketTest, SilentConnectionsAreClosedAndOneUidCannotTakeEverySlot)
     ::waitpid(pid, nullptr, 0);
 }
 
+// A Hello sent in time but left unread while the loop was busy past the deadline is the loop's
+// lateness, not the client's silence: it is answered, not dropped.
+TEST_F(ClientSocketTest, AHelloTheLoopWasLateToReadIsAnswered) {
+    Config c = test::daemon_config(model_, dir_.file("state"), 16u << 20);
+    c.page_cache_telemetry = "off";
+    c.hello_seconds = 0.5;
+    start(c);
+    UniqueFd s = connect();
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));  // accepted
+    ASSERT_EQ(d_->status().clients.size(), 1u);
+    send_raw(s.get(), encode({1, Hello{1, 1, "late-loop"}}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));  // the loop does not turn: a long placement
+    d_->tick();
+    auto r = reply(s.get());
+    EXPECT_TRUE(r && std::holds_alternative<HelloReply>(r->body)) << failure_text(r);
+    EXPECT_EQ(d_->status().clients_refused, 0u);
+}
+
 // With its descriptor table full (slow /metrics clients, idle connections), the daemon stops
 // waiting on the client socket instead of spinning on a connection it cannot accept: one log line
 // and a counter per pause, and it accepts again once descriptors come free.

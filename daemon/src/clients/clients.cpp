@@ -15,6 +15,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <poll.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -744,11 +746,15 @@ void Daemon::resume_listener() {
     if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, server_->fd(), &ev) == 0) listener_paused_ = false;
 }
 
-// A connection that has not said Hello in time holds a slot (and a descriptor) for nothing.
+// A connection that has not said Hello in time holds a slot (and a descriptor) for nothing. One
+// whose Hello waits unread was in time: the loop is late (a long turn), not the client (on the GPU
+// machine a runtime's reconnections were dropped so, one after another, for 40 s).
 void Daemon::expire_silent_clients() {
     const auto now = std::chrono::steady_clock::now();
     for (auto& c : clients_)
         if (!c->dead && !c->hello && now - c->connected > std::chrono::duration<double>(config_.hello_seconds)) {
+            pollfd p{c->conn.get(), POLLIN, 0};
+            if (::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0) continue;
             ++clients_refused_;
             drop_client(*c, fmt::format("no Hello within {} s ([clients] hello_seconds)", config_.hello_seconds));
         }
