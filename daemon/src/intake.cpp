@@ -115,7 +115,8 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
             if (placement_due(tokens_since_place_, m.last_used - last_place_)) request_place();
         }
         m.res->heat().record(*layer, experts);
-        if (config_.predict) predict(m, *layer, experts);
+        // A prompt batch's report is not one token's routing: the predictor learns only tokens.
+        if (config_.predict && tokens <= 1) predict(m, *layer, experts);
     }
 }
 

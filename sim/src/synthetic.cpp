@@ -15,11 +15,21 @@ Trace trace_of(const tracegen::Routing& r, const std::string& key, uint64_t expe
     m.bytes_per_expert.assign(r.n_layers, expert_bytes);
     t.models.push_back(std::move(m));
     t.decisions.reserve(r.tokens * r.n_layers);
-    for (uint64_t tok = 0; tok < r.tokens; ++tok)
+    // As moecache-tracegen writes it: a prompt batch as the hook reports it (tracegen::step_reports).
+    std::vector<uint32_t> scratch;
+    uint64_t tok = 0, step = 0;
+    while (tok < r.tokens) {
+        const uint64_t n = step < r.steps.size() ? r.steps[step] : 1;
+        ++step;
         for (uint32_t l = 0; l < r.n_layers; ++l) {
-            const auto e = r.at(tok, l);
-            t.decisions.push_back({tok * token_us, 0, l, 1, std::vector<uint32_t>(e.begin(), e.end())});
+            uint64_t at = tok;
+            tracegen::step_reports(r, tok, n, l, scratch, [&](const std::vector<uint32_t>& e, uint32_t tokens) {
+                t.decisions.push_back({at * token_us, 0, l, tokens, e});
+                at += tokens;
+            });
         }
+        tok += n;
+    }
     return t;
 }
 

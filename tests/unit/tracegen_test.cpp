@@ -176,7 +176,8 @@ TEST(TraceGen, ZipfBurstsShiftsAndPromptBatchesEachShowInTheirStatistic) {
     };
     EXPECT_NE(hottest(0, 1000), hottest(1000, 2000));
     // Prompt batches: a step of 512 tokens every 400 decoded ones, written as one decision per
-    // layer with its count and the union of its experts.
+    // layer with its count and, as the CUDA hook reports it, the experts more of its tokens chose
+    // than an even share: more than one token's 8 and, skewed, far fewer than the batch's union.
     Spec p = small(2000);
     p.skew = {1.0, 1.0};
     p.prompt_tokens = 512;
@@ -194,7 +195,8 @@ TEST(TraceGen, ZipfBurstsShiftsAndPromptBatchesEachShowInTheirStatistic) {
         if (d.at("b") == 0) tokens += d.at("n").get<uint64_t>();
         if (d.at("n") == 512) {
             ++batches;
-            EXPECT_GT(d.at("e").size(), 48u) << "a batch's union is most of the experts";
+            EXPECT_GT(d.at("e").size(), 8u) << "more than one token's experts";
+            EXPECT_LT(d.at("e").size(), 40u) << "the experts above an even share, not the union (most of the 64)";
         }
     }
     EXPECT_EQ(tokens, 2000u);

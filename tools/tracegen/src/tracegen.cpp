@@ -308,22 +308,18 @@ Result<void> write_trace(const Routing& r, const std::string& path, const std::s
     f << trace::header_line(1) << trace::model_line(model);
     std::string line;
     std::vector<uint32_t> experts;
-    std::vector<char> in(r.n_experts);
     uint64_t t = 0, step = 0;
     while (t < r.tokens) {
         const uint64_t n = step < r.steps.size() ? r.steps[step] : 1;
         ++step;
         for (uint32_t l = 0; l < r.n_layers; ++l) {
-            // A step of many tokens (a prompt batch): the union of its experts, once, with its count.
-            std::fill(in.begin(), in.end(), 0);
-            for (uint64_t i = t; i < t + n && i < r.tokens; ++i)
-                for (uint16_t e : r.at(i, l)) in[e] = 1;
-            experts.clear();
-            for (uint32_t e = 0; e < r.n_experts; ++e)
-                if (in[e]) experts.push_back(e);
-            line.clear();
-            trace::append_decision(line, t * token_us, 0, l, static_cast<uint32_t>(n), experts);
-            f << line;
+            uint64_t at = t;
+            step_reports(r, t, n, l, experts, [&](const std::vector<uint32_t>& e, uint32_t tokens) {
+                line.clear();
+                trace::append_decision(line, at * token_us, 0, l, tokens, e);
+                f << line;
+                at += tokens;
+            });
         }
         t += n;
     }

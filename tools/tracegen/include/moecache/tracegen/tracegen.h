@@ -20,6 +20,8 @@
 // routing, generated or recorded.
 #pragma once
 
+#include <algorithm>
+
 #include "moecache/error.h"
 #include "moecache/mkmodel/synth_model.h"
 
@@ -93,8 +95,35 @@ const Preset* find_preset(const std::string& name);
 // `shape` with its skew and follow fitted to the preset for its expert counts.
 Result<Spec> fit(const Preset& preset, Spec shape);
 
+// What the CUDA hook reports of one step of `n` tokens from `first` in `layer` (a decision of the
+// trace, with `n` its token count): one token's experts, each token's for a batch of at most
+// kPerTokenReports tokens, and for a prompt batch the experts more of its tokens chose than an even
+// share (cuda-hooks/src/hook/routes.cpp: the read-back ids say how many chose each; the union would
+// be nearly every expert). Calls emit(experts) once per decision.
+inline constexpr uint32_t kPerTokenReports = 16;
+template <class Emit>
+void step_reports(const Routing& r, uint64_t first, uint64_t n, uint32_t layer, std::vector<uint32_t>& scratch, Emit&& emit) {
+    const uint64_t end = std::min<uint64_t>(first + n, r.tokens);
+    if (n <= kPerTokenReports) {
+        for (uint64_t t = first; t < end; ++t) {
+            const auto e = r.at(t, layer);
+            scratch.assign(e.begin(), e.end());
+            emit(scratch, uint32_t{1});
+        }
+        return;
+    }
+    std::vector<uint32_t> count(r.n_experts, 0);
+    for (uint64_t t = first; t < end; ++t)
+        for (uint16_t e : r.at(t, layer)) ++count[e];
+    scratch.clear();
+    for (uint32_t e = 0; e < r.n_experts; ++e)
+        if (uint64_t{count[e]} * r.n_experts > (end - first) * r.n_used) scratch.push_back(e);
+    emit(scratch, static_cast<uint32_t>(end - first));
+}
+
 // The trace format of docs/trace.md: the header, one model (key `key`, `expert_bytes` per expert in
-// every layer), and one decision per token and layer, tokens `token_us` microseconds apart.
+// every layer), and one decision per step and layer (step_reports: a prompt batch as the hook
+// reports it), tokens `token_us` microseconds apart.
 Result<void> write_trace(const Routing& routing, const std::string& path, const std::string& key,
                          uint64_t expert_bytes, uint64_t token_us);
 
