@@ -211,20 +211,35 @@ TEST_F(Prompts, APromptBatchDisplacesNothingOfTheDecodingHotSet) {
     for (int i = 0; i < 200; ++i) token(s);
     const auto decoded = hook_.stats();
     ASSERT_GT(decoded.evicted, 0u) << "the decoding hot set should have been chosen by eviction";
-    // Three prompt batches: every layer copies nearly every expert (the few no token routed to
-    // break it into groups), then one copies whole tensors, each read back.
+    // Three prompt batches of 64 tokens: every layer copies nearly every expert (the few no token
+    // routed to break it into groups: the first group of the first layer is three experts), then
+    // one copies whole tensors, each after the runtime read its router's ids back, as llama.cpp does.
+    CUdeviceptr ids_dev = 0;
+    ASSERT_EQ(cu_.mem_alloc(&ids_dev, 1u << 12), CUDA_SUCCESS);
     for (int batch = 0; batch < 3 && !HasFailure(); ++batch)
         for (uint32_t l = 0; l < 4; ++l) {
             std::vector<uint32_t> ids;
             for (uint32_t e = 0; e < 32; ++e)
                 if (batch == 2 || e % 11 != static_cast<uint32_t>(batch) + 3) ids.push_back(e);
+            std::vector<int32_t> routed(64 * model_.map.n_experts_used);
+            for (size_t i = 0; i < routed.size(); ++i) routed[i] = static_cast<int32_t>(ids[i % ids.size()]);
+            ASSERT_EQ(cu_.htod(ids_dev, routed.data(), routed.size() * 4), CUDA_SUCCESS);
+            std::vector<int32_t> back(routed.size());
+            ASSERT_EQ(cu_.dtoh(back.data(), ids_dev, back.size() * 4), CUDA_SUCCESS);
             for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, ids, s[0]), 1);
         }
     const auto prompted = hook_.stats();
-    EXPECT_EQ(prompted.evicted, decoded.evicted) << "a prompt batch displaced pooled experts";
+    EXPECT_EQ(prompted.evicted, decoded.evicted) << "a prompt batch displaced pooled experts (pool bytes " << prompted.pool_bytes
+                                                  << ", " << decoded.pool_bytes << " before; yielded " << prompted.yielded_bytes << ", "
+                                                  << decoded.yielded_bytes << " before)";
     EXPECT_GT(prompted.slice_hits, decoded.slice_hits) << "the prompt's copies are served from the pool too";
     for (int i = 0; i < 40; ++i) token(s, i % 10 == 0);
-    EXPECT_GT(hit_rate(prompted, hook_.stats()), 0.3);
+    const auto after = hook_.stats();
+    EXPECT_GT(hit_rate(prompted, after), 0.3) << "copies " << after.copies - prompted.copies << ", of experts "
+                                               << after.expert_copies - prompted.expert_copies << ", served "
+                                               << after.served - prompted.served << ", captured " << after.captured - prompted.captured
+                                               << ", pool bytes " << after.pool_bytes << " (" << prompted.pool_bytes << " before), models "
+                                               << after.models << ", yielded " << after.yielded_bytes;
     destroy(s);
 }
 

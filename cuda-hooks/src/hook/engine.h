@@ -283,6 +283,9 @@ private:
     // read-back ids where they check out against the copy, else from the copy's experts where it
     // is a routing copy (`routing`: not every expert of the tensor).
     void report_copy(Model& m, const ExpertCopy& cls, bool routing);
+    // This thread's read-back of the router's ids, checked against this layer's copy, was a batch
+    // of more tokens than are reported one by one: a prompt, whatever its first group's size.
+    [[nodiscard]] static bool readback_is_batch(const Model& m, uint32_t block);
     void report_experts(Model& m, uint32_t block, const uint32_t* experts, uint32_t n, uint32_t tokens);
     void report_pools();
     [[nodiscard]] bool daemon_wants_one_place(int device) const;

@@ -27,6 +27,7 @@ struct Readback {
     uint64_t seq = 0;       // read-backs noted on this thread
     uint64_t used = 0;      // the read-back that gave this layer's report ...
     uint32_t model = UINT32_MAX, block = UINT32_MAX;  // ... and the layer it was for
+    uint32_t tokens = 0;                              // ... and its tokens
     std::vector<int32_t> ids;
     std::vector<uint32_t> count, picked;
 };
@@ -79,6 +80,7 @@ void Engine::report_copy(Model& m, const ExpertCopy& cls, bool routing) {
     rb.block = cls.block;
     readback_reports_.fetch_add(1, std::memory_order_relaxed);
     const auto tokens = static_cast<uint32_t>(n / k);
+    rb.tokens = tokens;
     if (tokens <= kPerTokenReports) {
         for (uint32_t t = 0; t < tokens; ++t) {
             rb.picked.clear();
@@ -93,6 +95,11 @@ void Engine::report_copy(Model& m, const ExpertCopy& cls, bool routing) {
     for (uint32_t e = 0; e < ne; ++e)
         if (static_cast<uint64_t>(rb.count[e]) * ne > static_cast<uint64_t>(tokens) * k) rb.picked.push_back(e);
     report_experts(m, cls.block, rb.picked.data(), static_cast<uint32_t>(rb.picked.size()), tokens);
+}
+
+bool Engine::readback_is_batch(const Model& m, uint32_t block) {
+    const Readback& rb = t_readback;
+    return rb.dst != nullptr && rb.seq == rb.used && rb.model == m.id && rb.block == block && rb.tokens > kPerTokenReports;
 }
 
 }  // namespace moecache::cuda::hook

@@ -263,7 +263,9 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         step.experts += cls->n_experts;
         step.most = std::max(step.most, step.experts);
         const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
-        batch = !routing || cls->n_experts > wide || std::max(step.most, step.before) > wide;
+        // The runtime's read-back of the router's ids, where it checked out against this layer's
+        // copy, says it first: a prompt's first group of its first layer can be a few experts.
+        batch = !routing || readback_is_batch(m, cls->block) || cls->n_experts > wide || std::max(step.most, step.before) > wide;
         if (batch) last_batch_ns_.store(now_ns(), std::memory_order_relaxed);
         if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
             dp->seen[m.id][tensor_id] = 1;
