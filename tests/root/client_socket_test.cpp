@@ -157,6 +157,14 @@ protected:
         return cl;
     }
 
+    // ... that reported a VRAM pool of `pool_bytes` on device 0 (exits 6 where that fails).
+    static moecache_client* pooled_client(const std::string& sock, const std::string& model, const char* name, uint32_t& h,
+                                          uint64_t pool_bytes) {
+        moecache_client* cl = registered_client(sock, model, name, h);
+        const moecache_pool_stats stats{0, 0, 0, 0, pool_bytes};
+        if (moecache_client_report_pool(cl, 0, &stats) != 0) ::_exit(6);
+        return cl;
+    }
     // Runs `body` in a child process as uid and gid `uid`, which then says so on a pipe and waits to
     // be killed; `ready` gets the pipe's (non-blocking) read end.
     static pid_t spawn_as(uint32_t uid, const std::function<void()>& body, int& ready) {
@@ -174,6 +182,16 @@ protected:
         (void)::fcntl(p[0], F_SETFL, O_NONBLOCK);
         ready = p[0];
         return pid;
+    }
+    // The model's mean routed expert, in bytes (a pool's size in experts); 0 where it cannot be read.
+    uint64_t mean_expert_bytes() const {
+        auto parts = open_gguf_model(model_);
+        EXPECT_TRUE(parts);
+        if (!parts) return 0;
+        auto map = ExpertMap::build(*parts);
+        EXPECT_TRUE(map);
+        if (!map || map->layers.empty() || map->n_experts == 0) return 0;
+        return map->expert_bytes_total / (uint64_t{map->layers.size()} * map->n_experts);
     }
     // Turns the daemon (it runs in this process) until the child of spawn_as is ready, or 20 s pass.
     bool until_ready(int ready) {
@@ -1004,19 +1022,14 @@ TEST_F(ClientSocketTest, APoolTakesExpertsOutOfRamOnlyWhenEveryClientHoldsThemAn
 // reports a pool of a quarter of the experts; the daemon learns the split at the pool's size and
 // tells the client to keep what it does not direct as an LRU (VramPolicy recency).
 TEST_F(ClientSocketTest, ARoutingThatReusesWhatItUsedGivesThePoolARecencyShare) {
-    auto parts = open_gguf_model(model_);
-    ASSERT_TRUE(parts);
-    auto map = ExpertMap::build(*parts);
-    ASSERT_TRUE(map);
-    const uint64_t expert = map->expert_bytes_total / (uint64_t{map->layers.size()} * map->n_experts);
+    const uint64_t expert = mean_expert_bytes();
+    ASSERT_GT(expert, 0u);
     start();
     const std::string sock = d_->status().socket_path, model = model_;
     int ready = -1;
     const pid_t pid = spawn_as(0, [=] {
         uint32_t h = 0;
-        moecache_client* cl = registered_client(sock, model, "bursty", h);
-        const moecache_pool_stats stats{0, 0, 0, 0, 16 * expert};  // 4 experts of each of 4 layers
-        if (moecache_client_report_pool(cl, 0, &stats) != 0) ::_exit(6);
+        moecache_client* cl = pooled_client(sock, model, "bursty", h, 16 * expert);  // 4 experts of each of 4 layers
         if (moecache_client_pool_recency(cl, 0) != 0) ::_exit(7);  // nothing learnt yet
         ::usleep(500000);  // the daemon places: the pool's size reaches its split
         std::mt19937 rng(5);
@@ -1049,19 +1062,14 @@ TEST_F(ClientSocketTest, ARoutingThatReusesWhatItUsedGivesThePoolARecencyShare) 
 // `settled` (moecachectl wait): a model whose pool was directed to hold experts it does not hold is
 // not settled, however done its reads are; once that pool's client goes, it is.
 TEST_F(ClientSocketTest, AModelIsNotSettledUntilItsPoolHoldsWhatItWasDirected) {
-    auto parts = open_gguf_model(model_);
-    ASSERT_TRUE(parts);
-    auto map = ExpertMap::build(*parts);
-    ASSERT_TRUE(map);
-    const uint64_t expert = map->expert_bytes_total / (uint64_t{map->layers.size()} * map->n_experts);
+    const uint64_t expert = mean_expert_bytes();
+    ASSERT_GT(expert, 0u);
     start();
     const std::string sock = d_->status().socket_path, model = model_;
     int ready = -1;
     const pid_t pid = spawn_as(0, [=] {
         uint32_t h = 0;
-        moecache_client* cl = registered_client(sock, model, "unfilled", h);
-        const moecache_pool_stats stats{0, 0, 0, 0, 8 * expert};
-        if (moecache_client_report_pool(cl, 0, &stats) != 0) ::_exit(6);
+        moecache_client* cl = pooled_client(sock, model, "unfilled", h, 8 * expert);
         const uint32_t hot[] = {3, 7};
         for (int t = 0; t < 300; ++t)
             for (uint32_t block = 0; block < 4; ++block) (void)moecache_client_report(cl, h, block, hot, 2, 1);
