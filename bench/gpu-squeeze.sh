@@ -24,6 +24,8 @@
 #   swap-family   moecached fresh; the prompt model processes a long prompt, then the decode model
 #                 starts and decodes: its family's heat locks, reads and pools before its first token
 #   swap-alone    the same with the two models in families of their own (no shared heat)
+#   swap-warm     swap-family with the family's saved heat kept (run it after mc-cold: the profile
+#                 of earlier decoding, as a daemon that has served the family before has it)
 #   text          (one round) the recipe unsqueezed: the greedy text the hook must reproduce
 # Each server run sends REQUESTS requests (bench/serve_requests.py, llama-server's /completion): a
 # prompt of PROMPT_WORDS words (about 2.5 tokens each), then N_PREDICT greedy tokens, EOS ignored,
@@ -54,7 +56,7 @@ bin=$(realpath "${1:?usage: bench/gpu-squeeze.sh LLAMA_BIN [WORKDIR]}")
 work=${2:-/var/tmp/moecache-gpu-squeeze}
 rounds=${ROUNDS:-2}
 round_from=${ROUND_FROM:-1}
-configs=(${CONFIGS:-unsq-cpu sq-cpu sq-recipe sq-static mc-cold mc-warm mcS-cold mcS-warm swap-family swap-alone text})
+configs=(${CONFIGS:-unsq-cpu sq-cpu sq-recipe sq-static mc-cold mc-warm mcS-cold mcS-warm swap-family swap-alone swap-warm text})
 layers=${LAYERS:-32}
 if [ "${TABLE_ONLY:-0}" != 1 ]; then
 [ "$(id -u)" = 0 ] || { echo "gpu-squeeze: needs root (a memory cgroup, the daemon's locks, BPF)" >&2; exit 2; }
@@ -325,9 +327,9 @@ run() {
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
       cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true
       stop_daemon "$out" ;;  # saves the heat the warm run starts from
-    swap-family|swap-alone)
+    swap-family|swap-alone|swap-warm)
       [ "$c" = swap-alone ] && daemon_config separate || daemon_config
-      rm -rf "$work/state/profiles"
+      [ "$c" = swap-warm ] || rm -rf "$work/state/profiles"
       drop_caches
       start_daemon
       # shellcheck disable=SC2046
