@@ -45,6 +45,7 @@ void Engine::note_readback(const void* dst, size_t bytes) {
 
 void Engine::report_copy(Model& m, const ExpertCopy& cls, bool routing) {
     Readback& rb = t_readback;
+    if (rb.model != m.id || rb.block != cls.block) rb.tokens = 0;  // the batch it was read back for has moved on
     if (rb.dst != nullptr && rb.seq == rb.used && rb.model == m.id && rb.block == cls.block)
         return;  // a later group of a batch whose routing was reported from its read-back
     const uint32_t ne = m.map.n_experts, k = m.map.n_experts_used;
