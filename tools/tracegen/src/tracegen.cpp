@@ -307,22 +307,11 @@ Result<void> write_trace(const Routing& r, const std::string& path, const std::s
     std::iota(model.blocks.begin(), model.blocks.end(), 0u);
     f << trace::header_line(1) << trace::model_line(model);
     std::string line;
-    std::vector<uint32_t> experts;
-    uint64_t t = 0, step = 0;
-    while (t < r.tokens) {
-        const uint64_t n = step < r.steps.size() ? r.steps[step] : 1;
-        ++step;
-        for (uint32_t l = 0; l < r.n_layers; ++l) {
-            uint64_t at = t;
-            step_reports(r, t, n, l, experts, [&](const std::vector<uint32_t>& e, uint32_t tokens) {
-                line.clear();
-                trace::append_decision(line, at * token_us, 0, l, tokens, e);
-                f << line;
-                at += tokens;
-            });
-        }
-        t += n;
-    }
+    for_each_report(r, [&](uint64_t at, uint32_t layer, uint32_t tokens, const std::vector<uint32_t>& experts) {
+        line.clear();
+        trace::append_decision(line, at * token_us, 0, layer, tokens, experts);
+        f << line;
+    });
     f.flush();
     if (!f) return fail_errno("writing the trace {}", path);
     return {};

@@ -121,6 +121,26 @@ void step_reports(const Routing& r, uint64_t first, uint64_t n, uint32_t layer, 
     emit(scratch, static_cast<uint32_t>(end - first));
 }
 
+// Every decision of the routing, in order, as the hook reports it (step_reports over its steps and
+// layers): emit(first_token, layer, tokens, experts).
+template <class Emit>
+void for_each_report(const Routing& r, Emit&& emit) {
+    std::vector<uint32_t> scratch;
+    uint64_t t = 0, step = 0;
+    while (t < r.tokens) {
+        const uint64_t n = step < r.steps.size() ? r.steps[step] : 1;
+        ++step;
+        for (uint32_t l = 0; l < r.n_layers; ++l) {
+            uint64_t at = t;
+            step_reports(r, t, n, l, scratch, [&](const std::vector<uint32_t>& e, uint32_t tokens) {
+                emit(at, l, tokens, e);
+                at += tokens;
+            });
+        }
+        t += n;
+    }
+}
+
 // The trace format of docs/trace.md: the header, one model (key `key`, `expert_bytes` per expert in
 // every layer), and one decision per step and layer (step_reports: a prompt batch as the hook
 // reports it), tokens `token_us` microseconds apart.
