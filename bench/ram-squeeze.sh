@@ -29,7 +29,8 @@
 # Environment: MOECACHE_BUILD (build dir, default build), SQUEEZE_MODEL (reuse a model file),
 # SQUEEZE_LOCK (moecached's lock budget, 900MiB), SQUEEZE_RESERVE (its reserve, 256MiB),
 # SQUEEZE_HOTSETS ("16 24 32"), SQUEEZE_LOCKERS (inside), SQUEEZE_SECONDS (60), SQUEEZE_PORT (its
-# metrics port, 18474),
+# metrics port, 18474), SQUEEZE_ENGINE (the daemon's [prefetch] engine: auto, io_uring, or threads,
+# the pread engine that containers whose seccomp profile denies io_uring get),
 # VARIANTS (all of the above, static-K expanded).
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -83,6 +84,8 @@ socket = "$work/moecached.sock"
 [budget]
 lock = "$lock"
 reserve = "$reserve"
+[prefetch]
+engine = "${SQUEEZE_ENGINE:-auto}"
 [pressure]
 enabled = false
 [metrics]

@@ -130,6 +130,10 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     po.queue_depth = d->config_.queue_depth;
     po.read_size = d->config_.read_size;
     po.numa_node = d->config_.numa_node;
+    po.engine = d->config_.prefetch_engine == "threads"    ? Prefetcher::Engine::Threads
+                : d->config_.prefetch_engine == "io_uring" ? Prefetcher::Engine::IoUring
+                                                            : Prefetcher::Engine::Auto;
+    po.threads = d->config_.prefetch_threads;
     d->prefetcher_ = std::make_unique<Prefetcher>(MC_TRY(Prefetcher::create(po)));
     Daemon* self = d.get();
     d->prefetcher_->set_callback([self](uint64_t, uint64_t tag, uint64_t bytes, int err) { self->on_fetched(tag, bytes, err); });
@@ -295,6 +299,8 @@ Result<void> Daemon::reload(Config config) {
     fixed("dbus.bus", config_.dbus_bus, config.dbus_bus);
     fixed("prefetch.queue_depth", config_.queue_depth, config.queue_depth);
     fixed("prefetch.read_size", config_.read_size, config.read_size);
+    fixed("prefetch.engine", config_.prefetch_engine, config.prefetch_engine);
+    fixed("prefetch.threads", config_.prefetch_threads, config.prefetch_threads);
     fixed("telemetry.page_cache", config_.page_cache_telemetry, config.page_cache_telemetry);
     fixed("telemetry.ring_buffer", config_.page_cache_ring_bytes, config.page_cache_ring_bytes);
     const uint64_t old_budget = config_.lock_budget.resolve(mem_total_), old_reserve = config_.reserve.resolve(mem_total_);

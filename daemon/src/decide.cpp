@@ -220,6 +220,11 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
     const auto id = static_cast<uint32_t>((tag >> 32) & 0x7fffffffu);
     const auto slot = static_cast<uint32_t>(tag & 0xffffffffu);
     if ((tag >> 63) != 0) {
+        // A read that fails leaves part of the expert on storage: said (once a minute with a count),
+        // as an operator's prefetch that comes back short would otherwise be a mystery.
+        if (err != 0 && err != ECANCELED)
+            if (const ModelEntry* m = find_model(id))
+                note_error("reading an expert into the page cache", fmt::format("model {}: {}", m->path, std::strerror(err)));
         cache_fetched(id, slot);
         return;
     }

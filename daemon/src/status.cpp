@@ -57,6 +57,7 @@ DaemonStatus Daemon::status(bool experts) const {
     const auto p = prefetcher_->progress();
     s.prefetch_done_bytes = p.done_bytes;
     s.prefetch_queued_bytes = p.queued_bytes;
+    s.prefetch_engine = prefetcher_->setup().engine == Prefetcher::Engine::Threads ? "threads" : "io_uring";
     s.page_cache.enabled = page_cache_ != nullptr;
     s.page_cache.off_reason = page_cache_off_reason_;
     s.page_cache.events = page_cache_events_;

@@ -255,17 +255,19 @@ TEST_F(DbusApi, MoecachectlDrivesEveryVerb) {
     EXPECT_EQ(ctl({"evict", "0", "--all"}).exit_code, 0);
     const auto pf = ctl_json({"prefetch", "0"});
     EXPECT_GT(pf["queued_bytes"].get<uint64_t>(), 0u) << pf.dump();
-    // Up to 20 s: the reads land at once, but the cached bytes are what the daemon's residency
-    // read last (a busy 2-core machine stretches its turns; CI saw 5 s pass once).
+    // The reads land at once, but the cached bytes are what the daemon's residency read last (a
+    // busy 2-core machine stretches its turns). All of it, but for what proactive reclaim takes back
+    // at once: these machines run DAMON pageout on physical memory, and pages read that nobody maps
+    // are its first pick (CI saw 20 KiB of the 13 MiB go within 20 s, once).
     bool cached = false;
     std::string models;
     for (int i = 0; i < 200 && !cached; ++i) {
         const auto m = ctl_json({"models"});
         models = m.dump();
-        cached = m[0]["expert_cached_bytes"] == m[0]["expert_bytes"];
+        cached = m[0]["expert_cached_bytes"].get<uint64_t>() >= m[0]["expert_bytes"].get<uint64_t>() * 97 / 100;
         if (!cached) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    EXPECT_TRUE(cached) << models;
+    EXPECT_TRUE(cached) << models << "\n" << daemon_->output();
     // wait: with its reads done and no pool, the model is settled.
     const auto waited = ctl_json({"wait", "0", "--timeout", "30", "--settle", "0.5"});
     EXPECT_EQ(waited["model"], 0u) << waited.dump();

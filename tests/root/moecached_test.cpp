@@ -5,10 +5,14 @@
 #include "temp_dir.h"
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
+#include <regex>
+#include <thread>
 
 namespace moecache {
 namespace {
@@ -94,6 +98,43 @@ TEST_F(Moecached, RunsReloadsOnSighupAndStopsOnSigterm) {
     EXPECT_EQ(d.wait(20), 0) << d.output();
     EXPECT_TRUE(std::filesystem::exists(dir_.file("state/profiles/qwen3moe-4x16-moecache-synthetic.json")))
         << d.output();
+}
+
+// In a container under Docker's or containerd's default seccomp profile io_uring_setup fails with
+// EPERM: the daemon says so once, reads with threads, and does its job (the pinned experts are
+// read and locked), which /metrics shows, with no D-Bus (there is none in a container).
+TEST_F(Moecached, WhereIoUringIsDeniedItReadsWithThreadsAndLocks) {
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config() + "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n"
+                                     "[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    test::drop_page_cache(model_);
+    test::Background d({MOECACHE_DENY_IO_URING_BIN, MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    EXPECT_TRUE(d.wait_for("io_uring is denied here", 1)) << d.output();
+    EXPECT_NE(d.output().find("Operation not permitted"), std::string::npos) << d.output();
+    std::smatch port;
+    const std::string out = d.output();
+    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    // Experts 0-3 of block 0 are pinned: read by the threads, then locked.
+    const std::regex locked("moecache_locked_bytes\\{[^}]*\\} ([0-9]+)");
+    std::string body;
+    uint64_t bytes = 0;
+    for (int i = 0; i < 200 && bytes == 0; ++i) {
+        httplib::Client c("127.0.0.1", std::stoi(port[1]));
+        if (auto r = c.Get("/metrics"); r && r->status == 200) {
+            body = r->body;
+            std::smatch m;
+            if (std::regex_search(body, m, locked)) bytes = std::stoull(m[1]);
+        }
+        if (bytes == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_GT(bytes, 0u) << body << d.output();
+    EXPECT_NE(body.find("moecache_prefetch_engine{engine=\"threads\"} 1"), std::string::npos) << body;
+    std::smatch read;
+    ASSERT_TRUE(std::regex_search(body, read, std::regex("moecache_prefetched_bytes_total ([0-9]+)"))) << body;
+    EXPECT_GT(std::stoull(read[1]), 0u) << "the locks were not read by the prefetcher's threads";
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // out of the picture with POSIX_FADV_RANDOM on the descriptors, so "resident" must be exactly the
 // pages of the ranges asked for.
 #include "model_fixture.h"
+#include "seccomp.h"
 #include "temp_dir.h"
 
 #include "moecache/daemon/prefetcher.h"
@@ -16,6 +17,7 @@
 #include <numaif.h>
 #include <sys/epoll.h>
 #include <sys/utsname.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -113,7 +115,7 @@ class PrefetcherTest : public testing::Test {
 protected:
     void SetUp() override {
         if (::geteuid() != 0) GTEST_SKIP() << "needs root (the root test label): run as root";
-        auto p = Prefetcher::create({.queue_depth = 1});
+        auto p = Prefetcher::create({.engine = engine_, .queue_depth = 1});
         if (!p) GTEST_SKIP() << "io_uring is not usable here: " << p.error().what();
         // The residency checks need a file system whose pages can be dropped (not tmpfs).
         const auto probe_file = make_cold_file(dir, "probe.bin", 4 * kPage);
@@ -125,7 +127,9 @@ protected:
                          << " (tmpfs?); set TMPDIR to a disk file system";
     }
 
-    static Prefetcher make(const Prefetcher::Options& o, Recorder& rec) {
+    // With this fixture's engine (io_uring unless a test says otherwise).
+    Prefetcher make(Prefetcher::Options o, Recorder& rec) const {
+        o.engine = engine_;
         auto p = Prefetcher::create(o);
         EXPECT_TRUE(p) << p.error().what();
         rec.attach(*p);
@@ -133,13 +137,31 @@ protected:
     }
 
     test::TempDir dir;
+    Prefetcher::Engine engine_ = Prefetcher::Engine::IoUring;
 };
+
+// What holds for whichever engine reads: io_uring, or the threads that pread where it is denied.
+class PrefetcherEngines : public PrefetcherTest, public testing::WithParamInterface<Prefetcher::Engine> {
+protected:
+    void SetUp() override {
+        engine_ = GetParam();
+        PrefetcherTest::SetUp();
+    }
+};
+std::string engine_name(const testing::TestParamInfo<Prefetcher::Engine>& e) {
+    return e.param == Prefetcher::Engine::Threads ? "Threads" : "IoUring";
+}
 
 // The core promise, under every ring and buffer set-up the fallbacks can land in.
 struct Variant {
     bool defer_taskrun, register_buffers;
+    bool threads = false;  // the pread engine (the ring's flags do not apply)
 };
 void PrintTo(const Variant& v, std::ostream* os) {
+    if (v.threads) {
+        *os << "pread threads";
+        return;
+    }
     *os << (v.defer_taskrun ? "DEFER_TASKRUN" : "COOP_TASKRUN") << ", "
         << (v.register_buffers ? "fixed buffers" : "plain buffers");
 }
@@ -149,12 +171,14 @@ TEST_P(PrefetcherVariants, ExactlyTheRequestedRangesBecomeResident) {
     const auto path = make_cold_file(dir, "data.bin", 64 * kMiB);
     ASSERT_EQ(resident(path, 0, 64 * kMiB), 0u) << "the file should start cold";
     Recorder rec;
+    if (GetParam().threads) engine_ = Prefetcher::Engine::Threads;
     auto p = make({.queue_depth = 8, .read_size = 256 * 1024, .register_buffers = GetParam().register_buffers,
                    .defer_taskrun = GetParam().defer_taskrun},
                   rec);
-    EXPECT_EQ(p.setup().registered_buffers, GetParam().register_buffers);  // root: no memlock limit
+    EXPECT_EQ(p.setup().engine, engine_);
+    EXPECT_EQ(p.setup().registered_buffers, GetParam().register_buffers && !GetParam().threads);  // root: no memlock limit
     EXPECT_EQ((p.setup().ring_flags & IORING_SETUP_DEFER_TASKRUN) != 0,
-              GetParam().defer_taskrun && kernel_at_least(6, 1));
+              GetParam().defer_taskrun && !GetParam().threads && kernel_at_least(6, 1));
     auto fd = open_random(path);
     // Unaligned starts and ends, one range inside a page, one spanning many reads.
     const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
@@ -182,15 +206,25 @@ TEST_P(PrefetcherVariants, ExactlyTheRequestedRangesBecomeResident) {
 
 INSTANTIATE_TEST_SUITE_P(Setups, PrefetcherVariants,
                          testing::Values(Variant{true, true}, Variant{true, false}, Variant{false, true},
-                                         Variant{false, false}),
+                                         Variant{false, false}, Variant{false, false, true}),
                          [](const testing::TestParamInfo<Variant>& v) {
+                             if (v.param.threads) return std::string("Threads");
                              return std::string(v.param.defer_taskrun ? "Defer" : "Coop") +
                                     (v.param.register_buffers ? "Fixed" : "Plain");
                          });
 
 // The daemon's way: the eventfd in an epoll set, on_ready() when it is readable. With
 // DEFER_TASKRUN the kernel only signals that work is waiting; with COOP_TASKRUN, that CQEs are there.
-class EpollLoop : public PrefetcherTest, public testing::WithParamInterface<bool> {};
+// The pread engine's threads signal the same eventfd.
+enum class Loop { Coop, Defer, Threads };
+class EpollLoop : public PrefetcherTest, public testing::WithParamInterface<Loop> {
+protected:
+    void SetUp() override {
+        if (GetParam() == Loop::Threads) engine_ = Prefetcher::Engine::Threads;
+        PrefetcherTest::SetUp();
+    }
+    static bool defer() { return GetParam() == Loop::Defer; }
+};
 
 TEST_P(EpollLoop, ExpertsOfASplitModel) {
     auto spec = test::small_spec();
@@ -204,7 +238,7 @@ TEST_P(EpollLoop, ExpertsOfASplitModel) {
 
     // Two experts of every layer (the layers live in both files), each its own tag.
     Recorder rec;
-    auto p = make({.queue_depth = 16, .read_size = 64 * 1024, .defer_taskrun = GetParam()}, rec);
+    auto p = make({.queue_depth = 16, .read_size = 64 * 1024, .defer_taskrun = defer()}, rec);
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> want(map->files.size());
     uint64_t total = 0;
     for (const auto& layer : map->layers) {
@@ -248,7 +282,7 @@ TEST_P(EpollLoop, OneWakeupTakesAWholeBurst) {
     const auto path = make_cold_file(dir, "data.bin", 8 * kMiB);
     auto fd = open_random(path);
     Recorder rec;
-    auto p = make({.queue_depth = 256, .read_size = 4096, .defer_taskrun = GetParam()}, rec);
+    auto p = make({.queue_depth = 256, .read_size = 4096, .defer_taskrun = defer()}, rec);
     // Every other page: 256 separate reads, all in flight at once.
     for (uint64_t i = 0; i < 256; ++i) p.enqueue({fd.get(), 2 * i * kPage, kPage, 0, i});
     UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
@@ -276,10 +310,12 @@ TEST_P(EpollLoop, OneWakeupTakesAWholeBurst) {
     EXPECT_EQ(p.progress().done_bytes, 256 * kPage);
 }
 
-INSTANTIATE_TEST_SUITE_P(Taskrun, EpollLoop, testing::Bool(),
-                         [](const testing::TestParamInfo<bool>& v) { return v.param ? "Defer" : "Coop"; });
+INSTANTIATE_TEST_SUITE_P(Taskrun, EpollLoop, testing::Values(Loop::Coop, Loop::Defer, Loop::Threads),
+                         [](const testing::TestParamInfo<Loop>& v) {
+                             return v.param == Loop::Defer ? "Defer" : v.param == Loop::Threads ? "Threads" : "Coop";
+                         });
 
-TEST_F(PrefetcherTest, PriorityOrderWithOneReadInFlight) {
+TEST_P(PrefetcherEngines, PriorityOrderWithOneReadInFlight) {
     const auto path = make_cold_file(dir, "data.bin", 16 * kMiB);
     auto fd = open_random(path);
     Recorder rec;
@@ -298,7 +334,7 @@ TEST_F(PrefetcherTest, PriorityOrderWithOneReadInFlight) {
     EXPECT_EQ(rec.order(), (std::vector<uint64_t>{l1, h, l2, l3}));
 }
 
-TEST_F(PrefetcherTest, CancelDropsQueuedAndInFlightReads) {
+TEST_P(PrefetcherEngines, CancelDropsQueuedAndInFlightReads) {
     const auto path = make_cold_file(dir, "data.bin", 32 * kMiB);
     auto fd = open_random(path);
     Recorder rec;
@@ -331,7 +367,7 @@ TEST_F(PrefetcherTest, CancelDropsQueuedAndInFlightReads) {
     EXPECT_EQ(pr.queued_bytes + pr.inflight_bytes, 0u);
 }
 
-TEST_F(PrefetcherTest, TruncatedFileEndsTheRequestShortWithoutError) {
+TEST_P(PrefetcherEngines, TruncatedFileEndsTheRequestShortWithoutError) {
     const auto path = make_cold_file(dir, "data.bin", 16 * kMiB);
     auto fd = open_random(path);
     Recorder rec;
@@ -357,7 +393,7 @@ TEST_F(PrefetcherTest, TruncatedFileEndsTheRequestShortWithoutError) {
     EXPECT_EQ(resident(path, 0, new_size), new_size);
 }
 
-TEST_F(PrefetcherTest, ProgressAddsUp) {
+TEST_P(PrefetcherEngines, ProgressAddsUp) {
     const auto a = make_cold_file(dir, "a.bin", 8 * kMiB);
     const auto b = make_cold_file(dir, "b.bin", 8 * kMiB);
     auto fa = open_random(a), fb = open_random(b);
@@ -390,7 +426,7 @@ TEST_F(PrefetcherTest, ProgressAddsUp) {
     EXPECT_EQ(pr.reads_submitted, 4u + 4u + 1u + pr.short_reads + pr.retries);
 }
 
-TEST_F(PrefetcherTest, BadRequestsFailThroughTheirCallbacks) {
+TEST_P(PrefetcherEngines, BadRequestsFailThroughTheirCallbacks) {
     const auto path = make_cold_file(dir, "data.bin", 1 * kMiB);
     auto fd = open_random(path);
     UniqueFd dirfd(::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY));
@@ -418,10 +454,10 @@ TEST_F(PrefetcherTest, BadRequestsFailThroughTheirCallbacks) {
     EXPECT_EQ(p.progress().requests_done, 2u);
 }
 
-TEST_F(PrefetcherTest, CallbacksMayEnqueueAndCancel) {
+TEST_P(PrefetcherEngines, CallbacksMayEnqueueAndCancel) {
     const auto path = make_cold_file(dir, "data.bin", 8 * kMiB);
     auto fd = open_random(path);
-    auto p = *Prefetcher::create({.queue_depth = 2, .read_size = 256 * 1024});
+    auto p = *Prefetcher::create({.engine = engine_, .queue_depth = 2, .read_size = 256 * 1024});
     std::vector<uint64_t> tags;
     p.set_callback([&](uint64_t, uint64_t tag, uint64_t, int) {
         tags.push_back(tag);
@@ -436,7 +472,7 @@ TEST_F(PrefetcherTest, CallbacksMayEnqueueAndCancel) {
     EXPECT_EQ(resident(path, 7 * kMiB, kMiB), 0u);
 }
 
-TEST_F(PrefetcherTest, DestroyedAndMovedWithReadsInFlight) {
+TEST_P(PrefetcherEngines, DestroyedAndMovedWithReadsInFlight) {
     const auto path = make_cold_file(dir, "data.bin", 64 * kMiB);
     auto fd = open_random(path);
     Recorder rec;
@@ -449,6 +485,41 @@ TEST_F(PrefetcherTest, DestroyedAndMovedWithReadsInFlight) {
         // Destroyed with up to 32 reads into plain buffers in flight: it must wait for them.
     }
     EXPECT_TRUE(rec.done.empty()) << "no callbacks from a destructor";
+}
+
+INSTANTIATE_TEST_SUITE_P(Both, PrefetcherEngines, testing::Values(Prefetcher::Engine::IoUring, Prefetcher::Engine::Threads),
+                         engine_name);
+
+// Where a seccomp filter denies io_uring (Docker's and containerd's default profiles), the
+// default engine falls back to threads and says why; one that asks for io_uring fails with EPERM.
+// In a child: a filter cannot be taken off again.
+TEST_F(PrefetcherTest, WhereIoUringIsDeniedTheDefaultReadsWithThreads) {
+    const auto path = make_cold_file(dir, "data.bin", 8 * kMiB);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        auto check = [](bool ok, int code) {
+            if (!ok) ::_exit(code);
+        };
+        check(test::deny_io_uring().empty(), 10);
+        auto forced = Prefetcher::create({.engine = Prefetcher::Engine::IoUring});
+        check(!forced && forced.error().errnum == EPERM, 11);
+        auto p = Prefetcher::create({.queue_depth = 4, .read_size = 1 * kMiB});
+        check(p.has_value(), 12);
+        check(p->setup().engine == Prefetcher::Engine::Threads && p->setup().threads == 4, 13);
+        check(p->setup().io_uring_denied.find("io_uring_setup") != std::string::npos, 14);
+        auto fd = open_random(path);
+        p->enqueue({fd.get(), kMiB, 3 * kMiB, 0, 1});
+        check(p->run_until_idle().has_value(), 15);
+        check(p->progress().done_bytes == 3 * kMiB && p->progress().requests_done == 1, 16);
+        ::_exit(0);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status)) << "the child died of a signal";
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "failed check number " << WEXITSTATUS(status) << " (see the test's source)";
+    EXPECT_EQ(resident(path, kMiB, 3 * kMiB), 3 * kMiB);
+    EXPECT_EQ(resident(path, 0, kMiB), 0u);
 }
 
 TEST_F(PrefetcherTest, OptionsAreChecked) {

@@ -45,6 +45,8 @@ std::string describe(const Config& c) {
       << "budget.reserve = " << size(c.reserve) << "\n"
       << "prefetch.queue_depth = " << c.queue_depth << "\n"
       << "prefetch.read_size = " << c.read_size << "\n"
+      << "prefetch.engine = " << c.prefetch_engine << "\n"
+      << "prefetch.threads = " << c.prefetch_threads << "\n"
       << "prefetch.numa_node = " << c.numa_node << "\n"
       << "prefetch.on_miss = " << c.on_miss << "\n"
       << "prefetch.warm_start = " << c.warm_start << " "
@@ -333,6 +335,12 @@ TEST_F(ConfigTest, NumaNodeBelowMinusOne) {
 TEST_F(ConfigTest, LogLevelThatDoesNotExist) {
     expect_rejected("[daemon]\nlog_level = \"warn\"\n",
                     {"daemon.log_level", "not a log level", "did you mean 'warning'?"});
+}
+
+TEST_F(ConfigTest, PrefetchEngineThatDoesNotExist) {
+    expect_rejected("[prefetch]\nengine = \"iouring\"\n",
+                    {"prefetch.engine", "not a prefetch engine", "did you mean 'io_uring'?"});
+    expect_rejected("[prefetch]\nthreads = 65\n", {"prefetch.threads", "out of range"});
 }
 
 TEST_F(ConfigTest, RelativeDaemonPath) {
@@ -689,7 +697,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 37u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 39u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

@@ -220,6 +220,14 @@ Result<std::string> read_log_level(const Value& v) {
     return level;
 }
 
+Result<std::string> read_prefetch_engine(const Value& v) {
+    static constexpr std::string_view kEngines[] = {"auto", "io_uring", "threads"};
+    auto engine = MC_TRY(read_string(v));
+    if (std::find(std::begin(kEngines), std::end(kEngines), engine) == std::end(kEngines))
+        return v.fail("'{}' is not a prefetch engine: use auto, io_uring or threads{}", engine, did_you_mean(engine, kEngines));
+    return engine;
+}
+
 // "auto" (as far as free memory goes), "off", or a size ("4GiB", "25%").
 Result<void> read_warm_start(const Value& v, Config& c) {
     if (const auto* b = v.node.as_boolean()) {
@@ -361,6 +369,8 @@ const Key<Config> kBudgetKeys[] = {
 
 const Key<Config> kPrefetchKeys[] = {
     MC_KEY("queue_depth", Config, t.queue_depth = static_cast<U32>(MC_TRY(read_int(v, 1, 4096)))),
+    MC_KEY("engine", Config, t.prefetch_engine = MC_TRY(read_prefetch_engine(v))),
+    MC_KEY("threads", Config, t.prefetch_threads = static_cast<U32>(MC_TRY(read_int(v, 0, 64)))),
     MC_KEY("read_size", Config, t.read_size = MC_TRY(read_read_size(v))),
     MC_KEY("numa_node", Config, t.numa_node = static_cast<int>(MC_TRY(read_int(v, -1, 1023)))),
     MC_KEY("on_miss", Config, t.on_miss = MC_TRY(read_bool(v))),

@@ -5,8 +5,10 @@
 
 #include "moecache/log.h"
 #include "moecache/unique_fd.h"
+#include "read_pool.h"
 #include "ring.h"
 
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -82,7 +84,8 @@ struct Prefetcher::State {
     // registered buffers), then the eventfd, then the buffers.
     io::BufferPool buffers;
     UniqueFd eventfd;
-    std::unique_ptr<io::Ring> ring;
+    std::unique_ptr<io::Ring> ring;      // the engine: io_uring,
+    std::unique_ptr<io::ReadPool> pool;  // or threads that pread where io_uring is denied
 
     std::unordered_map<uint64_t, Request> requests;           // live requests by id
     std::map<int32_t, std::deque<uint64_t>> waiting;          // ids by priority, FIFO; stale ids are skipped
@@ -178,7 +181,7 @@ Result<void> Prefetcher::State::on_ready() {
     // Clear the eventfd before looking, so that whatever arrives after this point signals it
     // again: the other order could lose a wakeup.
     drain_eventfd();
-    if (ring->defers_taskrun() && kernel_holds_work()) MC_TRY_VOID(run_task_work());
+    if (ring && ring->defers_taskrun() && kernel_holds_work()) MC_TRY_VOID(run_task_work());
     reap();
     return submit();
 }
@@ -202,6 +205,13 @@ Result<void> Prefetcher::State::run_until_idle() {
         if (busy_slots == 0) {
             if (idle()) break;
             continue;  // callbacks queued or finished more work: go round again
+        }
+        if (pool) {
+            pollfd p{.fd = eventfd.get(), .events = POLLIN, .revents = 0};
+            if (::poll(&p, 1, -1) < 0 && errno != EINTR) return fail_errno("poll on the prefetcher's eventfd");
+            drain_eventfd();  // before taking: what is posted after this rings again
+            reap();
+            continue;
         }
         const int r = io_uring_submit_and_wait(ring->get(), 1);
         if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) return fail(-r, "io_uring_submit_and_wait");
@@ -241,20 +251,29 @@ void Prefetcher::State::fill_slots() {
 void Prefetcher::State::prep_read(uint32_t i) {
     const Slot& s = slots[i];
     const Request& r = requests.at(s.request);
-    io_uring_sqe* sqe = next_sqe();
     // The data is thrown away, so a short read's remainder may land at the start of the buffer.
     void* buf = buffers.buffer(i);
     const uint32_t len = s.length - s.done;
     const uint64_t off = s.offset + s.done;
+    ++progress.reads_submitted;
+    if (pool) {
+        pool->submit(r.fd, buf, len, off, read_user_data(i, s.generation));
+        return;
+    }
+    io_uring_sqe* sqe = next_sqe();
     if (setup.registered_buffers)
         io_uring_prep_read_fixed(sqe, r.fd, buf, len, off, static_cast<int>(i));
     else
         io_uring_prep_read(sqe, r.fd, buf, len, off);
     io_uring_sqe_set_data64(sqe, read_user_data(i, s.generation));
-    ++progress.reads_submitted;
 }
 
 void Prefetcher::State::prep_cancel(uint32_t i) {
+    if (pool) {
+        slots[i].cancel_sent = true;
+        pool->cancel(read_user_data(i, slots[i].generation));
+        return;
+    }
     // Best effort: a cancel never takes the SQ entries that reads may need; without one, the
     // read's result is ignored all the same.
     if (io_uring_sq_space_left(ring->get()) <= options.queue_depth) return;
@@ -281,6 +300,7 @@ io_uring_sqe* Prefetcher::State::next_sqe() {
 }
 
 Result<void> Prefetcher::State::flush() {
+    if (pool) return {};  // a pool's reads start as they are submitted
     while (io_uring_sq_ready(ring->get()) > 0) {
         const int r = io_uring_submit(ring->get());
         if (r > 0 || r == -EINTR) continue;
@@ -294,11 +314,16 @@ Result<void> Prefetcher::State::flush() {
 }
 
 bool Prefetcher::State::kernel_holds_work() const {
+    if (pool) return busy_slots > 0;
     io_uring* rg = ring->get();
     return busy_slots + cancels_in_kernel > io_uring_sq_ready(rg);
 }
 
 void Prefetcher::State::reap() {
+    if (pool) {
+        for (const auto& c : pool->take()) complete(c.user_data, c.res);
+        return;
+    }
     // Everything ready first, then one advance of the CQ head.
     unsigned head = 0;
     unsigned n = 0;
@@ -417,6 +442,10 @@ void Prefetcher::State::drain_eventfd() const {
 // The kernel may still write into the buffers of reads in flight, so they must complete before
 // the buffers go. Nobody is called back: the owner is going away.
 void Prefetcher::State::drain_before_exit() {
+    if (pool) {
+        pool.reset();  // the reads being made finish; none starts after
+        return;
+    }
     if (!ring) return;
     for (auto& [id, r] : requests) {
         r.cancelled = true;
@@ -448,21 +477,45 @@ Result<Prefetcher> Prefetcher::create(const Options& options) {
     s->buffers = MC_TRY(io::BufferPool::allocate(options.queue_depth, options.read_size));
     s->eventfd = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!s->eventfd) return fail_errno("eventfd for the prefetch ring");
-    // Room for one read and one cancel per slot in the SQ, and for every completion in the CQ.
-    s->ring = MC_TRY(io::Ring::create({.sq_entries = 2 * options.queue_depth,
-                                       .cq_entries = 4 * options.queue_depth,
-                                       .defer_taskrun = options.defer_taskrun}));
-    MC_TRY_VOID(s->ring->register_eventfd(s->eventfd.get()));
-    if (options.register_buffers) {
-        // Fixed buffers save pinning the pages on every read; they count against RLIMIT_MEMLOCK
-        // without CAP_IPC_LOCK, so plain reads are the fallback.
-        const auto reg = s->ring->register_buffers(s->buffers.iovecs());
-        s->setup.registered_buffers = reg.has_value();
-        if (!reg) MC_LOG(LOG_INFO, "prefetcher: plain reads, no fixed buffers: {}", reg.error().what());
+    if (options.engine != Engine::Threads) {
+        // Room for one read and one cancel per slot in the SQ, and for every completion in the CQ.
+        auto ring = io::Ring::create({.sq_entries = 2 * options.queue_depth,
+                                      .cq_entries = 4 * options.queue_depth,
+                                      .defer_taskrun = options.defer_taskrun});
+        // Denied, not broken: a seccomp filter (Docker's and containerd's default profiles answer
+        // EPERM), kernel.io_uring_disabled, a kernel built without it (ENOSYS).
+        const bool denied = !ring && (ring.error().errnum == EPERM || ring.error().errnum == EACCES ||
+                                      ring.error().errnum == ENOSYS);
+        if (!ring && (options.engine == Engine::IoUring || !denied)) return tl::unexpected(ring.error());
+        if (ring) {
+            s->ring = std::move(*ring);
+            MC_TRY_VOID(s->ring->register_eventfd(s->eventfd.get()));
+            if (options.register_buffers) {
+                // Fixed buffers save pinning the pages on every read; they count against
+                // RLIMIT_MEMLOCK without CAP_IPC_LOCK, so plain reads are the fallback.
+                const auto reg = s->ring->register_buffers(s->buffers.iovecs());
+                s->setup.registered_buffers = reg.has_value();
+                if (!reg) MC_LOG(LOG_INFO, "prefetcher: plain reads, no fixed buffers: {}", reg.error().what());
+            }
+            s->setup.ring_flags = s->ring->flags();
+            s->setup.sq_entries = s->ring->sq_entries();
+            s->setup.cq_entries = s->ring->cq_entries();
+        } else {
+            s->setup.io_uring_denied = ring.error().what();
+        }
     }
-    s->setup.ring_flags = s->ring->flags();
-    s->setup.sq_entries = s->ring->sq_entries();
-    s->setup.cq_entries = s->ring->cq_entries();
+    if (!s->ring) {
+        const uint32_t threads = options.threads != 0 ? options.threads : std::min<uint32_t>(options.queue_depth, 16);
+        s->pool = MC_TRY(io::ReadPool::create(std::min(threads, options.queue_depth), s->eventfd.get()));
+        s->setup.engine = Engine::Threads;
+        s->setup.threads = s->pool->threads();
+        if (!s->setup.io_uring_denied.empty())
+            MC_LOG(LOG_WARNING, "prefetcher: io_uring is denied here ({}): reading with {} threads (pread) instead; "
+                   "allow io_uring_setup, io_uring_enter and io_uring_register in the seccomp profile for the faster path",
+                   s->setup.io_uring_denied, s->setup.threads);
+    } else {
+        s->setup.engine = Engine::IoUring;
+    }
     s->setup.numa_node = options.numa_node;
     s->slots.resize(options.queue_depth);
     for (uint32_t i = options.queue_depth; i > 0; --i) s->free_slots.push_back(i - 1);

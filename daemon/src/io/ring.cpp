@@ -42,7 +42,7 @@ Result<std::unique_ptr<Ring>> Ring::create(const Params& params) {
         if (r != -EINVAL) {
             return fail(-r, fmt::format("io_uring_setup ({} entries, flags {:#x}) failed{}", params.sq_entries,
                                         p.flags,
-                                        r == -EPERM ? " (see /proc/sys/kernel/io_uring_disabled)" : ""));
+                                        r == -EPERM ? " (denied: a seccomp profile, or /proc/sys/kernel/io_uring_disabled)" : ""));
         }
         while (next_drop < std::size(kOptionalFlags) && (flags & kOptionalFlags[next_drop]) == 0) ++next_drop;
         if (next_drop == std::size(kOptionalFlags)) {

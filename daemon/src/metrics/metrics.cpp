@@ -92,6 +92,9 @@ std::string render_metrics(const DaemonStatus& s) {
              "Bytes read ahead of use by the daemon's prefetcher.", s.prefetch_done_bytes);
     w.scalar("moecache_prefetch_queued_bytes", "gauge",
              "Bytes waiting in the prefetcher's queue.", s.prefetch_queued_bytes);
+    w.family("moecache_prefetch_engine", "gauge",
+             "1 for what reads: io_uring, or threads (pread) where io_uring is denied (a container's seccomp profile).");
+    w.sample("moecache_prefetch_engine", fmt::format("engine=\"{}\"", s.prefetch_engine), uint64_t{1});
     w.scalar("moecache_cgroup_limit_bytes", "gauge",
              "The memory cgroup limit that binds the daemon (memory.max or memory.limit_in_bytes up its tree); 0: none.", s.cgroup_limit);
     w.scalar("moecache_miss_fetches_total", "counter",

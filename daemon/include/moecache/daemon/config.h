@@ -58,6 +58,10 @@ struct Config {
     // [prefetch]
     uint32_t queue_depth = 32;
     uint32_t read_size = 1u << 20;  // bytes per read request
+    // "auto": io_uring, or pread threads where io_uring is denied (a container's seccomp profile);
+    // "io_uring" or "threads" to force one. threads: the pread engine's readers (0: up to 16).
+    std::string prefetch_engine = "auto";
+    uint32_t prefetch_threads = 0;
     int numa_node = -1;             // -1: wherever the kernel puts pages
     // When a runtime reads part of an expert from storage (a miss, as eBPF sees it), read the rest
     // of that expert at once, into the page cache (not locked): the runtime's next faults in it hit.

@@ -1,5 +1,7 @@
 // Prefetcher: reads byte ranges of model files through io_uring so that their pages land in the
-// page cache, ahead of the locker mlocking them. The data read is thrown away.
+// page cache, ahead of the locker mlocking them. The data read is thrown away. Where io_uring is
+// denied (a container's default seccomp profile, kernel.io_uring_disabled), a few threads read with
+// pread(2) instead, under the same scheduler, callbacks and eventfd (Options::engine).
 //
 // Threading: a Prefetcher belongs to one thread, the one that called create() (the daemon's event
 // loop). The ring is set up SINGLE_ISSUER and, where the kernel has it, DEFER_TASKRUN: every call,
@@ -39,6 +41,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 namespace moecache::daemon {
 
@@ -69,7 +72,14 @@ struct PrefetchProgress {
 
 class Prefetcher {
 public:
+    enum class Engine : uint8_t {
+        Auto,     // io_uring, or threads when io_uring is denied (EPERM, EACCES, ENOSYS)
+        IoUring,  // io_uring or fail
+        Threads,  // pread(2) in threads
+    };
     struct Options {
+        Engine engine = Engine::Auto;
+        uint32_t threads = 0;           // the Threads engine's readers, <= queue_depth; 0: min(queue_depth, 16)
         uint32_t queue_depth = 32;      // reads in flight across all files, 1..4096
         uint32_t read_size = 1u << 20;  // largest single read: a multiple of 4096, 4 KiB..64 MiB
         int numa_node = -1;             // >= 0: prefer this node for the pages read (see above)
@@ -79,6 +89,9 @@ public:
 
     // What create() got from this kernel, for logs and tests.
     struct Setup {
+        Engine engine = Engine::IoUring;  // the one reading: IoUring or Threads
+        uint32_t threads = 0;             // Threads: how many
+        std::string io_uring_denied;      // why io_uring was not used, when Auto fell back
         uint32_t ring_flags = 0;  // the IORING_SETUP_* flags the kernel accepted
         uint32_t sq_entries = 0;
         uint32_t cq_entries = 0;

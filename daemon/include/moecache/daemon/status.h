@@ -102,6 +102,7 @@ struct DaemonStatus {
     uint64_t pressure_events = 0;
     bool under_pressure = false;
     uint64_t prefetch_done_bytes = 0, prefetch_queued_bytes = 0;
+    std::string prefetch_engine;  // "io_uring", or "threads" (pread) where io_uring is denied
     PageCacheStatus page_cache;
     std::string socket_path;       // where clients connect ("" when not listening)
     std::string metrics_address;   // where GET /metrics answers, "HOST:PORT" ("" when it does not)
