@@ -30,7 +30,17 @@ base='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libresolv|libutil|l
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/share/moecache"
 for f in "${programs[@]}"; do install -m 0755 "$build/$f" "$out/bin/"; done
-for f in "${libraries[@]}"; do install -m 0755 "$build/$f" "$out/lib/"; done
+for f in "${libraries[@]}"; do
+  # A library with a SONAME (libmoecache-client.so.1) goes in under it, with the plain name beside.
+  name=$(basename "$f")
+  soname=$(patchelf --print-soname "$build/$f" 2>/dev/null || true)
+  if [ -n "$soname" ] && [ "$soname" != "$name" ]; then
+    install -m 0755 "$build/$f" "$out/lib/$soname"
+    ln -s "$soname" "$out/lib/$name"
+  else
+    install -m 0755 "$build/$f" "$out/lib/"
+  fi
+done
 
 # Every library the programs and libraries load, transitively (ldd resolves the whole closure).
 declare -A carried=()

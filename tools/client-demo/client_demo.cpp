@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -36,17 +37,43 @@ int main(int argc, char** argv) {
             }
             return argv[++i];
         };
+        // Numbers parsed whole: "--seconds 5s" is an error, not 5 (and never an exception).
+        auto number = [&](double& out) {
+            const std::string v = next();
+            char* end = nullptr;
+            errno = 0;
+            out = std::strtod(v.c_str(), &end);
+            if (v.empty() || *end != '\0' || errno != 0 || !(out >= 0)) {
+                std::fprintf(stderr, "moecache-client-demo: %s: '%s' is not a number >= 0\n", a.c_str(), v.c_str());
+                std::exit(2);
+            }
+        };
+        constexpr const char* kUsage =
+            "usage: moecache-client-demo MODEL.gguf [--socket PATH] [--seconds S] [--rate R] "
+            "[--skew S] [--experts-per-token K] [--name NAME] [--wait-ready S]\n";
+        double v = 0;
         if (a == "--socket") socket_path = next();
-        else if (a == "--seconds") seconds = std::stod(next());
-        else if (a == "--rate") rate = std::stod(next());
-        else if (a == "--skew") skew = std::stod(next());
-        else if (a == "--experts-per-token") k = static_cast<uint32_t>(std::stoul(next()));
-        else if (a == "--name") name = next();
-        else if (a == "--wait-ready") wait_ready = std::stod(next());
-        else if (a[0] != '-' && model.empty()) model = a;
+        else if (a == "--seconds") number(seconds);
+        else if (a == "--rate") number(rate);
+        else if (a == "--skew") number(skew);
+        else if (a == "--experts-per-token") {
+            number(v);
+            if (v != static_cast<double>(static_cast<uint32_t>(v))) {
+                std::fprintf(stderr, "moecache-client-demo: --experts-per-token takes a whole number\n");
+                return 2;
+            }
+            k = static_cast<uint32_t>(v);
+        } else if (a == "--name") name = next();
+        else if (a == "--wait-ready") number(wait_ready);
+        else if (a == "--version") {
+            std::printf("moecache-client-demo %s\n", MOECACHE_VERSION_STRING);
+            return 0;
+        } else if (a == "-h" || a == "--help") {
+            std::printf("%s", kUsage);
+            return 0;
+        } else if (a[0] != '-' && model.empty()) model = a;
         else {
-            std::fprintf(stderr, "usage: moecache-client-demo MODEL.gguf [--socket PATH] [--seconds S] [--rate R] "
-                                 "[--skew S] [--experts-per-token K] [--name NAME] [--wait-ready S]\n");
+            std::fprintf(stderr, "%s", kUsage);
             return 2;
         }
     }

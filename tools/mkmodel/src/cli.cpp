@@ -61,6 +61,10 @@ std::optional<int> parse_options(int argc, char** argv, std::string_view program
             fmt::print("{}", usage);
             return 0;
         }
+        if (a == "--version") {
+            fmt::print("{} {}\n", program, MOECACHE_VERSION_STRING);
+            return 0;
+        }
         if (flag(a)) continue;
         if (i + 1 >= argc) return usage_error(program, fmt::format("{} needs a value (or is unknown; see --help)", a));
         const std::string v = argv[++i];
