@@ -240,7 +240,7 @@ wait_settled() {
   else
     local same=0
     while [ $(( SECONDS - t0 )) -lt "${WARM_WAIT:-150}" ] && [ $same -lt 4 ]; do
-      if http_get "http://127.0.0.1:$port/metrics" 2>/dev/null | grep -F "model=\"$(basename "$m")\"" | grep -q '^moecache_model_settled{.* 1$'; then
+      if http_get "http://127.0.0.1:$port/metrics" 2>/dev/null | grep -F "file=\"$m\"" | grep -q '^moecache_model_settled{.* 1$'; then
         same=$(( same + 1 ))
       else
         same=0

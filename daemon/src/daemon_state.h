@@ -39,6 +39,9 @@ struct Daemon::ModelEntry {
     uint32_t id = 0;
     ModelConfig config;
     std::string path;
+    // What users call it, fixed at its first load: ollama's tag for one of its blobs, else the
+    // file's general.name, else the file name. The metrics' model label: stable across loads.
+    std::string name;
     std::unique_ptr<ModelResidency> res;
     std::string error;  // the last reason it could not be loaded, logged once
     std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn

@@ -9,8 +9,13 @@
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
 #include "moecache/log.h"
+#include "moecache/model.h"
+#include "moecache/ollama.h"
+#include "moecache/unique_fd.h"
 
+#include <fcntl.h>
 #include <glob.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -81,9 +86,14 @@ void Daemon::add_plain_models() {
 
 void Daemon::refresh_models() {
     // Globs may match new files. A model whose file changed or went away is closed and retried.
+    std::set<std::string> matched;
     for (const auto& mc : config_.models)
         if (mc.path.find_first_of("*?[") != std::string::npos)
-            for (const auto& p : expand(mc.path)) add_entry(mc, p);
+            for (const auto& p : expand(mc.path)) {
+                matched.insert(p);
+                if (glob_match_is_moe(p)) add_entry(mc, p);
+            }
+    std::erase_if(glob_checked_, [&](const auto& v) { return !matched.count(v.first); });  // files gone
     for (auto& m : models_) {
         if (m->res) {
             auto same = m->res->model().unchanged();
@@ -93,6 +103,36 @@ void Daemon::refresh_models() {
         // by its name (which its owner may swap); the next registration opens it again.
         if (!m->res && (m->operator_added || !m->registered)) open_model(*m);
     }
+}
+
+bool Daemon::glob_match_is_moe(const std::string& path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;  // gone, or a directory
+    const GlobVerdict now{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+                          st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec, false};
+    if (const auto it = glob_checked_.find(path); it != glob_checked_.end() && it->second.dev == now.dev &&
+                                                  it->second.ino == now.ino && it->second.size == now.size &&
+                                                  it->second.mtime_ns == now.mtime_ns)
+        return it->second.moe;
+    // Already an entry (matched before, or configured as a plain path too): no second look.
+    if (std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; })) return true;
+    std::string why;
+    char magic[4] = {};
+    if (const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC)); !fd) {
+        why = fmt::format("cannot open it: {}", std::strerror(errno));
+    } else if (::pread(fd.get(), magic, sizeof magic, 0) != static_cast<ssize_t>(sizeof magic) ||
+               std::memcmp(magic, "GGUF", 4) != 0) {
+        why = "not a GGUF file";
+    } else if (auto map = load_expert_map(path); !map) {
+        why = map.error().what();
+    } else if (map->layers.empty()) {
+        why = "a GGUF file without routed experts (a dense model, a vision projector)";
+    }
+    GlobVerdict v = now;
+    v.moe = why.empty();
+    if (!v.moe) MC_LOG(LOG_INFO, "{}: skipped, matched by a [[model]] glob but {}", path, why);
+    glob_checked_[path] = v;
+    return v.moe;
 }
 
 void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
@@ -109,6 +149,7 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
     m.error.clear();
     watch_files(m);
     const auto& map = m.res->model().map();
+    if (m.name.empty()) m.name = ollama_tags(m.path).value_or(map.name.empty() ? base_name(m.path) : map.name);
     MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
            map.files.size());
     // A family member already loaded: share its heat (which has its profile already).

@@ -140,6 +140,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
     ModelStatus ms;
     ms.id = m->id;
     ms.path = m->path;
+    ms.name = m->name.empty() ? base_name(m->path) : m->name;
     ms.error = m->error;
     ms.loaded = m->res != nullptr;
     ms.registered = m->registered;

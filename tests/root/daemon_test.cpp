@@ -2,6 +2,7 @@
 // heat saved and restored so a restart starts warm, and model files that are truncated,
 // replaced, or vanish and come back. Runs the daemon in-process and drives its loop.
 #include "daemon_fixture.h"
+#include "gguf_builder.h"
 #include "model_fixture.h"
 #include "temp_dir.h"
 
@@ -378,6 +379,43 @@ TEST_F(DaemonTest, ReleaseDropsPagesNobodyMapsAndKeepsMappedOnes) {
     ::munmap(const_cast<uint8_t*>(base), size);
     ::close(fd);
     EXPECT_GT(sum + 1, 0u);
+}
+
+// A glob over a directory like ollama's blobs (sha256-... files: models, manifests' layers, dense
+// models, vision projectors) takes the MoE GGUF models only, and says why it skips the rest once.
+TEST_F(DaemonTest, AGlobTakesOnlyMoeGgufModels) {
+    const std::string blobs = dir_.file("blobs");
+    std::filesystem::create_directories(blobs);
+    const std::string hex(64, 'a');
+    std::filesystem::copy_file(model_, blobs + "/sha256-" + hex);
+    // Its manifest, as ollama writes it: the metrics name the model by its tag.
+    std::filesystem::create_directories(dir_.file("manifests/registry.ollama.ai/library/qwen3moe"));
+    test::write_file(dir_.file("manifests/registry.ollama.ai/library/qwen3moe/test"),
+                     R"({"layers":[{"mediaType":"application/vnd.ollama.image.model","digest":"sha256:)" + hex + R"("}]})");
+    test::write_file(blobs + "/sha256-template", "{{ .System }} {{ .Prompt }}");
+    test::GgufDesc dense;
+    dense.add_str("general.architecture", "llama").add_u32("llama.block_count", 1);
+    dense.add_tensor("blk.0.ffn_up.weight", {64, 64});
+    test::write_file(blobs + "/sha256-dense", dense.bytes());
+    std::filesystem::create_directories(blobs + "/sha256-a-directory");
+    auto c = config();
+    c.models[0].path = blobs + "/sha256-*";
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    settle(**d);
+    auto s = (*d)->status();
+    ASSERT_EQ(s.models.size(), 1u);
+    EXPECT_EQ(s.models[0].path, blobs + "/sha256-" + hex);
+    EXPECT_TRUE(s.models[0].loaded);
+    EXPECT_EQ(s.models[0].name, "qwen3moe:test");
+    // A file that becomes a model later (a download finishing) is taken then.
+    std::filesystem::copy_file(model_, blobs + "/sha256-moe2");
+    test::write_file(blobs + "/sha256-template", "changed: looked at again, still not a model");
+    settle(**d);
+    s = (*d)->status();
+    ASSERT_EQ(s.models.size(), 2u);
+    EXPECT_EQ(s.models[1].path, blobs + "/sha256-moe2");
+    EXPECT_EQ(s.models[1].name, "moecache-synthetic") << "no manifest names it: its general.name";
 }
 
 TEST_F(DaemonTest, PinsAndGlobs) {

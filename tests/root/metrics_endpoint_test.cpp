@@ -49,7 +49,8 @@ TEST(MetricsEndpoint, LiveScrapesOfAHostileModelNameWhileTelemetryFlows) {
 
     test::Background client({MOECACHE_CLIENT_DEMO_BIN, model, "--socket", dir.file("moecached.sock"), "--seconds", "6",
                              "--rate", "0", "--name", "load", "--wait-ready", "10"});
-    const std::string label = "model=\"we\\\"ird\\nna\xef\xbf\xbdme.gguf\"";
+    // The file label, escaped (the model label is the file's general.name).
+    const std::string label = "/we\\\"ird\\nna\xef\xbf\xbdme.gguf\"";
     std::string body;
     for (int i = 0; i < 100 && body.find(label) == std::string::npos; ++i) {
         httplib::Client c("127.0.0.1", port);

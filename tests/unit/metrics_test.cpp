@@ -75,21 +75,35 @@ DaemonStatus sample() {
     return s;
 }
 
+// The model label is what users call it (ModelStatus::name: an ollama tag, general.name); the file
+// label tells two files of one name apart. No label changes when a client registers it again.
+TEST(Metrics, AModelIsLabelledByItsNameAndFile) {
+    auto s = sample();
+    s.models[0].name = "qwen3:30b-a3b";
+    s.models[0].path = "/var/lib/ollama/models/blobs/sha256-0123";
+    const std::string text = render_metrics(s);
+    EXPECT_NE(text.find("moecache_locked_bytes{model=\"qwen3:30b-a3b\",file=\"/var/lib/ollama/models/blobs/sha256-0123\"} 4096\n"),
+              std::string::npos)
+        << text;
+    s.models[0].id = 42;
+    EXPECT_EQ(render_metrics(s), text) << "the id is not a label";
+}
+
 TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
     const std::string text = render_metrics(sample());
     EXPECT_NE(text.find("# TYPE moecache_locked_bytes gauge\n"), std::string::npos);
     EXPECT_NE(text.find("# TYPE moecache_storage_read_bytes_total counter\n"), std::string::npos);
-    EXPECT_NE(text.find("moecache_recency_share{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\"} 0.25\n"),
+    EXPECT_NE(text.find("moecache_recency_share{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",file=\"/models/we\\\"ird\\nname\xef\xbf\xbd.gguf\"} 0.25\n"),
               std::string::npos)
         << text;
-    EXPECT_NE(text.find("moecache_locked_bytes{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\"} 4096\n"),
+    EXPECT_NE(text.find("moecache_locked_bytes{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",file=\"/models/we\\\"ird\\nname\xef\xbf\xbd.gguf\"} 4096\n"),
               std::string::npos)
         << text;
-    EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\",tier=\"vram\"} 1\n"),
+    EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",file=\"/models/we\\\"ird\\nname\xef\xbf\xbd.gguf\",tier=\"vram\"} 1\n"),
               std::string::npos);
-    EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\",tier=\"ram\"} 1\n"),
+    EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",file=\"/models/we\\\"ird\\nname\xef\xbf\xbd.gguf\",tier=\"ram\"} 1\n"),
               std::string::npos);
-    EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",id=\"3\",tier=\"vram+ram\"} 1\n"),
+    EXPECT_NE(text.find("moecache_experts{model=\"we\\\"ird\\nname\xef\xbf\xbd.gguf\",file=\"/models/we\\\"ird\\nname\xef\xbf\xbd.gguf\",tier=\"vram+ram\"} 1\n"),
               std::string::npos)
         << "an expert in a pool and locked is counted once, as both";
     EXPECT_NE(text.find("moecache_page_cache_events_dropped_total{kind=\"fault\"} 1\n"), std::string::npos);

@@ -21,4 +21,10 @@ Result<void> pread_exact(int fd, void* buf, size_t n, uint64_t offset, std::stri
 // directory if needed. Readers see the old or the new text, never a part.
 Result<void> write_file_atomic(const std::string& path, const std::string& text);
 
+// What follows the last '/' (the whole path when there is none).
+inline std::string base_name(const std::string& path) {
+    const auto slash = path.rfind('/');
+    return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
 }  // namespace moecache

@@ -76,6 +76,7 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     std::map<std::string, sdbus::Variant> d;
     d[dbus_keys::kId] = m.id;
     d[dbus_keys::kPath] = printable_utf8(m.path);
+    d[dbus_keys::kName] = printable_utf8(m.name);
     d[dbus_keys::kKey] = m.key;
     d[dbus_keys::kFamily] = m.family;
     d[dbus_keys::kLoaded] = m.loaded;

@@ -1,4 +1,5 @@
 #include "moecache/daemon/metrics.h"
+#include "moecache/file_util.h"
 #include "moecache/text.h"
 
 #include <fmt/format.h>
@@ -31,13 +32,11 @@ private:
     std::string out_;
 };
 
-std::string base_name(const std::string& path) {
-    const auto slash = path.rfind('/');
-    return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
 std::string model_labels(const ModelStatus& m) {
-    return fmt::format("model=\"{}\",id=\"{}\"", escape_label_value(base_name(m.path)), m.id);
+    // The model as users name it, and its file: a series per model that a re-registration (a new
+    // id) does not split.
+    return fmt::format("model=\"{}\",file=\"{}\"", escape_label_value(m.name.empty() ? base_name(m.path) : m.name),
+                       escape_label_value(m.path));
 }
 
 }  // namespace

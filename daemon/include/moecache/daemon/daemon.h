@@ -101,6 +101,9 @@ private:
     struct ModelEntry;
     Daemon() = default;
     void add_entry(const ModelConfig& mc, const std::string& path);
+    // Whether a file a [[model]] glob matched is an MoE GGUF model (said once per file version when
+    // it is not: an ollama blob directory also holds manifests' layers, dense models, projectors).
+    bool glob_match_is_moe(const std::string& path);
     void add_plain_models();
     void refresh_models();
     void open_model(ModelEntry& m, const std::vector<int>* handed = nullptr);  // handed: a client's descriptors of it
@@ -241,6 +244,12 @@ private:
         std::chrono::steady_clock::time_point logged{};
     };
     std::map<std::string, IgnoredErrors> errors_;
+    struct GlobVerdict {
+        uint64_t dev = 0, ino = 0, size = 0;
+        int64_t mtime_ns = 0;
+        bool moe = false;
+    };
+    std::map<std::string, GlobVerdict> glob_checked_;  // by path: what glob_match_is_moe found
     template <class T>
     void note(const char* doing, const Result<T>& r) {
         if (!r) note_error(doing, r.error().what());

@@ -7,6 +7,7 @@ namespace moecache::dbus_keys {
 
 inline constexpr const char kId[] = "id";
 inline constexpr const char kPath[] = "path";
+inline constexpr const char kName[] = "name";
 inline constexpr const char kKey[] = "key";
 inline constexpr const char kFamily[] = "family";
 inline constexpr const char kLoaded[] = "loaded";
