@@ -97,7 +97,7 @@ void Daemon::place() {
         // A model no live client holds while one of its family is in use (the runtime moved to
         // another quantization: the prompt-model swap) holds nothing: its locks and reads would take
         // the RAM the model in use needs, under a squeeze all of it.
-        const bool left = registered.count(m->id) == 0 && families_in_use.count(family) != 0;
+        const bool left = !m->config.keep && registered.count(m->id) == 0 && families_in_use.count(family) != 0;
         uint64_t cap = left ? 0 : model_cap(*m);
         // RAM alone (no VRAM pool serves the model): the share of the lock cap that the routing's
         // temporal locality makes worth more to the page cache's LRU than to locks by heat, learnt
@@ -118,7 +118,7 @@ void Daemon::place() {
         mf.view = r.view(cap);
         mf.view.family = families.try_emplace(family, static_cast<uint32_t>(families.size())).first->second;
         if (m->config.family_budget) mf.view.family_budget = m->config.family_budget->resolve(mem_total_);
-        mf.view.standby = left || (registered.count(m->id) == 0 &&
+        mf.view.standby = left || (!m->config.keep && registered.count(m->id) == 0 &&
                                    (yields(*m) || (now - m->last_used > kStandbyAfter && !awaited(*m))));
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);

@@ -772,9 +772,11 @@ protected:
         spec.expert_type = *ggml_type_info(ggml::Q4_K);
         prompt_model_ = dir_.file("prompt-q4_K.gguf");
         test::write_model(spec, prompt_model_);
-        Config c = test::daemon_config(model_, dir_.file("state"), 4 * per_q8 + per_q8 / 4);
+        // With keep: room for both models' hot experts, so that only keep decides.
+        Config c = test::daemon_config(model_, dir_.file("state"), keep_prompt_ ? 8 * per_q8 : 4 * per_q8 + per_q8 / 4);
         c.models.push_back(c.models[0]);
         c.models[1].path = prompt_model_;
+        c.models[1].keep = keep_prompt_;
         c.page_cache_telemetry = "off";
         start(c);
         sock_ = d_->status().socket_path;
@@ -826,7 +828,25 @@ protected:
 
     static constexpr uint32_t kHot[] = {1, 5, 9, 13};
     std::string prompt_model_, sock_;
+    bool keep_prompt_ = false;  // [[model]] keep = true for the prompt model
 };
+
+class FamilyKeepTest : public FamilySwapTest {
+protected:
+    FamilyKeepTest() { keep_prompt_ = true; }
+};
+
+// keep = true (ollama unloads an idle model and loads it again on the next request): the model a
+// runtime left keeps its locks, at full rank, while another member of its family is in use.
+TEST_F(FamilyKeepTest, AModelToKeepHoldsItsLocksWhenItsRuntimeLeaves) {
+    run_prompt_model();
+    const pid_t decode = start_runtime(model_, "decode-runtime", 0);
+    ASSERT_GT(decode, 0);
+    turns(100);
+    EXPECT_EQ(locked_hot(model_), 4) << "the model in use is served first";
+    EXPECT_EQ(locked_hot(prompt_model_), 4) << "the model to keep keeps its hot experts";
+    stop_runtime(decode);
+}
 
 // Once the runtime has moved to the decode model (the prompt model's client gone, the decode
 // model's registered), the prompt model waits at once (it was used a moment ago: idleness alone

@@ -495,6 +495,7 @@ const Key<ModelConfig> kModelKeys[] = {
     MC_KEY("lock_dense", ModelConfig, t.lock_dense = MC_TRY(read_bool(v))),
     MC_KEY("family", ModelConfig, t.family = MC_TRY(read_family(v))),
     MC_KEY("family_budget", ModelConfig, t.family_budget = MC_TRY(read_byte_amount(v))),
+    MC_KEY("keep", ModelConfig, t.keep = MC_TRY(read_bool(v))),
 };
 
 #undef MC_KEY

@@ -38,6 +38,9 @@ struct ModelConfig {
     // are a family without being told. Members must have the same MoE shape.
     std::string family;
     std::optional<ByteAmount> family_budget;  // locked by the whole family at most (the smallest given wins)
+    // Keep its locks at full rank while no runtime uses it (never on standby, never giving way to a
+    // family member in use): ollama unloads an idle model and loads it again on the next request.
+    bool keep = false;
     std::string where;            // "FILE:LINE:COL: model[N]" (N counts within FILE), for messages
 };
 
