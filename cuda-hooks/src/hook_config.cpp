@@ -98,6 +98,8 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
     c.client = client == nullptr || !off_value(client);
     const char* peer = get("MOECACHE_CUDA_PEER");
     c.peers = peer == nullptr || !off_value(peer);
+    const char* claim = get("MOECACHE_CUDA_CLAIM");
+    c.claim = claim == nullptr || !off_value(claim);
     const char* kernel = get("MOECACHE_CUDA_COPY_KERNEL");
     c.copy_kernel = kernel == nullptr || !off_value(kernel);
     const char* one = get("MOECACHE_CUDA_ONE_PLACE");

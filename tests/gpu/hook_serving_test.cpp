@@ -532,6 +532,58 @@ TEST_F(DeviceSizes, EachDeviceGetsItsOwnSize) {
     destroy(s);
 }
 
+// A runtime that sizes its own use from free memory, as llama.cpp's --fit and ollama do: it asks
+// what is free and allocates all of it but a margin, before any expert copy. A pool given in bytes
+// is claimed from the start (free-memory queries report that much less), so the runtime leaves
+// the room and the pool gets it; unclaimed, the pool finds only the runtime's margin.
+class Claimed : public HookServing {
+protected:
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "16M"}, {"MOECACHE_CUDA_CLAIM", claim()}};
+    }
+    virtual const char* claim() const { return "on"; }
+    // The runtime's sizing: everything it is told is free, less a margin of 300 MiB.
+    uint64_t fill_like_fit() {
+        auto* limit = cu_.knob<unsigned long long>("fake_cuda_memory_limit");
+        if (limit == nullptr) return 0;
+        *limit = 1ull << 30;
+        size_t free = 0, total = 0;
+        EXPECT_EQ(cu_.mem_get_info(&free, &total), CUDA_SUCCESS);
+        EXPECT_GT(free, 300ull << 20);
+        EXPECT_EQ(cu_.mem_alloc(&fit_, free - (300ull << 20)), CUDA_SUCCESS);
+        return free;
+    }
+    CUdeviceptr fit_ = 0;
+};
+class Unclaimed : public Claimed {
+    const char* claim() const override { return "off"; }
+};
+
+TEST_F(Claimed, ARuntimeThatFillsFreeMemoryLeavesTheClaimedPool) {
+    if (cu_.knob<unsigned long long>("fake_cuda_memory_limit") == nullptr) GTEST_SKIP() << "needs the fake driver's memory limit";
+    const uint64_t told = fill_like_fit();
+    auto s = new_streams();
+    warm_up(s);
+    ASSERT_GE(hook_.sync(10000), 1);
+    EXPECT_GE(hook_.pool_bytes(0), 15ull << 20) << "the runtime was told " << told << " bytes were free";
+    // The pool's bytes count as free to the runtime again (it yields them), less what it claims.
+    size_t free = 0, total = 0;
+    ASSERT_EQ(cu_.mem_get_info(&free, &total), CUDA_SUCCESS);
+    EXPECT_LE(free, 300ull << 20);
+    EXPECT_GT(free, 250ull << 20);
+    destroy(s);
+}
+
+TEST_F(Unclaimed, ARuntimeThatFillsFreeMemoryLeavesNoRoomForAnUnclaimedPool) {
+    if (cu_.knob<unsigned long long>("fake_cuda_memory_limit") == nullptr) GTEST_SKIP() << "needs the fake driver's memory limit";
+    fill_like_fit();
+    auto s = new_streams();
+    warm_up(s);
+    ASSERT_GE(hook_.sync(10000), 1);
+    EXPECT_EQ(hook_.pool_bytes(0), 0u) << "300 MiB free is under the reserve of an unclaimed pool";
+    destroy(s);
+}
+
 class PinAll : public TwoDevices {
     std::vector<std::pair<const char*, const char*>> env() const override {
         return {{"MOECACHE_CUDA_POOL", "25%"}, {"MOECACHE_CUDA_PIN", "all"}};

@@ -22,6 +22,10 @@
  *                            "staging" (staging only), "off" (as the runtime asks), "all" (every
  *                            expert byte of mapped models registered at once: for machines whose
  *                            RAM holds the model; no one place)
+ *   MOECACHE_CUDA_CLAIM=off  a pool given in bytes takes what the runtime leaves (default: it is
+ *                            claimed from the start: free-memory queries report that much less
+ *                            until the pool holds it, so that llama.cpp's --fit and ollama, which
+ *                            fill free VRAM themselves, leave the room)
  *   MOECACHE_CUDA_PEER=off   a device's copies read only its own pool (default: other devices'
  *                            pools too, peer to peer, with peer access enabled between them)
  *   MOECACHE_CUDA_COPY_KERNEL=off  pool hits copied with the driver's device-to-device copies

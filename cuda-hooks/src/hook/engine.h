@@ -71,6 +71,10 @@ public:
     bool yield_memory(size_t bytes);
     // Pool bytes on the current device (the runtime is told they are free: the pool yields them).
     size_t pool_bytes_current_device();
+    // What a free-memory query on the current device reports, from what the driver said: the
+    // pool's bytes are free to the runtime (it yields them), the room a claimed pool will take
+    // is not (HookConfig::claim).
+    size_t reported_free(size_t driver_free);
     uint64_t pool_bytes(int device);
     void count_copy() { copies_.fetch_add(1, std::memory_order_relaxed); }
     void stats(moecache_cuda_stats* out);
@@ -192,6 +196,7 @@ private:
         // after all, query failed, wait failed.
         std::array<std::atomic<uint64_t>, 8> join_failures{};
         std::atomic<uint64_t> sized_for{0};  // seen_bytes when last sized (by the background thread)
+        std::atomic<uint64_t> target{0};     // what it was last sized to hold (0: not sized yet)
         // Filling ahead (fill.cpp; background thread): the hook's stream and scratch buffer on this
         // device, and the slices filled so far.
         CUstream fill_stream = nullptr;

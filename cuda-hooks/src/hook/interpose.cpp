@@ -135,12 +135,14 @@ void stream_destroyed(CUstream s) noexcept {
     }
 }
 
-size_t pool_bytes() noexcept {
+// A free-memory query's answer as the runtime sees it (Engine::reported_free). The engine is
+// made here if no hooked call made it yet: a runtime sizes itself from free memory before it copies.
+size_t reported_free(size_t driver_free) noexcept {
     try {
-        Engine* e = Engine::peek();
-        return e != nullptr ? e->pool_bytes_current_device() : 0;
+        Engine* e = Engine::get();
+        return e != nullptr ? e->reported_free(driver_free) : driver_free;
     } catch (...) {
-        return 0;
+        return driver_free;
     }
 }
 
@@ -235,7 +237,7 @@ cudaError_t on_cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
     auto real = REAL_RT(cudaMemGetInfo);
     if (real == nullptr) return MISSING_RT;
     const cudaError_t r = real(free_bytes, total_bytes);
-    if (r == cudaSuccess && Nest::outer() && free_bytes != nullptr) *free_bytes += pool_bytes();
+    if (r == cudaSuccess && Nest::outer() && free_bytes != nullptr) *free_bytes = reported_free(*free_bytes);
     return r;
 }
 
@@ -364,7 +366,7 @@ CUresult on_cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
     auto real = REAL_CU(cuMemGetInfo_v2);
     if (real == nullptr) return MISSING_CU;
     const CUresult r = real(free_bytes, total_bytes);
-    if (r == CUDA_SUCCESS && Nest::outer() && free_bytes != nullptr) *free_bytes += pool_bytes();
+    if (r == CUDA_SUCCESS && Nest::outer() && free_bytes != nullptr) *free_bytes = reported_free(*free_bytes);
     return r;
 }
 

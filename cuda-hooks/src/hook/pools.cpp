@@ -257,6 +257,7 @@ void Engine::resize_pool(DevicePool& dp) {
     }
     dp.sized_for.store(expert_bytes);
     const uint64_t target = pool_target(dp, expert_room);
+    dp.target.store(std::max<uint64_t>(target, 1));
     // Whole arenas go; what that gives back beyond the target is allocated again below.
     if (dp.bytes > target) {
         std::vector<uint64_t> bases;
@@ -271,7 +272,11 @@ void Engine::resize_pool(DevicePool& dp) {
     (void)drv->mem_get_info(&free_bytes, &total_bytes);
     const uint64_t before = dp.bytes;
     if (dp.bytes < target) {
-        const uint64_t reserve = std::max<uint64_t>(1ull << 30, total_bytes / 20);
+        // A claimed pool's room was kept from the runtime's own sizing (llama.cpp's --fit leaves it
+        // free, with a margin of its own): only a small reserve here. Otherwise room for what the
+        // runtime allocates later (its allocations win all the same: the pool yields).
+        const uint64_t reserve = cfg_.claim_bytes(dp.device) != 0 ? (256ull << 20)
+                                                                   : std::max<uint64_t>(1ull << 30, total_bytes / 20);
         uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
         for (const auto& [slot, covered] : classes) {
             const auto want = static_cast<uint64_t>(static_cast<double>(target) * static_cast<double>(covered) /
@@ -346,6 +351,19 @@ uint64_t Engine::pool_bytes(int device) {
     if (device < 0 || device >= kMaxDevices) return 0;
     DevicePool* dp = pools_[device].load();
     return dp == nullptr ? 0 : dp->bytes.load();
+}
+
+size_t Engine::reported_free(size_t driver_free) {
+    const Driver* drv = driver();
+    CUdevice device = 0;
+    if (drv == nullptr || drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices)
+        return driver_free;
+    const DevicePool* dp = pools_[device].load();
+    const uint64_t held = dp == nullptr ? 0 : dp->bytes.load();
+    uint64_t claim = cfg_.claim_bytes(device);
+    if (claim != 0 && dp != nullptr && dp->target.load() != 0) claim = std::min(claim, dp->target.load());  // what it needs
+    const uint64_t free = driver_free + held;
+    return free > claim ? free - claim : 0;
 }
 
 size_t Engine::pool_bytes_current_device() {

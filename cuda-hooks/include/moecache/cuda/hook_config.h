@@ -59,6 +59,16 @@ struct HookConfig {
     // A pool's first fill reads what the daemon directs from the model files, not only from its
     // locks (MOECACHE_CUDA_FILL_FROM_FILES=1, with the daemon's [vram] fill_from_files).
     bool fill_from_files = false;
+    // A pool given in bytes (MOECACHE_CUDA_POOL=12G, 0:12G) is claimed from the start: the runtime's
+    // free-memory queries (cudaMemGetInfo, cuMemGetInfo) report that much less on that device until
+    // the pool holds it, so that a runtime that sizes its own use from free memory (llama.cpp's
+    // --fit, ollama) leaves the room. MOECACHE_CUDA_CLAIM=off: the pool takes what is left.
+    bool claim = true;
+    // The bytes claimed on `device` (0: none).
+    [[nodiscard]] uint64_t claim_bytes(int device) const {
+        const PoolSize& s = pool.of(device);
+        return claim && s.kind == PoolSize::Kind::Bytes ? static_cast<uint64_t>(s.value) : 0;
+    }
 };
 
 // Parses one MOECACHE_CUDA_POOL value; nullopt and a reason in *error when it is not one.
