@@ -19,6 +19,11 @@ command -v patchelf >/dev/null || { echo "bundle: patchelf is missing (scripts/s
 
 programs=(daemon/moecached ctl/moecachectl tools/mkmodel/moecache-mkmodel tools/client-demo/moecache-client-demo)
 libraries=(client/libmoecache-client.so cuda-hooks/libmoecache-cuda.so client/libmoecache-rearm.so)
+# A build configured with -DMOECACHE_CUDA_HOOK=OFF has no hook: the bundle goes without it.
+if [ ! -f "$build/cuda-hooks/libmoecache-cuda.so" ] && grep -q '^MOECACHE_CUDA_HOOK:BOOL=OFF' "$build/CMakeCache.txt" 2>/dev/null; then
+  echo "bundle: a build without the CUDA hook (MOECACHE_CUDA_HOOK=OFF): none in the bundle" >&2
+  libraries=(client/libmoecache-client.so client/libmoecache-rearm.so)
+fi
 for f in "${programs[@]}" "${libraries[@]}"; do
   [ -f "$build/$f" ] || { echo "bundle: $build/$f is missing: build first (cmake --build $build)" >&2; exit 1; }
 done
