@@ -17,7 +17,7 @@ debs=(
   fio vmtouch bc curl dbus
   prometheus
   systemd
-  systemd-container debootstrap patchelf
+  systemd-container debootstrap patchelf groff-base
 )
 
 missing=()
