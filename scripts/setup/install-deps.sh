@@ -18,6 +18,7 @@ debs=(
   prometheus
   systemd
   systemd-container debootstrap patchelf groff-base
+  podman buildah runc
 )
 
 missing=()

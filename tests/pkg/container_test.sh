@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The OCI image (scripts/image.sh, built from scratch from the bundle) run under podman as a
+# container runs under Docker's or containerd's default seccomp profile, which denies io_uring:
+# moecached starts, says so and reads with threads, loads a model from a mounted directory and
+# locks it, serves /metrics without D-Bus, and stops on SIGTERM (podman stop) as PID 1.
+# Usage: container_test.sh BUILD_DIR SOURCE_DIR      exit 77: skipped (not root, no podman/buildah)
+set -euo pipefail
+build=${1:?usage: container_test.sh BUILD_DIR SOURCE_DIR}
+src=${2:?}
+[ "$(id -u)" -eq 0 ] || { echo "SKIP: needs root (podman and buildah as root)"; exit 77; }
+for tool in podman buildah curl; do
+  command -v $tool >/dev/null || { echo "SKIP: $tool is missing (scripts/setup/install-deps.sh installs it)"; exit 77; }
+done
+
+t=$(mktemp -d /var/tmp/moecache-container.XXXXXX)
+tag=localhost/moecache-test:$$
+name=moecache-test-$$
+fail() {
+  echo "FAIL: $*"
+  podman logs "$name" 2>&1 | sed 's/^/  container: /' || true
+  exit 1
+}
+cleanup() {
+  podman rm -f "$name" >/dev/null 2>&1 || true
+  podman rmi -f "$tag" >/dev/null 2>&1 || true
+  rm -rf "$t"
+}
+trap cleanup EXIT
+
+# This machine's limits as they are: podman's defaults raise RLIMIT_NOFILE and RLIMIT_NPROC, which
+# root without CAP_SYS_RESOURCE (a sandbox) may not. crun refuses hybrid cgroup hierarchies
+# (a v1 memory controller beside v2): runc runs there.
+printf '[containers]\ndefault_ulimits = []\n' > "$t/containers.conf"
+export CONTAINERS_CONF=$t/containers.conf
+runtime=()
+if [ -d /sys/fs/cgroup/unified ] || [ -d /sys/fs/cgroup/memory ]; then
+  command -v runc >/dev/null || { echo "SKIP: hybrid cgroups need runc (crun refuses them)"; exit 77; }
+  runtime=(--runtime runc)
+fi
+
+"$src/scripts/image.sh" "$tag" "$build" >/dev/null || fail "scripts/image.sh"
+size=$(podman image inspect "$tag" --format '{{.Size}}')
+mkdir -p "$t/models" "$t/conf"
+"$build/tools/mkmodel/moecache-mkmodel" --output "$t/models/m.gguf" --layers 4 --experts 16 --embd 256 --ff 256 --drop-cache >/dev/null
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
+       echo $(( 20000 + $$ % 20000 )))
+printf '[metrics]\nlisten = "127.0.0.1:%s"\n[budget]\nlock = "64MiB"\nreserve = "256MiB"\n' "$port" > "$t/conf/10-test.toml"
+# Docker's default profile allows what it lists and io_uring is not among it: the same answer, EPERM.
+cat > "$t/seccomp.json" <<'JSON'
+{"defaultAction": "SCMP_ACT_ALLOW",
+ "syscalls": [{"names": ["io_uring_setup", "io_uring_enter", "io_uring_register"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1}]}
+JSON
+podman "${runtime[@]}" run -d --name "$name" --network host --cap-add IPC_LOCK \
+  --security-opt seccomp="$t/seccomp.json" -v "$t/models:/models:ro" -v "$t/conf:/etc/moecache/moecached.toml.d:ro" \
+  "$tag" >/dev/null || fail "podman run"
+for _ in $(seq 100); do podman logs "$name" 2>&1 | grep -q 'moecached running' && break; sleep 0.2; done
+podman logs "$name" 2>&1 | grep -q 'moecached running' || fail "the daemon did not start"
+podman logs "$name" 2>&1 | grep -q 'io_uring is denied here' || fail "no word of io_uring being denied"
+metrics=
+for _ in $(seq 100); do
+  metrics=$(curl -sf "http://127.0.0.1:$port/metrics" || true)
+  grep -q '^moecache_locked_bytes{.*file="/models/m.gguf"} [1-9]' <<<"$metrics" && break
+  sleep 0.2
+done
+grep -q '^moecache_locked_bytes{.*file="/models/m.gguf"} [1-9]' <<<"$metrics" || fail "nothing of /models/m.gguf locked: $metrics"
+grep -q '^moecache_prefetch_engine{engine="threads"} 1' <<<"$metrics" || fail "the prefetcher does not say threads"
+grep -q '^moecache_prefetched_bytes_total [1-9]' <<<"$metrics" || fail "the threads read nothing"
+podman stop -t 20 "$name" >/dev/null
+[ "$(podman inspect "$name" --format '{{.State.ExitCode}}')" = 0 ] || fail "exit code $(podman inspect "$name" --format '{{.State.ExitCode}}')"
+podman logs "$name" 2>&1 | grep -q 'signal 15: stopping' || fail "SIGTERM was not taken as PID 1"
+echo "PASS: image $tag ($((size / 1048576)) MiB), io_uring denied, model locked, /metrics served, stopped cleanly"
