@@ -2,7 +2,8 @@
 # The OCI image (scripts/image.sh, built from scratch from the bundle) run under podman as a
 # container runs under Docker's or containerd's default seccomp profile, which denies io_uring:
 # moecached starts, says so and reads with threads, loads a model from a mounted directory and
-# locks it, serves /metrics without D-Bus, and stops on SIGTERM (podman stop) as PID 1.
+# locks it, serves /metrics without D-Bus, and stops on SIGTERM (podman stop) as PID 1. Then under
+# the seccomp profile the Kubernetes manifests ship, which allows io_uring: io_uring reads.
 # Usage: container_test.sh BUILD_DIR SOURCE_DIR      exit 77: skipped (not root, no podman/buildah)
 set -euo pipefail
 build=${1:?usage: container_test.sh BUILD_DIR SOURCE_DIR}
@@ -68,4 +69,20 @@ grep -q '^moecache_prefetched_bytes_total [1-9]' <<<"$metrics" || fail "the thre
 podman stop -t 20 "$name" >/dev/null
 [ "$(podman inspect "$name" --format '{{.State.ExitCode}}')" = 0 ] || fail "exit code $(podman inspect "$name" --format '{{.State.ExitCode}}')"
 podman logs "$name" 2>&1 | grep -q 'signal 15: stopping' || fail "SIGTERM was not taken as PID 1"
-echo "PASS: image $tag ($((size / 1048576)) MiB), io_uring denied, model locked, /metrics served, stopped cleanly"
+podman rm -f "$name" >/dev/null
+
+# The profile the Kubernetes manifests ship (deploy/kubernetes/seccomp/moecached.json, an allowlist
+# from the systemd unit's filter, with io_uring): the daemon runs under it and io_uring reads.
+podman "${runtime[@]}" run -d --name "$name" --network host --cap-add IPC_LOCK \
+  --security-opt seccomp="$src/deploy/kubernetes/seccomp/moecached.json" -v "$t/models:/models:ro" \
+  -v "$t/conf:/etc/moecache/moecached.toml.d:ro" "$tag" >/dev/null || fail "podman run with the shipped profile"
+for _ in $(seq 100); do
+  metrics=$(curl -sf "http://127.0.0.1:$port/metrics" || true)
+  grep -q '^moecache_locked_bytes{.*file="/models/m.gguf"} [1-9]' <<<"$metrics" && break
+  sleep 0.2
+done
+grep -q '^moecache_locked_bytes{.*file="/models/m.gguf"} [1-9]' <<<"$metrics" || fail "under the shipped profile nothing was locked"
+grep -q '^moecache_prefetch_engine{engine="io_uring"} 1' <<<"$metrics" || fail "the shipped profile does not let io_uring read"
+podman stop -t 20 "$name" >/dev/null
+[ "$(podman inspect "$name" --format '{{.State.ExitCode}}')" = 0 ] || fail "under the shipped profile: exit code $(podman inspect "$name" --format '{{.State.ExitCode}}')"
+echo "PASS: image $tag ($((size / 1048576)) MiB): with io_uring denied it reads with threads, locks a model, serves /metrics and stops cleanly; under the shipped profile io_uring reads"
