@@ -167,7 +167,12 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
         note("reading the page cache's residency", m.res->refresh_cached());
         return;
     }
-    const std::string pp = profile_path(profile_name(m));
+    std::string pp = profile_path(profile_name(m));
+    // None of its own yet: the fleet's, when one is shared (read only: its own is saved here).
+    if (::access(pp.c_str(), F_OK) != 0 && !config_.fleet_profiles.empty() && !m.registered) {
+        const std::string fleet = config_.fleet_profiles + "/" + profile_name(m) + ".json";
+        if (::access(fleet.c_str(), F_OK) == 0) pp = fleet;
+    }
     if (::access(pp.c_str(), F_OK) == 0) {
         auto text = read_whole_file(pp, 256u << 20, "heat profile");
         auto ok = text ? m.res->heat().load_profile(*text, m.res->model().profile_key(), pp)

@@ -225,6 +225,37 @@ TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {
     EXPECT_EQ(expert(s, 1, 1).cached_bytes, 0u);
 }
 
+// A new machine of a fleet (its state_dir empty) starts warm from the fleet's shared profiles
+// (fleet_profiles: a ConfigMap on Kubernetes), read only: what it learns is saved in its own.
+TEST_F(DaemonTest, ANewMachineStartsWarmFromTheFleetsProfile) {
+    {
+        auto d = Daemon::create(config());
+        ASSERT_TRUE(d) << d.error().what();
+        const uint32_t id = *(*d)->model_id(model_);
+        route(**d, id, 0, {1, 9}, 5);
+        route(**d, id, 3, {4}, 5);
+        settle(**d);
+        ASSERT_TRUE((*d)->save_profiles());
+    }
+    // The fleet's folder gets that machine's profile; the new machine has a state_dir of its own.
+    const std::string fleet = dir_.file("fleet");
+    std::filesystem::create_directories(fleet);
+    for (const auto& f : std::filesystem::directory_iterator(dir_.file("state") + "/profiles"))
+        std::filesystem::copy_file(f.path(), fleet + "/" + f.path().filename().string());
+    ASSERT_EQ(::chmod(fleet.c_str(), 0555), 0);
+    test::drop_page_cache(model_);
+    Config c = test::daemon_config(model_, dir_.file("new-state"), 64ull << 20);
+    c.fleet_profiles = fleet;
+    auto d = Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+    settle(**d);  // no telemetry at all
+    const auto s = (*d)->status();
+    for (auto [b, e] : {std::pair{0u, 1u}, {0u, 9u}, {3u, 4u}}) EXPECT_EQ(expert(s, b, e).tier, Tier::Locked) << b << ":" << e;
+    EXPECT_EQ(expert(s, 1, 1).tier, Tier::Storage);
+    ASSERT_TRUE((*d)->save_profiles());
+    EXPECT_FALSE(std::filesystem::is_empty(dir_.file("new-state") + "/profiles")) << "its own profile, in its own state_dir";
+}
+
 // A warm start also reads, without locking, the experts the profile saw used beyond the lock
 // budget; nothing the profile did not admit, nothing locked beyond the budget.
 TEST_F(DaemonTest, AWarmStartReadsTheProfilesNextTierWithoutLockingIt) {

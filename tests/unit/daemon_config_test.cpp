@@ -46,6 +46,7 @@ std::string describe(const Config& c) {
       << "prefetch.queue_depth = " << c.queue_depth << "\n"
       << "prefetch.read_size = " << c.read_size << "\n"
       << "prefetch.engine = " << c.prefetch_engine << "\n"
+      << "daemon.fleet_profiles = " << c.fleet_profiles << "\n"
       << "prefetch.threads = " << c.prefetch_threads << "\n"
       << "prefetch.numa_node = " << c.numa_node << "\n"
       << "prefetch.on_miss = " << c.on_miss << "\n"
@@ -697,7 +698,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 39u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 40u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

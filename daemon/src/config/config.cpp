@@ -150,6 +150,12 @@ Result<std::string> read_absolute_path(const Value& v) {
     return path;
 }
 
+// An absolute path, or "" for none.
+Result<std::string> read_path_or_none(const Value& v) {
+    if (const auto* s = v.node.as_string(); s && s->get().empty()) return std::string();
+    return read_absolute_path(v);
+}
+
 // A Unix socket's path fits sockaddr_un::sun_path (108 bytes with its NUL).
 Result<std::string> read_socket_path(const Value& v) {
     auto path = MC_TRY(read_absolute_path(v));
@@ -355,6 +361,7 @@ constexpr int64_t kU32Max = std::numeric_limits<uint32_t>::max();
 
 const Key<Config> kDaemonKeys[] = {
     MC_KEY("state_dir", Config, t.state_dir = MC_TRY(read_absolute_path(v))),
+    MC_KEY("fleet_profiles", Config, t.fleet_profiles = MC_TRY(read_path_or_none(v))),
     MC_KEY("socket", Config, t.socket_path = MC_TRY(read_socket_path(v))),
     MC_KEY("log_level", Config, t.log_level = MC_TRY(read_log_level(v))),
     MC_KEY("tick_seconds", Config,

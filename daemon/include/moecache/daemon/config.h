@@ -47,6 +47,9 @@ struct ModelConfig {
 struct Config {
     // [daemon]
     std::string state_dir = "/var/lib/moecache";
+    // Heat profiles shared by a fleet (read only; "" for none): a model whose profile state_dir
+    // does not have yet starts warm from the one here (a ConfigMap on Kubernetes, an NFS folder).
+    std::string fleet_profiles;
     std::string socket_path = "/run/moecache/moecached.sock";
     std::string log_level = "info";  // error, warning, info, debug
     double tick_seconds = 1.0;       // how often residency is refreshed and placement decided
