@@ -3,7 +3,8 @@
 # no base image is pulled. The image holds the bundle under /opt/moecache, the C library and
 # compiler runtime its programs load (copied from this machine, at their paths), and a
 # configuration for containers (deploy/container/moecached.toml: no D-Bus, /metrics on every
-# interface, models under /models). Needs buildah; run as root.
+# interface, models under /models) and a static busybox (/bin/sh, cp: for an init container that
+# puts the preload libraries on the node). Needs buildah (and busybox-static); run as root.
 #   scripts/image.sh [TAG] [BUILD_DIR]      TAG: localhost/moecache:VERSION
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +43,15 @@ done
 interp=$(readelf -l "$root/opt/moecache/bin/moecached" | sed -n 's/.*interpreter: \(.*\)]/\1/p')
 mkdir -p "$root$(dirname "$interp")"
 [ -e "$root$interp" ] || cp -L "$interp" "$root$interp"
+# A static busybox, for the one thing a shell is needed for on a node: an init container that
+# copies the preload libraries onto the host for inference pods (deploy/kubernetes).
+if [ -x /bin/busybox ] && file -L /bin/busybox | grep -q 'statically linked'; then
+  mkdir -p "$root/bin"
+  cp /bin/busybox "$root/bin/busybox"
+  for tool in sh cp mkdir ls cat; do ln -s busybox "$root/bin/$tool"; done
+else
+  echo "image: no static busybox (apt-get install busybox-static): the image has no shell" >&2
+fi
 printf 'root:x:0:0:root:/root:/sbin/nologin\n' > "$root/etc/passwd"
 printf 'root:x:0:\n' > "$root/etc/group"
 buildah umount "$ctr" >/dev/null

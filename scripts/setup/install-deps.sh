@@ -18,8 +18,11 @@ debs=(
   prometheus
   systemd
   systemd-container debootstrap patchelf groff-base
-  podman buildah runc
+  podman buildah runc busybox-static file
 )
+
+# kubectl (for `kubectl kustomize`): Debian's kubernetes-client, unless one is installed already.
+command -v kubectl >/dev/null || debs+=(kubernetes-client)
 
 missing=()
 for p in "${debs[@]}"; do
@@ -49,4 +52,13 @@ if [ "$have" != "$want" ] || [ ! -d "$node_dir/node_modules/@node-llama-cpp/linu
   echo "moecache setup: installing node-llama-cpp $want"
   (cd "$node_dir" && NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm install --omit=optional --no-package-lock \
       --no-audit --no-fund --ignore-scripts --loglevel=error)
+fi
+
+# The Kubernetes API schemas that check deploy/kubernetes (tests/k8s/validate.mjs). Pinned.
+k8s_dir="$top/tests/k8s"
+want=$(node -p "require('$k8s_dir/package.json').dependencies['kubernetes-models']")
+have=$(node -p "try { require('$k8s_dir/node_modules/kubernetes-models/package.json').version } catch (e) { '' }")
+if [ "$have" != "$want" ] || [ ! -d "$k8s_dir/node_modules/@kubernetes-models/prometheus-operator" ]; then
+  echo "moecache setup: installing the Kubernetes schemas (kubernetes-models $want)"
+  (cd "$k8s_dir" && npm install --no-package-lock --no-audit --no-fund --ignore-scripts --loglevel=error)
 fi

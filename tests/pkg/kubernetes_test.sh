@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The Kubernetes manifests (deploy/kubernetes, kustomize layout) render with `kubectl kustomize`
+# and pass tests/k8s/validate.mjs: every object against the Kubernetes API schemas, and the fields
+# that make the deployment work. The checker is shown to catch a broken manifest too.
+# Usage: kubernetes_test.sh SOURCE_DIR      exit 77: skipped (no kubectl, no node modules)
+set -euo pipefail
+src=${1:?usage: kubernetes_test.sh SOURCE_DIR}
+command -v kubectl >/dev/null || { echo "SKIP: kubectl is missing (Debian package kubernetes-client)"; exit 77; }
+[ -d "$src/tests/k8s/node_modules/kubernetes-models" ] ||
+  { echo "SKIP: tests/k8s's node modules are missing (scripts/setup/install-deps.sh installs them)"; exit 77; }
+t=$(mktemp -d)
+trap 'rm -rf "$t"' EXIT
+kubectl kustomize "$src/deploy/kubernetes" > "$t/rendered.yaml" 2> "$t/kustomize.err" ||
+  { cat "$t/kustomize.err"; echo "FAIL: kubectl kustomize"; exit 1; }
+node "$src/tests/k8s/validate.mjs" "$t/rendered.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src"
+# A manifest without IPC_LOCK, and one with a field of the wrong type: both refused.
+sed 's/"IPC_LOCK", //; s/- IPC_LOCK$//' "$t/rendered.yaml" > "$t/no-ipc-lock.yaml"
+if node "$src/tests/k8s/validate.mjs" "$t/no-ipc-lock.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" > "$t/out" 2>&1; then
+  echo "FAIL: a DaemonSet without IPC_LOCK passed"; exit 1
+fi
+grep -q 'IPC_LOCK' "$t/out" || { cat "$t/out"; echo "FAIL: the missing IPC_LOCK was not named"; exit 1; }
+sed 's/hostPID: true/hostPID: "yes"/' "$t/rendered.yaml" > "$t/bad-type.yaml"
+if node "$src/tests/k8s/validate.mjs" "$t/bad-type.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" > "$t/out" 2>&1; then
+  echo "FAIL: hostPID: \"yes\" passed the schema"; exit 1
+fi
+echo "PASS: rendered, valid, and a broken manifest is refused"
