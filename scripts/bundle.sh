@@ -6,14 +6,25 @@
 # the programs find them through an $ORIGIN rpath (no LD_LIBRARY_PATH).
 #
 #   scripts/bundle.sh OUT_DIR [BUILD_DIR]     (BUILD_DIR: build, made by scripts/test.sh or cmake)
+#   scripts/bundle.sh FILE.tar.gz [BUILD_DIR] the release tarball: moecache-VERSION-ARCH/ inside
 #
 #   OUT_DIR/bin/      moecached moecachectl moecache-mkmodel moecache-client-demo
 #   OUT_DIR/lib/      libmoecache-client.so libmoecache-cuda.so libmoecache-rearm.so + dependencies
 #   OUT_DIR/share/moecache/moecached.toml   the configuration reference
 #   OUT_DIR/MANIFEST  what is where, and what each program links
 set -euo pipefail
-out=${1:?usage: scripts/bundle.sh OUT_DIR [BUILD_DIR]}
+out=${1:?usage: scripts/bundle.sh OUT_DIR|FILE.tar.gz [BUILD_DIR]}
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ $out == *.tar.gz ]]; then
+  version=$(sed -n 's/^project(moecache VERSION \([0-9.]*\).*/\1/p' "$top/CMakeLists.txt")
+  stage=$(mktemp -d)
+  trap 'rm -rf "$stage"' EXIT
+  dir=moecache-$version-$(uname -m)
+  "$0" "$stage/$dir" "${2:-$top/build}" >/dev/null
+  tar -C "$stage" --owner=0 --group=0 --numeric-owner -czf "$out" "$dir"
+  echo "bundle: $out ($(du -h "$out" | cut -f1)): unpack anywhere, run $dir/bin/moecached"
+  exit 0
+fi
 build=${2:-$top/build}
 command -v patchelf >/dev/null || { echo "bundle: patchelf is missing (scripts/setup/install-deps.sh installs it)" >&2; exit 1; }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The relocatable bundle (scripts/bundle.sh): made in a directory outside the build tree, then run
+# The relocatable bundle (scripts/bundle.sh), as its release tarball unpacked outside the build tree, run
 # in a mount namespace where every system copy of a library it carries is hidden (/dev/null bound
 # over it) and LD_LIBRARY_PATH is unset: the daemon starts, loads a model made by the bundled
 # generator, serves a bundled client over its socket, and stops on SIGTERM; moecachectl and the
@@ -19,8 +19,12 @@ t=$(mktemp -d /var/tmp/moecache-bundle.XXXXXX)
 trap 'rm -rf "$t"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 
-"$src/scripts/bundle.sh" "$t/moecache" "$build" || fail "scripts/bundle.sh"
-b=$t/moecache
+# The release tarball, unpacked elsewhere: what a user of another distribution downloads.
+"$src/scripts/bundle.sh" "$t/moecache.tar.gz" "$build" || fail "scripts/bundle.sh (tarball)"
+mkdir -p "$t/unpacked"
+tar -C "$t/unpacked" -xzf "$t/moecache.tar.gz" || fail "the tarball does not unpack"
+b=$(echo "$t"/unpacked/moecache-*)
+[ -x "$b/bin/moecached" ] || fail "the tarball holds no bin/moecached"
 carried=$(sed -n 's/^carried in lib\/: //p' "$b/MANIFEST")
 [ -n "$carried" ] || fail "the MANIFEST names no carried library"
 for lib in libbpf.so.1 liburing.so.2 libnuma.so.1 libsdbus-c++.so.1 libfmt.so.9 libtomlplusplus.so.3; do
