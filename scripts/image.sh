@@ -45,10 +45,10 @@ mkdir -p "$root$(dirname "$interp")"
 [ -e "$root$interp" ] || cp -L "$interp" "$root$interp"
 # A static busybox, for the one thing a shell is needed for on a node: an init container that
 # copies the preload libraries onto the host for inference pods (deploy/kubernetes).
-if [ -x /bin/busybox ] && file -L /bin/busybox | grep -q 'statically linked'; then
+if [ -x /bin/busybox ] && [[ $(file -L /bin/busybox) == *"statically linked"* ]]; then
   mkdir -p "$root/bin"
   cp /bin/busybox "$root/bin/busybox"
-  for tool in sh cp mkdir ls cat; do ln -s busybox "$root/bin/$tool"; done
+  for tool in sh cp mv mkdir ls cat; do ln -s busybox "$root/bin/$tool"; done
 else
   echo "image: no static busybox (apt-get install busybox-static): the image has no shell" >&2
 fi

@@ -7,6 +7,9 @@
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 filter=$(sed -n 's/^SystemCallFilter=//p' "$top/systemd/moecached.service")
+list=$(mktemp)
+trap 'rm -f "$list"' EXIT
+command -v systemd-analyze >/dev/null || { echo "seccomp-profile: systemd-analyze is missing" >&2; exit 1; }
 [ -n "$filter" ] || { echo "seccomp-profile: no SystemCallFilter= in the unit" >&2; exit 1; }
 systemd-analyze syscall-filter --no-pager 2>/dev/null | awk -v want="$filter io_uring_setup io_uring_enter io_uring_register" '
   /^@/ { group = $1; next }
@@ -21,8 +24,8 @@ systemd-analyze syscall-filter --no-pager 2>/dev/null | awk -v want="$filter io_
     n = split(want, w, " ")
     for (i = 1; i <= n; i++) expand(w[i])
     for (c in calls) print c
-  }' | sort -u > /tmp/moecache-seccomp.$$
-count=$(wc -l < /tmp/moecache-seccomp.$$)
+  }' | sort -u > "$list"
+count=$(wc -l < "$list")
 [ "$count" -gt 200 ] || { echo "seccomp-profile: only $count system calls: systemd-analyze gave too little" >&2; exit 1; }
 {
   echo '{'
@@ -31,8 +34,7 @@ count=$(wc -l < /tmp/moecache-seccomp.$$)
   echo '  "defaultErrnoRet": 1,'
   echo '  "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"],'
   echo '  "syscalls": [{"action": "SCMP_ACT_ALLOW", "names": ['
-  sed 's/.*/    "&"/' /tmp/moecache-seccomp.$$ | paste -sd, - | sed 's/,/,\n/g'
+  sed 's/.*/    "&"/' "$list" | paste -sd, - | sed 's/,/,\n/g'
   echo '  ]}]'
   echo '}'
 } 
-rm -f /tmp/moecache-seccomp.$$

@@ -39,8 +39,8 @@ struct Daemon::ModelEntry {
     uint32_t id = 0;
     ModelConfig config;
     std::string path;
-    // What users call it, fixed at its first load: ollama's tag for one of its blobs, else the
-    // file's general.name, else the file name. The metrics' model label: stable across loads.
+    // What users call it, fixed at its first load: ollama's tag for one of its blobs, else the file
+    // name (general.name for a file named by its hash). The metrics' model label: stable across loads.
     std::string name;
     std::unique_ptr<ModelResidency> res;
     std::string error;  // the last reason it could not be loaded, logged once

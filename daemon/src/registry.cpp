@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <set>
 
@@ -45,6 +46,22 @@ std::vector<std::string> expand(const std::string& pattern) {
     return out;
 }
 
+
+// A file named by its content (ollama's sha256-HEX blobs, a Hugging Face cache's blobs/HEX).
+bool named_by_hash(const std::string& file) {
+    const std::string hex = file.rfind("sha256-", 0) == 0 ? file.substr(7) : file;
+    return hex.size() >= 32 && std::all_of(hex.begin(), hex.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) != 0; });
+}
+
+// What users call a model: ollama's tag where a manifest beside its blob names it (for the
+// operator's models only: a client's path is its own choice, and the walk reads what it finds),
+// the file name where the user chose one, general.name where the file is named by its hash.
+std::string display_name(const std::string& path, const std::string& general_name, bool ollama) {
+    if (ollama)
+        if (auto tags = ollama_tags(path)) return *tags;
+    const std::string file = base_name(path);
+    return named_by_hash(file) && !general_name.empty() ? general_name : file;
+}
 
 }  // namespace
 
@@ -106,33 +123,42 @@ void Daemon::refresh_models() {
 }
 
 bool Daemon::glob_match_is_moe(const std::string& path) {
+    // A download in progress (ollama writes sha256-HEX-partial and -partial-N beside the blob): its
+    // header may already parse, the rest is not there. The finished blob is matched when it lands.
+    if (base_name(path).find("-partial") != std::string::npos) return false;
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;  // gone, or a directory
-    const GlobVerdict now{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
-                          st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec, false};
-    if (const auto it = glob_checked_.find(path); it != glob_checked_.end() && it->second.dev == now.dev &&
-                                                  it->second.ino == now.ino && it->second.size == now.size &&
-                                                  it->second.mtime_ns == now.mtime_ns)
+    GlobVerdict now{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+                    st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec, false, false, {}};
+    const auto it = glob_checked_.find(path);
+    if (it != glob_checked_.end() && it->second.definite && it->second.dev == now.dev && it->second.ino == now.ino &&
+        it->second.size == now.size && it->second.mtime_ns == now.mtime_ns)
         return it->second.moe;
     // Already an entry (matched before, or configured as a plain path too): no second look.
     if (std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; })) return true;
-    std::string why;
+    // What the content says is remembered for this version of the file; what may pass (a part of a
+    // split set not there yet, a descriptor limit, an I/O error) is looked at again next time.
     char magic[4] = {};
-    if (const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC)); !fd) {
-        why = fmt::format("cannot open it: {}", std::strerror(errno));
+    const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+    if (!fd) {
+        now.why = fmt::format("cannot open it: {}", std::strerror(errno));
     } else if (::pread(fd.get(), magic, sizeof magic, 0) != static_cast<ssize_t>(sizeof magic) ||
                std::memcmp(magic, "GGUF", 4) != 0) {
-        why = "not a GGUF file";
+        now.why = "not a GGUF file";
+        now.definite = true;
     } else if (auto map = load_expert_map(path); !map) {
-        why = map.error().what();
+        now.why = map.error().what();
+        now.definite = map.error().errnum == 0 || map.error().errnum == EINVAL;  // the content, not the system
     } else if (map->layers.empty()) {
-        why = "a GGUF file without routed experts (a dense model, a vision projector)";
+        now.why = "a GGUF file without routed experts (a dense model, a vision projector)";
+        now.definite = true;
+    } else {
+        now.moe = now.definite = true;
     }
-    GlobVerdict v = now;
-    v.moe = why.empty();
-    if (!v.moe) MC_LOG(LOG_INFO, "{}: skipped, matched by a [[model]] glob but {}", path, why);
-    glob_checked_[path] = v;
-    return v.moe;
+    if (!now.moe && (it == glob_checked_.end() || it->second.why != now.why))
+        MC_LOG(LOG_INFO, "{}: skipped, matched by a [[model]] glob but {}", path, now.why);
+    glob_checked_[path] = now;
+    return now.moe;
 }
 
 void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
@@ -149,7 +175,7 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
     m.error.clear();
     watch_files(m);
     const auto& map = m.res->model().map();
-    if (m.name.empty()) m.name = ollama_tags(m.path).value_or(map.name.empty() ? base_name(m.path) : map.name);
+    if (m.name.empty()) m.name = display_name(m.path, map.name, /*ollama=*/!m.registered || m.operator_added);
     MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
            map.files.size());
     // A family member already loaded: share its heat (which has its profile already).

@@ -29,6 +29,7 @@ for (const file of files) {
     if (o == null) continue;
     const Model = models[`${o.apiVersion}/${o.kind}`];
     const name = `${o.kind} ${o.metadata?.name} (${file})`;
+    if (typeof o.metadata?.name !== 'string') { fail(`${name}: no metadata.name`); continue; }
     if (!Model) { fail(`${name}: no schema for ${o.apiVersion} ${o.kind}`); continue; }
     try { new Model(o).validate(); } catch (e) { fail(`${name}: ${e.message}`); }
     objects.push(o);
@@ -53,7 +54,7 @@ else {
   if (!(caps.drop ?? []).includes('ALL')) fail('DaemonSet: capabilities are not dropped first (drop: ALL)');
   const sp = c?.securityContext?.seccompProfile;
   if (sp?.type !== 'Localhost') fail('DaemonSet: no Localhost seccomp profile (the runtime default denies io_uring)');
-  else if (!existsSync(`${src}/deploy/kubernetes/seccomp/${sp.localhostProfile.split('/').pop()}`))
+  else if (!existsSync(`${src}/deploy/kubernetes/seccomp/${String(sp.localhostProfile).split('/').pop()}`))
     fail(`DaemonSet: seccomp profile ${sp.localhostProfile} is not in deploy/kubernetes/seccomp/`);
   if (pod.hostPID !== true) fail('DaemonSet: hostPID is not set (the runtimes\' pids are the host\'s)');
   if (pod.nodeSelector?.['nvidia.com/gpu.present'] !== 'true') fail('DaemonSet: no GPU node selector');

@@ -54,9 +54,11 @@ JSON
 podman "${runtime[@]}" run -d --name "$name" --network host --cap-add IPC_LOCK \
   --security-opt seccomp="$t/seccomp.json" -v "$t/models:/models:ro" -v "$t/conf:/etc/moecache/moecached.toml.d:ro" \
   "$tag" >/dev/null || fail "podman run"
-for _ in $(seq 100); do podman logs "$name" 2>&1 | grep -q 'moecached running' && break; sleep 0.2; done
-podman logs "$name" 2>&1 | grep -q 'moecached running' || fail "the daemon did not start"
-podman logs "$name" 2>&1 | grep -q 'io_uring is denied here' || fail "no word of io_uring being denied"
+# Logs captured before they are searched: under pipefail, grep -q leaving early could fail podman.
+logs() { podman logs "$name" 2>&1 || true; }
+for _ in $(seq 100); do [[ $(logs) == *'moecached running'* ]] && break; sleep 0.2; done
+[[ $(logs) == *'moecached running'* ]] || fail "the daemon did not start"
+[[ $(logs) == *'io_uring is denied here'* ]] || fail "no word of io_uring being denied"
 metrics=
 for _ in $(seq 100); do
   metrics=$(curl -sf "http://127.0.0.1:$port/metrics" || true)
@@ -68,7 +70,7 @@ grep -q '^moecache_prefetch_engine{engine="threads"} 1' <<<"$metrics" || fail "t
 grep -q '^moecache_prefetched_bytes_total [1-9]' <<<"$metrics" || fail "the threads read nothing"
 podman stop -t 20 "$name" >/dev/null
 [ "$(podman inspect "$name" --format '{{.State.ExitCode}}')" = 0 ] || fail "exit code $(podman inspect "$name" --format '{{.State.ExitCode}}')"
-podman logs "$name" 2>&1 | grep -q 'signal 15: stopping' || fail "SIGTERM was not taken as PID 1"
+[[ $(logs) == *'signal 15: stopping'* ]] || fail "SIGTERM was not taken as PID 1"
 podman rm -f "$name" >/dev/null
 
 # The profile the Kubernetes manifests ship (deploy/kubernetes/seccomp/moecached.json, an allowlist

@@ -6,6 +6,10 @@
 set -euo pipefail
 src=${1:?usage: kubernetes_test.sh SOURCE_DIR}
 command -v kubectl >/dev/null || { echo "SKIP: kubectl is missing (Debian package kubernetes-client)"; exit 77; }
+# kustomize v4 or later (kubectl 1.21+): Debian 12's kubernetes-client 1.20 has v2, which takes no
+# folder among resources.
+kustomize=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p')
+[ "${kustomize:-0}" -ge 4 ] || { echo "SKIP: kubectl's kustomize is ${kustomize:-unknown}, v4 or later is needed (kubectl 1.21+)"; exit 77; }
 [ -d "$src/tests/k8s/node_modules/kubernetes-models" ] ||
   { echo "SKIP: tests/k8s's node modules are missing (scripts/setup/install-deps.sh installs them)"; exit 77; }
 t=$(mktemp -d)
@@ -23,4 +27,5 @@ sed 's/hostPID: true/hostPID: "yes"/' "$t/rendered.yaml" > "$t/bad-type.yaml"
 if node "$src/tests/k8s/validate.mjs" "$t/bad-type.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" > "$t/out" 2>&1; then
   echo "FAIL: hostPID: \"yes\" passed the schema"; exit 1
 fi
+grep -q 'hostPID must be boolean' "$t/out" || { cat "$t/out"; echo "FAIL: the wrong type was not what was refused"; exit 1; }
 echo "PASS: rendered, valid, and a broken manifest is refused"

@@ -439,14 +439,17 @@ TEST_F(DaemonTest, AGlobTakesOnlyMoeGgufModels) {
     EXPECT_EQ(s.models[0].path, blobs + "/sha256-" + hex);
     EXPECT_TRUE(s.models[0].loaded);
     EXPECT_EQ(s.models[0].name, "qwen3moe:test");
-    // A file that becomes a model later (a download finishing) is taken then.
-    std::filesystem::copy_file(model_, blobs + "/sha256-moe2");
+    // A file that becomes a model later (a download finishing) is taken then; the download in
+    // progress beside it is not.
+    std::filesystem::copy_file(model_, blobs + "/sha256-" + std::string(64, 'b') + "-partial");
+    std::filesystem::copy_file(model_, blobs + "/sha256-" + std::string(64, 'b'));
     test::write_file(blobs + "/sha256-template", "changed: looked at again, still not a model");
     settle(**d);
     s = (*d)->status();
     ASSERT_EQ(s.models.size(), 2u);
-    EXPECT_EQ(s.models[1].path, blobs + "/sha256-moe2");
+    EXPECT_EQ(s.models[1].path, blobs + "/sha256-" + std::string(64, 'b'));
     EXPECT_EQ(s.models[1].name, "moecache-synthetic") << "no manifest names it: its general.name";
+    EXPECT_EQ((*d)->status().models.size(), 2u) << "the download in progress is no model";
 }
 
 TEST_F(DaemonTest, PinsAndGlobs) {

@@ -11,8 +11,8 @@ namespace moecache {
 // The tags whose manifest names `blob_path` as its model layer, the smallest first joined by ","
 // ("qwen3:30b-a3b,qwen3:latest"; "NAMESPACE/MODEL:TAG" off the library namespace, "HOST/..." off
 // ollama's registry); nullopt when the path is not such a blob or no manifest names it. Every
-// manifest is hostile: unreadable, oversized (> 1 MiB) or malformed ones are skipped, and the walk
-// stops after 10 000 files.
+// manifest is hostile: unreadable, oversized (> 1 MiB), not a regular file or malformed ones are
+// skipped, and the walk stops after 10 000 files or 64 MiB read.
 std::optional<std::string> ollama_tags(const std::string& blob_path);
 
 }  // namespace moecache

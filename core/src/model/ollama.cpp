@@ -18,6 +18,7 @@ constexpr const char* kModelLayer = "application/vnd.ollama.image.model";
 constexpr const char* kRegistry = "registry.ollama.ai";
 constexpr size_t kMaxManifests = 10'000;
 constexpr uint64_t kMaxManifestBytes = 1u << 20;
+constexpr uint64_t kMaxTotalBytes = 64u << 20;  // read in one walk at most
 
 bool is_hex(const std::string& s) {
     return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
@@ -48,6 +49,7 @@ std::optional<std::string> ollama_tags(const std::string& blob_path) {
 
     std::set<std::string> tags;
     size_t seen = 0;
+    uint64_t read = 0;
     fs::recursive_directory_iterator it(manifests, fs::directory_options::skip_permission_denied, ec);
     for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
         if (++seen > kMaxManifests) break;
@@ -58,6 +60,7 @@ std::optional<std::string> ollama_tags(const std::string& blob_path) {
         if (!it->is_regular_file(ec)) continue;
         auto text = read_whole_file(it->path().string(), kMaxManifestBytes, "ollama manifest");
         if (!text) continue;
+        if ((read += text->size()) > kMaxTotalBytes) break;
         const auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
         if (!j.is_object() || !j.contains("layers") || !j["layers"].is_array()) continue;
         for (const auto& layer : j["layers"]) {

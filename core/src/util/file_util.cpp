@@ -11,7 +11,9 @@
 namespace moecache {
 
 Result<std::string> read_whole_file(const std::string& path, uint64_t max_bytes, std::string_view what) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    // O_NONBLOCK: a FIFO put where a file was expected opens at once (and is refused below)
+    // instead of blocking the caller until a writer comes; a regular file reads as usual.
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
     if (!fd) return fail_errno("{}: cannot open the {}", path, what);
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0) return fail_errno("{}: fstat", path);

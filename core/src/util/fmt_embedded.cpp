@@ -5,6 +5,11 @@
 // Linked with --exclude-libs,ALL, nothing of it is exported: a process with its own libfmt keeps it.
 #include <fmt/format-inl.h>
 
+// The instantiations of fmt 9's format.cc; fmt 10 changed their signatures (vformat_args).
+#if FMT_VERSION < 90000 || FMT_VERSION >= 100000
+#error "fmt_embedded.cpp lists fmt 9's out-of-line instantiations: add those of this fmt version (its src/format.cc)"
+#endif
+
 FMT_BEGIN_NAMESPACE
 namespace detail {
 

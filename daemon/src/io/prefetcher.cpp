@@ -489,7 +489,15 @@ Result<Prefetcher> Prefetcher::create(const Options& options) {
         if (!ring && (options.engine == Engine::IoUring || !denied)) return tl::unexpected(ring.error());
         if (ring) {
             s->ring = std::move(*ring);
-            MC_TRY_VOID(s->ring->register_eventfd(s->eventfd.get()));
+            if (auto reg = s->ring->register_eventfd(s->eventfd.get()); !reg) {
+                // A profile may allow io_uring_setup and deny io_uring_register: denied all the same.
+                const int e = reg.error().errnum;
+                if (options.engine == Engine::IoUring || (e != EPERM && e != EACCES && e != ENOSYS)) return tl::unexpected(reg.error());
+                s->setup.io_uring_denied = reg.error().what();
+                s->ring.reset();
+            }
+        }
+        if (s->ring) {
             if (options.register_buffers) {
                 // Fixed buffers save pinning the pages on every read; they count against
                 // RLIMIT_MEMLOCK without CAP_IPC_LOCK, so plain reads are the fallback.
@@ -500,7 +508,7 @@ Result<Prefetcher> Prefetcher::create(const Options& options) {
             s->setup.ring_flags = s->ring->flags();
             s->setup.sq_entries = s->ring->sq_entries();
             s->setup.cq_entries = s->ring->cq_entries();
-        } else {
+        } else if (!ring) {
             s->setup.io_uring_denied = ring.error().what();
         }
     }

@@ -1,5 +1,6 @@
 #include "read_pool.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <unistd.h>
 
@@ -27,6 +28,7 @@ ReadPool::~ReadPool() {
     {
         std::lock_guard lock(mu_);
         stop_ = true;
+        for (const Job& j : jobs_) ::close(j.fd);
         jobs_.clear();
     }
     cv_.notify_all();
@@ -34,10 +36,15 @@ ReadPool::~ReadPool() {
 }
 
 void ReadPool::submit(int fd, void* buf, uint32_t length, uint64_t offset, uint64_t user_data) {
-    {
-        std::lock_guard lock(mu_);
-        jobs_.push_back({fd, buf, length, offset, user_data});
+    // A descriptor of its own, as an io_uring read holds a reference to its file: the owner may
+    // close its descriptor (a model closed) while the read waits, and the number may be reused.
+    const int own = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    std::lock_guard lock(mu_);
+    if (own < 0) {
+        post({user_data, -errno});
+        return;
     }
+    jobs_.push_back({own, buf, length, offset, user_data});
     cv_.notify_one();
 }
 
@@ -45,6 +52,7 @@ void ReadPool::cancel(uint64_t user_data) {
     std::lock_guard lock(mu_);
     const auto it = std::find_if(jobs_.begin(), jobs_.end(), [&](const Job& j) { return j.user_data == user_data; });
     if (it == jobs_.end()) return;
+    ::close(it->fd);
     jobs_.erase(it);
     post({user_data, -ECANCELED});
 }
@@ -83,6 +91,7 @@ void ReadPool::work() {
             n = ::pread(job.fd, job.buf, job.length, static_cast<off_t>(job.offset));
         } while (n < 0 && errno == EINTR);
         const int res = n < 0 ? -errno : static_cast<int>(n);
+        ::close(job.fd);
         std::lock_guard lock(mu_);
         post({job.user_data, res});
     }

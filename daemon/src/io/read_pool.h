@@ -36,6 +36,7 @@ public:
     ReadPool(const ReadPool&) = delete;
     ReadPool& operator=(const ReadPool&) = delete;
 
+    // Reads through a duplicate of `fd` (closed when the read is done): the caller may close its own.
     void submit(int fd, void* buf, uint32_t length, uint64_t offset, uint64_t user_data);
     // A read not started yet completes at once with -ECANCELED; one being read completes as usual.
     void cancel(uint64_t user_data);

@@ -248,6 +248,8 @@ private:
         uint64_t dev = 0, ino = 0, size = 0;
         int64_t mtime_ns = 0;
         bool moe = false;
+        bool definite = false;  // the content's answer, kept for this version of the file
+        std::string why;        // why not, as logged (logged again only when it changes)
     };
     std::map<std::string, GlobVerdict> glob_checked_;  // by path: what glob_match_is_moe found
     template <class T>

@@ -25,7 +25,7 @@ struct ExpertStatus {
 struct ModelStatus {
     uint32_t id = 0;
     std::string path;     // as configured or resolved from a glob
-    std::string name;     // ollama's tag, general.name or the file name (ModelEntry::name)
+    std::string name;     // ollama's tag, the file name or general.name (ModelEntry::name)
     std::string key;      // heat profile key
     std::string family;   // the models it shares heat (and a family budget) with have the same
     std::string error;    // why it is not loaded, if it is not
