@@ -99,6 +99,19 @@ ModelRef resolve_model(ManagerProxy& mgr, const std::string& arg) {
     throw Failure{kExitUsage, fmt::format("'{}' matches {} models: name one by its id (moecachectl models)", arg, hits.size())};
 }
 
+double seconds_arg(const Args& a, const char* name, double fallback, double most) {
+    if (!a.opts.count(name)) return fallback;
+    const std::string& text = a.opts.at(name);
+    try {
+        size_t used = 0;
+        const double v = std::stod(text, &used);
+        if (used != text.size() || !(v >= 0) || v > most) throw std::invalid_argument(name);
+        return v;
+    } catch (const std::exception&) {
+        throw Failure{kExitUsage, fmt::format("{} takes seconds (0 to {}), not \"{}\"", name, most, text)};
+    }
+}
+
 Args parse_args(const std::vector<std::string>& in, const std::vector<std::string>& flags,
                 const std::vector<std::string>& with_value, const char* verb) {
     Args a;

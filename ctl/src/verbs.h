@@ -129,6 +129,10 @@ Args parse_args(const std::vector<std::string>& in, const std::vector<std::strin
 
 void want_positionals(const Args& a, size_t min, size_t max, const char* verb, const char* synopsis);
 
+// The value of a seconds option (0 to `most`), whole: "5s" or "-1" is a usage error; `fallback`
+// when the option is not given.
+double seconds_arg(const Args& a, const char* name, double fallback, double most = 86400);
+
 // Runs a verb's body: sdbus errors and failures become a message and an exit code.
 template <class Fn>
 int guarded(const char* verb, Fn&& fn) {

@@ -273,6 +273,7 @@ TEST_F(DbusApi, MoecachectlDrivesEveryVerb) {
     EXPECT_EQ(waited["model"], 0u) << waited.dump();
     EXPECT_LT(waited["settled_after_seconds"].get<double>(), 30.0) << waited.dump();
     EXPECT_EQ(ctl({"wait", "0", "--timeout", "soon"}).exit_code, 2);
+    EXPECT_EQ(ctl({"prefetch", "0", "--timeout", "5s"}).exit_code, 2) << "seconds, whole, as wait takes them";
 
     // trace: router decisions a client reports land in the file.
     const std::string trace = dir_.file("trace.jsonl");

@@ -23,14 +23,7 @@ int cmd_prefetch(const Options& o, const std::vector<std::string>& args) {
     return guarded("prefetch", [&] {
         const auto a = parse_args(args, {"--no-wait"}, {"--timeout"}, "prefetch");
         if (a.positional.empty()) throw Failure{kExitUsage, "usage: moecachectl prefetch MODEL [EXPERTS...] [--no-wait]"};
-        double timeout = 3600;
-        if (a.opts.count("--timeout")) {
-            try {
-                timeout = std::stod(a.opts.at("--timeout"));
-            } catch (const std::exception&) {
-                throw Failure{kExitUsage, "--timeout takes seconds"};
-            }
-        }
+        const double timeout = seconds_arg(a, "--timeout", 3600);
         auto conn = connect(o);
         ManagerProxy mgr(*conn);
         const auto ref = resolve_model(mgr, a.positional[0]);

@@ -4,22 +4,6 @@
 
 namespace moecache::ctl {
 
-namespace {
-
-double seconds_arg(const Args& a, const char* name, double fallback) {
-    if (!a.opts.count(name)) return fallback;
-    try {
-        size_t used = 0;
-        const double v = std::stod(a.opts.at(name), &used);
-        if (used != a.opts.at(name).size() || !(v >= 0) || v > 86400) throw std::invalid_argument(name);
-        return v;
-    } catch (const std::exception&) {
-        throw Failure{kExitUsage, fmt::format("{} takes seconds (0 to 86400), not \"{}\"", name, a.opts.at(name))};
-    }
-}
-
-}  // namespace
-
 // Polls the model's status until the daemon says it is settled (docs/dbus.md, `settled`) for
 // --settle seconds on end: a warm start's or a swap's reads done and the pools filled. A runtime's
 // readiness check (a script before its first request, a Kubernetes readiness probe).
