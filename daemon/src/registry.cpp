@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstring>
 #include <set>
 
@@ -47,12 +46,6 @@ std::vector<std::string> expand(const std::string& pattern) {
 }
 
 
-// A file named by its content (ollama's sha256-HEX blobs, a Hugging Face cache's blobs/HEX).
-bool named_by_hash(const std::string& file) {
-    const std::string hex = file.rfind("sha256-", 0) == 0 ? file.substr(7) : file;
-    return hex.size() >= 32 && std::all_of(hex.begin(), hex.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) != 0; });
-}
-
 // What users call a model: ollama's tag where a manifest beside its blob names it (for the
 // operator's models only: a client's path is its own choice, and the walk reads what it finds),
 // the file name where the user chose one, general.name where the file is named by its hash.
@@ -60,7 +53,7 @@ std::string display_name(const std::string& path, const std::string& general_nam
     if (ollama)
         if (auto tags = ollama_tags(path)) return *tags;
     const std::string file = base_name(path);
-    return named_by_hash(file) && !general_name.empty() ? general_name : file;
+    return named_by_content_hash(file) && !general_name.empty() ? general_name : file;
 }
 
 }  // namespace
@@ -126,6 +119,8 @@ bool Daemon::glob_match_is_moe(const std::string& path) {
     // A download in progress (ollama writes sha256-HEX-partial and -partial-N beside the blob): its
     // header may already parse, the rest is not there. The finished blob is matched when it lands.
     if (base_name(path).find("-partial") != std::string::npos) return false;
+    // Already an entry (matched before, or configured as a plain path too): no second look.
+    if (std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; })) return true;
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;  // gone, or a directory
     GlobVerdict now{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
@@ -134,8 +129,6 @@ bool Daemon::glob_match_is_moe(const std::string& path) {
     if (it != glob_checked_.end() && it->second.definite && it->second.dev == now.dev && it->second.ino == now.ino &&
         it->second.size == now.size && it->second.mtime_ns == now.mtime_ns)
         return it->second.moe;
-    // Already an entry (matched before, or configured as a plain path too): no second look.
-    if (std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; })) return true;
     // What the content says is remembered for this version of the file; what may pass (a part of a
     // split set not there yet, a descriptor limit, an I/O error) is looked at again next time.
     char magic[4] = {};

@@ -57,6 +57,17 @@ protected:
         FAIL() << "the daemon did not settle in " << seconds << " s";
     }
 
+    // A daemon that saw experts 0:1, 0:9 and 3:4 routed, and saved its heat profile.
+    void route_and_save() {
+        auto d = Daemon::create(config());
+        ASSERT_TRUE(d) << d.error().what();
+        const uint32_t id = *(*d)->model_id(model_);
+        route(**d, id, 0, {1, 9}, 5);
+        route(**d, id, 3, {4}, 5);
+        settle(**d);
+        ASSERT_TRUE((*d)->save_profiles());
+    }
+
     static void route(Daemon& d, uint32_t model, uint32_t block, std::vector<uint32_t> experts, int times = 3) {
         for (int i = 0; i < times; ++i) d.record_routing(model, block, experts, 1);
     }
@@ -204,15 +215,7 @@ TEST_F(DaemonTest, TheCountsAgreeWithTheExperts) {
 }
 
 TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {
-    {
-        auto d = Daemon::create(config());
-        ASSERT_TRUE(d) << d.error().what();
-        const uint32_t id = *(*d)->model_id(model_);
-        route(**d, id, 0, {1, 9}, 5);
-        route(**d, id, 3, {4}, 5);
-        settle(**d);
-        ASSERT_TRUE((*d)->save_profiles());
-    }
+    ASSERT_NO_FATAL_FAILURE(route_and_save());
     test::drop_page_cache(model_);
     auto d = Daemon::create(config());
     ASSERT_TRUE(d) << d.error().what();
@@ -228,15 +231,7 @@ TEST_F(DaemonTest, RestartWithSavedHeatIsWarmBeforeAnyTelemetry) {
 // A new machine of a fleet (its state_dir empty) starts warm from the fleet's shared profiles
 // (fleet_profiles: a ConfigMap on Kubernetes), read only: what it learns is saved in its own.
 TEST_F(DaemonTest, ANewMachineStartsWarmFromTheFleetsProfile) {
-    {
-        auto d = Daemon::create(config());
-        ASSERT_TRUE(d) << d.error().what();
-        const uint32_t id = *(*d)->model_id(model_);
-        route(**d, id, 0, {1, 9}, 5);
-        route(**d, id, 3, {4}, 5);
-        settle(**d);
-        ASSERT_TRUE((*d)->save_profiles());
-    }
+    ASSERT_NO_FATAL_FAILURE(route_and_save());
     // The fleet's folder gets that machine's profile; the new machine has a state_dir of its own.
     const std::string fleet = dir_.file("fleet");
     std::filesystem::create_directories(fleet);

@@ -15,4 +15,8 @@ namespace moecache {
 // skipped, and the walk stops after 10 000 files or 64 MiB read.
 std::optional<std::string> ollama_tags(const std::string& blob_path);
 
+// A file named by its content's hash (ollama's sha256-HEX blobs, a Hugging Face cache's blobs/HEX):
+// its name says nothing to a user.
+bool named_by_content_hash(const std::string& file_name);
+
 }  // namespace moecache

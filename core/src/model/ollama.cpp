@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <string_view>
 #include <set>
 #include <system_error>
 #include <vector>
@@ -24,6 +25,8 @@ bool is_hex(const std::string& s) {
     return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
 }
 
+constexpr std::string_view kBlobPrefix = "sha256-";
+
 // HOST/NAMESPACE/MODEL/TAG as ollama shows it.
 std::string tag_name(const std::filesystem::path& rel) {
     std::vector<std::string> parts;
@@ -41,8 +44,9 @@ std::optional<std::string> ollama_tags(const std::string& blob_path) {
     namespace fs = std::filesystem;
     const fs::path blob(blob_path);
     const std::string file = blob.filename().string();
-    if (file.rfind("sha256-", 0) != 0 || !is_hex(file.substr(7)) || blob.parent_path().filename() != "blobs") return std::nullopt;
-    const std::string digest = "sha256:" + file.substr(7);
+    if (file.rfind(kBlobPrefix, 0) != 0 || !is_hex(file.substr(kBlobPrefix.size())) || blob.parent_path().filename() != "blobs")
+        return std::nullopt;
+    const std::string digest = "sha256:" + file.substr(kBlobPrefix.size());
     const fs::path manifests = blob.parent_path().parent_path() / "manifests";
     std::error_code ec;
     if (!fs::is_directory(manifests, ec)) return std::nullopt;
@@ -76,6 +80,11 @@ std::optional<std::string> ollama_tags(const std::string& blob_path) {
     std::string out;
     for (const auto& t : tags) out += (out.empty() ? "" : ",") + t;
     return out;
+}
+
+bool named_by_content_hash(const std::string& file_name) {
+    const std::string hex = file_name.rfind(kBlobPrefix, 0) == 0 ? file_name.substr(kBlobPrefix.size()) : file_name;
+    return hex.size() >= 32 && is_hex(hex);
 }
 
 }  // namespace moecache

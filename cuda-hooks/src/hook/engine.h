@@ -69,8 +69,6 @@ public:
     void on_stream_destroy(CUstream stream);
     // After an allocation failed for want of memory: frees pool memory on the current device.
     bool yield_memory(size_t bytes);
-    // Pool bytes on the current device (the runtime is told they are free: the pool yields them).
-    size_t pool_bytes_current_device();
     // What a free-memory query on the current device reports, from what the driver said: the
     // pool's bytes are free to the runtime (it yields them), the room a claimed pool will take
     // is not (HookConfig::claim).

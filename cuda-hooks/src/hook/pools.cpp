@@ -366,12 +366,4 @@ size_t Engine::reported_free(size_t driver_free) {
     return free > claim ? free - claim : 0;
 }
 
-size_t Engine::pool_bytes_current_device() {
-    const Driver* drv = driver();
-    CUdevice device = 0;
-    if (drv == nullptr || drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices) return 0;
-    DevicePool* dp = pools_[device].load();
-    return dp == nullptr ? 0 : dp->bytes.load();
-}
-
 }  // namespace moecache::cuda::hook

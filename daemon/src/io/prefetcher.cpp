@@ -40,6 +40,10 @@ static_assert(kMaxQueueDepth <= kSlotMask);
 
 uint64_t read_user_data(uint32_t slot, uint64_t generation) { return (generation << kSlotBits) | slot; }
 
+// io_uring denied, not broken: a seccomp filter (Docker's and containerd's default profiles answer
+// EPERM), kernel.io_uring_disabled, a kernel built without it (ENOSYS).
+bool denied(const Error& e) { return e.errnum == EPERM || e.errnum == EACCES || e.errnum == ENOSYS; }
+
 Result<void> validate(const Prefetcher::Options& o) {
     if (o.queue_depth == 0 || o.queue_depth > kMaxQueueDepth)
         return fail(EINVAL, fmt::format("prefetch queue_depth {} is out of range 1..{}", o.queue_depth, kMaxQueueDepth));
@@ -482,17 +486,12 @@ Result<Prefetcher> Prefetcher::create(const Options& options) {
         auto ring = io::Ring::create({.sq_entries = 2 * options.queue_depth,
                                       .cq_entries = 4 * options.queue_depth,
                                       .defer_taskrun = options.defer_taskrun});
-        // Denied, not broken: a seccomp filter (Docker's and containerd's default profiles answer
-        // EPERM), kernel.io_uring_disabled, a kernel built without it (ENOSYS).
-        const bool denied = !ring && (ring.error().errnum == EPERM || ring.error().errnum == EACCES ||
-                                      ring.error().errnum == ENOSYS);
-        if (!ring && (options.engine == Engine::IoUring || !denied)) return tl::unexpected(ring.error());
+        if (!ring && (options.engine == Engine::IoUring || !denied(ring.error()))) return tl::unexpected(ring.error());
         if (ring) {
             s->ring = std::move(*ring);
             if (auto reg = s->ring->register_eventfd(s->eventfd.get()); !reg) {
                 // A profile may allow io_uring_setup and deny io_uring_register: denied all the same.
-                const int e = reg.error().errnum;
-                if (options.engine == Engine::IoUring || (e != EPERM && e != EACCES && e != ENOSYS)) return tl::unexpected(reg.error());
+                if (options.engine == Engine::IoUring || !denied(reg.error())) return tl::unexpected(reg.error());
                 s->setup.io_uring_denied = reg.error().what();
                 s->ring.reset();
             }
