@@ -16,6 +16,9 @@
 #                 locked pages still count inside): a static lock without its own cost.
 #   moecache-cold moecached in the cgroup (no heat yet) + lazy load + the hit signal
 #   moecache-warm the same, moecached restarted with the heat profile the cold runs saved
+#   moecache-cold-threads, moecache-warm-threads  the same with the daemon's pread engine
+#                 ([prefetch] engine = "threads": where a container's seccomp profile denies
+#                 io_uring), its own state folder; against io_uring's in the same rounds
 # A run decodes TOKENS tokens or stops after SQUEEZE_SECONDS. Per variant, medians over the rounds:
 # decode tokens/s over the whole run, over the first 50 tokens, over tokens 25-50 and after token 50
 # ("steady"); the steady speed against plain, unsqueezed and the best static-K (each ratio the
@@ -77,15 +80,17 @@ fi
 dev=$(basename "$(df --output=source "$model" | tail -1)")
 sectors_read() { awk -v d="$dev" '$3 == d {print $6}' /proc/diskstats; }
 
-cat > "$work/moecached.toml" <<TOML
+# config ENGINE STATE: moecached's configuration for one prefetch engine.
+config() {
+  cat <<TOML
 [daemon]
-state_dir = "$work/state"
+state_dir = "$2"
 socket = "$work/moecached.sock"
 [budget]
 lock = "$lock"
 reserve = "$reserve"
 [prefetch]
-engine = "${SQUEEZE_ENGINE:-auto}"
+engine = "$1"
 [pressure]
 enabled = false
 [metrics]
@@ -95,12 +100,20 @@ bus = "off"
 [[model]]
 path = "$model"
 TOML
-mkdir -p "$work/state"
+}
+config "${SQUEEZE_ENGINE:-auto}" "$work/state" > "$work/moecached.toml"
+config threads "$work/state-threads" > "$work/moecached-threads.toml"
+mkdir -p "$work/state" "$work/state-threads"
+# Per variant: its daemon's configuration and state folder; whether it starts the daemon cold.
+conf_of() { [[ $1 == *-threads ]] && echo "$work/moecached-threads.toml" || echo "$work/moecached.toml"; }
+state_of() { [[ $1 == *-threads ]] && echo "$work/state-threads" || echo "$work/state"; }
+is_cold() { [[ $1 == moecache-cold* ]]; }
+is_warm() { [[ $1 == moecache-warm* ]]; }
 
 metric() { curl -sf "http://127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
-start_daemon() {
+start_daemon() {  # [CONFIG]
   # Not through in_cgroup: a function in the background is a subshell, and $! would be its pid.
-  sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "$work/moecached.toml" > "$work/daemon.log" 2>&1 &
+  sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "${1:-$work/moecached.toml}" > "$work/daemon.log" 2>&1 &
   dpid=$!
   echo -250 > "/proc/$dpid/oom_score_adj" 2>/dev/null || true  # as its unit says (OOMScoreAdjust=)
   for _ in $(seq 100); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done
@@ -150,7 +163,7 @@ run() {
     static-*) lock_hotset "${v#static-}" ;;
     moecache-*) env=(LD_PRELOAD="$lib" MOECACHE_REARM_EXE=node MOECACHE_LOAD=lazy) ;;
   esac
-  [ "$v" = moecache-warm ] && start_daemon
+  is_warm "$v" && start_daemon "$(conf_of "$v")"
   local s0 k0 out
   s0=$(sectors_read)
   k0=$(oom_kills)
@@ -165,7 +178,7 @@ run() {
                  j.steady_tokens_per_second || j.decode_tokens_per_second, j.tokens].join(" "))}catch{console.log("0 0 0 0 0")}})')
   read -r dec w50 l50 st n <<<"$r"
   echo "$dec $w50 $l50 $st $(( ($(sectors_read) - s0) * 512 )) $n $(( $(oom_kills) - k0 ))"
-  [ "$v" = moecache-warm ] && stop_daemon
+  is_warm "$v" && stop_daemon
   case $v in static-*) unlock_hotset ;; esac
   return 0
 }
@@ -176,17 +189,17 @@ declare -A dec w50 l50 st bytes ntok ooms per_round  # per_round[VARIANT,ROUND]:
 for r in $(seq "$runs"); do
   for v in $variants; do
     k_before=$(oom_kills)
-    if [ "$v" = moecache-cold ]; then
-      rm -rf "$work/state/profiles"
+    if is_cold "$v"; then
+      rm -rf "$(state_of "$v")/profiles"
       vmtouch -qe "$model"
-      start_daemon
+      start_daemon "$(conf_of "$v")"
     fi
     read -r a b c d e f g < <(run "$v")
-    [ "$v" = moecache-cold ] && stop_daemon  # saves the heat the warm variant starts from
+    is_cold "$v" && stop_daemon  # saves the heat the warm variant starts from
     dec[$v]+="$a "; w50[$v]+="$b "; l50[$v]+="$c "; st[$v]+="$d "; bytes[$v]+="$e "; ntok[$v]+="$f "
     per_round[$v,$r]=$d
     ooms[$v]=$(( ${ooms[$v]:-0} + $(oom_kills) - k_before ))  # the daemon's start and stop included
-    printf '  round %d %-14s %6.2f tok/s (first 50 %6.2f, steady %6.2f) %4d tokens %7.0f MiB read\n' \
+    printf '  round %d %-21s %6.2f tok/s (first 50 %6.2f, steady %6.2f) %4d tokens %7.0f MiB read\n' \
       "$r" "$v" "$a" "$b" "$d" "$f" "$(awk -v b="$e" 'BEGIN {print b / 1048576}')"
   done
 done
@@ -209,7 +222,7 @@ for v in $variants; do
 done
 has() { [[ " $variants " == *" $1 "* ]]; }
 echo
-printf '%-14s %8s %9s %9s %8s %8s %8s %8s %10s %4s\n' variant "tok/s" "first 50" "25-50" steady "x plain" "x unsq" "x static" "read/tok" OOM
+printf '%-21s %8s %9s %9s %8s %8s %8s %8s %10s %4s\n' variant "tok/s" "first 50" "25-50" steady "x plain" "x unsq" "x static" "read/tok" OOM
 declare -A xp xu xs
 for v in $variants; do
   xp[$v]=-; xu[$v]=-; xs[$v]=-
@@ -220,12 +233,12 @@ for v in $variants; do
       -v s="$(med "${st[$v]}")" -v p="${xp[$v]}" -v u="${xu[$v]}" -v x="${xs[$v]}" \
       -v bt="$(med "${bytes[$v]}")" -v n="$(med "${ntok[$v]}")" -v o="${ooms[$v]}" '
     function f(r) { return r == "-" ? "-" : sprintf("%.2f", r) }
-    BEGIN { printf "%-14s %8.2f %9.2f %9.2f %8.2f %8s %8s %8s %6.1f MiB %4d\n", v, a, b, c, s, f(p), f(u), f(x),
+    BEGIN { printf "%-21s %8.2f %9.2f %9.2f %8.2f %8s %8s %8s %6.1f MiB %4d\n", v, a, b, c, s, f(p), f(u), f(x),
             (n > 0 ? bt / n / 1048576 : 0), o }'
 done
 echo
 echo "best static lock: ${best_k:-none} ($best_static tok/s steady)"
-for v in moecache-cold moecache-warm; do
+for v in moecache-cold moecache-warm moecache-cold-threads moecache-warm-threads; do
   has "$v" || continue
   ramp=$(paste -d' ' <(tr ' ' '\n' <<<"${l50[$v]}") <(tr ' ' '\n' <<<"${st[$v]}") | awk 'NF == 2 && $2 > 0 {print $1 / $2}' | median)
   awk -v v="$v" -v u="${xu[$v]}" -v x="${xs[$v]}" -v l="${ramp:-0}" -v o="${ooms[$v]}" '
@@ -236,3 +249,11 @@ for v in moecache-cold moecache-warm; do
              (x == "-" ? "-" : sprintf("%.2fx", x)), ok(x != "-" && x >= 1.2)
       printf "tokens 25-50 at %.0f %% of steady (target 90 %%: %s), OOM kills %d\n", 100 * l, ok(l >= 0.9), o }'
 done
+# The pread engine against io_uring, round by round (the same rounds, the same anchor).
+for v in cold warm; do
+  has "moecache-$v-threads" && has "moecache-$v" &&
+    printf 'moecache-%s: pread threads at %.2fx io_uring (median of the rounds'"'"' steady ratios)\n' "$v" \
+      "$(ratio "moecache-$v-threads" "moecache-$v")"
+done
+
+true  # the comparison above may have nothing to say
