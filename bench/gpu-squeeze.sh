@@ -46,7 +46,8 @@
 #   1792), TYPE (q5_K), PROMPT_TYPE (q3_K), THREADS (llama-server's -t; its own default unless
 #   set), DBUS_DAEMON (a dbus-daemon for a private bus; default the PATH's), SERVER_TIMEOUT (900 s
 #   for a server to load), DEADLINE (seconds: no run starts after it; the table is still printed),
-#   ROUND_FROM (1: the first round's number, so that the rounds of several calls share WORKDIR),
+#   TRACE_CONFIGS (moecache configurations whose hook writes a router trace, RUN.trace.jsonl:
+#   docs/trace.md), ROUND_FROM (1: the first round's number, so that the rounds of several calls share WORKDIR),
 #   TABLE_ONLY=1 (print the table of what WORKDIR holds, every round found, and run nothing).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -302,6 +303,11 @@ hook_env() {  # hook_env POOL_PERCENT: the environment of config/'s llama-server
   echo MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1
 }
 
+trace_env() {  # trace_env CONFIG RUN: MOECACHE_TRACE for the configurations TRACE_CONFIGS names
+  [[ " ${TRACE_CONFIGS:-} " == *" $1 "* ]] && echo MOECACHE_TRACE="$work/$2.trace.jsonl"
+  return 0
+}
+
 # run CONFIG ROUND: one configuration's run, its rows in $work/CONFIG.ROUND.*.
 run() {
   local c=$1 r=$2 out=$c.$r k0 s0
@@ -322,7 +328,7 @@ run() {
       start_daemon
       sample_one_place "$work/$out.oneplace" & sampler=$!
       # shellcheck disable=SC2046
-      serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" $(hook_env "$p")
+      serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" $(hook_env "$p") $(trace_env "$c" "$out")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
       cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true

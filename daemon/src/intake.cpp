@@ -114,9 +114,15 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
             tokens_since_place_ += tokens;
             if (placement_due(tokens_since_place_, m.last_used - last_place_)) request_place();
         }
+        // A report of 0 tokens is more of the batch before it: the rest of a batch too large for
+        // one ring record, or its ranking (moecache/batch_report.h): heat, not another routing.
+        if (tokens == 0) {
+            m.res->heat().record_more(*layer, experts);
+            return;
+        }
         m.res->heat().record(*layer, experts);
         // A prompt batch's report is not one token's routing: the predictor learns only tokens.
-        if (config_.predict && tokens <= 1) predict(m, *layer, experts);
+        if (config_.predict && tokens == 1) predict(m, *layer, experts);
     }
 }
 

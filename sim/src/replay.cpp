@@ -152,7 +152,7 @@ Predictions predict(const Trace& trace, const TraceModel& model, Predict mode, u
         // A prompt batch's report (the experts more of its tokens chose than an even share) is not
         // one token's routing: the predictor neither learns from it nor predicts from it (as the
         // daemon's, intake.cpp).
-        if (d.tokens > 1) continue;
+        if (d.tokens != 1) continue;
         const uint32_t kk = k ? k : static_cast<uint32_t>(d.experts.size());
         auto stage = [&](size_t target) {
             auto& dst = p.staged[target];
@@ -476,6 +476,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             if (!in_vram(s) && !view.locked[s]) cache.touch(s, bytes_of(s));
         fit_cache();
         heat.record(d.layer, d.experts);
+        for (const auto& more : d.more) heat.record_more(d.layer, more);
     }
     return ledger.finish();
 }

@@ -17,7 +17,7 @@ Trace trace_of(const tracegen::Routing& r, const std::string& key, uint64_t expe
     t.decisions.reserve(r.tokens * r.n_layers);
     // As moecache-tracegen writes it: a prompt batch as the hook reports it (tracegen::for_each_report).
     tracegen::for_each_report(r, [&](uint64_t at, uint32_t layer, uint32_t tokens, const std::vector<uint32_t>& experts) {
-        t.decisions.push_back({at * token_us, 0, layer, tokens, experts});
+        t.add({at * token_us, 0, layer, tokens, experts, {}});
     });
     return t;
 }

@@ -64,6 +64,23 @@ const TraceModel* Trace::model(uint32_t id) const {
     return nullptr;
 }
 
+void Trace::add(TraceDecision d) {
+    if (d.tokens == 0) {
+        // The model's decision before it (other models' may come between: a few steps back at most).
+        const size_t stop = decisions.size() > 64 ? decisions.size() - 64 : 0;
+        for (size_t i = decisions.size(); i-- > stop;) {
+            TraceDecision& b = decisions[i];
+            if (b.model != d.model) continue;
+            if (b.layer == d.layer && b.tokens > 1) {
+                b.more.push_back(std::move(d.experts));
+                return;
+            }
+            break;
+        }
+    }
+    decisions.push_back(std::move(d));
+}
+
 Result<Trace> read_trace(const std::string& path) {
     std::ifstream f(path);
     if (!f) return fail_errno("trace {}: cannot open", path);
@@ -118,7 +135,7 @@ Result<Trace> read_trace(const std::string& path) {
                 return bad(fmt::format("decision: expert {} is not one of model {}'s {}", x.dump(), d.model, m->n_experts));
             d.experts.push_back(x.get<uint32_t>());
         }
-        trace.decisions.push_back(std::move(d));
+        trace.add(std::move(d));
     }
     if (n == 0) return failf("trace {}: empty", path);
     if (f.bad()) return fail_errno("trace {}: reading line {}", path, n + 1);

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -303,7 +304,8 @@ TEST_F(Captures, NoCaptureIsSpoiledByTheHooksSynchronisations) {
 // Routing from the runtime's read-back: llama.cpp reads its router's ids to the host and then
 // copies the experts they name. A prompt batch's copies carry nearly every expert (the union says
 // little); its read-back says how many tokens chose each, and the hook reports the experts more
-// of them chose than an even share, once, with the batch's token count. A decoded token is one
+// of them chose than an even share, once, with the batch's token count, then its ranking as
+// reports of 0 tokens (moecache/batch_report.h). A decoded token is one
 // event of its experts, not one per group of neighbours. A read-back that does not check out
 // against the copy that follows is not used.
 class Routes : public HookServing {
@@ -383,6 +385,22 @@ TEST_F(Routes, APromptBatchIsReportedFromTheIdsTheRuntimeReadBack) {
     ASSERT_FALSE(decisions().empty()) << "no decision in the trace:\n" << text.str();
     EXPECT_TRUE(has(b0, 64, hot)) << "the prompt batch's hot experts, once, with its 64 tokens\n" << text.str().substr(0, 4000);
     EXPECT_FALSE(has(b0, 1, all)) << "the prompt batch was reported as its union";
+    // Then its ranking, as reports of 0 tokens: for each level (1/8 of an even share to 8 times it)
+    // the experts at least that many of its tokens chose; a level none reaches is not reported.
+    size_t levels = 0;
+    for (int level = -3; level <= 3; ++level) {
+        if (level == 0) continue;
+        std::vector<uint32_t> at;
+        for (uint32_t e = 0; e < ne; ++e) {
+            const double share = static_cast<double>(count[e]) * ne / (64.0 * k);
+            if (count[e] != 0 && share >= std::ldexp(1.0, level)) at.push_back(e);
+        }
+        if (at.empty()) continue;
+        ++levels;
+        EXPECT_TRUE(has(b0, 0, at)) << "the batch's level " << level << " (" << at.size() << " experts)\n"
+                                    << text.str().substr(0, 4000);
+    }
+    EXPECT_GE(levels, 4u) << "the test's batch ranks too few levels to check";
     EXPECT_TRUE(has(b1, 1, {1, 5, 9, 30})) << "the decoded token as one event";
     EXPECT_FALSE(has(b1, 1, {5})) << "the decoded token as a group at a time";
     for (uint32_t e : {20u, 22u, 24u, 26u}) EXPECT_TRUE(has(b2, 1, {e})) << "a read-back the copy did not bear out was used";

@@ -16,7 +16,7 @@ namespace {
 Trace sequence(const std::vector<uint32_t>& experts, uint32_t n = 8) {
     Trace t;
     t.models.push_back({0, "k", "", n, {0}, {100}});
-    for (size_t i = 0; i < experts.size(); ++i) t.decisions.push_back({i, 0, 0, 1, {experts[i]}});
+    for (size_t i = 0; i < experts.size(); ++i) t.decisions.push_back({i, 0, 0, 1, {experts[i]}, {}});
     return t;
 }
 

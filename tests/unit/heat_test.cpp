@@ -79,6 +79,32 @@ TEST(HeatShift, ASteadyDistributionIsNotForgotten) {
     EXPECT_EQ(h.shifts(), 0u);
 }
 
+// A batch's ranking (moecache/batch_report.h: its reports of 0 tokens) is heat, not routing: the
+// experts it names rank by it, but a steady routing with such rankings of cold experts between its
+// tokens is not taken for a shift, as the same experts routed would be.
+TEST(HeatShift, ABatchsRankingAddsHeatButIsNotARouting) {
+    std::vector<uint32_t> order(kExperts), cold;
+    for (uint32_t e = 0; e < kExperts; ++e) order[e] = e;
+    for (uint32_t e = kExperts / 2; e < kExperts; e += 4) cold.push_back(e);  // 8 of the colder half
+    auto run = [&](bool as_routing) {
+        HeatTable h(kLayers, kExperts, 4096);
+        std::mt19937 rng(9);
+        for (int t = 0; t < 6000; ++t) {
+            token(h, rng, order);
+            if (t >= 5000)
+                for (uint32_t l = 0; l < kLayers; ++l) {
+                    if (as_routing) h.record(l, cold);
+                    else h.record_more(l, cold);
+                }
+        }
+        return h;
+    };
+    const HeatTable more = run(false);
+    EXPECT_EQ(more.shifts(), 0u) << "a batch's ranking was counted as routing to cold experts";
+    EXPECT_GT(more.heat(0, cold[0]), more.heat(0, cold[0] + 1) + 100) << "the ranking added no heat";
+    EXPECT_GE(run(true).shifts(), 1u) << "the same experts routed: a shift (the test's premise)";
+}
+
 // Bursty routing: with probability `keep` a layer keeps its previous token's experts but one (a
 // fresh Zipf draw in its place), else it routes afresh.
 void bursty_token(HeatTable& h, std::mt19937& rng, std::vector<std::vector<uint32_t>>& prev, double keep) {

@@ -185,7 +185,7 @@ TEST(SimReplay, StaticHoldsTheProfilesHottestAndCostsFollowTheTiers) {
     t.models.push_back({0, "k", "", 4, {0}, {kExpert}});
     // Profile half: expert 0 x3, 1 x1; second half: 1 x4.
     const std::vector<uint32_t> seq{0, 0, 0, 1, 1, 1, 1, 1};
-    for (size_t i = 0; i < seq.size(); ++i) t.decisions.push_back({i * 25000, 0, 0, 1, {seq[i]}});
+    for (size_t i = 0; i < seq.size(); ++i) t.decisions.push_back({i * 25000, 0, 0, 1, {seq[i]}, {}});
     const AccessStream s = accesses_of(t, t.models[0]);
     const auto hit = hits_of(s, kExpert, Baseline::Static);
     EXPECT_EQ(std::count(hit.begin(), hit.end(), 1), 3) << "expert 0 held, 1 never";

@@ -38,6 +38,29 @@ TEST(TraceReader, AGeneratedTraceComesBackDecisionForDecision) {
     }
 }
 
+// A batch's ranking (decisions of 0 tokens right after it, moecache/batch_report.h) comes back as
+// the batch's `more`, not as decisions of its own: what was routed is the batch's experts alone. A
+// decision of 0 tokens after a decoded token, or in another layer, stays a decision.
+TEST(TraceReader, ABatchsRankingComesBackWithTheBatch) {
+    test::TempDir dir;
+    const std::string p = dir.file("r.jsonl");
+    test::write_file(p, R"({"moecache_trace":1,"tick_seconds":1})" "\n"
+                        R"({"model":3,"key":"k","path":"","n_experts":8,"blocks":[5,7],"bytes_per_expert":[10,10]})" "\n"
+                        R"({"t":0,"m":3,"b":5,"n":64,"e":[0,1,2]})" "\n"
+                        R"({"t":0,"m":3,"b":5,"n":0,"e":[0,1,2,3,4]})" "\n"
+                        R"({"t":0,"m":3,"b":5,"n":0,"e":[0]})" "\n"
+                        R"({"t":1,"m":3,"b":7,"n":1,"e":[6]})" "\n"
+                        R"({"t":1,"m":3,"b":7,"n":0,"e":[5]})" "\n");
+    auto t = read_trace(p);
+    ASSERT_TRUE(t) << t.error().what();
+    ASSERT_EQ(t->decisions.size(), 3u);
+    EXPECT_EQ(t->decisions[0].experts, (std::vector<uint32_t>{0, 1, 2}));
+    EXPECT_EQ(t->decisions[0].more, (std::vector<std::vector<uint32_t>>{{0, 1, 2, 3, 4}, {0}}));
+    EXPECT_TRUE(t->decisions[1].more.empty());
+    EXPECT_EQ(t->decisions[2].tokens, 0u);
+    EXPECT_EQ(t->decisions[2].experts, (std::vector<uint32_t>{5}));
+}
+
 TEST(TraceReader, AHostileTraceIsRefusedWithItsLineAndWhy) {
     test::TempDir dir;
     const std::string head = R"({"moecache_trace":1,"tick_seconds":1})" "\n";

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 
@@ -188,18 +189,35 @@ TEST(TraceGen, ZipfBurstsShiftsAndPromptBatchesEachShowInTheirStatistic) {
     ASSERT_TRUE(write_trace(*pr, dir.file("p.jsonl"), "k", 4096, 1000));
     std::ifstream f(dir.file("p.jsonl"));
     std::string line;
-    uint64_t tokens = 0, batches = 0;
+    uint64_t tokens = 0, batches = 0, rankings = 0;
+    nlohmann::json last;  // the decision before, and the batch's ranking so far
+    std::vector<std::vector<uint32_t>> levels;
     while (std::getline(f, line)) {
         const auto d = nlohmann::json::parse(line);
         if (!d.contains("n")) continue;
         if (d.at("b") == 0) tokens += d.at("n").get<uint64_t>();
         if (d.at("n") == 512) {
             ++batches;
+            levels.clear();
             EXPECT_GT(d.at("e").size(), 8u) << "more than one token's experts";
             EXPECT_LT(d.at("e").size(), 40u) << "the experts above an even share, not the union (most of the 64)";
         }
+        if (d.at("n") == 0) {
+            // A batch's ranking: right after it, in its layer, each level a subset of the one before.
+            ++rankings;
+            ASSERT_FALSE(last.is_null());
+            EXPECT_EQ(d.at("b"), last.at("b"));
+            EXPECT_TRUE(last.at("n") == 512 || last.at("n") == 0) << line;
+            const auto e = d.at("e").get<std::vector<uint32_t>>();
+            if (!levels.empty()) {
+                EXPECT_TRUE(std::includes(levels.back().begin(), levels.back().end(), e.begin(), e.end())) << line;
+            }
+            levels.push_back(e);
+        }
+        last = d;
     }
     EXPECT_EQ(tokens, 2000u);
+    EXPECT_GE(rankings, 2u * 6 * 4) << "each batch's ranking, a few levels in each layer";
     // 400 decoded, 512 in a batch, 400, 512, and the last 176 decoded.
     EXPECT_EQ(batches, 2u * 6) << "two batches, one decision in each of six layers";
     // Out of range is refused by name.

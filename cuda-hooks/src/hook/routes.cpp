@@ -2,12 +2,15 @@
 // choices back to the host (one small device-to-host copy of the ids tensor, `n_used` ids a
 // token) and then copies, grouped, the experts those ids name. In decode that is one token; in a
 // prompt batch, hundreds, and the copies then carry nearly every expert of the layer: the copy
-// alone says only "the batch used these". The read-back says how many of its tokens chose each.
+// alone says only "the batch used these". The read-back says how many of its tokens chose each,
+// which the report carries as levels (moecache/batch_report.h).
 // It is used only where it checks out against the copy that follows (every id an expert of the
 // layer, the copy's group the first run of what the ids name), else the copy's experts are the
 // report, as they were. Each thread's last read-back is its own: the runtime reads ids and copies
 // experts on one thread.
 #include "engine.h"
+
+#include "moecache/batch_report.h"
 
 #include <sys/uio.h>
 #include <unistd.h>
@@ -90,12 +93,12 @@ void Engine::report_copy(Model& m, const ExpertCopy& cls, bool routing) {
         }
         return;
     }
-    // A prompt batch: one event of the experts more of its tokens chose than an even share, with its
-    // token count. The union would be nearly every expert, and heat flat.
-    rb.picked.clear();
-    for (uint32_t e = 0; e < ne; ++e)
-        if (static_cast<uint64_t>(rb.count[e]) * ne > static_cast<uint64_t>(tokens) * k) rb.picked.push_back(e);
-    report_experts(m, cls.block, rb.picked.data(), static_cast<uint32_t>(rb.picked.size()), tokens);
+    // A prompt batch: the experts more of its tokens chose than an even share, with its token count
+    // (the union would be nearly every expert, and heat flat), then its ranking by how many chose
+    // each, as reports of 0 tokens (moecache/batch_report.h).
+    batch_report(rb.count, tokens, k, rb.picked, [&](const std::vector<uint32_t>& e, uint32_t n_tokens) {
+        report_experts(m, cls.block, e.data(), static_cast<uint32_t>(e.size()), n_tokens);
+    });
 }
 
 bool Engine::readback_is_batch(const Model& m, uint32_t block) {

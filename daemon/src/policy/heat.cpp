@@ -18,6 +18,10 @@ double HeatTable::decayed(const Cell& c) const {
 }
 
 void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight) {
+    add(layer, experts, weight, true);
+}
+
+void HeatTable::add(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight, bool event) {
     if (layer >= n_layers_) return;
     if (layer_total_.size() != n_layers_) {
         layer_total_.assign(n_layers_, 0);
@@ -27,7 +31,7 @@ void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32
     if (layer_at_[layer] != clock_) total *= std::exp2(-static_cast<double>(clock_ - layer_at_[layer]) / half_life_);
     layer_at_[layer] = clock_;
     const double mean = total / n_experts_;
-    if ((splits_[0].capacity > 0 || splits_[1].capacity > 0) && weight == 1) score_splits(layer, experts);
+    if (event && (splits_[0].capacity > 0 || splits_[1].capacity > 0) && weight == 1) score_splits(layer, experts);
     uint32_t surprised = 0, seen = 0;
     for (uint32_t e : experts) {
         if (e >= n_experts_) continue;
@@ -48,7 +52,7 @@ void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32
     // half-life's thousands (moecache-sim's topic-shift preset: 65.1 -> 72.6 % at 25 % of RAM,
     // 63.3 -> 71.3 % at 25 % of VRAM; every other preset unchanged: no shift seen there). A prompt
     // batch's union says little of a shift.
-    if (seen == 0 || weight > 1) return;
+    if (!event || seen == 0 || weight > 1) return;
     const double x = static_cast<double>(surprised) / seen;
     ++events_;
     // Running means until each window has filled, so that neither starts from zero.

@@ -23,9 +23,9 @@ mkmodel's router (popularity skew) with temporal locality and layer-to-layer cor
   --zipf A              Zipf-like popularity of exponent A instead of the router's skew
   --keep P              bursty: with probability P a layer keeps its previous token's experts but one
   --shift T             the popularity drawn anew at token T (a topic change)
-  --prompt N:EVERY      a prompt batch of N tokens every EVERY decoded tokens (one decision per
-                        layer, as the CUDA hook reports it: the experts more of its tokens chose
-                        than an even share, with its token count)
+  --prompt N:EVERY      a prompt batch of N tokens every EVERY decoded tokens (as the CUDA hook
+                        reports it: per layer the experts more of its tokens chose than an even
+                        share, with its token count, then its ranking as decisions of 0 tokens)
   --layers L            MoE layers (16)
   --experts N           experts per layer (64)
   --experts-used K      experts per token (8)

@@ -21,6 +21,10 @@ public:
     // One use of each of `experts` in MoE layer `layer` (0-based among the MoE layers) at the
     // current clock. The clock is the model's token count: advance it once per batch.
     void record(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight = 1);
+    // One use more of each of `experts`, part of the event recorded before it: a batch's ranking
+    // (moecache/batch_report.h, its decisions of 0 tokens). Heat only: neither the split learner
+    // nor shift detection counts it as a routing.
+    void record_more(uint32_t layer, std::span<const uint32_t> experts) { add(layer, experts, 1, false); }
     void advance_clock(uint64_t tokens) { clock_ += tokens; }
 
     [[nodiscard]] double heat(uint32_t layer, uint32_t expert) const;
@@ -71,6 +75,7 @@ private:
     };
     [[nodiscard]] size_t index(uint32_t layer, uint32_t expert) const { return size_t{layer} * n_experts_ + expert; }
     [[nodiscard]] double decayed(const Cell& c) const;
+    void add(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight, bool event);
     void forget(double keep);  // every cell's heat times `keep`
     void score_splits(uint32_t layer, std::span<const uint32_t> experts);
     struct Split;

@@ -26,6 +26,9 @@ struct TraceDecision {
     uint32_t layer = 0;   // index into the model's blocks
     uint32_t tokens = 0;  // tokens of the batch routed here
     std::vector<uint32_t> experts;
+    // A batch's ranking (moecache/batch_report.h): the decisions of 0 tokens that followed it in
+    // the same layer, each a level's experts. Heat only: what was routed is `experts`.
+    std::vector<std::vector<uint32_t>> more;
 };
 
 struct Trace {
@@ -33,6 +36,9 @@ struct Trace {
     std::vector<TraceModel> models;
     std::vector<TraceDecision> decisions;
     [[nodiscard]] const TraceModel* model(uint32_t id) const;
+    // Appends a decision; one of 0 tokens after a batch of the same model and layer is that batch's
+    // `more` (a trace without its batch keeps it as a decision of its own).
+    void add(TraceDecision d);
 };
 
 // Reads a whole trace. Lines of unknown shape are refused, unknown keys ignored.

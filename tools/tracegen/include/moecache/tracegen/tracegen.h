@@ -22,6 +22,7 @@
 
 #include <algorithm>
 
+#include "moecache/batch_report.h"
 #include "moecache/error.h"
 #include "moecache/mkmodel/synth_model.h"
 
@@ -97,9 +98,10 @@ Result<Spec> fit(const Preset& preset, Spec shape);
 
 // What the CUDA hook reports of one step of `n` tokens from `first` in `layer` (a decision of the
 // trace, with `n` its token count): one token's experts, each token's for a batch of at most
-// kPerTokenReports tokens, and for a prompt batch the experts more of its tokens chose than an even
-// share (cuda-hooks/src/hook/routes.cpp: the read-back ids say how many chose each; the union would
-// be nearly every expert). Calls emit(experts) once per decision.
+// kPerTokenReports tokens, and for a prompt batch moecache/batch_report.h's decisions (the experts
+// more of its tokens chose than an even share with its token count, then its ranking as decisions
+// of 0 tokens), as cuda-hooks/src/hook/routes.cpp from the read-back ids. Calls emit(experts,
+// tokens) once per decision.
 inline constexpr uint32_t kPerTokenReports = 16;
 template <class Emit>
 void step_reports(const Routing& r, uint64_t first, uint64_t n, uint32_t layer, std::vector<uint32_t>& scratch, Emit&& emit) {
@@ -115,10 +117,7 @@ void step_reports(const Routing& r, uint64_t first, uint64_t n, uint32_t layer, 
     std::vector<uint32_t> count(r.n_experts, 0);
     for (uint64_t t = first; t < end; ++t)
         for (uint16_t e : r.at(t, layer)) ++count[e];
-    scratch.clear();
-    for (uint32_t e = 0; e < r.n_experts; ++e)
-        if (uint64_t{count[e]} * r.n_experts > (end - first) * r.n_used) scratch.push_back(e);
-    emit(scratch, static_cast<uint32_t>(end - first));
+    batch_report(count, end - first, r.n_used, scratch, emit);
 }
 
 // Every decision of the routing, in order, as the hook reports it (step_reports over its steps and
