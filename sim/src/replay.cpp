@@ -373,12 +373,13 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             std::vector<uint8_t> want(n_slots, 0);
             // The daemon directs the pool's frequency part; the hook keeps the rest as an LRU
             // once the split gives recency a share (daemon::pool_directed_experts).
-            const double share = heat.recency_share(daemon::HeatTable::SplitFor::Pool);
-            hook_heat.set_recency(setup.pool_directed > 0 && share > 0);
+            const daemon::PoolDirection dir = daemon::pool_direction(
+                one_place, setup.pool_directed, heat.recency_share(daemon::HeatTable::SplitFor::Pool));
+            hook_heat.set_recency(dir.recency > 0);
             daemon::PlannerSettings planner = setup.planner;
             planner.move_margin = one_place ? daemon::kOnePlaceMoveMargin : 0;  // as the daemon's direct_pools
             const std::vector<uint32_t> wanted = setup.pool_directed > 0
-                ? daemon::pool_wanted(heat, planner, daemon::pool_directed_experts(pool_experts, setup.pool_directed, share), promoted)
+                ? daemon::pool_wanted(heat, planner, daemon::pool_directed_experts(pool_experts, dir.directed, dir.recency, dir.slack), promoted)
                 : daemon::pool_elite(heat, setup.planner);
             for (uint32_t s : wanted) want[s] = 1;
             for (uint32_t s = 0; s < n_slots; ++s)
@@ -463,9 +464,11 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             for (uint32_t s : slots) {
                 if (view.in_vram[s]) continue;
                 cuda::SliceRef evicted;
-                // As the hook: under one place (the daemon directs the pool) only what the daemon
-                // promoted displaces anything, the rest takes free slots; without it, any miss may.
-                const bool evict = !one_place || setup.pool_directed == 0 || promoted[s] != 0;
+                // As the hook: under one place, once the daemon directs the pool, only what it
+                // promoted is admitted (and displaces); without it, any miss may.
+                const bool directed = one_place && setup.pool_directed > 0;
+                if (directed && promoted[s] == 0) continue;
+                const bool evict = !directed || promoted[s] != 0;
                 if (pool.admit({0, s, s}, bytes_of(s), kStream, hook_heat, cuda::same_stream_only(), &evicted, evict) == 0 ||
                     pool.commit({0, s, s}) == 0)
                     continue;

@@ -286,8 +286,27 @@ TEST(Planner, UnderOnePlaceANewcomerMustBeHotterByAFewUses) {
     EXPECT_EQ(pool_wanted(w.heat, s, 1, held), (std::vector<uint32_t>{2})) << "without a margin the share decides";
     s.move_margin = kOnePlaceMoveMargin;
     EXPECT_EQ(pool_wanted(w.heat, s, 1, held), (std::vector<uint32_t>{1})) << "2 uses more is noise under one place";
-    w.use(0, 2, 6);  // 10 uses against 2
+    w.use(0, 2, 10);  // 14 uses against 2: still within the margin
+    EXPECT_EQ(pool_wanted(w.heat, s, 1, held), (std::vector<uint32_t>{1}));
+    w.use(0, 2, 10);  // 24 against 2
     EXPECT_EQ(pool_wanted(w.heat, s, 1, held), (std::vector<uint32_t>{2}));
+    // The elite too: held, it keeps its place by the same margin.
+    s.elite_share = 0.125;
+    EXPECT_EQ(pool_elite(w.heat, s, held), (std::vector<uint32_t>{2}));
+    w.use(0, 1, 8);  // 10 against 24
+    EXPECT_EQ(pool_elite(w.heat, s, held), (std::vector<uint32_t>{1})) << "a held elite expert lost its place to noise";
+    EXPECT_EQ(pool_elite(w.heat, s), (std::vector<uint32_t>{2}));
+}
+
+// Under one place the whole pool is directed (the hook admits only what was promoted) but a slack
+// of 3 %, and the hook keeps no LRU part of its own.
+TEST(Planner, UnderOnePlaceThePoolIsDirectedWholeButItsSlack) {
+    const PoolDirection one = pool_direction(true, 0.9, 0.5);
+    EXPECT_EQ(pool_directed_experts(1000, one.directed, one.recency, one.slack), 970u);
+    EXPECT_EQ(pool_directed_experts(4, one.directed, one.recency, one.slack), 4u);
+    const PoolDirection two = pool_direction(false, 0.9, 0.5);
+    EXPECT_EQ(pool_directed_experts(1000, two.directed, two.recency, two.slack), 500u);
+    EXPECT_EQ(pool_direction(true, 0, 0.5).directed, 0.0) << "[vram] directed = 0 directs nothing under one place too";
 }
 
 TEST(Planner, TheRecencyShareComesOutOfTheDirectedPart) {

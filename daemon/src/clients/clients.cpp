@@ -574,9 +574,13 @@ void Daemon::direct_pools() {
             // The split is learnt at the largest pool of the model's clients.
             if (pool_experts / n_layers > heat.split_capacity(HeatTable::SplitFor::Pool))
                 heat.set_split_capacity(pool_experts / n_layers, HeatTable::SplitFor::Pool);
-            const double recency_share = config_.pool_directed > 0 ? heat.recency_share(HeatTable::SplitFor::Pool) : 0.0;
-            recency = recency || recency_share > 0;
-            const uint32_t capacity = pool_directed_experts(pool_experts, config_.pool_directed, recency_share);
+            // Under one place the hook's own part would churn storage (each expert its LRU lets go
+            // has no RAM copy left, and it admits only what is promoted): no recency share, and the
+            // whole pool is directed.
+            const PoolDirection dir =
+                pool_direction(m->one_place, config_.pool_directed, heat.recency_share(HeatTable::SplitFor::Pool));
+            recency = recency || dir.recency > 0;
+            const uint32_t capacity = pool_directed_experts(pool_experts, dir.directed, dir.recency, dir.slack);
             c.directed_capacity += capacity;
             std::vector<uint8_t> held(m->res->n_slots(), 0);
             for (const auto& [mid, slot] : c.promoted)

@@ -107,7 +107,7 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
     return p;
 }
 
-std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s) {
+std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s, std::span<const uint8_t> held) {
     std::vector<uint32_t> out;
     const uint32_t ne = heat.n_experts();
     const auto elite = static_cast<size_t>(std::ceil(s.elite_share * ne));
@@ -116,7 +116,11 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
     for (uint32_t l = 0; l < heat.n_layers(); ++l) {
         layer.clear();
         for (uint32_t e = 0; e < ne; ++e)
-            if (heat.uses(l, e) >= s.admit_after_uses) layer.emplace_back(heat.heat(l, e), e);
+            if (heat.uses(l, e) >= s.admit_after_uses) {
+                const uint32_t slot = l * ne + e;
+                const bool holds = slot < held.size() && held[slot] != 0;
+                layer.emplace_back(holds ? heat.heat(l, e) * (1 + s.hysteresis) + s.move_margin : heat.heat(l, e), e);
+            }
         const size_t k = std::min(elite, layer.size());
         std::partial_sort(layer.begin(), layer.begin() + static_cast<std::ptrdiff_t>(k), layer.end(),
                           [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -130,7 +134,7 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
 std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity,
                                   std::span<const uint8_t> held) {
     const uint32_t ne = heat.n_experts();
-    std::vector<uint32_t> elite = pool_elite(heat, s);
+    std::vector<uint32_t> elite = pool_elite(heat, s, held);
     std::vector<uint8_t> in(size_t{heat.n_layers()} * ne, 0);
     for (uint32_t slot : elite) in[slot] = 1;
     std::vector<std::pair<double, uint32_t>> rest;

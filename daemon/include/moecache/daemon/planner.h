@@ -38,7 +38,17 @@ struct PlannerSettings {
 // batch events an expert), and the first hundred tokens of decode, 2-8 uses an expert, re-ranked
 // the pool's edge at every placement: 9 GB read from storage in 128 tokens, tokens 25-50 at half the
 // speed of the later ones (GPU machine, 2026-12-02).
-inline constexpr double kOnePlaceMoveMargin = 4.0;
+// With the ranking's batches weighted by how many tokens chose each expert (moecache/batch_report.h)
+// a prompt's heat is of the scale of decode's, and 4 uses still moved the edge: 52 MiB read a token.
+// A move costs a read of the expert let go (7 MiB) and its next use from storage, against ~0.3 ms a
+// use saved by VRAM over registered RAM: it pays after tens of uses.
+inline constexpr double kOnePlaceMoveMargin = 16.0;
+// Under one place the daemon directs the whole pool (not [vram] directed) but this share of it: the
+// hook then admits only what was promoted, so a part left to it would stay empty; the slack because
+// the mean expert size the room is counted in may not fit the pool's slots exactly, and a fill that
+// finds no free slot would let a promoted expert go to storage. A pool of fewer than 34 experts has
+// none.
+inline constexpr double kOnePlaceSlack = 0.03;
 
 struct ModelView {
     const HeatTable* heat = nullptr;   // n_layers x n_experts
@@ -76,8 +86,9 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
 
 // What belongs in a VRAM pool: the elite of each layer (the hottest `elite_share`, among admitted
 // experts), as slots in ascending order. The daemon promotes these in every client's pool; the
-// pool's own policy fills the rest.
-std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s);
+// pool's own policy fills the rest. `held` as pool_wanted's: what the pool holds now keeps its
+// place against a newcomer by the same hysteresis and margin.
+std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s, std::span<const uint8_t> held = {});
 
 // What a client's pool is directed to hold: the elite of each layer, then the hottest admitted
 // experts of any layer, `capacity` experts in all (the hottest of the elite where it is larger),
@@ -94,9 +105,24 @@ std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& 
 // How many experts of a pool of `pool_experts` the daemon directs: its `directed` share ([vram]
 // directed), less the share the pool's recency split gives the hook's LRU part
 // (HeatTable::recency_share(SplitFor::Pool)).
-[[nodiscard]] inline uint32_t pool_directed_experts(double pool_experts, double directed, double recency_share) {
+// The share of a pool the daemon directs and the recency share it leaves the hook's LRU part, from
+// [vram] directed and the pool's learnt split: under one place, kOnePlaceDirected and none (the
+// daemon's direct_pools and moecache-sim alike).
+struct PoolDirection {
+    double directed = 0, recency = 0, slack = 0;
+};
+[[nodiscard]] inline PoolDirection pool_direction(bool one_place, double configured, double learnt_recency) {
+    if (configured <= 0) return {configured, 0.0, 0.0};
+    if (one_place) return {1.0, 0.0, kOnePlaceSlack};
+    return {configured, learnt_recency, 0.0};
+}
+
+[[nodiscard]] inline uint32_t pool_directed_experts(double pool_experts, double directed, double recency_share,
+                                                    double slack = 0) {
     const double share = std::max(0.0, std::min(directed, 1.0 - recency_share));
-    return static_cast<uint32_t>(share * pool_experts);
+    const auto n = static_cast<uint32_t>(share * pool_experts);
+    const auto spare = static_cast<uint32_t>(slack * pool_experts);
+    return n > spare ? n - spare : 0;
 }
 
 }  // namespace moecache::daemon
