@@ -16,11 +16,14 @@
 #   sq-recipe     in the cgroup, the unified-memory recipe (GGML_OP_OFFLOAD_MIN_BATCH=1, experts
 #                 in pageable host memory, their math on the GPU)
 #   sq-static     in the cgroup, the last layers' experts in VRAM statically (as many bytes as the
-#                 pool), the rest as sq-cpu
+#                 pool), the rest as sq-cpu; the full requests (the CPU's share fits the cgroup
+#                 when the pool is large)
 #   mc-cold       moecached (in the cgroup, no heat) + the CUDA hook (pool POOL % of the experts,
 #                 one place, the registered tier following the daemon's locks) + lazy load
 #   mc-warm       the same, moecached restarted with the heat profile mc-cold saved
 #   mcS-cold/-warm the same with a pool of SMALL_POOL %: RAM + VRAM < model, some comes from storage
+#   mcP-cold/-warm mc-cold/-warm with the daemon's next-token prediction on ([policy] predict):
+#                 mcP-warm starts from the profile the last cold run (mc-cold or mcP-cold) saved
 #   swap-family   moecached fresh; the prompt model processes a long prompt, then the decode model
 #                 starts and decodes: its family's heat locks, reads and pools before its first token
 #   swap-alone    the same with the two models in families of their own (no shared heat)
@@ -146,10 +149,12 @@ port=18475
 http_get() { python3 -c 'import sys, urllib.request
 try: sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())
 except Exception as e: sys.stderr.write(f"http_get {sys.argv[1]}: {e}\n"); sys.exit(1)' "$1"; }
-# daemon_config FAMILIES: both models configured; FAMILIES=separate gives each a family of its own.
+# daemon_config [separate] [predict]: both models configured; separate gives each a family of its
+# own; predict turns the daemon's next-token prediction on ([policy] predict).
 daemon_config() {
-  local fam_d= fam_p=
-  [ "${1:-}" = separate ] && { fam_d='family = "decode-alone"'; fam_p='family = "prompt-alone"'; }
+  local fam_d= fam_p= predict=false
+  [[ " $* " == *" separate "* ]] && { fam_d='family = "decode-alone"'; fam_p='family = "prompt-alone"'; }
+  [[ " $* " == *" predict "* ]] && predict=true
   cat > "$work/moecached.toml" <<TOML
 [daemon]
 state_dir = "$work/state"
@@ -162,6 +167,8 @@ reserve = "$reserve"
 # at first, and PSI back-off would give the locks up to it; the cap under the cgroup's limit less
 # the reserve and what the runtime holds is what keeps it alive here.
 enabled = false
+[policy]
+predict = $predict
 [metrics]
 listen = "127.0.0.1:$port"
 [dbus]
@@ -318,11 +325,12 @@ run() {
     text) cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
     sq-cpu) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
     sq-recipe) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
-    sq-static) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
-    mc-cold|mcS-cold|mc-warm|mcS-warm)
+    # The CPU's share of its experts fits the cgroup when the pool is large: the full requests.
+    sq-static) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
+    mc-cold|mcS-cold|mc-warm|mcS-warm|mcP-cold|mcP-warm)
       local p=$pool
       [[ $c == mcS-* ]] && p=$small_pool
-      daemon_config
+      [[ $c == mcP-* ]] && daemon_config predict || daemon_config
       [[ $c == *-cold ]] && rm -rf "$work/state/profiles"
       drop_caches
       start_daemon
@@ -372,7 +380,7 @@ echo "$expert_bytes" > "$work/expert_bytes"
 fi  # TABLE_ONLY
 
 expert_bytes=$(cat "$work/expert_bytes" 2>/dev/null || echo 0)
-rounds=$(ls "$work" | sed -n 's/^[a-zS-]*\.\([0-9]*\)\.json$/\1/p' | sort -n | tail -1)
+rounds=$(ls "$work" | sed -n 's/^[a-zA-Z-]*\.\([0-9]*\)\.json$/\1/p' | sort -n | tail -1)
 rounds=${rounds:-0}
 
 python3 - "$work" "$rounds" "$expert_bytes" "$layers" "${configs[*]}" <<'EOF'

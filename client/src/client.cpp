@@ -456,6 +456,7 @@ int moecache_client_report(moecache_client* c, uint32_t handle, uint32_t block, 
         const uint32_t k = std::min<uint32_t>(n - at, telemetry::kMaxExpertsPerRecord);
         e.n_experts = static_cast<uint8_t>(k);
         e.tokens = at == 0 ? tokens : 0;  // a batch larger than a record: its tokens are counted once
+        e.continued = at != 0;
         for (uint32_t i = 0; i < k; ++i) e.experts[i] = static_cast<uint16_t>(std::min<uint32_t>(experts[at + i], 0xffff));
         all = r->push(e) && all;
         at += k;

@@ -127,6 +127,7 @@ bool TelemetryRing::push(const RoutingEvent& e) {
     w.model = e.model;
     w.block = e.block;
     w.n_experts = std::min<uint8_t>(e.n_experts, kMaxExpertsPerRecord);
+    w.flags = e.continued ? kRecordContinued : 0;
     w.tokens = e.tokens;
     std::memcpy(w.experts, e.experts, sizeof w.experts);
     std::memcpy(base_ + kRingHeaderBytes + (h & (capacity_ - 1)) * kRecordBytes, &w, sizeof w);
@@ -150,6 +151,7 @@ Result<size_t> TelemetryRing::consume_raw(void (*fn)(void*, const RoutingEvent&)
         e.model = w.model;
         e.block = w.block;
         e.n_experts = std::min<uint8_t>(w.n_experts, kMaxExpertsPerRecord);
+        e.continued = (w.flags & kRecordContinued) != 0;
         e.tokens = w.tokens;
         std::memcpy(e.experts, w.experts, sizeof e.experts);
         fn(ctx, e);

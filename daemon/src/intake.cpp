@@ -104,7 +104,8 @@ void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint
         if (m->id == model && m->res) record_routing(*m, block, experts, tokens);
 }
 
-void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
+void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens,
+                            bool continued) {
     trace_routing(m, block, experts, tokens);
     m.last_used = std::chrono::steady_clock::now();
     if (const auto layer = m.res->layer_of_block(block)) {
@@ -114,10 +115,14 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
             tokens_since_place_ += tokens;
             if (placement_due(tokens_since_place_, m.last_used - last_place_)) request_place();
         }
-        // A report of 0 tokens is more of the batch before it: the rest of a batch too large for
-        // one ring record, or its ranking (moecache/batch_report.h): heat, not another routing.
+        // A report of 0 tokens is more of the batch before it: its ranking (moecache/batch_report.h),
+        // or the rest of a decision too large for one ring record whose start an earlier turn read
+        // (consume_client_telemetry joins the others): heat, not another routing.
         if (tokens == 0) {
-            m.res->heat().record_more(*layer, experts);
+            if (continued)
+                m.res->heat().record_continued(*layer, experts);
+            else
+                m.res->heat().record_more(*layer, experts);
             return;
         }
         m.res->heat().record(*layer, experts);

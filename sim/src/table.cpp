@@ -9,11 +9,11 @@ namespace moecache::sim {
 double TableRow::gap_closed() const {
     const double lru = tier_rate(baseline(Baseline::Lru)), best = tier_rate(baseline(Baseline::Belady));
     if (best - lru < 1e-9) return 1.0;
-    return (tier_rate(predicted) - lru) / (best - lru);
+    return (tier_rate(policy()) - lru) / (best - lru);
 }
 
 double TableRow::vs_best_points() const {
-    return 100.0 * (tier_rate(predicted) - std::max(tier_rate(baseline(Baseline::Lru)), tier_rate(baseline(Baseline::Lfu))));
+    return 100.0 * (tier_rate(policy()) - std::max(tier_rate(baseline(Baseline::Lru)), tier_rate(baseline(Baseline::Lfu))));
 }
 
 std::vector<TableRow> table_rows(const std::string& name, const Trace& trace, const TraceModel& model,
@@ -59,7 +59,7 @@ std::vector<std::string> missed_targets(const TableRow& row, const TableOptions&
     const auto where = fmt::format("{} {} {:.0f} %", row.trace, row.tier, 100 * row.budget);
     if (row.vs_best_points() < -opt.max_points_below_best)
         out.push_back(fmt::format("{}: moecache {:.1f} % is {:.1f} points below the better of LRU and LFU", where,
-                                  100 * row.tier_rate(row.predicted), -row.vs_best_points()));
+                                  100 * row.tier_rate(row.policy()), -row.vs_best_points()));
     const double gap = row.tier_rate(row.baseline(Baseline::Belady)) - row.tier_rate(row.baseline(Baseline::Lru));
     if ((opt.gap_trace.empty() || row.trace == opt.gap_trace) && gap >= opt.min_gap_points &&
         row.gap_closed() < opt.min_gap_closed)

@@ -11,6 +11,7 @@
 #include "moecache/client/protocol.h"
 #include "moecache/client/telemetry_ring.h"
 #include "moecache/daemon/daemon.h"
+#include "moecache/daemon/heat.h"
 #include "moecache/model.h"
 #include "moecache/mkmodel/synth_model.h"
 #include "moecache/unique_fd.h"
@@ -576,6 +577,52 @@ TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {
     std::set<std::pair<uint32_t, uint32_t>> want;
     for (uint32_t b = 0; b < 4; ++b) want.insert({b, 3}), want.insert({b, 5});
     EXPECT_EQ(locked, want);
+}
+
+// A decision larger than one record comes as several, the later ones continued: one routing, every
+// expert at a routing's heat. A record of 0 tokens that is not continued is the batch's ranking:
+// heat at HeatTable::kRankingWeight, no routing.
+TEST_F(ClientSocketTest, ADecisionOfSeveralRecordsIsOneRoutingAndARankingWeighsLess) {
+    start();
+    UniqueFd s = hello();
+    UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
+    send_raw(s.get(), encode({2, RegisterModel{1}}), {f.get()});
+    auto r = reply(s.get());
+    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    const uint32_t model = std::get<ModelRegistered>(r->body).model;
+    auto ring = telemetry::TelemetryRing::create(1u << 16);
+    ASSERT_TRUE(ring) << ring.error().what();
+    send_raw(s.get(), encode({3, TelemetrySetup{1u << 16}}), {ring->fd()});
+    r = reply(s.get());
+    ASSERT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    auto push = [&](uint32_t tokens, bool continued, uint16_t from, uint16_t to) {
+        telemetry::RoutingEvent e;
+        e.model = model;
+        e.block = 0;
+        e.tokens = tokens;
+        e.continued = continued;
+        for (uint16_t x = from; x < to; ++x) e.experts[e.n_experts++] = x;
+        ASSERT_TRUE(ring->push(e));
+    };
+    push(64, false, 0, 8);  // a batch of 64 tokens: experts 0-7 ...
+    push(0, true, 8, 16);   // ... and 8-15, the rest of the same decision
+    push(0, false, 0, 4);   // its ranking: 0-3 chosen more
+    for (int i = 0; i < 5; ++i) ASSERT_TRUE(d_->step(2));
+    const auto st = d_->status();
+    ASSERT_EQ(st.clients.size(), 1u);
+    EXPECT_EQ(st.clients[0].events, 3u);
+    EXPECT_EQ(st.clients[0].bad_events, 0u);
+    double routed = 0;
+    for (const auto& e : st.models[0].experts)
+        if (e.block == 0 && e.expert == 4) routed = e.heat;
+    ASSERT_GT(routed, 0) << "the decision's first record added no heat";
+    for (const auto& e : st.models[0].experts) {
+        if (e.block != 0) continue;
+        SCOPED_TRACE(e.expert);
+        EXPECT_EQ(e.uses, e.expert < 4 ? 2u : 1u);
+        EXPECT_NEAR(e.heat, e.expert < 4 ? routed * (1 + HeatTable::kRankingWeight) : routed, 1e-9 * routed)
+            << "a continued record is the decision's, at a routing's heat; a ranking adds kRankingWeight";
+    }
 }
 
 TEST_F(ClientSocketTest, OnlyAllowedUsersMayConnect) {

@@ -170,14 +170,22 @@ TEST(TelemetryRing, EventsArriveInOrderAndAFullRingCountsOverflow) {
         e.experts[0] = static_cast<uint16_t>(i);
         e.experts[1] = static_cast<uint16_t>(i + 1);
         e.tokens = 1;
+        e.continued = i % 3 == 1;
         EXPECT_EQ(producer->push(e), i < 16);
     }
     EXPECT_EQ(producer->counters().overflow, 4u);
     std::vector<uint16_t> blocks;
-    auto n = consumer->consume([&](const RoutingEvent& e) { blocks.push_back(e.block); });
+    std::vector<bool> continued;
+    auto n = consumer->consume([&](const RoutingEvent& e) {
+        blocks.push_back(e.block);
+        continued.push_back(e.continued);
+    });
     ASSERT_TRUE(n) << n.error().what();
     EXPECT_EQ(*n, 16u);
-    for (uint16_t i = 0; i < 16; ++i) EXPECT_EQ(blocks[i], i);
+    for (uint16_t i = 0; i < 16; ++i) {
+        EXPECT_EQ(blocks[i], i);
+        EXPECT_EQ(continued[i], i % 3 == 1) << "record " << i << "'s continued flag";
+    }
     RoutingEvent e;
     EXPECT_TRUE(producer->push(e)) << "room again once consumed";
 }

@@ -47,7 +47,7 @@ TEST(SimReplay, ThePolicyKeepsUpWithLruAndLfuOnAShortTrace) {
             const double lru = row.tier_rate(row.baseline(Baseline::Lru));
             const double lfu = row.tier_rate(row.baseline(Baseline::Lfu));
             const double belady = row.tier_rate(row.baseline(Baseline::Belady));
-            const double mine = row.tier_rate(row.predicted);
+            const double mine = row.tier_rate(row.policy());
             EXPECT_GT(row.tier_rate(row.moecache), 0.1) << "the policy held nothing";
             EXPECT_GE(mine, std::max(lru, lfu) - 0.01);
             EXPECT_LE(lfu, belady + 1e-9) << "hindsight is the bound for demand caching";
@@ -74,7 +74,8 @@ TEST(SimReplay, TheTargetsAreIssue22s) {
             x.ram_hits = hits;
             return x;
         };
-        r.moecache = r.predicted = res(mine);
+        r.moecache = res(mine);
+        r.predicted = res(mine / 2);  // the targets are the policy's as it ships, without prediction
         r.baselines = {res(lru), res(lfu), res(lfu), res(belady)};
         return r;
     };
@@ -154,10 +155,12 @@ TEST(SimReplay, ARecordedGpuServerTraceReplays) {
     EXPECT_EQ(ranked, batches) << "each batch with its ranking";
     EXPECT_EQ(zero, 0u) << "a ranking left as a decision of its own";
     TableOptions opt;
-    opt.budgets = {0.25};
+    opt.budgets = {0.25, 0.5};
     for (const auto& row : table_rows("recorded", *trace, trace->models[0], opt)) {
-        SCOPED_TRACE(row.tier);
-        EXPECT_GE(row.vs_best_points(), -2.0);
+        SCOPED_TRACE(fmt::format("{} {:.0f} %", row.tier, row.budget * 100));
+        // Issue 22's first target; with a batch's ranking at a routing's full heat the policy was
+        // 2.6 points below LFU at 50 % of RAM (the prompts buried decode's heat).
+        EXPECT_GE(row.vs_best_points(), -0.5);
         EXPECT_GT(row.tier_rate(row.moecache), row.tier_rate(row.baseline(Baseline::Lru)) + 0.05);
     }
 }

@@ -10,8 +10,9 @@
 // An expert's heat from a batch is so about the log of its count, from 1/8 of an even share to 8
 // times it: the batch ranks the layer's experts, below its even share too (a pool's edge in decode
 // lies there: the prompt-model swap's decode model is placed from its prompt model's batches), and
-// however large, a batch adds at most 1 + 6 uses to an expert, so that a prompt cannot bury the
-// decode's heat by volume.
+// however large, a batch adds at most 1 + 6 uses to an expert, and the daemon weighs each level at
+// a quarter of a routing (HeatTable::kRankingWeight: at most 2.5 a batch against 1 a decoded
+// token), so that prompts cannot bury the decode's heat by volume.
 #pragma once
 
 #include <array>

@@ -697,6 +697,18 @@ void Daemon::consume_client_telemetry() {
         std::vector<ModelEntry*> mine;
         for (auto& m : models_)
             if (m->res && std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) mine.push_back(m.get());
+        // A decision larger than a record comes as records in a row, the later ones continued:
+        // joined into one before it is recorded, so that heat, the split learner and the trace see
+        // the decision whole. One that a turn's end cut is joined as far as this turn read it.
+        ModelEntry* joining = nullptr;
+        uint16_t joining_block = 0;
+        uint32_t joining_tokens = 0;
+        joined_.clear();
+        const auto record_joined = [&] {
+            if (joining) record_routing(*joining, joining_block, joined_, joining_tokens);
+            joining = nullptr;
+            joined_.clear();
+        };
         auto n = c.ring->consume(
             [&](const telemetry::RoutingEvent& e) {
                 const auto it = std::find_if(mine.begin(), mine.end(), [&](const ModelEntry* m) { return m->id == e.model; });
@@ -714,10 +726,24 @@ void Daemon::consume_client_telemetry() {
                     ++c.bad_events;
                     return;
                 }
-                record_routing(m, e.block, std::span<const uint32_t>(experts, k), e.tokens);
                 ++c.events;
+                const std::span<const uint32_t> these(experts, k);
+                if (e.continued && joining == &m && joining_block == e.block) {
+                    joined_.insert(joined_.end(), these.begin(), these.end());
+                    return;
+                }
+                record_joined();
+                if (e.continued) {  // its start was read by an earlier turn
+                    record_routing(m, e.block, these, 0, true);
+                    return;
+                }
+                joining = &m;
+                joining_block = e.block;
+                joining_tokens = e.tokens;
+                joined_.assign(these.begin(), these.end());
             },
             c.dead ? SIZE_MAX : kEventsPerTurn);
+        record_joined();
         if (!n) {
             MC_LOG(LOG_WARNING, "client {}: telemetry ring dropped: {}", c.id, n.error().what());
             c.ring.reset();

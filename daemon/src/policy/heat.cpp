@@ -21,7 +21,7 @@ void HeatTable::record(uint32_t layer, std::span<const uint32_t> experts, uint32
     add(layer, experts, weight, true);
 }
 
-void HeatTable::add(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight, bool event) {
+void HeatTable::add(uint32_t layer, std::span<const uint32_t> experts, double weight, bool event) {
     if (layer >= n_layers_) return;
     if (layer_total_.size() != n_layers_) {
         layer_total_.assign(n_layers_, 0);

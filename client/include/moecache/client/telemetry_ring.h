@@ -24,13 +24,20 @@ inline constexpr size_t kRecordBytes = 64;
 inline constexpr size_t kRingHeaderBytes = 192;
 inline constexpr uint32_t kMaxExpertsPerRecord = 22;
 
+// A record's flags (docs/protocol.md); other bits are ignored.
+inline constexpr uint8_t kRecordContinued = 1;  // more experts of the decision in the record before
+
 // One router decision: `tokens` tokens of a batch routed MoE block `block` of `model` (the id
-// the daemon gave) to `experts` (a batch larger than a record holds goes as several records).
+// the daemon gave) to `experts`. A decision larger than a record holds goes as several records in
+// a row, the later ones `continued` with 0 tokens: the reader joins them into one decision. A
+// record of 0 tokens that is not continued is a decision of its own, part of the batch before it
+// (moecache/batch_report.h: its ranking).
 struct RoutingEvent {
     uint64_t time_ns = 0;  // CLOCK_MONOTONIC
     uint32_t model = 0;
     uint16_t block = 0;
     uint8_t n_experts = 0;
+    bool continued = false;
     uint32_t tokens = 0;
     uint16_t experts[kMaxExpertsPerRecord] = {};
 };

@@ -174,7 +174,8 @@ private:
     void resume_listener();
     void expire_silent_clients();
     void consume_client_telemetry();
-    void record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
+    void record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens,
+                        bool continued = false);
     // A Directive to every client that registered model m, about one of its expert slots.
     void tell_clients(const ModelEntry& m, uint32_t slot, protocol::Action action);
     // Sends the directives the turn queued (tell_clients, direct_pools): once a turn, at its end.
@@ -258,6 +259,7 @@ private:
     }
     void note_error(const char* doing, const std::string& what);
     bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
+    std::vector<uint32_t> joined_;  // consume_client_telemetry's decision of several records
     [[nodiscard]] int loop_timeout() const;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
     std::string page_cache_off_reason_;

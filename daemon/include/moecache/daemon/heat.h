@@ -21,10 +21,19 @@ public:
     // One use of each of `experts` in MoE layer `layer` (0-based among the MoE layers) at the
     // current clock. The clock is the model's token count: advance it once per batch.
     void record(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight = 1);
-    // One use more of each of `experts`, part of the event recorded before it: a batch's ranking
-    // (moecache/batch_report.h, its decisions of 0 tokens). Heat only: neither the split learner
-    // nor shift detection counts it as a routing.
-    void record_more(uint32_t layer, std::span<const uint32_t> experts) { add(layer, experts, 1, false); }
+    // A batch's ranking (moecache/batch_report.h, its decisions of 0 tokens): one use more of each
+    // of `experts`, part of the event recorded before it, at kRankingWeight of a routing's heat.
+    // Neither the split learner nor shift detection counts it as a routing.
+    void record_more(uint32_t layer, std::span<const uint32_t> experts) { add(layer, experts, kRankingWeight, false); }
+    // More experts of the event recorded before it (a decision larger than one telemetry record
+    // whose first part was read in an earlier turn): a routing's heat, no event of its own.
+    void record_continued(uint32_t layer, std::span<const uint32_t> experts) { add(layer, experts, 1, false); }
+    // The heat a batch's ranking adds at each of its levels, against a routing's 1. A prompt batch
+    // ranks the layer's experts (an expert 8 times an even share of its tokens gets all six
+    // levels); at 1 a level, a batch added up to 7 to its experts, and decode's routings, 1 a
+    // token, were buried by a few prompts: the router trace recorded on the GPU machine (prompts
+    // and decodes mixed) replayed 2.6 points below LFU at 50 % of RAM with 1, 0.3 with 1/4.
+    static constexpr double kRankingWeight = 0.25;
     void advance_clock(uint64_t tokens) { clock_ += tokens; }
 
     [[nodiscard]] double heat(uint32_t layer, uint32_t expert) const;
@@ -75,7 +84,7 @@ private:
     };
     [[nodiscard]] size_t index(uint32_t layer, uint32_t expert) const { return size_t{layer} * n_experts_ + expert; }
     [[nodiscard]] double decayed(const Cell& c) const;
-    void add(uint32_t layer, std::span<const uint32_t> experts, uint32_t weight, bool event);
+    void add(uint32_t layer, std::span<const uint32_t> experts, double weight, bool event);
     void forget(double keep);  // every cell's heat times `keep`
     void score_splits(uint32_t layer, std::span<const uint32_t> experts);
     struct Split;

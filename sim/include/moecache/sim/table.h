@@ -22,8 +22,11 @@ struct TableRow {
         return (tier == "VRAM" ? r.vram_hit_rate() : r.ram_hit_rate()) + r.staged_rate();
     }
     [[nodiscard]] const SimResult& baseline(Baseline b) const { return baselines[static_cast<size_t>(b)]; }
-    // The policy the targets are for: moecache with prediction (which stands down where routing
-    // is not predictable).
+    // The policy the targets are for: moecache as it ships, without prediction (the daemon's is off
+    // by default and the hook stages nothing: on the router trace recorded on the GPU machine
+    // next-layer staging cost 0.4-1.0 points, and the daemon's next-token reads changed nothing
+    // there; docs/sim.md). The +predict column is shown beside it.
+    [[nodiscard]] const SimResult& policy() const { return moecache; }
     // (policy - LRU) / (Belady - LRU) in this tier; 1 where Belady does no better than LRU.
     [[nodiscard]] double gap_closed() const;
     // The policy's tier hit rate minus the better of LRU's and LFU's, in points.
