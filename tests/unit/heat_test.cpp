@@ -5,11 +5,13 @@
 // previous token's experts) gives the page cache's LRU a share; a stationary routing none.
 #include "moecache/daemon/heat.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace moecache::daemon {
@@ -161,6 +163,27 @@ TEST(HeatSplit, APoolLearnsItsOwnSplitBesideRams) {
     EXPECT_EQ(h.recency_share(), 0.0) << "RAM has no room set: nothing learnt for it";
     EXPECT_EQ(h.split_score(0), 0.0);
     EXPECT_EQ(h.split_capacity(HeatTable::SplitFor::Pool), 16.0);
+}
+
+// Where recency pays, a pool takes more of it than RAM at the same room: the largest share within
+// kPoolRecencyLean of the best score (its heat part lags what the ghost holds), RAM the best.
+TEST(HeatSplit, WhereRecencyPaysAPoolLeansFurtherToItThanRam) {
+    HeatTable h(kLayers, kExperts, 4096);
+    h.set_split_capacity(24, HeatTable::SplitFor::Pool);
+    h.set_split_capacity(24, HeatTable::SplitFor::Ram);
+    std::mt19937 rng(3);
+    std::vector<std::vector<uint32_t>> prev(kLayers);
+    for (int t = 0; t < 3000; ++t) bursty_token(h, rng, prev, 0.6);
+    std::string scores;
+    for (unsigned k = 0; k <= 8; ++k) scores += fmt::format(" {:.3f}", h.split_score(k, HeatTable::SplitFor::Pool));
+    const double ram = h.recency_share(), pool = h.recency_share(HeatTable::SplitFor::Pool);
+    EXPECT_GT(ram, 0.0) << "the routing's recency pays (the test's premise):" << scores;
+    EXPECT_GT(pool, ram) << "the same scores for both tiers:" << scores << " (RAM " << ram << ", pool " << pool << ")";
+    double best = 0;
+    for (unsigned k = 0; k <= 8; ++k) best = std::max(best, h.split_score(k, HeatTable::SplitFor::Pool));
+    EXPECT_GE(h.split_score(static_cast<unsigned>(pool * 8 + 0.5), HeatTable::SplitFor::Pool),
+              best - HeatTable::kPoolRecencyLean - 0.002)
+        << "leaned past the lean:" << scores;
 }
 
 TEST(HeatSplit, NothingIsLearntWithoutARoom) {

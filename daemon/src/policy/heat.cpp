@@ -148,7 +148,18 @@ void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t>
     // heat alone (on routings without temporal locality the splits differ by noise, and a lock set
     // cut for nothing costs more than the scores show: what leaves the locks is read again).
     if (best != 0 && sp.score[best] < sp.score[0] + 0.01) best = 0;
-    if (sp.events >= kSplitFirstEvents && best != sp.k && sp.score[best] > sp.score[sp.k] + 0.002) sp.k = best;
+    // A pool's heat part is not what the ghost holds: the hook fills a promoted expert when it is
+    // used (or from RAM's locks), and the promotions move at every placement, so the ghost rates
+    // the splits with little recency too high (bursty routing at 25 % of VRAM: the ghost's best,
+    // 1/8, held 81 % against 84 % at 2/8 to 4/8). Once recency pays there, the pool takes the
+    // largest share of it within kPoolRecencyLean of the best score. RAM's locks are the ghost's
+    // heat part (it lost 0.7 points by the same lean).
+    if (best != 0 && &sp == &splits_[static_cast<unsigned>(SplitFor::Pool)]) {
+        const unsigned from = best;
+        for (unsigned k = from + 1; k < kSplits; ++k)
+            if (sp.score[k] >= sp.score[from] - kPoolRecencyLean) best = k;
+    }
+    if (sp.events >= kSplitFirstEvents && best != sp.k && std::abs(sp.score[best] - sp.score[sp.k]) > 0.002) sp.k = best;
 }
 
 void HeatTable::forget(double keep) {

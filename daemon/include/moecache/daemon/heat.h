@@ -67,6 +67,9 @@ public:
     [[nodiscard]] double recency_share(SplitFor tier = SplitFor::Ram) const {
         return splits_[static_cast<unsigned>(tier)].k / 8.0;
     }
+    // Where recency pays in a pool, the pool takes the largest share of it whose score is within
+    // this of the best (score_split: the ghost overrates a pool's heat part).
+    static constexpr double kPoolRecencyLean = 0.01;
     [[nodiscard]] double split_score(unsigned k, SplitFor tier = SplitFor::Ram) const {
         return k < kSplits ? splits_[static_cast<unsigned>(tier)].score[k] : 0;
     }
