@@ -55,7 +55,8 @@ public:
     // replayed over the accesses its heat part would not have held (ARC's ghosts, one list per
     // split rather than two sized by one). The split that held the most over the last ~4096
     // events is taken, one that gives recency a share only if it holds a point more than heat
-    // alone. No feedback: what the tier held does not change the scores.
+    // alone; a pool then leans to the largest share within kPoolRecencyLean of it. No feedback:
+    // what the tier held does not change the scores.
     enum class SplitFor : unsigned { Ram = 0, Pool = 1 };
     void set_split_capacity(double experts_per_layer, SplitFor tier = SplitFor::Ram) {
         splits_[static_cast<unsigned>(tier)].capacity = experts_per_layer;
