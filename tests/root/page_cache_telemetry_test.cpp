@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <thread>
@@ -114,26 +115,50 @@ TEST_F(PageCacheTelemetryTest, ReadsFromStorageOfAWatchedFileAreReportedAndNothi
     EXPECT_EQ(got_.count_other(7), 0u) << "the unwatched file produced events";
     for (const auto& e : got_.events) EXPECT_EQ(e.tgid, static_cast<uint32_t>(::getpid()));
 
-    // Read again while cached: nothing is added.
+    // Read again while cached: nothing is added but what reclaim took meanwhile (DAMON's
+    // proactive pageout runs on these machines), which was reported deleted first.
+    const auto deleted_before = got_.pages(7, PageCacheEventKind::Deleted);
     got_.events.clear();
     read_all(a);
     t.consume();
-    EXPECT_TRUE(got_.pages(7, PageCacheEventKind::Added).empty());
+    const auto deleted = got_.pages(7, PageCacheEventKind::Deleted);
+    for (uint64_t p : got_.pages(7, PageCacheEventKind::Added))
+        EXPECT_TRUE(deleted.count(p) || deleted_before.count(p)) << "page " << p << " read again while cached";
+}
+
+// Which of the file's pages the page cache holds now.
+std::vector<bool> resident(int fd, uint64_t bytes) {
+    std::vector<bool> out(bytes / kPage, false);
+    void* m = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        ADD_FAILURE() << "mmap: " << std::strerror(errno);
+        return out;
+    }
+    std::vector<unsigned char> v(bytes / kPage);
+    if (::mincore(m, bytes, v.data()) != 0) ADD_FAILURE() << "mincore: " << std::strerror(errno);
+    for (size_t i = 0; i < v.size(); ++i) out[i] = (v[i] & 1) != 0;
+    ::munmap(m, bytes);
+    return out;
 }
 
 TEST_F(PageCacheTelemetryTest, DroppedRangesAreReportedAsDeletedPages) {
     const std::string a = make_file(dir_, "a.bin", 4 * kMiB);
-    read_all(a);
     auto t = open();
     watch(t, a, 3);
+    // Read while watched: a page that proactive reclaim (DAMON's pageout, kdamond, runs on these
+    // machines) takes before the drop is then reported deleted by it instead, never lost unseen.
+    read_all(a);
     UniqueFd fd(::open(a.c_str(), O_RDONLY | O_CLOEXEC));
     ASSERT_EQ(::posix_fadvise(fd.get(), 1 * kMiB, 1 * kMiB, POSIX_FADV_DONTNEED), 0);
     t.consume();
     const auto deleted = got_.pages(3, PageCacheEventKind::Deleted);
-    ASSERT_FALSE(deleted.empty());
-    EXPECT_EQ(*deleted.begin(), kMiB / kPage);
-    EXPECT_EQ(*deleted.rbegin(), 2 * kMiB / kPage - 1);
-    EXPECT_EQ(deleted.size(), kMiB / kPage);
+    std::set<uint64_t> in_range, outside;
+    for (uint64_t p : deleted) (p >= kMiB / kPage && p < 2 * kMiB / kPage ? in_range : outside).insert(p);
+    EXPECT_EQ(in_range.size(), kMiB / kPage) << "every page of the dropped range reported";
+    // Reclaim may take other pages of the file meanwhile: each reported one is gone indeed.
+    const auto now = resident(fd.get(), 4 * kMiB);
+    for (uint64_t p : outside) EXPECT_FALSE(now[p]) << "page " << p << " reported deleted but still cached";
+    EXPECT_LT(outside.size(), kMiB / kPage / 4) << "more went than reclaim takes in a moment";
 }
 
 TEST_F(PageCacheTelemetryTest, UnwatchedFilesStopReporting) {
