@@ -34,6 +34,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -129,6 +130,22 @@ protected:
         if (!m) return "(no reply)";
         if (const auto* f = std::get_if<Failure>(&m->body)) return f->text;
         return std::string("(not a Failure: ") + to_string(type_of(m->body)) + ")";
+    }
+
+    // Registers the test's model on `s` and a telemetry ring of 64 KiB: its id in `model`, the ring
+    // in `ring` (use under ASSERT_NO_FATAL_FAILURE).
+    void register_with_ring(int s, uint32_t& model, std::optional<telemetry::TelemetryRing>& ring) {
+        UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
+        send_raw(s, encode({2, RegisterModel{1}}), {f.get()});
+        auto r = reply(s);
+        ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+        model = std::get<ModelRegistered>(r->body).model;
+        auto made = telemetry::TelemetryRing::create(1u << 16);
+        ASSERT_TRUE(made) << made.error().what();
+        ring.emplace(std::move(*made));
+        send_raw(s, encode({3, TelemetrySetup{1u << 16}}), {ring->fd()});
+        r = reply(s);
+        ASSERT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
     }
 
     UniqueFd hello(const std::string& name = "test") {
@@ -513,16 +530,9 @@ TEST_F(ClientSocketTest, ASlowReaderGetsEveryMessageInOrder) {
 TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {
     start();
     UniqueFd s = hello();
-    UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
-    send_raw(s.get(), encode({2, RegisterModel{1}}), {f.get()});
-    auto r = reply(s.get());
-    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
-    const uint32_t model = std::get<ModelRegistered>(r->body).model;
-    auto ring = telemetry::TelemetryRing::create(1u << 16);
-    ASSERT_TRUE(ring) << ring.error().what();
-    send_raw(s.get(), encode({3, TelemetrySetup{1u << 16}}), {ring->fd()});
-    r = reply(s.get());
-    ASSERT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    uint32_t model = 0;
+    std::optional<telemetry::TelemetryRing> ring;
+    ASSERT_NO_FATAL_FAILURE(register_with_ring(s.get(), model, ring));
     // 300 tokens routed to experts 3 and 5 of every block; and hostile records: another model, a
     // block with no experts, an expert past the end.
     for (int t = 0; t < 300; ++t)
@@ -585,16 +595,9 @@ TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {
 TEST_F(ClientSocketTest, ADecisionOfSeveralRecordsIsOneRoutingAndARankingWeighsLess) {
     start();
     UniqueFd s = hello();
-    UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
-    send_raw(s.get(), encode({2, RegisterModel{1}}), {f.get()});
-    auto r = reply(s.get());
-    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
-    const uint32_t model = std::get<ModelRegistered>(r->body).model;
-    auto ring = telemetry::TelemetryRing::create(1u << 16);
-    ASSERT_TRUE(ring) << ring.error().what();
-    send_raw(s.get(), encode({3, TelemetrySetup{1u << 16}}), {ring->fd()});
-    r = reply(s.get());
-    ASSERT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
+    uint32_t model = 0;
+    std::optional<telemetry::TelemetryRing> ring;
+    ASSERT_NO_FATAL_FAILURE(register_with_ring(s.get(), model, ring));
     auto push = [&](uint32_t tokens, bool continued, uint16_t from, uint16_t to) {
         telemetry::RoutingEvent e;
         e.model = model;

@@ -4,6 +4,7 @@
 #include "temp_dir.h"
 
 #include "moecache/bpf/page_cache_telemetry.h"
+#include "moecache/page_cache.h"
 #include "moecache/unique_fd.h"
 
 #include <fcntl.h>
@@ -19,7 +20,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <functional>
 #include <future>
 #include <thread>
@@ -126,21 +126,6 @@ TEST_F(PageCacheTelemetryTest, ReadsFromStorageOfAWatchedFileAreReportedAndNothi
         EXPECT_TRUE(deleted.count(p) || deleted_before.count(p)) << "page " << p << " read again while cached";
 }
 
-// Which of the file's pages the page cache holds now.
-std::vector<bool> resident(int fd, uint64_t bytes) {
-    std::vector<bool> out(bytes / kPage, false);
-    void* m = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
-    if (m == MAP_FAILED) {
-        ADD_FAILURE() << "mmap: " << std::strerror(errno);
-        return out;
-    }
-    std::vector<unsigned char> v(bytes / kPage);
-    if (::mincore(m, bytes, v.data()) != 0) ADD_FAILURE() << "mincore: " << std::strerror(errno);
-    for (size_t i = 0; i < v.size(); ++i) out[i] = (v[i] & 1) != 0;
-    ::munmap(m, bytes);
-    return out;
-}
-
 TEST_F(PageCacheTelemetryTest, DroppedRangesAreReportedAsDeletedPages) {
     const std::string a = make_file(dir_, "a.bin", 4 * kMiB);
     auto t = open();
@@ -156,8 +141,10 @@ TEST_F(PageCacheTelemetryTest, DroppedRangesAreReportedAsDeletedPages) {
     for (uint64_t p : deleted) (p >= kMiB / kPage && p < 2 * kMiB / kPage ? in_range : outside).insert(p);
     EXPECT_EQ(in_range.size(), kMiB / kPage) << "every page of the dropped range reported";
     // Reclaim may take other pages of the file meanwhile: each reported one is gone indeed.
-    const auto now = resident(fd.get(), 4 * kMiB);
-    for (uint64_t p : outside) EXPECT_FALSE(now[p]) << "page " << p << " reported deleted but still cached";
+    auto probe = PageCacheProbe::of(fd.get(), a);
+    ASSERT_TRUE(probe) << probe.error().what();
+    for (uint64_t p : outside)
+        EXPECT_EQ(probe->resident_bytes(p * kPage, kPage).value_or(1), 0u) << "page " << p << " reported deleted but still cached";
     EXPECT_LT(outside.size(), kMiB / kPage / 4) << "more went than reclaim takes in a moment";
 }
 

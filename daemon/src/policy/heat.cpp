@@ -154,10 +154,10 @@ void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t>
     // 1/8, held 81 % against 84 % at 2/8 to 4/8). Once recency pays there, the pool takes the
     // largest share of it within kPoolRecencyLean of the best score. RAM's locks are the ghost's
     // heat part (it lost 0.7 points by the same lean).
-    if (best != 0 && &sp == &splits_[static_cast<unsigned>(SplitFor::Pool)]) {
+    if (best != 0) {
         const unsigned from = best;
         for (unsigned k = from + 1; k < kSplits; ++k)
-            if (sp.score[k] >= sp.score[from] - kPoolRecencyLean) best = k;
+            if (sp.score[k] >= sp.score[from] - sp.recency_lean) best = k;
     }
     if (sp.events >= kSplitFirstEvents && best != sp.k && std::abs(sp.score[best] - sp.score[sp.k]) > 0.002) sp.k = best;
 }

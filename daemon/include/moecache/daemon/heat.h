@@ -119,8 +119,14 @@ private:
         double score[kSplits] = {};
         uint64_t events = 0;
         unsigned k = 0;
+        double recency_lean = 0;  // see kPoolRecencyLean
+        static Split leaning(double lean) {
+            Split s;
+            s.recency_lean = lean;
+            return s;
+        }
     };
-    Split splits_[2];
+    Split splits_[2] = {Split{}, Split::leaning(kPoolRecencyLean)};  // by SplitFor
     double half_life_ = 4096;
     uint64_t clock_ = 0;
     std::vector<Cell> cells_;
