@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <numeric>
 #include <set>
 
 namespace moecache::tracegen {
@@ -227,6 +228,99 @@ TEST(TraceGen, ZipfBurstsShiftsAndPromptBatchesEachShowInTheirStatistic) {
     bad = small();
     bad.prompt_tokens = 4;
     EXPECT_FALSE(generate(bad));
+}
+
+}  // namespace
+}  // namespace moecache::tracegen
+
+namespace moecache::tracegen {
+namespace {
+
+// The bound on a placement that does not see the future (bound_hit_rates): exact where the answer
+// is known by hand, above what a policy that only looks back holds, and refused where it does not
+// hold.
+TEST(TraceBound, UniformRoutingHoldsItsShareAndTheEdgesAreExact) {
+    Spec u = small(800);
+    const std::vector<double> shares{0.0, 0.25, 0.5, 1.0};
+    auto b = bound_hit_rates(u, shares);
+    ASSERT_TRUE(b) << b.error().what();
+    ASSERT_EQ(b->size(), 4u);
+    EXPECT_EQ((*b)[0], 0.0);
+    EXPECT_EQ((*b)[3], 1.0);
+    // Every expert equally likely: any placement of a quarter of them holds a quarter of the routings.
+    EXPECT_NEAR((*b)[1], 0.25, 0.02);
+    EXPECT_NEAR((*b)[2], 0.50, 0.02);
+}
+
+// Holding the previous token's experts and then the most frequent ones is a placement that looks
+// only back; on bursty routing it holds most of what the bound holds, and never more (up to the
+// draws' noise); and the bound is far above an even share there.
+TEST(TraceBound, BurstyRoutingIsBoundAboveTheBestPlacementThatLooksBack) {
+    Spec s = small(2000);
+    s.n_experts = 128;
+    s.skew = {1.9, 0.5};
+    s.keep = 0.6;
+    const double share = 0.25;
+    auto r = generate(s);
+    ASSERT_TRUE(r);
+    const auto room = static_cast<size_t>(share * s.n_experts);  // per layer, 32 >= the 8 a token uses
+    uint64_t hits = 0, all = 0;
+    std::vector<std::vector<uint32_t>> count(s.n_layers, std::vector<uint32_t>(s.n_experts, 0));
+    for (uint64_t t = 0; t < r->tokens; ++t)
+        for (uint32_t l = 0; l < s.n_layers; ++l) {
+            std::vector<uint8_t> held(s.n_experts, 0);
+            size_t n = 0;
+            if (t > 0)
+                for (uint16_t e : r->at(t - 1, l)) held[e] = 1, ++n;
+            std::vector<uint32_t> order(s.n_experts);
+            std::iota(order.begin(), order.end(), 0u);
+            std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return count[l][a] > count[l][b]; });
+            for (uint32_t e : order)
+                if (n < room && !held[e]) held[e] = 1, ++n;
+            for (uint16_t e : r->at(t, l)) {
+                hits += held[e];
+                ++all;
+                ++count[l][e];
+            }
+        }
+    const double looks_back = static_cast<double>(hits) / static_cast<double>(all);
+    auto b = bound_hit_rates(s, std::vector<double>{share});
+    ASSERT_TRUE(b) << b.error().what();
+    EXPECT_GE((*b)[0], looks_back - 0.005) << "a placement that only looks back held more than the bound";
+    EXPECT_LE((*b)[0], looks_back + 0.03) << "the bound is loose: " << (*b)[0] << " against " << looks_back;
+    EXPECT_GT((*b)[0], 0.6 * 7 / 8 + 0.1) << "the kept experts alone are 0.525";
+}
+
+// A topic change: the bound knows the popularity in force, so it holds as much after the shift as
+// before, and more than LFU over the whole trace does.
+TEST(TraceBound, AShiftCostsTheBoundNothingAndPromptBatchesAreScoredAsReported) {
+    Spec s = small(1600);
+    s.skew = {3.0, 1.0};
+    auto whole = bound_hit_rates(s, std::vector<double>{0.25});
+    s.shift_at = 800;
+    auto shifted = bound_hit_rates(s, std::vector<double>{0.25});
+    ASSERT_TRUE(whole && shifted);
+    EXPECT_NEAR((*shifted)[0], (*whole)[0], 0.03);
+    s.prompt_tokens = 256;
+    s.prompt_every = 200;
+    auto prompts = bound_hit_rates(s, std::vector<double>{0.1, 0.25});
+    ASSERT_TRUE(prompts) << prompts.error().what();
+    EXPECT_GT((*prompts)[1], (*prompts)[0]);
+    EXPECT_LE((*prompts)[1], 1.0);
+}
+
+TEST(TraceBound, RoutingWithHiddenStateAndBadSharesAreRefusedByName) {
+    Spec s = small(100);
+    s.reuse = 0.5;
+    auto b = bound_hit_rates(s, std::vector<double>{0.25});
+    ASSERT_FALSE(b);
+    EXPECT_NE(std::string(b.error().what()).find("reuse"), std::string::npos) << b.error().what();
+    s.reuse = 0;
+    auto bad = bound_hit_rates(s, std::vector<double>{1.5});
+    ASSERT_FALSE(bad);
+    EXPECT_NE(std::string(bad.error().what()).find("share"), std::string::npos) << bad.error().what();
+    s.tokens = 0;
+    EXPECT_FALSE(bound_hit_rates(s, std::vector<double>{0.25})) << "the generator's own checks";
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <random>
 
@@ -41,9 +42,110 @@ private:
     bool have_spare_ = false;
 };
 
-}  // namespace
+// Each layer's popularity: the router's bias of every expert, and which expert of the next layer
+// has each expert's rank (the pairing `follow` boosts).
+struct Popularity {
+    std::vector<std::vector<uint32_t>> by_rank, pair;
+    std::vector<double> bias;
+};
 
-Result<Routing> generate(const Spec& s) {
+// Gumbel(0, 1) for Zipf: top-k of log-weights plus this noise is a draw of k without replacement,
+// each in proportion to its weight.
+double gumbel(Normal& normal) {
+    double u = 0;
+    while (u <= 0 || u >= 1) u = static_cast<double>(normal.engine()() >> 11) * 0x1.0p-53;
+    return -std::log(-std::log(u));
+}
+
+// The generator: each layer's popularity and its pairing with the next layer's, the noise, and the
+// draw of one layer's experts. generate() walks it over the tokens; the bound (bound_hit_rates)
+// draws from the same distribution with a generator of its own.
+class Walk {
+public:
+    explicit Walk(const Spec& s) : s_(s), normal_(s.seed), noise_(size_t{s.n_layers} * s.n_experts) {
+        pop_.by_rank.assign(s.n_layers, std::vector<uint32_t>(s.n_experts));
+        pop_.pair.assign(s.n_layers, std::vector<uint32_t>(s.n_experts));
+        pop_.bias.resize(size_t{s.n_layers} * s.n_experts);
+        draw_popularity();
+        for (auto& v : noise_) v = s.zipf > 0 ? gumbel(normal_) : normal_();
+    }
+
+    // Token t's experts of every layer into `out`, each sorted; the popularity in force for it is
+    // appended to `epochs` where it is new (at token 0 and at the shift).
+    void token(uint64_t t, Routing& out, std::vector<Popularity>* epochs) {
+        if (s_.shift_at > 0 && t == s_.shift_at) draw_popularity();
+        if (epochs && (t == 0 || t == s_.shift_at)) epochs->push_back(pop_);
+        for (uint32_t l = 0; l < s_.n_layers; ++l) {
+            double* z = &noise_[size_t{l} * s_.n_experts];
+            if (t > 0) next_noise(s_, normal_, z);
+            draw_layer(s_, pop_, l, normal_, z, t > 0 ? out.at(t - 1, l) : std::span<const uint16_t>{},
+                       l > 0 ? out.at(t, l - 1) : std::span<const uint16_t>{},
+                       {&out.experts[(t * s_.n_layers + l) * s_.n_used], s_.n_used}, logits_);
+        }
+    }
+
+    // Each layer's noise: an AR(1) process over tokens (fresh draws where reuse is 0).
+    static void next_noise(const Spec& s, Normal& normal, double* z) {
+        const double keep = std::sqrt(1.0 - s.reuse * s.reuse);
+        for (uint32_t e = 0; e < s.n_experts; ++e) z[e] = s.zipf > 0 ? gumbel(normal) : s.reuse * z[e] + keep * normal();
+    }
+
+    // One layer's k experts, sorted, given its noise `z`, the previous token's experts of this layer
+    // (`before`, empty at the first token) and this token's of the layer before (`above`, empty in
+    // the first layer).
+    static void draw_layer(const Spec& s, const Popularity& pop, uint32_t l, Normal& normal, const double* z,
+                           std::span<const uint16_t> before, std::span<const uint16_t> above, std::span<uint16_t> dst,
+                           std::vector<std::pair<double, uint32_t>>& logits) {
+        const uint32_t E = s.n_experts, K = s.n_used;
+        logits.resize(E);
+        std::uniform_real_distribution<double> coin(0.0, 1.0);
+        if (!before.empty() && s.keep > 0 && coin(normal.engine()) < s.keep) {
+            // Bursty: the previous token's experts but one, which the router draws anew.
+            std::copy(before.begin(), before.end(), dst.begin());
+            const auto drop = static_cast<uint32_t>(normal.engine()() % K);
+            for (uint32_t e = 0; e < E; ++e) logits[e] = {pop.bias[size_t{l} * E + e] + z[e], e};
+            for (uint32_t i = 0; i < K; ++i) logits[dst[i]].first = -std::numeric_limits<double>::infinity();
+            const auto best = std::max_element(logits.begin(), logits.end(),
+                                               [](const auto& a, const auto& b) { return a.first < b.first; });
+            dst[drop] = static_cast<uint16_t>(best->second);
+            std::sort(dst.begin(), dst.end());
+            return;
+        }
+        for (uint32_t e = 0; e < E; ++e) logits[e] = {pop.bias[size_t{l} * E + e] + z[e], e};
+        for (uint16_t a : above) logits[pop.pair[l - 1][a]].first += s.follow;
+        std::nth_element(logits.begin(), logits.begin() + (K - 1), logits.end(),
+                         [](const auto& a, const auto& b) { return a.first > b.first; });
+        for (uint32_t i = 0; i < K; ++i) dst[i] = static_cast<uint16_t>(logits[i].second);
+        std::sort(dst.begin(), dst.end());
+    }
+
+private:
+    // Per layer: which expert holds each popularity rank (a shuffle, so hot experts are not the
+    // low ids). pair[l][e]: the expert of layer l + 1 with e's rank, so that following the pairing
+    // keeps every layer's popularity.
+    void draw_popularity() {
+        const uint32_t L = s_.n_layers, E = s_.n_experts;
+        for (uint32_t l = 0; l < L; ++l) {
+            std::iota(pop_.by_rank[l].begin(), pop_.by_rank[l].end(), 0u);
+            std::shuffle(pop_.by_rank[l].begin(), pop_.by_rank[l].end(), normal_.engine());
+            for (uint32_t r = 0; r < E; ++r) {
+                const double lr = std::log(static_cast<double>(r) + 1.0);
+                pop_.bias[size_t{l} * E + pop_.by_rank[l][r]] =
+                    s_.zipf > 0 ? -s_.zipf * lr : -s_.skew.scale * std::pow(lr, s_.skew.shape);
+            }
+        }
+        for (uint32_t l = 0; l + 1 < L; ++l)
+            for (uint32_t r = 0; r < E; ++r) pop_.pair[l][pop_.by_rank[l][r]] = pop_.by_rank[l + 1][r];
+    }
+
+    const Spec& s_;
+    Normal normal_;
+    Popularity pop_;
+    std::vector<double> noise_;
+    std::vector<std::pair<double, uint32_t>> logits_;
+};
+
+Result<void> check(const Spec& s) {
     if (s.n_layers == 0) return failf("trace: layers must be at least 1");
     if (s.n_experts < 2 || s.n_experts > 65535) return failf("trace: experts must be 2..65535, not {}", s.n_experts);
     if (s.n_used == 0 || s.n_used >= s.n_experts)
@@ -61,76 +163,20 @@ Result<Routing> generate(const Spec& s) {
     if ((s.prompt_tokens == 0) != (s.prompt_every == 0))
         return failf("trace: a prompt needs both its tokens and how many decoded tokens apart (--prompt N:EVERY)");
     if (s.prompt_tokens > (1u << 16)) return failf("trace: a prompt batch of at most 65536 tokens, not {}", s.prompt_tokens);
+    return {};
+}
 
-    const uint32_t L = s.n_layers, E = s.n_experts, K = s.n_used;
-    Normal normal(s.seed);
-    // Per layer: which expert holds each popularity rank (a shuffle, so hot experts are not the
-    // low ids). pair[l][e]: the expert of layer l + 1 with e's rank, so that following the pairing
-    // keeps every layer's popularity.
-    std::vector<std::vector<uint32_t>> by_rank(L, std::vector<uint32_t>(E)), pair(L, std::vector<uint32_t>(E));
-    std::vector<double> bias(static_cast<size_t>(L) * E);
-    auto draw_popularity = [&] {
-        for (uint32_t l = 0; l < L; ++l) {
-            std::iota(by_rank[l].begin(), by_rank[l].end(), 0u);
-            std::shuffle(by_rank[l].begin(), by_rank[l].end(), normal.engine());
-            for (uint32_t r = 0; r < E; ++r) {
-                const double lr = std::log(static_cast<double>(r) + 1.0);
-                bias[size_t{l} * E + by_rank[l][r]] = s.zipf > 0 ? -s.zipf * lr : -s.skew.scale * std::pow(lr, s.skew.shape);
-            }
-        }
-        for (uint32_t l = 0; l + 1 < L; ++l)
-            for (uint32_t r = 0; r < E; ++r) pair[l][by_rank[l][r]] = by_rank[l + 1][r];
-    };
-    draw_popularity();
-    // Gumbel noise for Zipf: top-k of log-weights plus Gumbel(0, 1) is a draw of k without
-    // replacement, each in proportion to its weight.
-    auto gumbel = [&] {
-        double u = 0;
-        while (u <= 0 || u >= 1) u = static_cast<double>(normal.engine()() >> 11) * 0x1.0p-53;
-        return -std::log(-std::log(u));
-    };
-    std::uniform_real_distribution<double> coin(0.0, 1.0);
-    // Each layer's noise: an AR(1) process over tokens.
-    std::vector<double> noise(static_cast<size_t>(L) * E);
-    for (auto& v : noise) v = s.zipf > 0 ? gumbel() : normal();
-    const double keep = std::sqrt(1.0 - s.reuse * s.reuse);
 
+Result<Routing> generate_with(const Spec& s, std::vector<Popularity>* epochs) {
+    MC_TRY_VOID(check(s));
     Routing out;
-    out.n_layers = L;
-    out.n_experts = E;
-    out.n_used = K;
+    out.n_layers = s.n_layers;
+    out.n_experts = s.n_experts;
+    out.n_used = s.n_used;
     out.tokens = s.tokens;
-    out.experts.resize(s.tokens * L * K);
-    std::vector<std::pair<double, uint32_t>> logits(E);
-    for (uint64_t t = 0; t < s.tokens; ++t) {
-        if (s.shift_at > 0 && t == s.shift_at) draw_popularity();
-        for (uint32_t l = 0; l < L; ++l) {
-            double* z = &noise[size_t{l} * E];
-            if (t > 0)
-                for (uint32_t e = 0; e < E; ++e) z[e] = s.zipf > 0 ? gumbel() : s.reuse * z[e] + keep * normal();
-            uint16_t* dst = &out.experts[(t * L + l) * K];
-            if (t > 0 && s.keep > 0 && coin(normal.engine()) < s.keep) {
-                // Bursty: the previous token's experts but one, which the router draws anew.
-                const auto prev = out.at(t - 1, l);
-                std::copy(prev.begin(), prev.end(), dst);
-                const auto drop = static_cast<uint32_t>(normal.engine()() % K);
-                for (uint32_t e = 0; e < E; ++e) logits[e] = {bias[size_t{l} * E + e] + z[e], e};
-                for (uint32_t i = 0; i < K; ++i) logits[dst[i]].first = -std::numeric_limits<double>::infinity();
-                const auto best = std::max_element(logits.begin(), logits.end(),
-                                                   [](const auto& a, const auto& b) { return a.first < b.first; });
-                dst[drop] = static_cast<uint16_t>(best->second);
-                std::sort(dst, dst + K);
-                continue;
-            }
-            for (uint32_t e = 0; e < E; ++e) logits[e] = {bias[size_t{l} * E + e] + z[e], e};
-            if (l > 0)
-                for (uint16_t a : out.at(t, l - 1)) logits[pair[l - 1][a]].first += s.follow;
-            std::nth_element(logits.begin(), logits.begin() + (K - 1), logits.end(),
-                             [](const auto& a, const auto& b) { return a.first > b.first; });
-            for (uint32_t i = 0; i < K; ++i) dst[i] = static_cast<uint16_t>(logits[i].second);
-            std::sort(dst, dst + K);
-        }
-    }
+    out.experts.resize(s.tokens * s.n_layers * s.n_used);
+    Walk walk(s);
+    for (uint64_t t = 0; t < s.tokens; ++t) walk.token(t, out, epochs);
     // Prompt batches: every prompt_every decoded tokens, the next prompt_tokens tokens are one step.
     if (s.prompt_tokens > 0) {
         uint64_t t = 0;
@@ -142,6 +188,177 @@ Result<Routing> generate(const Spec& s) {
             t += n;
         }
     }
+    return out;
+}
+
+}  // namespace
+
+Result<Routing> generate(const Spec& s) { return generate_with(s, nullptr); }
+
+Result<std::vector<double>> bound_hit_rates(const Spec& s, std::span<const double> shares, uint32_t samples) {
+    if (s.reuse > 0)
+        return failf("trace bound: routing with noise reuse ({}) hides its state from the routing; no bound", s.reuse);
+    if (samples == 0) return failf("trace bound: at least one sample a step");
+    std::vector<Popularity> epochs;
+    const Routing r = MC_TRY(generate_with(s, &epochs));
+    const uint32_t L = r.n_layers, E = r.n_experts, K = r.n_used;
+    const size_t items = size_t{L} * E;
+    std::vector<size_t> room;
+    for (double f : shares) {
+        if (!(f >= 0 && f <= 1)) return failf("trace bound: a share of the experts in [0, 1], not {}", f);
+        room.push_back(static_cast<size_t>(std::llround(f * static_cast<double>(items))));
+    }
+    // Without bursty reuse a token's distribution is its epoch's (tokens are independent): it is
+    // estimated once an epoch and step size, from 64 times the samples.
+    const bool independent = s.keep == 0;
+    Normal mc(s.seed ^ 0x9e3779b97f4a7c15ull);
+    std::vector<double> expect(items), noise(E);
+    std::vector<uint16_t> prev(size_t{L} * K), cur(size_t{L} * K);
+    std::vector<uint32_t> count(E), report;
+    std::vector<std::pair<double, uint32_t>> logits;
+    std::vector<uint32_t> order(items), rank(items);
+    std::map<std::pair<size_t, uint64_t>, std::vector<uint32_t>> ranks;  // (epoch, step tokens) -> rank
+    std::vector<uint64_t> hits(room.size(), 0);
+    uint64_t accesses = 0;
+    // The accesses of a step as the hook reports them (step_reports): a token's experts, or a batch's
+    // experts more of its tokens chose than an even share.
+    auto batch_set = [&](uint32_t l, uint64_t n, auto&& token_layer) {
+        std::fill(count.begin(), count.end(), 0);
+        for (uint64_t i = 0; i < n; ++i)
+            for (uint16_t e : token_layer(i, l)) ++count[e];
+        report.clear();
+        for (uint32_t e = 0; e < E; ++e)
+            if (uint64_t{count[e]} * E > n * K) report.push_back(e);
+    };
+    auto rank_step = [&](uint64_t t, uint64_t n, const Popularity& pop) {
+        std::fill(expect.begin(), expect.end(), 0.0);
+        const uint64_t draws = independent ? std::max<uint64_t>(samples, uint64_t{samples} * 64 / n) : samples;
+        std::vector<uint16_t> batch(n > 1 ? n * L * K : 0);
+        for (uint64_t d = 0; d < draws; ++d) {
+            for (uint64_t i = 0; i < n; ++i) {
+                for (uint32_t l = 0; l < L; ++l) {
+                    Walk::next_noise(s, mc, noise.data());
+                    std::span<const uint16_t> before;
+                    if (i > 0) before = {&prev[size_t{l} * K], K};
+                    else if (t > 0) before = r.at(t - 1, l);
+                    Walk::draw_layer(s, pop, l, mc, noise.data(), before,
+                                     l > 0 ? std::span<const uint16_t>{&cur[size_t{l - 1} * K], K} : std::span<const uint16_t>{},
+                                     {&cur[size_t{l} * K], K}, logits);
+                }
+                if (n == 1)
+                    for (uint32_t l = 0; l < L; ++l)
+                        for (uint32_t k = 0; k < K; ++k) expect[size_t{l} * E + cur[size_t{l} * K + k]] += 1;
+                else
+                    std::copy(cur.begin(), cur.end(), batch.begin() + static_cast<ptrdiff_t>(i * L * K));
+                std::swap(prev, cur);
+            }
+            if (n > 1)
+                for (uint32_t l = 0; l < L; ++l) {
+                    batch_set(l, n, [&](uint64_t i, uint32_t ll) {
+                        return std::span<const uint16_t>{&batch[(i * L + ll) * K], K};
+                    });
+                    for (uint32_t e : report) expect[size_t{l} * E + e] += 1;
+                }
+        }
+        std::iota(order.begin(), order.end(), 0u);
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return expect[a] > expect[b]; });
+        for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
+    };
+    // Bursty without follow, a token: with probability keep the previous token's experts but one,
+    // each kept with (K - 1) / K, and the replacement the first of an ordering of the logits not
+    // among them; else a fresh draw. Both from kOrders sampled orderings of each layer's logits an
+    // epoch (their first K + 1: the replacement is among them), exact but for that sampling.
+    constexpr uint32_t kOrders = 4096;
+    std::vector<std::vector<uint16_t>> orders;  // per epoch: [layer][sample][K + 1]
+    std::vector<std::vector<double>> fresh;     // per epoch: [layer * E + e], P(in a fresh draw)
+    std::vector<uint32_t> replaced(E);
+    std::vector<uint8_t> before(E);
+    auto rank_kept = [&](uint64_t t, size_t epoch) {
+        if (orders.size() <= epoch) {
+            orders.resize(epoch + 1);
+            fresh.resize(epoch + 1);
+            auto& o = orders[epoch];
+            auto& f = fresh[epoch];
+            o.resize(size_t{L} * kOrders * (K + 1));
+            f.assign(items, 0.0);
+            logits.resize(E);
+            for (uint32_t l = 0; l < L; ++l)
+                for (uint32_t m = 0; m < kOrders; ++m) {
+                    Walk::next_noise(s, mc, noise.data());
+                    for (uint32_t e = 0; e < E; ++e) logits[e] = {epochs[epoch].bias[size_t{l} * E + e] + noise[e], e};
+                    std::partial_sort(logits.begin(), logits.begin() + K + 1, logits.end(),
+                                      [](const auto& a, const auto& b) { return a.first > b.first; });
+                    for (uint32_t i = 0; i <= K; ++i) {
+                        o[(size_t{l} * kOrders + m) * (K + 1) + i] = static_cast<uint16_t>(logits[i].second);
+                        if (i < K) f[size_t{l} * E + logits[i].second] += 1.0 / kOrders;
+                    }
+                }
+        }
+        const auto& o = orders[epoch];
+        const auto& f = fresh[epoch];
+        for (uint32_t l = 0; l < L; ++l) {
+            double* x = &expect[size_t{l} * E];
+            if (t == 0) {
+                std::copy(f.begin() + static_cast<ptrdiff_t>(size_t{l} * E), f.begin() + static_cast<ptrdiff_t>(size_t{l + 1} * E), x);
+                continue;
+            }
+            std::fill(before.begin(), before.end(), 0);
+            for (uint16_t e : r.at(t - 1, l)) before[e] = 1;
+            std::fill(replaced.begin(), replaced.end(), 0);
+            for (uint32_t m = 0; m < kOrders; ++m) {
+                const uint16_t* pre = &o[(size_t{l} * kOrders + m) * (K + 1)];
+                for (uint32_t i = 0; i <= K; ++i)
+                    if (!before[pre[i]]) {
+                        ++replaced[pre[i]];
+                        break;
+                    }
+            }
+            for (uint32_t e = 0; e < E; ++e)
+                x[e] = (1 - s.keep) * f[size_t{l} * E + e] +
+                       s.keep * (before[e] ? static_cast<double>(K - 1) / K : static_cast<double>(replaced[e]) / kOrders);
+        }
+        std::iota(order.begin(), order.end(), 0u);
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return expect[a] > expect[b]; });
+        for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
+    };
+    auto score = [&](uint32_t l, uint16_t e) {
+        ++accesses;
+        for (size_t j = 0; j < room.size(); ++j) hits[j] += rank[size_t{l} * E + e] < room[j];
+    };
+    uint64_t t = 0, step = 0;
+    while (t < r.tokens) {
+        uint64_t n = step < r.steps.size() ? r.steps[step] : 1;
+        ++step;
+        n = std::min<uint64_t>(n, r.tokens - t);
+        // A small batch is reported token by token (step_reports): each token a step of its own.
+        for (uint64_t first = t; first < t + n; first += n > kPerTokenReports ? n : 1) {
+            const uint64_t m = n > kPerTokenReports ? n : 1;
+            const size_t epoch = s.shift_at > 0 && first >= s.shift_at ? 1 : 0;
+            if (independent) {
+                auto [at, is_new] = ranks.try_emplace({epoch, m});
+                if (is_new) {
+                    rank_step(first, m, epochs[epoch]);
+                    at->second = rank;
+                }
+                rank = at->second;
+            } else if (m == 1 && s.follow == 0) {
+                rank_kept(first, epoch);
+            } else {
+                rank_step(first, m, epochs[epoch]);
+            }
+            for (uint32_t l = 0; l < L; ++l) {
+                if (m == 1) {
+                    for (uint16_t e : r.at(first, l)) score(l, e);
+                    continue;
+                }
+                batch_set(l, m, [&](uint64_t i, uint32_t ll) { return r.at(first + i, ll); });
+                for (uint32_t e : report) score(l, static_cast<uint16_t>(e));
+            }
+        }
+        t += n;
+    }
+    std::vector<double> out;
+    for (uint64_t h : hits) out.push_back(accesses ? static_cast<double>(h) / static_cast<double>(accesses) : 0.0);
     return out;
 }
 

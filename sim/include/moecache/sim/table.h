@@ -17,6 +17,10 @@ struct TableRow {
     double budget = 0;  // of the model's expert bytes
     SimResult moecache, predicted;
     std::vector<SimResult> baselines;  // LRU, LFU, static, Belady
+    // On a synthetic trace, the most hits any placement of this budget can expect without seeing
+    // the future (tracegen::bound_hit_rates: it knows the distribution each step is drawn from);
+    // < 0: not known (a recorded trace).
+    double bound = -1;
     // Hits of the tier, counting what prediction staged there in time (its room is the tier's).
     [[nodiscard]] double tier_rate(const SimResult& r) const {
         return (tier == "VRAM" ? r.vram_hit_rate() : r.ram_hit_rate()) + r.staged_rate();
@@ -29,6 +33,9 @@ struct TableRow {
     [[nodiscard]] const SimResult& policy() const { return moecache; }
     // (policy - LRU) / (Belady - LRU) in this tier; 1 where Belady does no better than LRU.
     [[nodiscard]] double gap_closed() const;
+    // The share of that gap the bound closes: what the gap target asks is beyond every policy that
+    // does not see the future where this is below it. < 0: no bound.
+    [[nodiscard]] double bound_gap_closed() const;
     // The policy's tier hit rate minus the better of LRU's and LFU's, in points.
     [[nodiscard]] double vs_best_points() const;
 };

@@ -93,6 +93,20 @@ struct Preset {
 const std::vector<Preset>& presets();
 const Preset* find_preset(const std::string& name);
 
+// The most hits a placement holding `shares` of all the experts (every layer's together; one
+// rate per share) can expect on generate(spec)'s routing without seeing the future: before each
+// step (a token, or a prompt batch as the hook reports it, step_reports), the experts of the most
+// expected accesses in that step under the distribution the generator draws it from (the
+// popularity in force, shift included, and the previous token's experts: what drives the draw,
+// not the draw), scored against the step as generated. It rearranges for free between steps and
+// fetches nothing on a miss, so no policy that does not see the future expects more hits; it
+// places a whole token at once, so predicting a layer from the one before within a token (the
+// +predict column of moecache-sim) is beyond it. The expectations are sampled: `samples` draws of
+// a step where they depend on the previous token (bursty), 64 times as many once an epoch
+// otherwise, so the bound holds up to that sampling's noise. Routing with noise reuse has hidden
+// state: an error.
+Result<std::vector<double>> bound_hit_rates(const Spec& spec, std::span<const double> shares, uint32_t samples = 64);
+
 // `shape` with its skew and follow fitted to the preset for its expert counts.
 Result<Spec> fit(const Preset& preset, Spec shape);
 
