@@ -193,14 +193,22 @@ uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId strea
             return 0;
         }
         // Sampled LFU: the coldest of a few random slots, if colder than the newcomer. Strictly
-        // colder, so that equals do not displace each other (no churn).
+        // colder, so that equals do not displace each other (no churn). A newcomer the daemon did
+        // not promote can only take the place of another it did not promote: the sample is drawn
+        // among those (up to kDraws tries; a part of 1/32 of the pool is missed 3 times in 10 000),
+        // so that a small recency part of a pool the daemon directs is an LRU and not a lottery
+        // (bursty routing at 25 % of VRAM, an eighth of the pool to recency: 8 slots drawn from the
+        // whole pool held 80.7 % of the routings, 8 of the part not promoted 85.8 %).
+        constexpr int kSample = 8, kDraws = 256;
         const uint32_t mine = heat.heat(s.model, s.expert);
         uint32_t best = kNoSlot, best_heat = mine;
-        for (int k = 0; k < 8; ++k) {
+        for (int k = 0, drawn = 0; k < kSample && drawn < kDraws; ++drawn) {
             const uint32_t cand = c->slots[next_random() % c->slots.size()];
             const auto& sl = slots_[cand];
             if (sl.model == kNoSlot || sl.filling) continue;
             const uint32_t h = heat.heat(sl.model, sl.expert);
+            if (mine < ExpertHeat::kPromoted && h >= ExpertHeat::kPromoted) continue;
+            ++k;
             if (h < best_heat) {
                 best = cand;
                 best_heat = h;

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace moecache::cuda {
@@ -256,6 +257,44 @@ TEST_F(Pool, WithRecencyTheUndirectedPartKeepsWhatWasUsedLast) {
     EXPECT_EQ(pool.lookup(ref(11), 7), 0u);
     EXPECT_NE(pool.lookup(ref(1), 7), 0u) << "what the daemon promoted stays";
     EXPECT_NE(pool.lookup(ref(2), 7), 0u);
+}
+
+// A pool the daemon directs almost whole: 60 of 64 slots promoted, 4 the recency part. A miss of an
+// expert not promoted is admitted every time, in place of the least recently used of those 4 nearly
+// every time: the sample is drawn among the slots it may take, not the whole pool (8 slots drawn
+// from all 64 hold none of the 4 a third of the time, and then nothing is admitted; when they do,
+// the one taken is about any of the 4).
+TEST(PoolSample, ASmallRecencyPartIsAnLruNotALottery) {
+    ExpertHeat heat;
+    VramPool pool;
+    heat.add_model(0, 512);
+    pool.add_model(0, 512, 512);
+    pool.add_arena(kSlice, 0x100000, 64);
+    heat.set_recency(true);
+    auto fill = [&](uint32_t e) {
+        heat.touch(0, e);
+        const uint64_t a = pool.admit({0, e, e}, kSlice, 7, heat, same_stream_only());
+        return a != 0 && pool.commit({0, e, e}) != 0;
+    };
+    for (uint32_t e = 0; e < 60; ++e) {
+        heat.set_promoted(0, e, true);
+        ASSERT_TRUE(fill(e));
+    }
+    std::vector<uint32_t> recent{100, 101, 102, 103};  // pooled, not promoted; 100 the least recently used
+    for (uint32_t e : recent) ASSERT_TRUE(fill(e));
+    int took_oldest = 0;
+    const int misses = 200;
+    for (uint32_t e = 200; e < 200 + misses; ++e) {
+        const auto oldest = std::min_element(recent.begin(), recent.end(), [&](uint32_t a, uint32_t b) {
+            return heat.heat(0, a) < heat.heat(0, b);
+        });
+        ASSERT_TRUE(fill(e)) << "expert " << e << " was not admitted";
+        took_oldest += pool.lookup({0, *oldest, *oldest}, 7) == 0;
+        for (auto& r : recent)
+            if (pool.lookup({0, r, r}, 7) == 0) r = e;
+    }
+    EXPECT_GE(took_oldest, misses * 85 / 100) << "the least recently used was taken " << took_oldest << " times of " << misses;
+    for (uint32_t e = 0; e < 60; ++e) EXPECT_NE(pool.lookup({0, e, e}, 7), 0u) << "promoted " << e << " was taken";
 }
 
 TEST(ExpertHeat, WithRecencyTheLastTouchedRanksFirstAndAPromotionAboveAll) {

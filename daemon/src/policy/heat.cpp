@@ -89,6 +89,11 @@ void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) 
         std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return h[a] > h[b] || (h[a] == h[b] && a < b); });
         for (uint32_t r = 0; r < n; ++r) rank[order[r]] = r;
     }
+    // Nothing is scored on ranks taken before the first kSplitRankTokens tokens: heat has not yet
+    // told the experts apart, and the heat part's ghost would hold whatever ranked first at zero
+    // (recency then looks better than it is: at a first move after 256 events, prompt batches at
+    // 25 % of RAM went to pure LRU for ~100 tokens and lost 0.6 points).
+    if (split_rank_at_[layer] < kSplitRankTokens) return;
     for (auto& sp : splits_)
         if (sp.capacity > 0) score_split(sp, layer, experts);
 }
@@ -107,7 +112,7 @@ void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t>
     uint32_t by_heat[kSplits];
     size_t room[kSplits];
     for (unsigned k = 0; k < kSplits; ++k) {
-        by_heat[k] = static_cast<uint32_t>(std::lround((1.0 - k / 8.0) * cap));
+        by_heat[k] = static_cast<uint32_t>(std::lround((1.0 - kSplitShares[k]) * cap));
         room[k] = static_cast<size_t>(std::max(0.0, (cap - by_heat[k]) * n_layers_));
     }
     uint32_t held[kSplits] = {}, seen = 0;
@@ -148,17 +153,6 @@ void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t>
     // heat alone (on routings without temporal locality the splits differ by noise, and a lock set
     // cut for nothing costs more than the scores show: what leaves the locks is read again).
     if (best != 0 && sp.score[best] < sp.score[0] + 0.01) best = 0;
-    // A pool's heat part is not what the ghost holds: the hook fills a promoted expert when it is
-    // used (or from RAM's locks), and the promotions move at every placement, so the ghost rates
-    // the splits with little recency too high (bursty routing at 25 % of VRAM: the ghost's best,
-    // 1/8, held 81 % against 84 % at 2/8 to 4/8). Once recency pays there, the pool takes the
-    // largest share of it within kPoolRecencyLean of the best score. RAM's locks are the ghost's
-    // heat part (it lost 0.7 points by the same lean).
-    if (best != 0) {
-        const unsigned from = best;
-        for (unsigned k = from + 1; k < kSplits; ++k)
-            if (sp.score[k] >= sp.score[from] - sp.recency_lean) best = k;
-    }
     if (sp.events >= kSplitFirstEvents && best != sp.k && std::abs(sp.score[best] - sp.score[sp.k]) > 0.002) sp.k = best;
 }
 
