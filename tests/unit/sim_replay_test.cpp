@@ -118,6 +118,37 @@ TEST(SimReplay, APoolFollowsRecencyWhereTheRoutingHasIt) {
     expect_level_with_the_better_baseline({"bursty", "zipf-256"}, "VRAM");
 }
 
+// Bursty routing is held close to the most any placement that does not see the future can expect
+// (tracegen::bound_hit_rates), in both tiers: more than LRU by most of the room the bound leaves
+// above it, at 25 % (at 10 % of 64 experts a tier holds fewer than a token's 8 a layer). Before the
+// splits were fine where recency's share is small, and while the pool drew its victims from all
+// its slots, the pool held bursty routing level with LRU and RAM a third of the way to the bound.
+TEST(SimReplay, BurstyRoutingIsHeldCloseToTheBound) {
+    constexpr double kBurstyShare = 0.6;  // of the room from LRU to the bound (0.71 in both tiers here)
+    tracegen::Spec shape;
+    shape.n_layers = 8;
+    shape.n_experts = 64;
+    shape.n_used = 8;
+    shape.tokens = 2000;
+    shape.seed = 7;
+    auto spec = tracegen::fit(*tracegen::find_preset("bursty"), shape);
+    ASSERT_TRUE(spec) << spec.error().what();
+    auto routing = tracegen::generate(*spec);
+    ASSERT_TRUE(routing);
+    const Trace trace = trace_of(*routing, "bursty", kExpert, 25000);
+    TableOptions opt;
+    opt.budgets = {0.25};
+    auto bound = tracegen::bound_hit_rates(*spec, opt.budgets);
+    ASSERT_TRUE(bound) << bound.error().what();
+    for (const auto& row : table_rows("bursty", trace, trace.models[0], opt)) {
+        SCOPED_TRACE(row.tier);
+        const double lru = row.tier_rate(row.baseline(Baseline::Lru)), mine = row.tier_rate(row.policy());
+        EXPECT_GT((*bound)[0], lru + 0.01) << "the bound leaves room above LRU here (the test's premise)";
+        EXPECT_LE(mine, (*bound)[0] + 0.005) << "above the bound: the bound is wrong";
+        EXPECT_GE(mine, lru + kBurstyShare * ((*bound)[0] - lru)) << "LRU " << lru << ", bound " << (*bound)[0];
+    }
+}
+
 // The recorded llama.cpp trace in sim/traces reads back and the policy keeps up with LRU and LFU
 // on it too.
 TEST(SimReplay, ARecordedLlamaCppTraceReplays) {
