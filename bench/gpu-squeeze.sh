@@ -24,6 +24,9 @@
 #   mcS-cold/-warm the same with a pool of SMALL_POOL %: RAM + VRAM < model, some comes from storage
 #   mcP-cold/-warm mc-cold/-warm with the daemon's next-token prediction on ([policy] predict):
 #                 mcP-warm starts from the profile the last cold run (mc-cold or mcP-cold) saved
+#   mcF-cold/-warm the model fits RAM (the common GPU box): no cgroup, moecached's lock budget above
+#                 the model (no one place: RAM keeps every expert, the pool holds copies), the
+#                 hook's pool POOL % directed by the daemon; against unsq-cpu
 #   swap-family   moecached fresh; the prompt model processes a long prompt, then the decode model
 #                 starts and decodes: its family's heat locks, reads and pools before its first token
 #   swap-alone    the same with the two models in families of their own (no shared heat)
@@ -155,12 +158,14 @@ daemon_config() {
   local fam_d= fam_p= predict=false
   [[ " $* " == *" separate "* ]] && { fam_d='family = "decode-alone"'; fam_p='family = "prompt-alone"'; }
   [[ " $* " == *" predict "* ]] && predict=true
+  local lock=$limit
+  [[ " $* " == *" fit "* ]] && lock=$(( model_bytes * 5 / 4 ))
   cat > "$work/moecached.toml" <<TOML
 [daemon]
 state_dir = "$work/state"
 socket = "$work/moecached.sock"
 [budget]
-lock = "$(( limit ))"
+lock = "$lock"
 reserve = "$reserve"
 [pressure]
 # As bench/ram-squeeze.sh: a runtime whose model is larger than the cgroup always stalls on memory
@@ -181,9 +186,11 @@ path = "$pmodel"
 $fam_p
 TOML
 }
-start_daemon() {
+start_daemon() {  # start_daemon [nocg]: in the cgroup unless told
   # Each line stamped with the time (epoch seconds, as RUN.times: the swap's timeline).
-  sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" "$daemon" --config "$work/moecached.toml" \
+  local where=$cg
+  [ "${1:-}" = nocg ] && where=
+  sh -c '[ -n "$0" ] && echo $$ > "$0/cgroup.procs"; exec "$@"' "$where" "$daemon" --config "$work/moecached.toml" \
     > >(while IFS= read -r l; do printf '%s %s\n' "${EPOCHREALTIME%????}" "$l"; done > "$work/daemon.log") 2>&1 &
   dpid=$!
   for _ in $(seq 200); do grep -q 'moecached running' "$work/daemon.log" && break; sleep 0.1; done
@@ -341,6 +348,17 @@ run() {
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
       cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true
       stop_daemon "$out" ;;  # saves the heat the warm run starts from
+    mcF-cold|mcF-warm)
+      daemon_config fit
+      [[ $c == *-cold ]] && rm -rf "$work/state/profiles"
+      drop_caches
+      start_daemon nocg
+      sample_one_place "$work/$out.oneplace" & sampler=$!
+      # shellcheck disable=SC2046
+      serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" $(hook_env "$pool") $(trace_env "$c" "$out")
+      kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
+      http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
+      stop_daemon "$out" ;;
     swap-family|swap-alone|swap-warm)
       [ "$c" = swap-alone ] && daemon_config separate || daemon_config
       [ "$c" = swap-warm ] || rm -rf "$work/state/profiles"
