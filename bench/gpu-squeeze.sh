@@ -27,6 +27,8 @@
 #   mcF-cold/-warm the model fits RAM (the common GPU box): no cgroup, moecached's lock budget above
 #                 the model (no one place: RAM keeps every expert, the pool holds copies), the
 #                 hook's pool POOL % directed by the daemon; against unsq-cpu
+#   mcFb-cold/-warm mcF with the bundle's lib/libmoecache-cuda-b.so instead of the hook (an A/B:
+#                 another build of the hook, put there by hand)
 #   swap-family   moecached fresh; the prompt model processes a long prompt, then the decode model
 #                 starts and decodes: its family's heat locks, reads and pools before its first token
 #   swap-alone    the same with the two models in families of their own (no shared heat)
@@ -311,9 +313,11 @@ serve() {
 }
 
 drop_caches() { sync; echo 1 > /proc/sys/vm/drop_caches; }
-hook_env() {  # hook_env POOL_PERCENT: the environment of config/'s llama-server drop-in, with the bundle's paths
+hook_env() {  # hook_env POOL_PERCENT [b]: the environment of config/'s llama-server drop-in, with the bundle's paths (b: its hook B)
+  local hook=libmoecache-cuda.so
+  [ "${2:-}" = b ] && hook=libmoecache-cuda-b.so
   sed -n 's/^Environment=//p' "$top/config/llama-server.service.d/moecache.conf" |
-    sed -e "s|/usr/lib/|$bundle/lib/|g" -e "s|/run/moecache/moecached.sock|$work/moecached.sock|"
+    sed -e "s|/usr/lib/libmoecache-cuda.so|/usr/lib/$hook|" -e "s|/usr/lib/|$bundle/lib/|g" -e "s|/run/moecache/moecached.sock|$work/moecached.sock|"
   echo MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1
 }
 
@@ -348,14 +352,16 @@ run() {
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
       cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true
       stop_daemon "$out" ;;  # saves the heat the warm run starts from
-    mcF-cold|mcF-warm)
+    mcF-cold|mcF-warm|mcFb-cold|mcFb-warm)
+      local ab=
+      [[ $c == mcFb-* ]] && ab=b
       daemon_config fit
       [[ $c == *-cold ]] && rm -rf "$work/state/profiles"
       drop_caches
       start_daemon nocg
       sample_one_place "$work/$out.oneplace" & sampler=$!
       # shellcheck disable=SC2046
-      serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" $(hook_env "$pool") $(trace_env "$c" "$out")
+      serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" $(hook_env "$pool" $ab) $(trace_env "$c" "$out")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
       stop_daemon "$out" ;;

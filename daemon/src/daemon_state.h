@@ -60,6 +60,13 @@ struct Daemon::ModelEntry {
     // client registered is on standby (planner.h) once nothing used it for kStandbyAfter, or at once
     // while a live client uses another model of its family (the prompt-model swap).
     std::chrono::steady_clock::time_point last_used{};
+    // When a client last reported its router's routing (telemetry). While they arrive they are
+    // its heat: a page fault or read of one of its experts is then a copy the routing already
+    // counted (the CUDA hook copying a pool's miss from RAM), and as one more use it would favour
+    // what the pool misses, and as a one-expert routing event tell the pool's split learner that
+    // recency pays (each miss follows its own routing). Page-cache uses count again
+    // kPageCacheUsesAfterRouting after the last report (a CPU runtime without the hook has no other signal).
+    std::optional<std::chrono::steady_clock::time_point> last_routed;
     // When the last client holding it went (unset while one holds it, or none ever did): of two
     // members of a family that no client holds, the one left last waits for the other (decide.cpp).
     std::optional<std::chrono::steady_clock::time_point> runtime_left;

@@ -89,11 +89,13 @@ void Daemon::consume_page_cache_batch() {
     for (auto& m : models_) {
         if (!m->res) continue;
         const uint32_t n = m->res->n_experts();
+        const bool routed = m->last_routed && now - *m->last_routed < kPageCacheUsesAfterRouting;
         for (const auto& [id, slot] : used_this_batch_) {
             if (id != m->id || slot >= m->res->n_slots()) continue;
+            m->last_used = now;
+            if (routed) continue;  // the routing reports are its heat (daemon_state.h, last_routed)
             const uint32_t expert = slot % n;
             m->res->heat().record(slot / n, std::span<const uint32_t>(&expert, 1));
-            m->last_used = now;
         }
     }
     used_this_batch_.clear();
@@ -108,6 +110,7 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
                             bool continued) {
     trace_routing(m, block, experts, tokens);
     m.last_used = std::chrono::steady_clock::now();
+    m.last_routed = m.last_used;
     if (const auto layer = m.res->layer_of_block(block)) {
         // The clock advances once per batch: on the first MoE layer's report.
         if (*layer == 0) {

@@ -161,6 +161,37 @@ TEST_F(DaemonTelemetryTest, StorageReadsAreAttributedToExactlyTheExpertsRead) {
     EXPECT_EQ(dropped, 0u);
 }
 
+// While a client reports a model's routing, those reports are its heat: a storage read of its
+// experts (the CUDA hook copying a pool's miss) is attributed but is no use of its own, which would
+// count the routing twice and favour what the pool misses; a model nobody reports for counts it.
+TEST_F(DaemonTelemetryTest, WhileRoutingReportsArriveAReadIsNoSecondUse) {
+    auto d = start();
+    ASSERT_TRUE(d);
+    ASSERT_TRUE(d->status().page_cache.enabled);
+    auto before = d->status();
+    ASSERT_EQ(before.models.size(), 2u);
+    const uint32_t a = before.models[0].id;
+    const std::vector<uint32_t> routed{3};
+    d->record_routing(a, 0, routed, 1);  // block 0: expert 3 routed once
+    read_ranges(maps_[0], ranges(0, {{0, 3}, {2, 11}}));
+    read_ranges(maps_[1], ranges(1, {{1, 15}}));
+    const auto s = drain(*d);
+    for (const auto& e : s.models[0].experts) {
+        if (e.block == 0 && e.expert == 3) {
+            EXPECT_EQ(e.uses, 1u) << "the routing's use, once";
+        }
+        if (e.block == 2 && e.expert == 11) {
+            EXPECT_EQ(e.uses, 0u) << "a read while routing reports arrive";
+            EXPECT_EQ(e.telemetry.read_bytes, e.bytes) << "the read is still attributed";
+        }
+    }
+    for (const auto& e : s.models[1].experts) {
+        if (e.block == 1 && e.expert == 15) {
+            EXPECT_EQ(e.uses, 1u) << "no reports for this model: a read is a use";
+        }
+    }
+}
+
 // One page of an expert read from storage by another process: the daemon reads the rest of that
 // expert (all its slices), and nothing of its neighbours.
 TEST_F(DaemonTelemetryTest, AMissIsReadWhole) {

@@ -144,18 +144,22 @@ void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t>
         }
     }
     if (seen == 0) return;
-    ++sp.events;
+    if (sp.events++ == 0) sp.first_clock = clock_;
     const double w = 1.0 / static_cast<double>(std::min<uint64_t>(sp.events, 4096));
     unsigned best = sp.k;
     for (unsigned k = 0; k < kSplits; ++k) {
         sp.score[k] += (static_cast<double>(held[k]) / seen - sp.score[k]) * w;
         if (sp.score[k] > sp.score[best]) best = k;
     }
-    // Recency only where it clearly pays: a split with a share for it must hold a point more than
-    // heat alone (on routings without temporal locality the splits differ by noise, and a lock set
-    // cut for nothing costs more than the scores show: what leaves the locks is read again).
-    if (best != 0 && sp.score[best] < sp.score[0] + 0.01) best = 0;
-    if (sp.events >= kSplitFirstEvents && best != sp.k && std::abs(sp.score[best] - sp.score[sp.k]) > 0.002) sp.k = best;
+    // Recency only where it clearly pays: a split with a share for it must hold recency_margin more
+    // than heat alone (on routings without temporal locality the splits differ by noise, and a
+    // share cut for nothing costs more than the scores show: what leaves RAM's locks is read
+    // again, and a pool's LRU part admits every miss it sees, a copy each).
+    if (best != 0 && sp.score[best] < sp.score[0] + sp.recency_margin) best = 0;
+    if (sp.events >= kSplitFirstEvents && clock_ - sp.first_clock >= kSplitFirstTokens && best != sp.k &&
+        std::abs(sp.score[best] - sp.score[sp.k]) > 0.002) {
+        sp.k = best;
+    }
 }
 
 void HeatTable::forget(double keep) {

@@ -26,6 +26,9 @@ namespace moecache::daemon {
 inline constexpr uint64_t kLockBytesPerTurn = 512ull << 20;  // bounds how long one turn spends in mlock
 // A model no client registered and nothing used for this long is on standby (planner.h).
 inline constexpr std::chrono::seconds kStandbyAfter{60};
+// How long after a client's last routing report a model's page-cache uses count as heat again
+// (daemon_state.h, ModelEntry::last_routed): the reports are its heat while they arrive.
+inline constexpr std::chrono::seconds kPageCacheUsesAfterRouting{10};
 
 // A placement also follows the routing, not only the tick: once a model's router reports have
 // advanced its clock by kPlaceEveryTokens since the last placement, and kPlaceAtMostEvery has

@@ -73,6 +73,10 @@ public:
     static constexpr unsigned kSplits = 11;
     static constexpr double kSplitShares[kSplits] = {0,         1.0 / 32, 1.0 / 16, 3.0 / 32, 1.0 / 8, 3.0 / 16,
                                                      1.0 / 4,   3.0 / 8,  1.0 / 2,  3.0 / 4,  1.0};
+    // What a share for recency must hold more than heat alone to be taken, of the routed experts:
+    // in RAM a point; in a pool three, because its LRU part copies every miss it admits (the hook's
+    // fills), which the scores do not count.
+    static constexpr double kRamRecencyMargin = 0.01, kPoolRecencyMargin = 0.03;
     [[nodiscard]] double split_score(unsigned k, SplitFor tier = SplitFor::Ram) const {
         return k < kSplits ? splits_[static_cast<unsigned>(tier)].score[k] : 0;
     }
@@ -106,9 +110,14 @@ private:
     // The recency splits (set_split_capacity): each split's share of routed experts it would have
     // held, a running mean over ~4096 events.
     static constexpr uint64_t kSplitRankTokens = 32;
-    // Events scored before the first move: a few hundred (bursty routing gained 0.5-1 point against
-    // 2048), once the ranks say something (score_splits).
+    // The first move: after this many events and tokens scored (the ranks first taken with heat
+    // behind them: score_splits). Tokens too, so that a model of many layers waits as long as one of
+    // few: 256 events of a 32-layer model are 8 tokens, and a cold pool on the GPU machine took the
+    // first tokens' look for recency and copied nearly every miss into the pool for the rest of
+    // the run (decode 0.24x the CPU anchor; docs/sim.md). 2048 events cost bursty routing of 12
+    // layers 0.8 points.
     static constexpr uint64_t kSplitFirstEvents = 256;
+    static constexpr uint64_t kSplitFirstTokens = 64;
     std::vector<uint32_t> split_rank_;     // per cell: its heat rank in its layer, as last taken
     std::vector<uint64_t> split_rank_at_;  // per layer: the clock then
     struct Lru {  // cells, most lately used first
@@ -121,9 +130,16 @@ private:
         std::vector<Lru> lru;         // per split
         double score[kSplits] = {};
         uint64_t events = 0;
+        uint64_t first_clock = 0;  // the clock at the first event scored
         unsigned k = 0;
+        double recency_margin = kRamRecencyMargin;
     };
-    Split splits_[2];  // by SplitFor
+    static Split with_margin(double m) {
+        Split s;
+        s.recency_margin = m;
+        return s;
+    }
+    Split splits_[2] = {with_margin(kRamRecencyMargin), with_margin(kPoolRecencyMargin)};  // by SplitFor
     double half_life_ = 4096;
     uint64_t clock_ = 0;
     std::vector<Cell> cells_;
