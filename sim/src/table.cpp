@@ -12,12 +12,19 @@ double TableRow::gap_closed() const {
     return (tier_rate(policy()) - lru) / (best - lru);
 }
 
-double TableRow::bound_gap_closed() const {
-    if (bound < 0) return -1;
-    const double lru = tier_rate(baseline(Baseline::Lru)), best = tier_rate(baseline(Baseline::Belady));
+namespace {
+
+double closed(const TableRow& r, double rate) {
+    if (rate < 0) return -1;
+    const double lru = r.tier_rate(r.baseline(Baseline::Lru)), best = r.tier_rate(r.baseline(Baseline::Belady));
     if (best - lru < 1e-9) return 1.0;
-    return (bound - lru) / (best - lru);
+    return (rate - lru) / (best - lru);
 }
+
+}  // namespace
+
+double TableRow::bound_gap_closed() const { return closed(*this, bound); }
+double TableRow::learner_gap_closed() const { return closed(*this, learner); }
 
 double TableRow::vs_best_points() const {
     return 100.0 * (tier_rate(policy()) - std::max(tier_rate(baseline(Baseline::Lru)), tier_rate(baseline(Baseline::Lfu))));
@@ -61,6 +68,19 @@ std::vector<TableRow> table_rows(const std::string& name, const Trace& trace, co
     return rows;
 }
 
+namespace {
+
+// Why a gap target is beyond reach, where it is: " (beyond reach: ...)", else "".
+std::string beyond_reach(const TableRow& row, const TableOptions& opt) {
+    if (!row.gap_beyond_reach(opt.min_gap_closed)) return {};
+    if (row.bound >= 0 && row.bound_gap_closed() < opt.min_gap_closed)
+        return fmt::format(" (beyond reach: the bound, {:.1f} %, closes {:.0f} %)", 100 * row.bound, 100 * row.bound_gap_closed());
+    return fmt::format(" (beyond reach: the learner, {:.1f} %, closes {:.0f} %)", 100 * row.learner,
+                       100 * row.learner_gap_closed());
+}
+
+}  // namespace
+
 std::vector<std::string> missed_targets(const TableRow& row, const TableOptions& opt) {
     std::vector<std::string> out;
     const auto where = fmt::format("{} {} {:.0f} %", row.trace, row.tier, 100 * row.budget);
@@ -72,27 +92,25 @@ std::vector<std::string> missed_targets(const TableRow& row, const TableOptions&
         row.gap_closed() < opt.min_gap_closed)
         out.push_back(fmt::format("{}: moecache closes {:.0f} % of the LRU-to-Belady gap, under {:.0f} %{}", where,
                                   100 * row.gap_closed(), 100 * opt.min_gap_closed,
-                                  row.bound >= 0 && row.bound_gap_closed() < opt.min_gap_closed
-                                      ? fmt::format(" (beyond reach: the bound, {:.1f} %, closes {:.0f} %)", 100 * row.bound,
-                                                    100 * row.bound_gap_closed())
-                                      : std::string()));
+                                  beyond_reach(row, opt)));
     return out;
 }
 
 std::string format_table(const std::vector<TableRow>& rows) {
     std::string out =
-        "| trace | tier | budget | moecache | +predict | LRU | LFU | static | bound | Belady | gap closed | bound closes | vs best | "
+        "| trace | tier | budget | moecache | +predict | LRU | LFU | static | learner | bound | Belady | gap closed | learner closes | bound closes | vs best | "
         "MB/token moecache, LFU | tok/s moecache | +predict | LRU | LFU | static | Belady |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& r : rows) {
         auto pct = [&](const SimResult& x) { return fmt::format("{:.1f}", 100 * r.tier_rate(x)); };
         auto tps = [](const SimResult& x) { return fmt::format("{:.1f}", x.tokens_per_second()); };
-        const std::string bound = r.bound >= 0 ? fmt::format("{:.1f}", 100 * r.bound) : "",
-                          bound_closes = r.bound >= 0 ? fmt::format("{:.0f} %", 100 * r.bound_gap_closed()) : "";
-        out += fmt::format("| {} | {} | {:.0f} % | {} | {} | {} | {} | {} | {} | {} | {:.0f} % | {} | {:+.1f} | {:.1f}, {:.1f} | {} | {} | {} | {} | {} | {} |\n",
+        auto rate = [](double x) { return x >= 0 ? fmt::format("{:.1f}", 100 * x) : std::string(); };
+        auto share = [](double x, double of) { return of >= 0 ? fmt::format("{:.0f} %", 100 * x) : std::string(); };
+        out += fmt::format("| {} | {} | {:.0f} % | {} | {} | {} | {} | {} | {} | {} | {} | {:.0f} % | {} | {} | {:+.1f} | {:.1f}, {:.1f} | {} | {} | {} | {} | {} | {} |\n",
                            r.trace, r.tier, 100 * r.budget, pct(r.moecache), pct(r.predicted),
                            pct(r.baseline(Baseline::Lru)), pct(r.baseline(Baseline::Lfu)),
-                           pct(r.baseline(Baseline::Static)), bound, pct(r.baseline(Baseline::Belady)), 100 * r.gap_closed(), bound_closes,
+                           pct(r.baseline(Baseline::Static)), rate(r.learner), rate(r.bound), pct(r.baseline(Baseline::Belady)),
+                           100 * r.gap_closed(), share(r.learner_gap_closed(), r.learner), share(r.bound_gap_closed(), r.bound),
                            r.vs_best_points(), r.moecache.bytes_per_token() / 1e6,
                            r.baseline(Baseline::Lfu).bytes_per_token() / 1e6, tps(r.moecache), tps(r.predicted),
                            tps(r.baseline(Baseline::Lru)), tps(r.baseline(Baseline::Lfu)),

@@ -309,6 +309,46 @@ TEST(TraceBound, AShiftCostsTheBoundNothingAndPromptBatchesAreScoredAsReported) 
     EXPECT_LE((*prompts)[1], 1.0);
 }
 
+// The learner (learner_hit_rates): below the bound, which knows the popularity it must learn; on a
+// topic change it counts anew from the shift, and holds more than the same counts kept across it;
+// bursty routing is not a fixed popularity: refused.
+TEST(TraceBound, TheLearnerIsBelowTheBoundAndCountsAnewAtAShift) {
+    Spec s = small(1600);
+    s.skew = {3.0, 1.0};
+    s.shift_at = 800;
+    const std::vector<double> share{0.25};
+    auto bound = bound_hit_rates(s, share);
+    auto learner = learner_hit_rates(s, share);
+    ASSERT_TRUE(bound && learner) << (bound ? learner.error().what() : bound.error().what());
+    EXPECT_LE((*learner)[0], (*bound)[0] + 0.005);
+    EXPECT_GT((*learner)[0], (*bound)[0] - 0.05) << "a few hundred tokens learn most of a skewed popularity";
+    // The same counts, never reset: the old hot set holds its place long after the shift.
+    auto r = generate(s);
+    ASSERT_TRUE(r);
+    const size_t items = size_t{s.n_layers} * s.n_experts, room = static_cast<size_t>(0.25 * static_cast<double>(items));
+    std::vector<uint64_t> used(items, 0);
+    std::vector<uint32_t> order(items);
+    uint64_t hits = 0, all = 0;
+    for (uint64_t t = 0; t < r->tokens; ++t) {
+        std::iota(order.begin(), order.end(), 0u);
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return used[a] > used[b]; });
+        std::vector<uint8_t> held(items, 0);
+        for (size_t i = 0; i < room; ++i) held[order[i]] = 1;
+        for (uint32_t l = 0; l < s.n_layers; ++l)
+            for (uint16_t e : r->at(t, l)) {
+                hits += held[l * s.n_experts + e];
+                ++all;
+            }
+        for (uint32_t l = 0; l < s.n_layers; ++l)
+            for (uint16_t e : r->at(t, l)) ++used[l * s.n_experts + e];
+    }
+    EXPECT_GT((*learner)[0], static_cast<double>(hits) / static_cast<double>(all) + 0.03);
+    s.keep = 0.5;
+    auto bursty = learner_hit_rates(s, share);
+    ASSERT_FALSE(bursty);
+    EXPECT_NE(std::string(bursty.error().what()).find("bursty"), std::string::npos) << bursty.error().what();
+}
+
 TEST(TraceBound, RoutingWithHiddenStateAndBadSharesAreRefusedByName) {
     Spec s = small(100);
     s.reuse = 0.5;

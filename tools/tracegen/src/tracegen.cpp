@@ -195,7 +195,12 @@ Result<Routing> generate_with(const Spec& s, std::vector<Popularity>* epochs) {
 
 Result<Routing> generate(const Spec& s) { return generate_with(s, nullptr); }
 
-Result<std::vector<double>> bound_hit_rates(const Spec& s, std::span<const double> shares, uint32_t samples) {
+namespace {
+
+Result<std::vector<double>> placement_hit_rates(const Spec& s, std::span<const double> shares, uint32_t samples,
+                                                bool learner) {
+    if (learner && s.keep > 0)
+        return failf("trace learner: bursty routing (keep {}) is not a fixed popularity; no learner bound", s.keep);
     if (s.reuse > 0)
         return failf("trace bound: routing with noise reuse ({}) hides its state from the routing; no bound", s.reuse);
     if (samples == 0) return failf("trace bound: at least one sample a step");
@@ -321,9 +326,24 @@ Result<std::vector<double>> bound_hit_rates(const Spec& s, std::span<const doubl
         std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return expect[a] > expect[b]; });
         for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
     };
+    // The learner: the experts of the most uses since the epoch began (ties by index), ranked anew
+    // before each step.
+    std::vector<uint64_t> used(items, 0);
+    size_t used_epoch = 0;
+    auto rank_learnt = [&](size_t epoch) {
+        if (epoch != used_epoch) {
+            std::fill(used.begin(), used.end(), 0);
+            used_epoch = epoch;
+        }
+        std::iota(order.begin(), order.end(), 0u);
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return used[a] > used[b]; });
+        for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
+    };
+    std::vector<uint32_t> step_items;
     auto score = [&](uint32_t l, uint16_t e) {
         ++accesses;
         for (size_t j = 0; j < room.size(); ++j) hits[j] += rank[size_t{l} * E + e] < room[j];
+        if (learner) step_items.push_back(l * E + e);
     };
     uint64_t t = 0, step = 0;
     while (t < r.tokens) {
@@ -334,7 +354,9 @@ Result<std::vector<double>> bound_hit_rates(const Spec& s, std::span<const doubl
         for (uint64_t first = t; first < t + n; first += n > kPerTokenReports ? n : 1) {
             const uint64_t m = n > kPerTokenReports ? n : 1;
             const size_t epoch = s.shift_at > 0 && first >= s.shift_at ? 1 : 0;
-            if (independent) {
+            if (learner) {
+                rank_learnt(epoch);
+            } else if (independent) {
                 auto [at, is_new] = ranks.try_emplace({epoch, m});
                 if (is_new) {
                     rank_step(first, m, epochs[epoch]);
@@ -354,12 +376,24 @@ Result<std::vector<double>> bound_hit_rates(const Spec& s, std::span<const doubl
                 batch_set(l, m, [&](uint64_t i, uint32_t ll) { return r.at(first + i, ll); });
                 for (uint32_t e : report) score(l, static_cast<uint16_t>(e));
             }
+            for (uint32_t item : step_items) ++used[item];
+            step_items.clear();
         }
         t += n;
     }
     std::vector<double> out;
     for (uint64_t h : hits) out.push_back(accesses ? static_cast<double>(h) / static_cast<double>(accesses) : 0.0);
     return out;
+}
+
+}  // namespace
+
+Result<std::vector<double>> bound_hit_rates(const Spec& s, std::span<const double> shares, uint32_t samples) {
+    return placement_hit_rates(s, shares, samples, false);
+}
+
+Result<std::vector<double>> learner_hit_rates(const Spec& s, std::span<const double> shares) {
+    return placement_hit_rates(s, shares, 1, true);
 }
 
 Stats measure(const Routing& r) {

@@ -21,6 +21,10 @@ struct TableRow {
     // the future (tracegen::bound_hit_rates: it knows the distribution each step is drawn from);
     // < 0: not known (a recorded trace).
     double bound = -1;
+    // And the most a policy that learns the popularity from the routing can expect (the experts of
+    // the most uses so far, counted anew at a shift it is told of: tracegen::learner_hit_rates);
+    // < 0: not known (a recorded trace, or bursty routing, which is not a fixed popularity).
+    double learner = -1;
     // Hits of the tier, counting what prediction staged there in time (its room is the tier's).
     [[nodiscard]] double tier_rate(const SimResult& r) const {
         return (tier == "VRAM" ? r.vram_hit_rate() : r.ram_hit_rate()) + r.staged_rate();
@@ -36,6 +40,11 @@ struct TableRow {
     // The share of that gap the bound closes: what the gap target asks is beyond every policy that
     // does not see the future where this is below it. < 0: no bound.
     [[nodiscard]] double bound_gap_closed() const;
+    [[nodiscard]] double learner_gap_closed() const;  // the same for the learner; < 0: none
+    // The gap target asks more than the bound or the learner closes.
+    [[nodiscard]] bool gap_beyond_reach(double min_gap_closed) const {
+        return (bound >= 0 && bound_gap_closed() < min_gap_closed) || (learner >= 0 && learner_gap_closed() < min_gap_closed);
+    }
     // The policy's tier hit rate minus the better of LRU's and LFU's, in points.
     [[nodiscard]] double vs_best_points() const;
 };

@@ -107,6 +107,15 @@ const Preset* find_preset(const std::string& name);
 // state: an error.
 Result<std::vector<double>> bound_hit_rates(const Spec& spec, std::span<const double> shares, uint32_t samples = 64);
 
+// The same placement by what a policy can learn of a fixed popularity: before each step, the
+// experts of the most uses so far (the accesses as the hook reports them), counted from zero at the
+// shift (which it is told). Where tokens are drawn independently from a popularity that is a
+// shuffle of known weights (every family but bursty; within a token the layers may follow each
+// other), more uses means more likely, so no policy that does not see the future and learns the
+// popularity from the routing expects more, short of using the layers' pairing to learn faster.
+// Bursty routing: an error.
+Result<std::vector<double>> learner_hit_rates(const Spec& spec, std::span<const double> shares);
+
 // `shape` with its skew and follow fitted to the preset for its expert counts.
 Result<Spec> fit(const Preset& preset, Spec shape);
 
