@@ -54,8 +54,10 @@ public:
     // held it so: the heat ranks as a placement last saw them, and for each split an LRU of its
     // room replayed over the accesses its heat part would not have held (ARC's ghosts, one list
     // per split rather than two sized by one). The split that held the most over the last ~4096
-    // events is taken, one that gives recency a share only if it holds a point more than heat
-    // alone. No feedback: what the tier held does not change the scores.
+    // events is taken, one that gives recency a share only if it holds more than heat alone by a
+    // margin (kRamRecencyMargin, kPoolRecencyMargin). No feedback: what the tier held does not
+    // change the scores, and the events are routings only (a runtime's page-cache uses are not
+    // scored while its routing is reported: daemon_state.h, last_routed).
     enum class SplitFor : unsigned { Ram = 0, Pool = 1 };
     void set_split_capacity(double experts_per_layer, SplitFor tier = SplitFor::Ram) {
         splits_[static_cast<unsigned>(tier)].capacity = experts_per_layer;
@@ -111,11 +113,9 @@ private:
     // held, a running mean over ~4096 events.
     static constexpr uint64_t kSplitRankTokens = 32;
     // The first move: after this many events and tokens scored (the ranks first taken with heat
-    // behind them: score_splits). Tokens too, so that a model of many layers waits as long as one of
-    // few: 256 events of a 32-layer model are 8 tokens, and a cold pool on the GPU machine took the
-    // first tokens' look for recency and copied nearly every miss into the pool for the rest of
-    // the run (decode 0.24x the CPU anchor; docs/sim.md). 2048 events cost bursty routing of 12
-    // layers 0.8 points.
+    // behind them: score_splits). Tokens too, so that a model of many layers waits as long as one
+    // of few: 256 events of a 32-layer model are 8 tokens. 2048 events (before) cost bursty routing
+    // of 12 layers 0.8 points.
     static constexpr uint64_t kSplitFirstEvents = 256;
     static constexpr uint64_t kSplitFirstTokens = 64;
     std::vector<uint32_t> split_rank_;     // per cell: its heat rank in its layer, as last taken
