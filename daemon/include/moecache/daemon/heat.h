@@ -56,8 +56,8 @@ public:
     // per split rather than two sized by one). The split that held the most over the last ~4096
     // events is taken, one that gives recency a share only if it holds more than heat alone by a
     // margin (kRamRecencyMargin, kPoolRecencyMargin). No feedback: what the tier held does not
-    // change the scores, and the events are routings only (a runtime's page-cache uses are not
-    // scored while its routing is reported: daemon_state.h, last_routed).
+    // change the scores; a runtime's page-cache uses stand in for its routing only while none is
+    // reported (daemon_state.h, last_routed: they are the copies of what the pool missed then).
     enum class SplitFor : unsigned { Ram = 0, Pool = 1 };
     void set_split_capacity(double experts_per_layer, SplitFor tier = SplitFor::Ram) {
         splits_[static_cast<unsigned>(tier)].capacity = experts_per_layer;
