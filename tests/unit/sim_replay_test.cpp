@@ -124,7 +124,7 @@ TEST(SimReplay, APoolFollowsRecencyWhereTheRoutingHasIt) {
 // splits were fine where recency's share is small, and while the pool drew its victims from all
 // its slots, the pool held bursty routing level with LRU and RAM a third of the way to the bound.
 TEST(SimReplay, BurstyRoutingIsHeldCloseToTheBound) {
-    constexpr double kBurstyShare = 0.6;  // of the room from LRU to the bound (0.71 in both tiers here)
+    constexpr double kBurstyShare = 0.4;  // of the room from LRU to the bound (0.49 in both tiers here)
     tracegen::Spec shape;
     shape.n_layers = 8;
     shape.n_experts = 64;

@@ -113,10 +113,12 @@ private:
     // held, a running mean over ~4096 events.
     static constexpr uint64_t kSplitRankTokens = 32;
     // The first move: after this many events and tokens scored (the ranks first taken with heat
-    // behind them: score_splits). Tokens too, so that a model of many layers waits as long as one
-    // of few: 256 events of a 32-layer model are 8 tokens. 2048 events (before) cost bursty routing
-    // of 12 layers 0.8 points.
-    static constexpr uint64_t kSplitFirstEvents = 256;
+    // behind them: score_splits), a 32-layer model's 64 tokens either way. 256 events held bursty
+    // routing of 12 layers 0.8 points better, but the ghost's heat part is per layer (C of each
+    // layer, where the tier holds C x layers of any): where only some layers route (the root
+    // tests' runtimes route one layer) it took recency at once and cut the locks and the pool's
+    // direction to a quarter.
+    static constexpr uint64_t kSplitFirstEvents = 2048;
     static constexpr uint64_t kSplitFirstTokens = 64;
     std::vector<uint32_t> split_rank_;     // per cell: its heat rank in its layer, as last taken
     std::vector<uint64_t> split_rank_at_;  // per layer: the clock then
