@@ -338,33 +338,26 @@ run() {
     sq-recipe) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
     # The CPU's share of its experts fits the cgroup when the pool is large: the full requests.
     sq-static) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
-    mc-cold|mcS-cold|mc-warm|mcS-warm|mcP-cold|mcP-warm)
-      local p=$pool
+    mc-cold|mcS-cold|mc-warm|mcS-warm|mcP-cold|mcP-warm|mcF-cold|mcF-warm|mcFb-cold|mcFb-warm)
+      # mcF*: the model fits RAM: no cgroup around the runtime or the daemon (cg= its argument).
+      local p=$pool ab='' in_cg=1 where=''
       [[ $c == mcS-* ]] && p=$small_pool
-      [[ $c == mcP-* ]] && daemon_config predict || daemon_config
-      [[ $c == *-cold ]] && rm -rf "$work/state/profiles"
-      drop_caches
-      start_daemon
-      sample_one_place "$work/$out.oneplace" & sampler=$!
-      # shellcheck disable=SC2046
-      serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" $(hook_env "$p") $(trace_env "$c" "$out")
-      kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
-      http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
-      cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null || true
-      stop_daemon "$out" ;;  # saves the heat the warm run starts from
-    mcF-cold|mcF-warm|mcFb-cold|mcFb-warm)
-      local ab=
       [[ $c == mcFb-* ]] && ab=b
-      daemon_config fit
+      case $c in
+        mcP-*) daemon_config predict ;;
+        mcF*) daemon_config fit; in_cg=0; where=nocg ;;
+        *) daemon_config ;;
+      esac
       [[ $c == *-cold ]] && rm -rf "$work/state/profiles"
       drop_caches
-      start_daemon nocg
+      start_daemon $where
       sample_one_place "$work/$out.oneplace" & sampler=$!
       # shellcheck disable=SC2046
-      serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" $(hook_env "$pool" $ab) $(trace_env "$c" "$out")
+      serve "$out" "$model" "$in_cg" "$work/prompts.json" "$n_predict" $(hook_env "$p" $ab) $(trace_env "$c" "$out")
       kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
       http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
-      stop_daemon "$out" ;;
+      [ "$in_cg" = 1 ] && cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null
+      stop_daemon "$out" ;;  # saves the heat the warm run starts from
     swap-family|swap-alone|swap-warm)
       [ "$c" = swap-alone ] && daemon_config separate || daemon_config
       [ "$c" = swap-warm ] || rm -rf "$work/state/profiles"

@@ -16,7 +16,8 @@ namespace {
 
 constexpr uint64_t kExpert = 1 << 20;
 
-Trace preset_trace(const std::string& preset, uint64_t tokens) {
+// The short traces' shape (8 layers x 64 experts, top-8, seed 7), fitted to `preset`.
+tracegen::Spec preset_spec(const std::string& preset, uint64_t tokens) {
     tracegen::Spec shape;
     shape.n_layers = 8;
     shape.n_experts = 64;
@@ -25,7 +26,11 @@ Trace preset_trace(const std::string& preset, uint64_t tokens) {
     shape.seed = 7;
     auto spec = tracegen::fit(*tracegen::find_preset(preset), shape);
     EXPECT_TRUE(spec) << spec.error().what();
-    auto routing = tracegen::generate(*spec);
+    return spec ? *spec : shape;
+}
+
+Trace preset_trace(const std::string& preset, uint64_t tokens) {
+    auto routing = tracegen::generate(preset_spec(preset, tokens));
     EXPECT_TRUE(routing) << routing.error().what();
     return trace_of(*routing, preset, kExpert, 25000);
 }
@@ -125,20 +130,11 @@ TEST(SimReplay, APoolFollowsRecencyWhereTheRoutingHasIt) {
 // its slots, the pool held bursty routing level with LRU and RAM a third of the way to the bound.
 TEST(SimReplay, BurstyRoutingIsHeldCloseToTheBound) {
     constexpr double kBurstyShare = 0.4;  // of the room from LRU to the bound (0.49 in both tiers here)
-    tracegen::Spec shape;
-    shape.n_layers = 8;
-    shape.n_experts = 64;
-    shape.n_used = 8;
-    shape.tokens = 2000;
-    shape.seed = 7;
-    auto spec = tracegen::fit(*tracegen::find_preset("bursty"), shape);
-    ASSERT_TRUE(spec) << spec.error().what();
-    auto routing = tracegen::generate(*spec);
-    ASSERT_TRUE(routing);
-    const Trace trace = trace_of(*routing, "bursty", kExpert, 25000);
+    const tracegen::Spec spec = preset_spec("bursty", 2000);
+    const Trace trace = preset_trace("bursty", 2000);
     TableOptions opt;
     opt.budgets = {0.25};
-    auto bound = tracegen::bound_hit_rates(*spec, opt.budgets);
+    auto bound = tracegen::bound_hit_rates(spec, opt.budgets);
     ASSERT_TRUE(bound) << bound.error().what();
     for (const auto& row : table_rows("bursty", trace, trace.models[0], opt)) {
         SCOPED_TRACE(row.tier);

@@ -222,6 +222,12 @@ Result<std::vector<double>> placement_hit_rates(const Spec& s, std::span<const d
     std::vector<uint32_t> count(E), report;
     std::vector<std::pair<double, uint32_t>> logits;
     std::vector<uint32_t> order(items), rank(items);
+    // rank[item]: its place among all items by `score`, highest first (ties by index).
+    auto rank_by = [&](const auto& score) {
+        std::iota(order.begin(), order.end(), 0u);
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return score[a] > score[b]; });
+        for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
+    };
     std::map<std::pair<size_t, uint64_t>, std::vector<uint32_t>> ranks;  // (epoch, step tokens) -> rank
     std::vector<uint64_t> hits(room.size(), 0);
     uint64_t accesses = 0;
@@ -265,9 +271,7 @@ Result<std::vector<double>> placement_hit_rates(const Spec& s, std::span<const d
                     for (uint32_t e : report) expect[size_t{l} * E + e] += 1;
                 }
         }
-        std::iota(order.begin(), order.end(), 0u);
-        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return expect[a] > expect[b]; });
-        for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
+        rank_by(expect);
     };
     // Bursty without follow, a token: with probability keep the previous token's experts but one,
     // each kept with (K - 1) / K, and the replacement the first of an ordering of the logits not
@@ -322,9 +326,7 @@ Result<std::vector<double>> placement_hit_rates(const Spec& s, std::span<const d
                 x[e] = (1 - s.keep) * f[size_t{l} * E + e] +
                        s.keep * (before[e] ? static_cast<double>(K - 1) / K : static_cast<double>(replaced[e]) / kOrders);
         }
-        std::iota(order.begin(), order.end(), 0u);
-        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return expect[a] > expect[b]; });
-        for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
+        rank_by(expect);
     };
     // The learner: the experts of the most uses since the epoch began (ties by index), ranked anew
     // before each step.
@@ -335,9 +337,7 @@ Result<std::vector<double>> placement_hit_rates(const Spec& s, std::span<const d
             std::fill(used.begin(), used.end(), 0);
             used_epoch = epoch;
         }
-        std::iota(order.begin(), order.end(), 0u);
-        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return used[a] > used[b]; });
-        for (size_t i = 0; i < items; ++i) rank[order[i]] = static_cast<uint32_t>(i);
+        rank_by(used);
     };
     std::vector<uint32_t> step_items;
     auto score = [&](uint32_t l, uint16_t e) {
