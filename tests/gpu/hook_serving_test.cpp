@@ -6,6 +6,7 @@
 // driver (label gpu) on the GPU machine. Each test sets the hook's variables first: ctest runs each
 // in a process of its own.
 #include "hook/cuda_driver.h"
+#include "moecache/gguf.h"
 #include "model_fixture.h"
 #include "preload_main.h"
 #include "temp_dir.h"
@@ -725,6 +726,85 @@ TEST_F(RegisterAhead, TheWholeModelIsRegisteredAheadWhenTheBudgetHoldsIt) {
         EXPECT_LE(cu_.knob<FakeCounts>("fake_cuda_counts")->registered, 4u * 3u) << "one registration a run of tensors";
     }
     EXPECT_EQ(after.fallbacks, 0u);
+    destroy(s);
+}
+
+// The default with the model in RAM, as a runtime loads it: llama.cpp with -ngl 99 copies every
+// tensor that is not an expert to the GPU from the mapping, while the hook (its pool made at the
+// first of those copies) registers the runs of expert tensors ahead. A run's registration ends a page
+// past its last expert (the padding runtimes copy): the next tensors (the next layer's attention)
+// start in registered memory and end outside it, which the driver refuses (CUDA_ERROR_INVALID_VALUE)
+// and llama.cpp aborted on: "CUDA error: invalid argument" in ggml_backend_cuda_buffer_set_tensor,
+// 8 runs in 10 on the GPU machine. Every copy the runtime makes succeeds and writes the file's
+// bytes, before, during and after the registrations, with the fake driver taking its time between a
+// copy's call and its look at the source (so that a registration landing between the hook's cut
+// and the driver's check is seen).
+class LoadRace : public HookServing {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "auto"}};
+    }
+};
+
+TEST_F(LoadRace, TheRuntimesCopiesOfTensorsBesideRegisteredExpertsNeverFail) {
+    auto head = read_gguf(files_[0]);
+    ASSERT_TRUE(head.has_value());
+    std::vector<const GgufTensor*> dense;  // what -ngl 99 -ot exps=CPU copies to the GPU at load
+    uint64_t largest = 0;
+    for (const auto& t : head->tensors)
+        if (t.name.find("_exps") == std::string::npos) {
+            dense.push_back(&t);
+            largest = std::max(largest, t.nbytes);
+        }
+    ASSERT_GT(dense.size(), 8u);
+    if (auto* delay = cu_.knob<int>("fake_cuda_copy_delay_us")) *delay = 200;
+    std::atomic<bool> stop{false};
+    std::atomic<uint64_t> copies{0}, failed{0}, wrong{0};
+    CUresult first_error = CUDA_SUCCESS;
+    std::thread loader([&] {
+        ASSERT_TRUE(cu_.use_device(0));
+        CUstream st = nullptr;
+        CUdeviceptr buf = 0;
+        ASSERT_EQ(cu_.stream_create(&st, 0), CUDA_SUCCESS);
+        ASSERT_EQ(cu_.mem_alloc(&buf, largest), CUDA_SUCCESS);
+        std::vector<uint8_t> back(largest);
+        for (uint64_t round = 0; !stop.load(); ++round)
+            for (const GgufTensor* t : dense) {
+                const CUresult r = cu_.htod_async(buf, model_.base + t->file_offset, t->nbytes, st);
+                copies.fetch_add(1);
+                if (r != CUDA_SUCCESS) {
+                    if (failed.fetch_add(1) == 0) first_error = r;
+                    continue;
+                }
+                if (round % 4 == 0) {
+                    ASSERT_EQ(cu_.stream_synchronize(st), CUDA_SUCCESS);
+                    ASSERT_EQ(cu_.dtoh(back.data(), buf, t->nbytes), CUDA_SUCCESS);
+                    if (memcmp(back.data(), model_.base + t->file_offset, t->nbytes) != 0) wrong.fetch_add(1);
+                }
+            }
+        (void)cu_.stream_synchronize(st);
+        (void)cu_.mem_free(buf);
+        (void)cu_.stream_destroy(st);
+    });
+    auto s = new_streams();
+    warm_up(s);
+    moecache_cuda_stats st{};
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    do {
+        token(s);
+        (void)hook_.sync(200);
+        st = hook_.stats();
+    } while (st.pinned_bytes < model_.map.expert_bytes_total * 9 / 10 && std::chrono::steady_clock::now() < until);
+    const uint64_t at_registered = copies.load();
+    while (copies.load() < at_registered + 4 * dense.size() && std::chrono::steady_clock::now() < until + std::chrono::seconds(10))
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    stop = true;
+    loader.join();
+    EXPECT_GE(st.pinned_bytes, model_.map.expert_bytes_total * 9 / 10) << "the runs were registered ahead";
+    EXPECT_GT(at_registered, 4 * dense.size()) << "the loader's copies ran while the runs were registered";
+    EXPECT_EQ(failed.load(), 0u) << "of " << copies.load() << " copies; the first error: CUDA error " << first_error;
+    EXPECT_EQ(wrong.load(), 0u);
+    for (int i = 0; i < 10 && !HasFailure(); ++i) token(s, true);
+    EXPECT_EQ(hook_.stats().fallbacks, 0u);
     destroy(s);
 }
 

@@ -11,6 +11,7 @@
 #include "driver.h"
 #include "engine.h"
 #include "hook_list.h"
+#include "registrations.h"
 
 #include <dlfcn.h>
 #include <link.h>
@@ -146,18 +147,33 @@ size_t reported_free(size_t driver_free) noexcept {
     }
 }
 
+// Every host-to-device copy: served through the pool where it is an expert copy, else issued as
+// the runtime asked, in pieces cut at the edges of what the hook registered for DMA
+// (registrations.h): the driver refuses a copy that starts in registered memory and ends outside
+// it, and the hook's registrations share pages with tensors the runtime copies (while it loads,
+// the tensors next to a run of expert tensors). The copy holds the registrations' grace from before
+// it reads them until the driver has its pieces, so that no registration lands in between.
+// `real(dst, src, n)` is the runtime's function for a part of the copy.
 template <class Call>
 cudaError_t runtime_copy(Call real, void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s, bool async,
                          bool per_thread) {
     Nest nest;
-    if (Nest::outer() && (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDefault)) {
-        const HostToDeviceCopy c{reinterpret_cast<CUdeviceptr>(dst), src, n, reinterpret_cast<CUstream>(s), async,
-                                 per_thread, kind == cudaMemcpyHostToDevice};
-        CUresult r = CUDA_SUCCESS;
-        if (serve(c, &r) && r == CUDA_SUCCESS) return cudaSuccess;
+    if (!Nest::outer()) return real(dst, src, n);
+    if (kind != cudaMemcpyHostToDevice && kind != cudaMemcpyDefault) {
+        const cudaError_t r = real(dst, src, n);
+        if (r == cudaSuccess && kind == cudaMemcpyDeviceToHost) readback(dst, n);
+        return r;
     }
-    const cudaError_t r = real();
-    if (r == cudaSuccess && Nest::outer() && kind == cudaMemcpyDeviceToHost) readback(dst, n);
+    CopyGrace::Reader copying(registrations().grace());
+    const HostToDeviceCopy c{reinterpret_cast<CUdeviceptr>(dst), src, n, reinterpret_cast<CUstream>(s), async,
+                             per_thread, kind == cudaMemcpyHostToDevice};
+    CUresult served = CUDA_SUCCESS;
+    if (serve(c, &served) && served == CUDA_SUCCESS) return cudaSuccess;
+    cudaError_t r = cudaSuccess;
+    (void)registrations().in_pieces(src, n, [&](size_t off, size_t bytes) {
+        r = real(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, bytes);
+        return r == cudaSuccess ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN;
+    });
     return r;
 }
 
@@ -165,34 +181,50 @@ template <class Call>
 CUresult driver_copy(Call real, CUdeviceptr dst, const void* src, size_t n, CUstream s, bool async, bool per_thread,
                      bool dst_is_device) {
     Nest nest;
-    if (Nest::outer()) {
-        const HostToDeviceCopy c{dst, src, n, s, async, per_thread, dst_is_device};
-        CUresult r = CUDA_SUCCESS;
-        if (serve(c, &r)) return r;
+    if (!Nest::outer()) return real(dst, src, n);
+    CopyGrace::Reader copying(registrations().grace());
+    const HostToDeviceCopy c{dst, src, n, s, async, per_thread, dst_is_device};
+    CUresult r = CUDA_SUCCESS;
+    if (serve(c, &r)) return r;
+    return registrations().in_pieces(src, n, [&](size_t off, size_t bytes) {
+        return real(dst + off, static_cast<const char*>(src) + off, bytes);
+    });
+}
+
+// A 2D copy whose source rows cross an edge of a registration goes row by row, each cut as above;
+// any other passes through as it is (llama.cpp sends no experts this way).
+template <class Row>
+bool rows_in_pieces(const void* src, size_t spitch, size_t w, size_t h, Row&& row) {
+    if (src == nullptr || h == 0 || w == 0 || !registrations().would_cut(src, spitch * (h - 1) + w)) return false;
+    for (size_t y = 0; y < h; ++y) {
+        const char* line = static_cast<const char*>(src) + y * spitch;
+        if (registrations().in_pieces(line, w, [&](size_t off, size_t bytes) { return row(y, off, bytes); }) != CUDA_SUCCESS)
+            break;
     }
-    return real();
+    return true;
 }
 
 // --- handlers ---------------------------------------------------------------------------------
 
-#define RT_COPY(name, async, ptds, call_args)                                                               \
+#define RT_COPY(name, async, ptds, ...)                                                                     \
     auto real = REAL_RT(name);                                                                              \
     if (real == nullptr) return MISSING_RT;                                                                 \
-    return runtime_copy([&] { return real call_args; }, dst, src, n, kind, s, async, ptds)
+    return runtime_copy([&](void* d, const void* sp, size_t k) { return real(d, sp, k, kind __VA_ARGS__); }, dst, src, n, \
+                        kind, s, async, ptds)
 
 cudaError_t on_cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
     cudaStream_t s = nullptr;
-    RT_COPY(cudaMemcpy, false, false, (dst, src, n, kind));
+    RT_COPY(cudaMemcpy, false, false);
 }
 cudaError_t on_cudaMemcpy_ptds(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
     cudaStream_t s = nullptr;
-    RT_COPY(cudaMemcpy_ptds, false, true, (dst, src, n, kind));
+    RT_COPY(cudaMemcpy_ptds, false, true);
 }
 cudaError_t on_cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
-    RT_COPY(cudaMemcpyAsync, true, false, (dst, src, n, kind, s));
+    RT_COPY(cudaMemcpyAsync, true, false, , s);
 }
 cudaError_t on_cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
-    RT_COPY(cudaMemcpyAsync_ptsz, true, true, (dst, src, n, kind, s));
+    RT_COPY(cudaMemcpyAsync_ptsz, true, true, , s);
 }
 
 #define PASS_RT(name, call_args)                 \
@@ -200,22 +232,39 @@ cudaError_t on_cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t n, cudaMe
     auto real = REAL_RT(name);                   \
     return real == nullptr ? MISSING_RT : real call_args
 
-// 2D copies: llama.cpp sends no experts that way; they pass through.
+// 2D copies from the host: as they are, or row by row where a registration's edge crosses them.
+#define RT_COPY_2D(name, ...)                                                                                    \
+    Nest nest;                                                                                                   \
+    auto real = REAL_RT(name);                                                                                   \
+    if (real == nullptr) return MISSING_RT;                                                                      \
+    if (Nest::outer() && (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDefault)) {                        \
+        CopyGrace::Reader copying(registrations().grace());                                                      \
+        cudaError_t r = cudaSuccess;                                                                             \
+        if (rows_in_pieces(src, spitch, w, h, [&](size_t y, size_t off, size_t bytes) {                          \
+                r = real(static_cast<char*>(dst) + y * dpitch + off, dpitch,                                     \
+                         static_cast<const char*>(src) + y * spitch + off, spitch, bytes, 1, kind __VA_ARGS__);  \
+                return r == cudaSuccess ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN;                                     \
+            }))                                                                                                  \
+            return r;                                                                                            \
+        return real(dst, dpitch, src, spitch, w, h, kind __VA_ARGS__);                                           \
+    }                                                                                                            \
+    return real(dst, dpitch, src, spitch, w, h, kind __VA_ARGS__)
+
 cudaError_t on_cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t w, size_t h,
                             cudaMemcpyKind kind) {
-    PASS_RT(cudaMemcpy2D, (dst, dpitch, src, spitch, w, h, kind));
+    RT_COPY_2D(cudaMemcpy2D);
 }
 cudaError_t on_cudaMemcpy2D_ptds(void* dst, size_t dpitch, const void* src, size_t spitch, size_t w, size_t h,
                                  cudaMemcpyKind kind) {
-    PASS_RT(cudaMemcpy2D_ptds, (dst, dpitch, src, spitch, w, h, kind));
+    RT_COPY_2D(cudaMemcpy2D_ptds);
 }
 cudaError_t on_cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t w, size_t h,
                                  cudaMemcpyKind kind, cudaStream_t s) {
-    PASS_RT(cudaMemcpy2DAsync, (dst, dpitch, src, spitch, w, h, kind, s));
+    RT_COPY_2D(cudaMemcpy2DAsync, , s);
 }
 cudaError_t on_cudaMemcpy2DAsync_ptsz(void* dst, size_t dpitch, const void* src, size_t spitch, size_t w, size_t h,
                                       cudaMemcpyKind kind, cudaStream_t s) {
-    PASS_RT(cudaMemcpy2DAsync_ptsz, (dst, dpitch, src, spitch, w, h, kind, s));
+    RT_COPY_2D(cudaMemcpy2DAsync_ptsz, , s);
 }
 
 // The pool yields: an allocation that fails for want of memory gets the pool's memory and a retry.
@@ -250,24 +299,25 @@ cudaError_t on_cudaStreamDestroy(cudaStream_t s) {
     return real(s);
 }
 
-#define CU_COPY(name, async, ptds, dst_is_device, src_expr, call_args)                                      \
+#define CU_COPY(name, async, ptds, dst_is_device, src_expr, ...)                                            \
     auto real = REAL_CU(name);                                                                              \
     if (real == nullptr) return MISSING_CU;                                                                 \
-    return driver_copy([&] { return real call_args; }, dst, src_expr, n, stream, async, ptds, dst_is_device)
+    return driver_copy([&](CUdeviceptr d, const void* sp, size_t k) { return real(d, sp, k __VA_ARGS__); }, dst, src_expr, n, \
+                       stream, async, ptds, dst_is_device)
 
 CUresult on_cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     CUstream stream = nullptr;
-    CU_COPY(cuMemcpyHtoD_v2, false, false, true, src, (dst, src, n));
+    CU_COPY(cuMemcpyHtoD_v2, false, false, true, src);
 }
 CUresult on_cuMemcpyHtoD_v2_ptds(CUdeviceptr dst, const void* src, size_t n) {
     CUstream stream = nullptr;
-    CU_COPY(cuMemcpyHtoD_v2_ptds, false, true, true, src, (dst, src, n));
+    CU_COPY(cuMemcpyHtoD_v2_ptds, false, true, true, src);
 }
 CUresult on_cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream stream) {
-    CU_COPY(cuMemcpyHtoDAsync_v2, true, false, true, src, (dst, src, n, stream));
+    CU_COPY(cuMemcpyHtoDAsync_v2, true, false, true, src, , stream);
 }
 CUresult on_cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void* src, size_t n, CUstream stream) {
-    CU_COPY(cuMemcpyHtoDAsync_v2_ptsz, true, true, true, src, (dst, src, n, stream));
+    CU_COPY(cuMemcpyHtoDAsync_v2_ptsz, true, true, true, src, , stream);
 }
 #define CU_READBACK(name, call_args)                              \
     Nest nest;                                                    \
@@ -284,19 +334,26 @@ CUresult on_cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream 
 CUresult on_cuMemcpyDtoHAsync_v2_ptsz(void* dst, CUdeviceptr src, size_t n, CUstream s) {
     CU_READBACK(cuMemcpyDtoHAsync_v2_ptsz, (dst, src, n, s));
 }
+// Unified copies: the source may be host memory (a copy to the device the hook sees as any other).
+#define CU_UNIFIED(name, async, ptds, ...)                                                                  \
+    auto real = REAL_CU(name);                                                                              \
+    if (real == nullptr) return MISSING_CU;                                                                 \
+    return driver_copy(                                                                                     \
+        [&](CUdeviceptr d, const void* sp, size_t k) { return real(d, reinterpret_cast<CUdeviceptr>(sp), k __VA_ARGS__); }, \
+        dst, reinterpret_cast<const void*>(src), n, stream, async, ptds, false)
 CUresult on_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     CUstream stream = nullptr;
-    CU_COPY(cuMemcpy, false, false, false, reinterpret_cast<const void*>(src), (dst, src, n));
+    CU_UNIFIED(cuMemcpy, false, false);
 }
 CUresult on_cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     CUstream stream = nullptr;
-    CU_COPY(cuMemcpy_ptds, false, true, false, reinterpret_cast<const void*>(src), (dst, src, n));
+    CU_UNIFIED(cuMemcpy_ptds, false, true);
 }
 CUresult on_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
-    CU_COPY(cuMemcpyAsync, true, false, false, reinterpret_cast<const void*>(src), (dst, src, n, stream));
+    CU_UNIFIED(cuMemcpyAsync, true, false, , stream);
 }
 CUresult on_cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
-    CU_COPY(cuMemcpyAsync_ptsz, true, true, false, reinterpret_cast<const void*>(src), (dst, src, n, stream));
+    CU_UNIFIED(cuMemcpyAsync_ptsz, true, true, , stream);
 }
 
 #define PASS_CU(name, call_args)                 \
@@ -304,10 +361,40 @@ CUresult on_cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstr
     auto real = REAL_CU(name);                   \
     return real == nullptr ? MISSING_CU : real call_args
 
-CUresult on_cuMemcpy2D_v2(const CUDA_MEMCPY2D* c) { PASS_CU(cuMemcpy2D_v2, (c)); }
-CUresult on_cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D* c) { PASS_CU(cuMemcpy2D_v2_ptds, (c)); }
-CUresult on_cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D* c, CUstream s) { PASS_CU(cuMemcpy2DAsync_v2, (c, s)); }
-CUresult on_cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D* c, CUstream s) { PASS_CU(cuMemcpy2DAsync_v2_ptsz, (c, s)); }
+// A 2D copy from host memory whose rows cross a registration's edge: row by row, each cut.
+template <class Call>
+CUresult driver_copy_2d(Call real, const CUDA_MEMCPY2D* c) {
+    Nest nest;
+    if (!Nest::outer() || c == nullptr) return real(c);
+    const void* src = c->srcMemoryType == CU_MEMORYTYPE_HOST      ? c->srcHost
+                      : c->srcMemoryType == CU_MEMORYTYPE_UNIFIED ? reinterpret_cast<const void*>(c->srcDevice)
+                                                                  : nullptr;
+    if (src == nullptr) return real(c);
+    CopyGrace::Reader copying(registrations().grace());
+    const char* first = static_cast<const char*>(src) + c->srcY * c->srcPitch + c->srcXInBytes;
+    CUresult r = CUDA_SUCCESS;
+    if (rows_in_pieces(first, c->srcPitch, c->WidthInBytes, c->Height, [&](size_t y, size_t off, size_t bytes) {
+            CUDA_MEMCPY2D part = *c;
+            part.srcY += y;
+            part.dstY += y;
+            part.srcXInBytes += off;
+            part.dstXInBytes += off;
+            part.WidthInBytes = bytes;
+            part.Height = 1;
+            r = real(&part);
+            return r;
+        }))
+        return r;
+    return real(c);
+}
+#define CU_COPY_2D(name, ...)                   \
+    auto real = REAL_CU(name);                   \
+    if (real == nullptr) return MISSING_CU;      \
+    return driver_copy_2d([&](const CUDA_MEMCPY2D* p) { return real(p __VA_ARGS__); }, c)
+CUresult on_cuMemcpy2D_v2(const CUDA_MEMCPY2D* c) { CU_COPY_2D(cuMemcpy2D_v2); }
+CUresult on_cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D* c) { CU_COPY_2D(cuMemcpy2D_v2_ptds); }
+CUresult on_cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D* c, CUstream s) { CU_COPY_2D(cuMemcpy2DAsync_v2, , s); }
+CUresult on_cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D* c, CUstream s) { CU_COPY_2D(cuMemcpy2DAsync_v2_ptsz, , s); }
 
 CUresult on_cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     Nest nest;

@@ -13,6 +13,7 @@
 #include "engine.h"
 #include "joiner.h"
 #include "moecache/cuda/copy_plan.h"
+#include "registrations.h"
 
 #include <unistd.h>
 
@@ -69,7 +70,7 @@ CUresult Engine::copy_from_host(DevicePool& dp, CUdeviceptr dst, const HostBytes
         bytes_staged_.fetch_add(staged, std::memory_order_relaxed);
         return r;
     }
-    return drv->memcpy_htod_async(dst, src.src, bytes, stream);
+    return htod_in_pieces(drv, dst, src.src, bytes, stream);
 }
 
 // The host's bytes [offset, offset + bytes) of a copy whose slices start at `first_expert`. With
@@ -101,7 +102,7 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
             run = hi;
             return;
         }
-        if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = drv->memcpy_htod_async(dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
+        if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = htod_in_pieces(drv, dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
         if (r == CUDA_SUCCESS && lo > run) r = copy_from_host(dp, dst + run, from.at(run), lo - run, stream);
         direct_lo = lo;
         direct_hi = hi;
@@ -133,7 +134,7 @@ CUresult Engine::copy_slices_from_host(DevicePool& dp, Model& m, int32_t ls, uin
         }
         at = s1;
     }
-    if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = drv->memcpy_htod_async(dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
+    if (r == CUDA_SUCCESS && direct_hi > direct_lo) r = htod_in_pieces(drv, dst + direct_lo, src + direct_lo, direct_hi - direct_lo, stream);
     if (r == CUDA_SUCCESS && offset + bytes > run) r = copy_from_host(dp, dst + run, from.at(run), offset + bytes - run, stream);
     return r;
 }

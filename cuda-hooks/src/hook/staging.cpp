@@ -5,6 +5,7 @@
 #include "driver.h"
 #include "engine.h"
 #include "log.h"
+#include "registrations.h"
 #include "moecache/client.h"
 #include "moecache/unique_fd.h"
 
@@ -191,7 +192,7 @@ CUresult StagingRing::copy(CUdeviceptr dst, const HostBytes& src, size_t n, CUst
                 *staged += len;
             }
         } else {
-            r = drv_->memcpy_htod_async(dst + off, src.src + off, len, stream);
+            r = htod_in_pieces(drv_, dst + off, src.src + off, len, stream);
         }
         if (r != CUDA_SUCCESS) return r;
         off += len;
@@ -222,6 +223,8 @@ void Engine::pin_models() {
     if (drv == nullptr || pinned_all_) return;
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     bool all = !mapped_.empty();
+    std::vector<Registrations::Request> requests;
+    std::vector<const Model*> of;
     for (const auto& r : mapped_) {
         const Model* m = models_[r.model];
         uint64_t lo = UINT64_MAX, hi = 0;
@@ -238,19 +241,23 @@ void Engine::pin_models() {
         uintptr_t a = r.mapping.address_of(lo) & ~(page - 1);
         uintptr_t b = (r.mapping.address_of(hi) + page - 1) & ~(page - 1);
         b = std::min<uintptr_t>(b, r.mapping.end);
-        const auto t0 = std::chrono::steady_clock::now();
-        const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
-                                                   CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
-        if (rc == CUDA_SUCCESS) {
-            pinned_.emplace_back(reinterpret_cast<void*>(a), b - a);
-            pinned_bytes_.fetch_add(b - a);
+        requests.push_back({reinterpret_cast<void*>(a), b - a});
+        of.push_back(m);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    registrations().add(drv, requests, CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
+    for (size_t i = 0; i < requests.size(); ++i) {
+        const auto& q = requests[i];
+        if (q.result == CUDA_SUCCESS) {
+            pinned_.emplace_back(q.p, q.bytes);
+            pinned_bytes_.fetch_add(q.bytes);
             if (cfg_.log)
-                say("registered %.2f GiB of %s for DMA in %.1f s", static_cast<double>(b - a) / 1073741824.0,
-                    m->path.c_str(), seconds_since(t0));
-        } else if (rc != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
+                say("registered %.2f GiB of %s for DMA in %.1f s", static_cast<double>(q.bytes) / 1073741824.0,
+                    of[i]->path.c_str(), seconds_since(t0));
+        } else if (q.result != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
             all = false;
             say("%s: registering the expert bytes for DMA failed (CUDA error %d); misses go through pinned staging",
-                m->path.c_str(), static_cast<int>(rc));
+                of[i]->path.c_str(), static_cast<int>(q.result));
         }
     }
     pinned_all_ = all;
@@ -264,10 +271,12 @@ void Engine::pin_models() {
 // slices that missed first: the first tokens' misses are staged, the rest find their bytes
 // registered. Pages registered stay resident while registered.
 //
-// The driver refuses a copy that starts in registered memory and ends outside it, so no copy of an
-// expert, the runtime's own included, may: a registration never starts at a slice's first byte
-// (slice_pages leaves out the first page of a slice that starts on one), and a run's registration
-// ends a page past its last tensor (the padding runtimes copy after a tensor's last expert).
+// The driver refuses a copy that starts in registered memory and ends outside it: every copy that
+// passes through the hook is cut at the registrations' edges (registrations.h), and a registration
+// waits for the copies that planned without it. So that an expert copy is one piece where it can
+// be, a registration never starts at a slice's first byte (slice_pages leaves out the first page of
+// a slice that starts on one), and a run's registration ends a page past its last tensor (the
+// padding runtimes copy after a tensor's last expert).
 // Returns true while there is more to register ahead.
 bool Engine::register_wanted() {
     flush_unregisters();  // a slice let go and wanted again is unregistered first
@@ -332,34 +341,52 @@ bool Engine::register_wanted() {
             say("%.2f GiB of expert tensors registered for DMA", static_cast<double>(pinned_bytes_.load()) / 1073741824.0);
         return ahead_model_ < models_.size();
     }
+    // The slices asked for, registered together (one wait for the copies under way).
+    struct Asked {
+        Model* m;
+        uint32_t slice;
+        size_t request;  // SIZE_MAX: not asked of the driver
+    };
+    std::vector<Asked> asked;
+    std::vector<Registrations::Request> requests;
+    uint64_t adding = 0;
     for (const auto& [mi, slice] : wanted) {
         Model& m = *models_[mi];
-        auto& flag = m.registered[slice];
-        if (flag.load() != Model::kAsked) continue;  // let go meanwhile
+        if (m.registered[slice].load() != Model::kAsked) continue;  // let go meanwhile
         const auto [a, b] = slice_pages(m, slice);
-        uint8_t next = Model::kNever;
-        bool registered = false;
         // With a daemon the slices asked for are the pages it keeps locked: resident already, and
         // bounded by its own lock budget (its memory cgroup's room), not by the hook's.
-        if (b > a && (follow_locks_.load() || pinned_bytes_.load() + (b - a) <= budget)) {
-            const CUresult rc = drv->mem_host_register(reinterpret_cast<void*>(a), b - a,
-                                                       CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
-            if (rc == CUDA_SUCCESS) {
-                pinned_bytes_.fetch_add(b - a);
-                next = Model::kInside;
-                registered = true;
-                ++fill_gen_;  // a pool may fill from it now
-            }
+        size_t request = SIZE_MAX;
+        if (b > a && (follow_locks_.load() || pinned_bytes_.load() + adding + (b - a) <= budget)) {
+            request = requests.size();
+            requests.push_back({reinterpret_cast<void*>(a), b - a});
+            adding += b - a;
+        }
+        asked.push_back({&m, slice, request});
+    }
+    registrations().add(drv, requests, CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
+    for (const auto& [mp, slice, request] : asked) {
+        Model& m = *mp;
+        auto& flag = m.registered[slice];
+        uint8_t next = Model::kNever;
+        bool registered = false;
+        if (request != SIZE_MAX && requests[request].result == CUDA_SUCCESS) {
+            pinned_bytes_.fetch_add(requests[request].bytes);
+            next = Model::kInside;
+            registered = true;
+            ++fill_gen_;  // a pool may fill from it now
+        } else if (request != SIZE_MAX && requests[request].result == CUDA_ERROR_NOT_READY) {
+            next = Model::kNone;  // copies under way held it back: asked again when next wanted
         } else if (follow_locks_.load()) {
             next = Model::kNone;  // over the budget now; a later lock may fit
         }
         // An Unlock, or the expert entering the pool, may have let the slice go while it was being
         // registered (unregister_slice saw kAsked and had nothing to undo): then this undoes it. No
         // copy read the pages directly yet: copies do so only once the flag says kInside.
-        uint8_t asked = Model::kAsked;
-        if (!flag.compare_exchange_strong(asked, next, std::memory_order_acq_rel) && registered &&
-            drv->mem_host_unregister(reinterpret_cast<void*>(a)) == CUDA_SUCCESS)
-            pinned_bytes_.fetch_sub(b - a);
+        uint8_t was = Model::kAsked;
+        if (!flag.compare_exchange_strong(was, next, std::memory_order_acq_rel) && registered &&
+            registrations().remove(drv, requests[request].p) == CUDA_SUCCESS)
+            pinned_bytes_.fetch_sub(requests[request].bytes);
     }
     return false;
 }
@@ -416,8 +443,13 @@ void Engine::register_run(Model& m, size_t run, uint64_t budget) {
     }
     bool ok = false;
     if (a != 0 && b > a && pinned_bytes_.load() + (b - a) <= budget) {
-        ok = driver()->mem_host_register(reinterpret_cast<void*>(a), b - a,
-                                         CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+        std::vector<Registrations::Request> one{{reinterpret_cast<void*>(a), b - a}};
+        registrations().add(driver(), one, CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE);
+        if (one[0].result == CUDA_ERROR_NOT_READY) {
+            r.done = false;  // copies under way held it back: the next turn tries again
+            return;
+        }
+        ok = one[0].result == CUDA_SUCCESS;
         if (ok) {
             pinned_bytes_.fetch_add(b - a);
             ahead_ranges_.emplace_back(reinterpret_cast<void*>(a), b - a);
@@ -472,7 +504,7 @@ void Engine::unregister_ahead() {
     capture_gate().exclusive([&] {
         sync_pool_devices();
         for (const auto& [p, bytes] : ahead_ranges_)
-            if (drv->mem_host_unregister(p) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
+            if (registrations().remove(drv, p) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
     });
     ahead_ranges_.clear();
     ahead_model_ = 0;
@@ -515,7 +547,7 @@ void Engine::flush_unregisters() {
     capture_gate().exclusive([&] {
         sync_pool_devices();
         for (const auto& [a, bytes] : unregistering_)
-            if (drv->mem_host_unregister(reinterpret_cast<void*>(a)) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
+            if (registrations().remove(drv, reinterpret_cast<void*>(a)) == CUDA_SUCCESS) pinned_bytes_.fetch_sub(bytes);
     });
     unregistering_.clear();
 }

@@ -14,6 +14,9 @@
 //                          read when the copy is queued, as the driver stages it).
 //                          An event query completes the work up to its record every other time.
 //   fake_cuda_capturing    every stream reports an active capture
+//   fake_cuda_copy_delay_us  a host-to-device copy waits this long before the driver looks at its
+//                          source (a real one spends microseconds there, a pageable one longer):
+//                          what the hook registers meanwhile decides whether the copy is refused
 // Captures (cuStreamBeginCapture_v2 .. cuStreamEndCapture) are modelled as the driver keeps them:
 // while one is open, a context synchronisation, a cuMemFree or a module load invalidates it, and
 // its cuStreamEndCapture says so (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED); fake_cuda_counts counts
@@ -33,6 +36,8 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -59,6 +64,7 @@ __attribute__((visibility("default"))) int fake_cuda_async = 0;
 __attribute__((visibility("default"))) int fake_cuda_devices = 1;
 __attribute__((visibility("default"))) unsigned long long fake_cuda_memory_limit = 8ull << 30;
 __attribute__((visibility("default"))) int fake_cuda_peer = 1;
+__attribute__((visibility("default"))) int fake_cuda_copy_delay_us = 0;
 }
 
 namespace {
@@ -200,6 +206,7 @@ CUresult enqueue(CUstream st, Op op) {
 }
 
 CUresult htod(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool sync) {
+    if (fake_cuda_copy_delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(fake_cuda_copy_delay_us));
     std::lock_guard lock(mu);
     if (n == 0) return CUDA_SUCCESS;
     if (!is_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
