@@ -344,6 +344,28 @@ TEST_F(HookDaemonRoomy, WhereTheLockCapHoldsTheModelAnExpertInVramKeepsItsRamCop
     EXPECT_NE(log().find("keep their RAM copy: the lock cap holds every expert"), std::string::npos) << log();
 }
 
+// ... and misses come at DMA speed in one piece each: the hook registers every run of expert
+// tensors whole, as it does without a daemon when its budget holds the model, rather than each
+// expert the daemon locks on its own (whose edge pages then went as the runtime asked: three
+// copies a miss, and a fresh registration at every lock). On the GPU machine the model in RAM with
+// a daemon-directed pool decoded at 0.95-1.10x -ot exps=CPU, the hook alone at 1.32x.
+TEST_F(HookDaemonRoomy, WhereTheLockCapHoldsTheModelEveryRunOfExpertsIsRegisteredWhole) {
+    struct Counts {
+        unsigned long long htod_calls, htod_bytes, dtod_calls, dtod_bytes, allocs, frees, syncs, event_waits, registered;
+    };
+    const auto* counts = static_cast<const Counts*>(dlsym(dlopen("libcuda.so.1", RTLD_NOW), "fake_cuda_counts"));
+    ASSERT_NE(counts, nullptr);
+    constexpr uint32_t kA = 3, kB = 9;
+    use(kA, 1);
+    ASSERT_GE(sync(10000), 1);
+    ASSERT_TRUE(until([&] { return stats().pinned_bytes >= map_.expert_bytes_total * 99 / 100; }, kA, 4, kB, 2))
+        << "registered " << stats().pinned_bytes << " of " << map_.expert_bytes_total << " expert bytes\n" << log();
+    EXPECT_LE(counts->registered, map_.layers.size()) << "one registration a run of a layer's expert tensors";
+    for (int i = 0; i < 10; ++i) until([] { return true; }, kA, 4, kB, 2);
+    EXPECT_LE(counts->registered, map_.layers.size()) << "the daemon's locks register nothing more";
+    EXPECT_EQ(stats().fallbacks, 0u);
+}
+
 // The daemon's view wins: another client's router says C and D are the hot experts of layer 0, so
 // the daemon (elite: 2 of 16 per layer) promotes them to the hook, whose pool (one expert) then
 // holds C although this process uses A more.

@@ -11,8 +11,9 @@
  *                            own as "DEVICE:SIZE", e.g. "0:12G,1:6G" or "25%,1:4G"
  *   MOECACHE_CUDA_PIN=MODE   how copies that miss the pool reach the GPU: "auto" (the default) and
  *                            "register": a registered tier (page-locked for DMA, copied straight
- *                            from the pages): with a daemon, what it keeps locked (its budget
- *                            bounds it); without one, within MOECACHE_CUDA_PIN_BUDGET=SIZE
+ *                            from the pages): with a daemon that asks for one place (or a
+ *                            model the budget cannot hold), what it keeps locked (its budget
+ *                            bounds it); else, within MOECACHE_CUDA_PIN_BUDGET=SIZE
  *                            (default half of what the process's memory cgroups allow, or of
  *                            RAM), every expert tensor, registered in the background, when the
  *                            budget holds them all, else nothing (auto) or the slices that miss

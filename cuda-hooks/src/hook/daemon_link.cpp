@@ -42,14 +42,40 @@ bool Engine::daemon_wants_one_place(int device) const {
            moecache_client_wait_ready(client_, 0) == 1;
 }
 
-// The daemon's budget for each device's pool, when it sets or changes one. And PIN=register: with a
-// daemon connected, what is registered is what it keeps locked (its Lock and Unlock directives);
-// what misses registered before it came is let go.
+// Whether the daemon asks any device's pool for one place (experts in VRAM leave RAM).
+bool Engine::daemon_asks_one_place() const {
+    for (int d = 0; d < kMaxDevices; ++d) {
+        if (d > 0 && pools_[d].load() == nullptr) continue;
+        int one_place = 0;
+        if (moecache_client_vram_policy(client_, static_cast<uint32_t>(d), nullptr, &one_place) == 1 && one_place == 1)
+            return true;
+    }
+    return false;
+}
+
+// The daemon's budget for each device's pool, when it sets or changes one. And the registered
+// tier (auto, register) with a daemon: where it asks for one place (the models do not fit the RAM
+// it may lock), or where the hook's budget cannot hold every expert, what is registered is what it
+// keeps locked (its Lock and Unlock directives), and what was registered before is let go. Where
+// RAM holds every expert and no place is one, the tier is what it is without a daemon: every run of
+// expert tensors, registered whole (a miss is one copy at DMA speed; an expert's own registration
+// leaves its edge pages out, which then go as the runtime asks).
 void Engine::apply_daemon_budgets() {
     if (client_ == nullptr) return;
     if (cfg_.registers()) {
-        if (moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1) follow_daemon_locks();
-        else follow_locks_.store(false);
+        moecache_client_stats cs{};
+        moecache_client_stats_get(client_, &cs);
+        if (cs.connects != daemon_connects_) {  // a daemon (again): what one locked before says nothing now
+            daemon_connects_ = cs.connects;
+            daemon_decided_ = false;
+            for (Model* m : models_) std::fill(m->daemon_locked.begin(), m->daemon_locked.end(), 0);
+        }
+        if (moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1 && moecache_client_wait_ready(client_, 0) == 1) {
+            daemon_decided_ = true;
+            if (!ahead_.load() || (cfg_.one_place && daemon_asks_one_place())) follow_daemon_locks();
+        } else if (cs.connected == 0) {
+            follow_locks_.store(false);
+        }
     }
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
@@ -76,13 +102,17 @@ void Engine::apply_daemon_budgets() {
 // the transition that its VramPolicy, read later, would otherwise start.
 void Engine::follow_daemon_locks() {
     if (follow_locks_.exchange(true)) return;
-    for (Model* m : models_) std::fill(m->daemon_locked.begin(), m->daemon_locked.end(), 0);
     unregister_ahead();
     for (Model* m : models_)
         for (uint32_t slice = 0; slice < m->n_slices; ++slice) {
             uint8_t asked = Model::kAsked;
             if (!m->registered[slice].compare_exchange_strong(asked, Model::kNone)) unregister_slice(*m, slice);
         }
+    // What it locked before the hook followed it (its Locks are kept as they come).
+    for (Model* m : models_)
+        for (uint32_t e = 0; e < m->daemon_locked.size(); ++e)
+            if (m->daemon_locked[e] != 0)
+                follow_registration(*m, static_cast<int32_t>(e / m->map.n_experts), e % m->map.n_experts);
 }
 
 // One place: the bytes of an expert the pool holds need not stay in RAM. Its pages are paged out of
@@ -225,11 +255,10 @@ void Engine::poll_directives() {
         const int32_t ls = m->layer_slot[d[i].block];
         const uint32_t e = m->expert(ls, d[i].expert);
         if (d[i].action == MOECACHE_LOCK || d[i].action == MOECACHE_UNLOCK) {
-            // With a daemon the registered tier is what the daemon keeps locked (and no pool holds).
-            if (cfg_.registers()) follow_daemon_locks();
+            // Where the registered tier follows the daemon, it is what it keeps locked (and no pool holds).
             m->daemon_locked[e] = d[i].action == MOECACHE_LOCK ? 1 : 0;
             ++fill_gen_;
-            if (cfg_.registers()) follow_registration(*m, ls, d[i].expert);
+            if (cfg_.registers() && follow_locks_.load()) follow_registration(*m, ls, d[i].expert);
             continue;
         }
         directives_.fetch_add(1, std::memory_order_relaxed);

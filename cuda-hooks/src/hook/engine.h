@@ -272,7 +272,8 @@ private:
                                    uint64_t bytes, CUstream stream);
     // daemon_link.cpp
     void apply_daemon_budgets();
-    void follow_daemon_locks();  // a daemon came: its locks are the registered tier from now on
+    void follow_daemon_locks();  // the daemon's locks are the registered tier from now on
+    [[nodiscard]] bool daemon_asks_one_place() const;
     void drain_placements();
     void rezap_pooled();
     void drop_host_copy(const Model& m, uint32_t block, uint32_t expert);
@@ -329,6 +330,10 @@ private:
     std::mutex wanted_mu_;
     std::vector<std::pair<uint32_t, uint32_t>> wanted_;  // (model, slice) to register
     std::atomic<bool> follow_locks_{false};
+    // Background thread only: the client's connections so far (a new one is a new daemon), and
+    // whether the connected daemon's policy has come (until then nothing is registered ahead).
+    uint64_t daemon_connects_ = 0;
+    bool daemon_decided_ = false;
     // Background thread only: the experts the daemon promoted, in the order it did (hottest first).
     std::vector<std::pair<uint32_t, uint32_t>> fill_queue_;  // (model, expert)
     bool fill_queue_dirty_ = false;                           // holds some no longer promoted

@@ -312,10 +312,15 @@ bool Engine::register_wanted() {
             say("registering the %.2f GiB of expert tensors for DMA, in the background (budget %.2f GiB)",
                 static_cast<double>(all) / 1073741824.0, static_cast<double>(budget) / 1073741824.0);
     }
-    // A daemon connected whose policy has not come yet will have its locks followed: wait for it.
+    // A daemon connected whose policy has not come yet may have its locks followed: wait for it.
     moecache_client_stats cs{};
     if (client_ != nullptr) moecache_client_stats_get(client_, &cs);
-    const bool ahead = ahead_.load() && !follow_locks_.load() && cs.connected == 0;
+    const bool ahead = ahead_.load() && !follow_locks_.load() && (cs.connected == 0 || daemon_decided_);
+    if (ahead_.load() && !follow_locks_.load() && !ahead) {  // until it says: the runs or its locks
+        std::lock_guard lock(wanted_mu_);
+        wanted_.insert(wanted_.end(), wanted.begin(), wanted.end());
+        return false;
+    }
     if (wanted.empty() && !(ahead && ahead_model_ < models_.size())) return false;
     DeviceContext ctx(drv, device);
     if (!ctx.ok()) return false;

@@ -38,8 +38,9 @@ struct PoolSizes {
 // (page-locked; for machines whose RAM holds the model). register: a registered tier within a
 // budget (MOECACHE_CUDA_PIN_BUDGET, default half of memory), its copies straight from the pages at
 // DMA speed, the rest staged: every expert tensor, registered ahead in the background, when the
-// budget holds them all and no daemon is connected; with a daemon, what it keeps locked (its Lock
-// and Unlock directives); otherwise the slices that miss. auto, the default: the same, except that
+// budget holds them all and no daemon asks for one place; with a daemon that does (or a budget
+// that cannot hold them), what it keeps locked (its Lock and Unlock directives); otherwise the
+// slices that miss. auto, the default: the same, except that
 // without a daemon and with a model the budget cannot hold it registers nothing, and the rest is
 // staged only where a measurement at start shows staging faster than the runtime's own copy.
 enum class PinMode { Off, Auto, Staging, All, Register };
