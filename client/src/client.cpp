@@ -90,6 +90,7 @@ struct moecache_client {
     // The latest pool statistics per device, and which are not sent yet (under mu).
     std::array<std::optional<PoolStats>, kMaxPoolDevices> pool_stats{};
     std::array<bool, kMaxPoolDevices> pool_stats_unsent{};
+    std::array<MissPath, kMaxPoolDevices> miss_paths{};  // how each device's misses reach it (under mu)
     std::optional<Unmapped> unmapped;  // the latest (under mu)
     bool unmapped_unsent = false;
     static constexpr uint32_t kMaxBudgetDevices = 64;
@@ -490,7 +491,23 @@ int moecache_client_report_pool(moecache_client* c, uint32_t device, const moeca
     if (!c || !stats || device >= kMaxPoolDevices) return -EINVAL;
     {
         std::lock_guard lock(c->mu);
-        c->pool_stats[device] = PoolStats{device, stats->hits, stats->misses, stats->hit_bytes, stats->miss_bytes, stats->pool_bytes};
+        c->pool_stats[device] = PoolStats{device,          stats->hits,       stats->misses,        stats->hit_bytes,
+                                          stats->miss_bytes, stats->pool_bytes, c->miss_paths[device]};
+        c->pool_stats_unsent[device] = true;
+    }
+    const uint64_t one = 1;
+    (void)!::write(c->wake.get(), &one, sizeof one);
+    return 0;
+}
+
+int moecache_client_report_miss_path(moecache_client* c, uint32_t device, int path) {
+    if (!c || device >= kMaxPoolDevices || path < 0 || path > kLastMissPath) return -EINVAL;
+    {
+        std::lock_guard lock(c->mu);
+        if (c->miss_paths[device] == static_cast<MissPath>(path)) return 0;
+        c->miss_paths[device] = static_cast<MissPath>(path);
+        if (!c->pool_stats[device]) return 0;  // goes with the device's first statistics
+        c->pool_stats[device]->miss_path = c->miss_paths[device];
         c->pool_stats_unsent[device] = true;
     }
     const uint64_t one = 1;

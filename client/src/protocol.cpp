@@ -85,6 +85,65 @@ private:
 
 }  // namespace
 
+bool is_fast(MissPath p) { return p == MissPath::Registered || p == MissPath::DaemonLocks || p == MissPath::Unknown; }
+
+const char* to_string(MissPath p) {
+    switch (p) {
+        case MissPath::Unknown: return "unknown";
+        case MissPath::Registered: return "registered";
+        case MissPath::DaemonLocks: return "daemon-locks";
+        case MissPath::StagedChosen: return "staged-chosen";
+        case MissPath::PageableChosen: return "pageable-chosen";
+        case MissPath::StagedOverBudget: return "staged-over-budget";
+        case MissPath::StagedRegisterFailed: return "staged-register-failed";
+        case MissPath::SlowLink: return "slow-link";
+    }
+    return "unknown";
+}
+
+const char* reason_of(MissPath p) {
+    switch (p) {
+        case MissPath::Unknown: return "not said";
+        case MissPath::Registered: return "misses come straight from page-locked pages of the model, at the link's speed";
+        case MissPath::DaemonLocks:
+            return "misses of what moecached keeps locked come at the link's speed, the rest from storage (one place)";
+        case MissPath::StagedChosen:
+            return "MOECACHE_CUDA_PIN=staging: misses are copied through pinned buffers, a memcpy on every layer's path";
+        case MissPath::PageableChosen:
+            return "MOECACHE_CUDA_PIN=off: misses are copied from pageable memory (the driver stages them with one thread)";
+        case MissPath::StagedOverBudget:
+            return "the models' experts are larger than the pin budget (MOECACHE_CUDA_PIN_BUDGET, half of memory by "
+                   "default) and no moecached chooses which to lock: misses are staged through pinned buffers";
+        case MissPath::StagedRegisterFailed:
+            return "the driver would not register the model's pages for DMA: misses are staged through pinned buffers";
+        case MissPath::SlowLink:
+            return "the link to the GPU is slower than reading host memory: every miss costs more than the CPU's own "
+                   "math on it";
+    }
+    return "not said";
+}
+
+const char* advice_for(MissPath p) {
+    switch (p) {
+        case MissPath::Unknown:
+        case MissPath::Registered:
+        case MissPath::DaemonLocks: return "";
+        case MissPath::StagedChosen:
+        case MissPath::PageableChosen:
+            return "decode with GGML_OP_OFFLOAD_MIN_BATCH=1 is slower than without moecache: unset MOECACHE_CUDA_PIN "
+                   "(auto), or unset GGML_OP_OFFLOAD_MIN_BATCH to compute decode's experts on the CPU";
+        case MissPath::StagedOverBudget:
+            return "decode with GGML_OP_OFFLOAD_MIN_BATCH=1 is slower than without moecache: run moecached (its locks "
+                   "choose what is registered), raise MOECACHE_CUDA_PIN_BUDGET where RAM allows, or unset "
+                   "GGML_OP_OFFLOAD_MIN_BATCH";
+        case MissPath::StagedRegisterFailed:
+        case MissPath::SlowLink:
+            return "decode with GGML_OP_OFFLOAD_MIN_BATCH=1 is slower than without moecache: unset "
+                   "GGML_OP_OFFLOAD_MIN_BATCH (the pool still serves prompts)";
+    }
+    return "";
+}
+
 const char* to_string(Type t) {
     switch (t) {
         case Type::Hello: return "Hello";
@@ -181,6 +240,7 @@ std::vector<uint8_t> encode(const Message& m) {
                 body.u64(x.hit_bytes);
                 body.u64(x.miss_bytes);
                 body.u64(x.pool_bytes);
+                if (x.miss_path != MissPath::Unknown) body.u8(static_cast<uint8_t>(x.miss_path));
             } else if constexpr (std::is_same_v<T, Unmapped>) {
                 body.u64(x.copies);
                 body.u64(x.bytes);
@@ -369,6 +429,13 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             x.hit_bytes = r.u64("PoolStats.hit_bytes");
             x.miss_bytes = r.u64("PoolStats.miss_bytes");
             x.pool_bytes = r.u64("PoolStats.pool_bytes");
+            if (r.more()) {
+                const uint8_t path = r.u8("PoolStats.miss_path");
+                if (r.error().empty() && (path == 0 || path > kLastMissPath))
+                    r.fail(fmt::format("at byte {}: PoolStats miss_path is {}, not 1 .. {} (the byte is there only when known)",
+                                       kHeaderBytes + 44, path, kLastMissPath));
+                x.miss_path = static_cast<MissPath>(path);
+            }
             MC_TRY_VOID(expect_fds(0, "PoolStats"));
             m.body = x;
             break;

@@ -63,6 +63,7 @@ json to_json(const sdbus::Variant& v) {
     if (t == "i") return v.get<int32_t>();
     if (t == "x") return v.get<int64_t>();
     if (t == "d") return v.get<double>();
+    if (t == "as") return v.get<std::vector<std::string>>();
     return nullptr;
 }
 

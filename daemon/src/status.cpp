@@ -100,6 +100,8 @@ DaemonStatus Daemon::status(bool experts) const {
         cs.events = c->events;
         cs.bad_events = c->bad_events;
         if (c->ring) cs.overflow = c->ring->counters().overflow;
+        for (const auto& [device, pool] : c->pools)
+            if (pool.miss_path != protocol::MissPath::Unknown) cs.miss_paths.emplace_back(device, pool.miss_path);
         s.clients.push_back(std::move(cs));
     }
     if (page_cache_) {

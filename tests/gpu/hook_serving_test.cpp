@@ -24,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <tuple>
@@ -829,6 +830,103 @@ TEST_F(AutoOverBudget, NothingIsRegisteredWithoutADaemonToChoose) {
     }
     EXPECT_EQ(st.fallbacks, 0u);
     destroy(s);
+}
+
+// How misses reach the device decides whether decode with every expert's math on the GPU
+// (GGML_OP_OFFLOAD_MIN_BATCH=1) beats computing experts on the CPU: only from registered pages. On
+// every other path the hook says so once, on stderr, with why and what to do, and tells the daemon
+// (moecachectl status, the metrics). One fixture a path, each test in a process of its own.
+class MissPathTold : public HookServing {
+protected:
+    // Decodes a while with stderr in a file; returns what the hook wrote there.
+    std::string decode_and_capture(const std::function<void()>& before = {}) {
+        const std::string log = dir_.path() + "/stderr";
+        fflush(stderr);
+        const int saved = dup(2);
+        const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        dup2(fd, 2);
+        close(fd);
+        if (before) before();
+        auto s = new_streams();
+        warm_up(s);
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (hook_.stats().miss_path == 0 && std::chrono::steady_clock::now() < until) {
+            token(s);
+            (void)hook_.sync(100);
+        }
+        for (int i = 0; i < 5; ++i) token(s);
+        (void)hook_.sync(200);
+        destroy(s);
+        fflush(stderr);
+        dup2(saved, 2);
+        close(saved);
+        std::ifstream in(log);
+        return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    }
+    static size_t count(const std::string& text, const std::string& what) {
+        size_t n = 0;
+        for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+        return n;
+    }
+};
+
+class MissPathOff : public MissPathTold {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "off"}};
+    }
+};
+TEST_F(MissPathOff, PageableMissesAreSaidOnceWithWhatToDo) {
+    const std::string err = decode_and_capture();
+    EXPECT_EQ(hook_.stats().miss_path, 4u) << "MOECACHE_MISS_PATH_PAGEABLE_CHOSEN";
+    EXPECT_EQ(count(err, "MOECACHE_CUDA_PIN=off: misses are copied from pageable memory"), 1u) << err;
+    EXPECT_NE(err.find("slower than without moecache: unset MOECACHE_CUDA_PIN"), std::string::npos) << err;
+}
+
+class MissPathStaging : public MissPathTold {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "staging"}};
+    }
+};
+TEST_F(MissPathStaging, StagedMissesAreSaidOnce) {
+    const std::string err = decode_and_capture();
+    EXPECT_EQ(hook_.stats().miss_path, 3u) << "MOECACHE_MISS_PATH_STAGED_CHOSEN";
+    EXPECT_EQ(count(err, "MOECACHE_CUDA_PIN=staging"), 1u) << err;
+}
+
+class MissPathOverBudget : public MissPathTold {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "auto"}, {"MOECACHE_CUDA_PIN_BUDGET", "16M"}};
+    }
+};
+TEST_F(MissPathOverBudget, AModelLargerThanThePinBudgetWithoutADaemonIsSaid) {
+    const std::string err = decode_and_capture();
+    EXPECT_EQ(hook_.stats().miss_path, 5u) << "MOECACHE_MISS_PATH_STAGED_OVER_BUDGET";
+    EXPECT_EQ(count(err, "larger than the pin budget"), 1u) << err;
+    EXPECT_NE(err.find("run moecached"), std::string::npos) << err;
+}
+
+class MissPathRegistered : public MissPathTold {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "auto"}};
+    }
+};
+TEST_F(MissPathRegistered, TheRegisteredTierSaysNothing) {
+    const std::string err = decode_and_capture();
+    EXPECT_EQ(hook_.stats().miss_path, 1u) << "MOECACHE_MISS_PATH_REGISTERED";
+    EXPECT_EQ(err.find("slower than without moecache"), std::string::npos) << err;
+}
+
+class MissPathSlowLink : public MissPathTold {
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        return {{"MOECACHE_CUDA_POOL", "10%"}, {"MOECACHE_CUDA_PIN", "auto"}};
+    }
+};
+TEST_F(MissPathSlowLink, ALinkSlowerThanHostMemoryIsSaid) {
+    auto* gbps = cu_.knob<double>("fake_cuda_link_gbps");
+    if (gbps == nullptr) GTEST_SKIP() << "needs a link of a chosen speed: the fake driver's fake_cuda_link_gbps";
+    const std::string err = decode_and_capture([&] { *gbps = 1.0; });
+    EXPECT_EQ(hook_.stats().miss_path, 7u) << "MOECACHE_MISS_PATH_SLOW_LINK";
+    EXPECT_EQ(count(err, "the link to the GPU is slower than reading host memory"), 1u) << err;
 }
 
 // A miss whose pages are not in the page cache (a model larger than RAM, lazily loaded) is read from

@@ -160,6 +160,44 @@ TEST_F(DbusApi, AModelPathThatIsNotUtf8IsShownEscapedAndBreaksNothing) {
     moecache_client_close(c);
 }
 
+// A CUDA hook whose misses cannot come from registered pages (here MOECACHE_CUDA_PIN=off, as the
+// hook reports it) makes decode with every expert on the GPU slower than without moecache:
+// moecachectl status says so, naming the runtime, the device, why and what to do, and the metrics
+// count it by path. A hook on the registered path is not named.
+TEST_F(DbusApi, StatusSaysWhichHooksMakeDecodeSlowerAndWhy) {
+    start();
+    moecache_client* slow = moecache_client_open(dir_.file("d.sock").c_str(), "llama-server-a");
+    moecache_client* fast = moecache_client_open(dir_.file("d.sock").c_str(), "llama-server-b");
+    ASSERT_NE(slow, nullptr);
+    ASSERT_NE(fast, nullptr);
+    uint32_t h = 0;
+    for (auto* c : {slow, fast}) {
+        ASSERT_EQ(moecache_client_register_model(c, model_.c_str(), &h), 0);
+        ASSERT_EQ(moecache_client_wait_ready(c, 10000), 1);
+    }
+    const moecache_pool_stats pool{1, 2, 3, 4, 64u << 20};
+    ASSERT_EQ(moecache_client_report_miss_path(slow, 1, MOECACHE_MISS_PATH_PAGEABLE_CHOSEN), 0);
+    ASSERT_EQ(moecache_client_report_pool(slow, 1, &pool), 0);
+    ASSERT_EQ(moecache_client_report_pool(fast, 0, &pool), 0);
+    ASSERT_EQ(moecache_client_report_miss_path(fast, 0, MOECACHE_MISS_PATH_REGISTERED), 0);
+    EXPECT_EQ(moecache_client_report_miss_path(fast, 0, 99), -EINVAL);
+    std::string out;
+    for (int i = 0; i < 100; ++i) {
+        out = ctl({"status"}, kNobody).out;
+        if (out.find("slower") != std::string::npos) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_NE(out.find("slower       llama-server-a (pid "), std::string::npos) << out;
+    EXPECT_NE(out.find("GPU 1: MOECACHE_CUDA_PIN=off: misses are copied from pageable memory"), std::string::npos) << out;
+    EXPECT_NE(out.find("unset MOECACHE_CUDA_PIN (auto)"), std::string::npos) << out;
+    EXPECT_EQ(out.find("llama-server-b"), std::string::npos) << "the registered path is no notice: " << out;
+    const auto j = ctl_json({"status"}, kNobody);
+    ASSERT_TRUE(j["hook_notices"].is_array()) << j.dump();
+    EXPECT_EQ(j["hook_notices"].size(), 1u) << j.dump();
+    moecache_client_close(slow);
+    moecache_client_close(fast);
+}
+
 TEST_F(DbusApi, ChangesAreDeniedToAnUnprivilegedUserAndAllowedToRoot) {
     start();
     test::write_file(dir_.file("profile.json"), ctl({"profile", "export", "0"}).out);

@@ -58,6 +58,7 @@ DaemonStatus sample() {
     s.models.push_back(plain);
     ClientStatus c;
     c.events = 7;
+    c.miss_paths = {{0, protocol::MissPath::Registered}, {1, protocol::MissPath::PageableChosen}};
     s.clients.push_back(c);
     PoolDeviceStatus p;
     p.device = 1;
@@ -116,6 +117,9 @@ TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
     EXPECT_NE(text.find("moecache_reserve_bytes 2147483648\n"), std::string::npos);
     EXPECT_NE(text.find("moecache_hook_unmapped_copy_bytes_total 3221225472\n"), std::string::npos);
     EXPECT_NE(text.find("moecache_hook_clients_without_model_mapping 1\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_hook_miss_path_devices{path=\"registered\"} 1\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_hook_miss_path_devices{path=\"pageable-chosen\"} 1\n"), std::string::npos);
+    EXPECT_NE(text.find("moecache_hook_miss_path_devices{path=\"slow-link\"} 0\n"), std::string::npos) << "every path from the start";
     EXPECT_NE(text.find("moecache_daemon_errors_total{doing=\"saving heat profiles\"} 2\n"), std::string::npos);
     for (size_t at = 0; (at = text.find('\n', at)) != std::string::npos; ++at)
         ASSERT_TRUE(at + 1 == text.size() || text[at + 1] == '#' || text.compare(at + 1, 9, "moecache_") == 0)

@@ -4,6 +4,8 @@
 #include "moecache/client/telemetry_ring.h"
 
 #include <gtest/gtest.h>
+
+#include <cstring>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -29,6 +31,8 @@ std::vector<Message> samples() {
         {0, ExpertPlacement{9, 12, 255, kHostTier}},
         {0, PoolStats{0, 90, 10, 9000, 1000, 1ull << 30}},
         {0, PoolStats{kMaxPoolDevices - 1, ~0ull, 0, ~0ull, 0, 0}},
+        {0, PoolStats{1, 5, 6, 7, 8, 9, MissPath::PageableChosen}},
+        {0, PoolStats{1, 5, 6, 7, 8, 9, MissPath::SlowLink}},
         {0, Unmapped{12, 3ull << 30, true}},
         {0, Unmapped{0, 0, false}},
         {0, VramPolicy{kAllDevices, 8ull << 30, true}},
@@ -64,6 +68,30 @@ TEST(Protocol, APoolPolicyWithoutItsRecencyByteReadsAsNone) {
         auto r = decode(bad, 0);
         ASSERT_FALSE(r) << int{b};
         EXPECT_NE(r.error().what().find("VramPolicy recency is " + std::to_string(b)), std::string::npos) << r.error().what();
+    }
+}
+
+// How a pool's misses reach its device is a trailing byte too: a client that predates it sends none
+// (unknown), and 0 or a path past the last is refused, named.
+TEST(Protocol, PoolStatsWithoutTheirMissPathReadAsUnknown) {
+    const auto without = encode({0, PoolStats{2, 1, 2, 3, 4, 5}});
+    auto bytes = encode({0, PoolStats{2, 1, 2, 3, 4, 5, MissPath::Registered}});
+    ASSERT_EQ(bytes.size(), without.size() + 1) << "one byte, only when known";
+    auto back = decode(without, 0);
+    ASSERT_TRUE(back) << back.error().what();
+    EXPECT_EQ(std::get<PoolStats>(back->body).miss_path, MissPath::Unknown);
+    for (uint8_t b : {uint8_t{0}, uint8_t{kLastMissPath + 1}}) {
+        bytes.back() = b;
+        auto r = decode(bytes, 0);
+        ASSERT_FALSE(r) << int{b};
+        EXPECT_NE(r.error().what().find("PoolStats miss_path is " + std::to_string(b)), std::string::npos) << r.error().what();
+    }
+    // Each path says what it is, and every slow one what to do.
+    for (uint8_t p = 1; p <= kLastMissPath; ++p) {
+        const auto path = static_cast<MissPath>(p);
+        EXPECT_STRNE(to_string(path), "unknown");
+        EXPECT_GT(strlen(reason_of(path)), 20u);
+        EXPECT_EQ(strlen(advice_for(path)) > 0, !is_fast(path)) << to_string(path);
     }
 }
 

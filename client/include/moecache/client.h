@@ -85,6 +85,19 @@ typedef struct moecache_pool_stats {
     uint64_t pool_bytes;             /* allocated now */
 } moecache_pool_stats;
 MOECACHE_API int moecache_client_report_pool(moecache_client* c, uint32_t device, const moecache_pool_stats* stats);
+/* How copies that `device`'s pool misses reach it (one of MOECACHE_MISS_PATH_*), sent with its
+ * statistics: the daemon's status says when that makes decode slower than without moecache.
+ * Returns 0 or -errno. */
+enum {
+    MOECACHE_MISS_PATH_REGISTERED = 1,          /* straight from page-locked pages of the model */
+    MOECACHE_MISS_PATH_DAEMON_LOCKS = 2,        /* what moecached locks so, the rest from storage */
+    MOECACHE_MISS_PATH_STAGED_CHOSEN = 3,       /* MOECACHE_CUDA_PIN=staging */
+    MOECACHE_MISS_PATH_PAGEABLE_CHOSEN = 4,     /* MOECACHE_CUDA_PIN=off */
+    MOECACHE_MISS_PATH_STAGED_OVER_BUDGET = 5,  /* models larger than the pin budget, no daemon */
+    MOECACHE_MISS_PATH_STAGED_REGISTER_FAILED = 6,
+    MOECACHE_MISS_PATH_SLOW_LINK = 7
+};
+MOECACHE_API int moecache_client_report_miss_path(moecache_client* c, uint32_t device, int path);
 /* Host-to-device copies of 1 MiB or more that came from memory mapping no model this process
  * knows (cumulative counts), and whether it maps any model at all (no_model 1): a runtime that
  * loaded its model without mmap, which moecache cannot help. Sent in the background (the latest,

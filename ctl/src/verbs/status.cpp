@@ -38,6 +38,9 @@ int cmd_status(const Options& o, const std::vector<std::string>& args) {
         const auto metrics = field<std::string>(s, dbus_keys::kMetrics);
         fmt::print("  metrics      {}\n", metrics.empty() ? "off" : "http://" + metrics + "/metrics");
         if (field<bool>(s, dbus_keys::kTracing)) fmt::print("  trace        recording: {} router decisions\n", field<uint64_t>(s, dbus_keys::kTraceRecords));
+        // Absent from daemons before it.
+        if (const auto it = s.find(dbus_keys::kHookNotices); it != s.end())
+            for (const auto& line : it->second.get<std::vector<std::string>>()) fmt::print("  slower       {}\n", line);
         return kExitOk;
     });
 }

@@ -78,6 +78,8 @@ typedef struct moecache_cuda_stats {
     uint64_t bytes_from_peers; /* of bytes_from_pool, from another device's pool */
     uint64_t bytes_read_from_files; /* staged bytes read from the model files (pread), not through their mappings */
     uint64_t filled_ahead;    /* slices put in a pool ahead of use, as the daemon directed (Promote) */
+    uint64_t miss_path;       /* how misses reach the first device with a pool: MOECACHE_MISS_PATH_*
+                                 of moecache/client.h (0: not known yet) */
 } moecache_cuda_stats;
 
 void moecache_cuda_stats_get(moecache_cuda_stats* out);

@@ -3,9 +3,11 @@
 // pool (and, for one place, this process's pages of them dropped), the daemon's VRAM budget per
 // device and its promote/demote directives.
 #include "moecache/page_cache.h"
+#include "moecache/client/protocol.h"
 #include "driver.h"
 #include "engine.h"
 #include "moecache/client.h"
+#include "log.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -148,6 +150,47 @@ void Engine::drop_host_copy(const Model& m, uint32_t block, uint32_t expert) {
             if (around_lo < a) (void)madvise(reinterpret_cast<void*>(around_lo), a - around_lo, MADV_DONTNEED);
             if (around_hi > b) (void)madvise(reinterpret_cast<void*>(b), around_hi - b, MADV_DONTNEED);
         }
+    }
+}
+
+// How copies a device's pool misses reach it now (protocol::MissPath, moecache/client.h's numbers).
+int Engine::miss_path(const DevicePool& dp) const {
+    switch (cfg_.pin) {
+        case PinMode::Off: return MOECACHE_MISS_PATH_PAGEABLE_CHOSEN;
+        case PinMode::Staging: return MOECACHE_MISS_PATH_STAGED_CHOSEN;
+        case PinMode::All: break;
+        case PinMode::Auto:
+        case PinMode::Register:
+            if (follow_locks_.load()) return MOECACHE_MISS_PATH_DAEMON_LOCKS;
+            if (!ahead_.load()) return MOECACHE_MISS_PATH_STAGED_OVER_BUDGET;
+            break;
+    }
+    if (register_failed_.load()) return MOECACHE_MISS_PATH_STAGED_REGISTER_FAILED;
+    if (dp.link_gbps > 0 && dp.link_gbps < kSlowLinkGBps && dp.link_gbps < kSlowLinkShare * dp.memcpy_gbps)
+        return MOECACHE_MISS_PATH_SLOW_LINK;
+    return MOECACHE_MISS_PATH_REGISTERED;
+}
+
+// Once a device's path is known, and whenever it changes: told to the daemon (its status and
+// metrics), and on stderr once where decode with every expert on the GPU is slower for it than
+// without moecache, with why and what to do.
+void Engine::tell_miss_paths() {
+    for (int d = 0; d < kMaxDevices; ++d) {
+        DevicePool* dp = pools_[d].load();
+        if (dp == nullptr || !dp->copies_set_up.load(std::memory_order_acquire)) continue;
+        // With a model that fits the budget, the registered tier waits for a connected daemon's word.
+        moecache_client_stats cs{};
+        if (client_ != nullptr) moecache_client_stats_get(client_, &cs);
+        if (cfg_.registers() && ahead_.load() && !follow_locks_.load() && cs.connected != 0 && !daemon_decided_) continue;
+        const int path = miss_path(*dp);
+        const int before = dp->told_path.load();
+        if (path == before) continue;
+        const auto p = static_cast<protocol::MissPath>(path);
+        const bool was_slow = before != 0 && !protocol::is_fast(static_cast<protocol::MissPath>(before));
+        dp->told_path.store(path);
+        if (!protocol::is_fast(p)) say("device %d: %s. %s.", d, protocol::reason_of(p), protocol::advice_for(p));
+        else if (was_slow || cfg_.log) say("device %d: %s", d, protocol::reason_of(p));
+        if (client_ != nullptr) (void)moecache_client_report_miss_path(client_, static_cast<uint32_t>(d), path);
     }
 }
 

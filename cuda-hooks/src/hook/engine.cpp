@@ -125,6 +125,7 @@ void Engine::run() {
         if (resized) report_pools();  // a pool that grew from nothing: its placements count from now
         more = cfg_.registers() && register_wanted();
         apply_daemon_budgets();
+        tell_miss_paths();
         poll_directives();
         drain_placements();
         more = fill_pools() || more;
@@ -178,6 +179,7 @@ void Engine::stats(moecache_cuda_stats* out) {
             out->declined += s.declined;
             ++out->devices;
             if (dp->staged.load()) ++out->staged_devices;
+            if (out->miss_path == 0) out->miss_path = static_cast<uint64_t>(dp->told_path.load());
         }
 }
 

@@ -184,6 +184,11 @@ private:
         CUfunction copy_fn = nullptr;
         CUmodule copy_module = nullptr;
         std::unique_ptr<StagingRing> staging; // set by the background thread before `staged`
+        // Host-to-device speed from pinned memory, measured when the pool was made (0: not measured).
+        double link_gbps = 0;
+        double memcpy_gbps = 0;  // one thread's memcpy from that memory, measured beside it
+        std::atomic<bool> copies_set_up{false};  // set_up_copies ran: the miss path can be told
+        std::atomic<int> told_path{0};  // the MissPath last told (0: none yet); written by the background thread
         // How it served expert copies (slices; bytes), for the daemon's metrics.
         std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
         // Of those, the copies of decode steps (routing copies outside a prompt batch).
@@ -253,6 +258,7 @@ private:
     void free_arenas(DevicePool& dp, const std::vector<uint64_t>& bases);
     // staging.cpp
     void set_up_copies(DevicePool& dp);
+    static std::pair<double, double> measure_link(const Driver* drv);
     void pin_models();
     bool register_wanted();  // the registered tier: what the copy path or the daemon's locks asked for, and ahead
     void build_runs(Model& m);
@@ -273,6 +279,14 @@ private:
     // daemon_link.cpp
     void apply_daemon_budgets();
     void follow_daemon_locks();  // the daemon's locks are the registered tier from now on
+    [[nodiscard]] int miss_path(const DevicePool& dp) const;
+    void tell_miss_paths();
+    // A link to the GPU (measured from pinned memory) below this, and clearly slower than one
+    // thread's memcpy from the same memory (kSlowLinkShare of it), carries a token's misses more
+    // slowly than the CPU would read them for its own math: PCIe 3.0 x8 and slower, a Thunderbolt
+    // enclosure. (An H200's PCIe 5.0 x16 link moves ~50 GB/s; one thread's memcpy ~10-20.)
+    static constexpr double kSlowLinkGBps = 8.0;
+    static constexpr double kSlowLinkShare = 0.7;
     [[nodiscard]] bool daemon_asks_one_place() const;
     void drain_placements();
     void rezap_pooled();
@@ -330,6 +344,7 @@ private:
     std::mutex wanted_mu_;
     std::vector<std::pair<uint32_t, uint32_t>> wanted_;  // (model, slice) to register
     std::atomic<bool> follow_locks_{false};
+    std::atomic<bool> register_failed_{false};  // the driver refused to register a model's pages
     // Background thread only: the client's connections so far (a new one is a new daemon), and
     // whether the connected daemon's policy has come (until then nothing is registered ahead).
     uint64_t daemon_connects_ = 0;

@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <tuple>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -256,6 +257,7 @@ void Engine::pin_models() {
                     of[i]->path.c_str(), seconds_since(t0));
         } else if (q.result != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
             all = false;
+            if (q.result != CUDA_ERROR_NOT_READY) register_failed_.store(true);
             say("%s: registering the expert bytes for DMA failed (CUDA error %d); misses go through pinned staging",
                 of[i]->path.c_str(), static_cast<int>(q.result));
         }
@@ -382,6 +384,8 @@ bool Engine::register_wanted() {
             ++fill_gen_;  // a pool may fill from it now
         } else if (request != SIZE_MAX && requests[request].result == CUDA_ERROR_NOT_READY) {
             next = Model::kNone;  // copies under way held it back: asked again when next wanted
+        } else if (request != SIZE_MAX && requests[request].result != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
+            register_failed_.store(true);
         } else if (follow_locks_.load()) {
             next = Model::kNone;  // over the budget now; a later lock may fit
         }
@@ -455,6 +459,7 @@ void Engine::register_run(Model& m, size_t run, uint64_t budget) {
             return;
         }
         ok = one[0].result == CUDA_SUCCESS;
+        if (!ok && one[0].result != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) register_failed_.store(true);
         if (ok) {
             pinned_bytes_.fetch_add(b - a);
             ahead_ranges_.emplace_back(reinterpret_cast<void*>(a), b - a);
@@ -570,11 +575,52 @@ void Engine::sync_pool_devices() {
 // How copies that miss the pool reach the device: from the registered model (PIN=all), through
 // pinned staging, or as the runtime asked. For auto the hook measures both on the model's own
 // bytes and keeps staging only where it is faster by a clear margin.
+// The device's link from pinned host memory, and one thread's memcpy from it, in GB/s (0: could
+// not measure): a few copies of kLinkProbeBytes, the best of them. Misses cross the link on every
+// decoding layer's path, where the CPU's own math would read host memory instead.
+std::pair<double, double> Engine::measure_link(const Driver* drv) {
+    constexpr size_t kLinkProbeBytes = 16 << 20;
+    void* host = nullptr;
+    CUdeviceptr dev = 0;
+    CUstream s = nullptr;
+    double best = 0, memory = 0;
+    if (drv->mem_host_alloc(&host, kLinkProbeBytes, CU_MEMHOSTALLOC_PORTABLE) == CUDA_SUCCESS &&
+        drv->mem_alloc(&dev, kLinkProbeBytes) == CUDA_SUCCESS && drv->stream_create(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS) {
+        memset(host, 1, kLinkProbeBytes);
+        std::vector<uint8_t> into(kLinkProbeBytes);
+        for (int round = 0; round < 4; ++round) {
+            auto t0 = std::chrono::steady_clock::now();
+            if (drv->memcpy_htod_async(dev, host, kLinkProbeBytes, s) != CUDA_SUCCESS || drv->stream_synchronize(s) != CUDA_SUCCESS)
+                break;
+            if (round > 0) best = std::max(best, static_cast<double>(kLinkProbeBytes) / seconds_since(t0) / 1e9);
+            t0 = std::chrono::steady_clock::now();
+            memcpy(into.data(), host, kLinkProbeBytes);
+            asm volatile("" : : "r"(into.data()) : "memory");  // the copy is used
+            if (round > 0) memory = std::max(memory, static_cast<double>(kLinkProbeBytes) / seconds_since(t0) / 1e9);
+        }
+    }
+    if (s != nullptr) (void)drv->stream_destroy(s);
+    // A free while the runtime captures a graph would spoil the capture.
+    capture_gate().exclusive([&] {
+        if (dev != 0) (void)drv->mem_free(dev);
+        if (host != nullptr) (void)drv->mem_free_host(host);
+    });
+    return {best, memory};
+}
+
 void Engine::set_up_copies(DevicePool& dp) {
     const Driver* drv = driver();
+    struct Done {
+        DevicePool& dp;
+        ~Done() { dp.copies_set_up.store(true, std::memory_order_release); }
+    } done{dp};
     if (drv == nullptr || cfg_.pin == PinMode::Off) return;
     DeviceContext ctx(drv, dp.device);  // registration and pinned buffers need a current context
     if (!ctx.ok()) return;
+    std::tie(dp.link_gbps, dp.memcpy_gbps) = measure_link(drv);
+    if (cfg_.log)
+        say("device %d: %.1f GB/s from pinned host memory (one thread's memcpy %.1f GB/s)", dp.device, dp.link_gbps,
+            dp.memcpy_gbps);
     if (cfg_.pin == PinMode::All) {
         pin_models();
         if (pinned_all_) return;

@@ -197,6 +197,13 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
             d[dbus_keys::kVramReleases] = s.vram_releases;
             d[dbus_keys::kTracing] = s.tracing;
             d[dbus_keys::kTraceRecords] = s.trace_records;
+            std::vector<std::string> notices;
+            for (const auto& c : s.clients)
+                for (const auto& [device, path] : c.miss_paths)
+                    if (!protocol::is_fast(path))
+                        notices.push_back(printable_utf8(fmt::format("{} (pid {}) GPU {}: {}. {}.", c.name, c.pid, device,
+                                                                     protocol::reason_of(path), protocol::advice_for(path))));
+            d[dbus_keys::kHookNotices] = notices;
             return d;
         });
     }

@@ -186,6 +186,17 @@ std::string render_metrics(const DaemonStatus& s) {
              s.unmapped_copy_bytes);
     w.scalar("moecache_hook_clients_without_model_mapping", "gauge",
              "Connected CUDA hooks whose runtime copies large buffers to the GPU but maps no model.", s.clients_without_model);
+    // Every path has a series from the start: a dashboard can alert on the slow ones being above 0.
+    w.family("moecache_hook_miss_path_devices", "gauge",
+             "Devices of connected CUDA hooks by how pool misses reach them; all but registered and daemon-locks "
+             "make decode with every expert on the GPU slower than computing experts on the CPU (moecachectl status says why).");
+    for (uint8_t p = 1; p <= protocol::kLastMissPath; ++p) {
+        const auto path = static_cast<protocol::MissPath>(p);
+        uint64_t n = 0;
+        for (const auto& c : s.clients)
+            for (const auto& [device, at] : c.miss_paths) n += at == path ? 1 : 0;
+        w.sample("moecache_hook_miss_path_devices", fmt::format("path=\"{}\"", protocol::to_string(path)), n);
+    }
 
     w.family("moecache_daemon_errors_total", "counter",
              "Failures the daemon went on after, by what it was doing (the log has the first of each and then one a minute).");

@@ -17,6 +17,8 @@
 //   fake_cuda_copy_delay_us  a host-to-device copy waits this long before the driver looks at its
 //                          source (a real one spends microseconds there, a pageable one longer):
 //                          what the hook registers meanwhile decides whether the copy is refused
+//   fake_cuda_link_gbps    host-to-device copies of 1 MiB or more take at least their bytes at
+//                          this rate (0: as fast as memcpy): a slow link to the GPU
 // Captures (cuStreamBeginCapture_v2 .. cuStreamEndCapture) are modelled as the driver keeps them:
 // while one is open, a context synchronisation, a cuMemFree or a module load invalidates it, and
 // its cuStreamEndCapture says so (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED); fake_cuda_counts counts
@@ -65,6 +67,7 @@ __attribute__((visibility("default"))) int fake_cuda_devices = 1;
 __attribute__((visibility("default"))) unsigned long long fake_cuda_memory_limit = 8ull << 30;
 __attribute__((visibility("default"))) int fake_cuda_peer = 1;
 __attribute__((visibility("default"))) int fake_cuda_copy_delay_us = 0;
+__attribute__((visibility("default"))) double fake_cuda_link_gbps = 0;
 }
 
 namespace {
@@ -207,6 +210,8 @@ CUresult enqueue(CUstream st, Op op) {
 
 CUresult htod(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool sync) {
     if (fake_cuda_copy_delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(fake_cuda_copy_delay_us));
+    if (fake_cuda_link_gbps > 0 && n >= (1u << 20))
+        std::this_thread::sleep_for(std::chrono::nanoseconds(static_cast<int64_t>(static_cast<double>(n) / fake_cuda_link_gbps)));
     std::lock_guard lock(mu);
     if (n == 0) return CUDA_SUCCESS;
     if (!is_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;

@@ -78,15 +78,41 @@ struct ExpertPlacement {
     uint32_t device = kHostTier;
     bool operator==(const ExpertPlacement&) const = default;
 };
+// How the copies a VRAM pool misses reach its device. With every expert's math on the GPU
+// (GGML_OP_OFFLOAD_MIN_BATCH=1) each token's misses cross the link on the critical path: only the
+// registered paths (DMA straight from page-locked pages) decode at least as fast as computing the
+// experts on the CPU (llama.cpp's default); on every other one the hook says so, and why.
+enum class MissPath : uint8_t {
+    Unknown = 0,               // not said (a client from before this)
+    Registered = 1,            // every expert registered for DMA: at the link's speed
+    DaemonLocks = 2,           // what the daemon keeps locked at the link's speed, the rest from storage
+    StagedChosen = 3,          // MOECACHE_CUDA_PIN=staging: copied into pinned buffers on the way
+    PageableChosen = 4,        // MOECACHE_CUDA_PIN=off: from pageable memory, as the runtime asks
+    StagedOverBudget = 5,      // the models are larger than the pin budget and no daemon chooses
+    StagedRegisterFailed = 6,  // the driver would not register the model's pages
+    SlowLink = 7,              // registered, but the link to the device is slower than host memory
+};
+inline constexpr uint8_t kLastMissPath = 7;
+// Whether decode on this path is expected at least as fast as with the experts on the CPU.
+[[nodiscard]] bool is_fast(MissPath p);
+// Its name in metrics ("registered", "pageable-chosen", ...), what it means and what to do, in
+// words: the hook's line at start and moecachectl status say the same.
+[[nodiscard]] const char* to_string(MissPath p);
+[[nodiscard]] const char* reason_of(MissPath p);
+[[nodiscard]] const char* advice_for(MissPath p);
+
 // How a client's VRAM pool on `device` has served expert copies since the client started
 // (cumulative: the daemon takes differences): slices copied from the pool and from the host, and
-// the pool's size now. One-way, resent as it changes.
+// the pool's size now; how its misses reach the device. One-way, resent as it changes.
 inline constexpr uint32_t kMaxPoolDevices = 64;
 struct PoolStats {
     uint32_t device = 0;  // < kMaxPoolDevices
     uint64_t hits = 0, misses = 0;            // slices
     uint64_t hit_bytes = 0, miss_bytes = 0;   // bytes copied from the pool / from the host
     uint64_t pool_bytes = 0;                  // allocated now
+    // A trailing byte, present only when known (not Unknown): older daemons refuse a message with
+    // it (nothing may follow a message's fields) and the client reconnects; both are upgraded together.
+    MissPath miss_path = MissPath::Unknown;
     bool operator==(const PoolStats&) const = default;
 };
 // Host-to-device copies of a megabyte or more from memory that maps no model the client knows

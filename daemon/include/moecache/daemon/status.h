@@ -2,6 +2,7 @@
 // src/status.cpp, rendered by metrics.cpp and dbus_service.cpp).
 #pragma once
 
+#include "moecache/client/protocol.h"
 #include "moecache/daemon/model_residency.h"
 
 #include <cstdint>
@@ -78,6 +79,8 @@ struct ClientStatus {
     uint64_t events = 0;           // routing records consumed from its ring
     uint64_t bad_events = 0;       // records naming a model, block or expert it may not
     uint64_t overflow = 0;         // records its ring had no room for (the client's count)
+    // How its VRAM pools' misses reach their devices, as it says (PoolStats): (device, path).
+    std::vector<std::pair<uint32_t, protocol::MissPath>> miss_paths;
 };
 
 // The VRAM pools of the CUDA hooks on one device, as they report it (PoolStats): counters since the

@@ -62,5 +62,8 @@ inline constexpr const char kPageCacheEvents[] = "page_cache_events";
 inline constexpr const char kVramReleases[] = "vram_releases";
 inline constexpr const char kTracing[] = "tracing";
 inline constexpr const char kTraceRecords[] = "trace_records";
+// as: one line per device of a connected CUDA hook whose misses make decode slower than without
+// moecache: who, which device, why, and what to do.
+inline constexpr const char kHookNotices[] = "hook_notices";
 
 }  // namespace moecache::dbus_keys
