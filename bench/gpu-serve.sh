@@ -7,27 +7,34 @@
 # against what users have today, in the same run:
 #   limit       every expert in VRAM (-ngl 99, nothing on the CPU): the ceiling
 #   cpu         -ot exps=CPU at llama.cpp's default offload threshold: the anchor (ratios are to it)
-#   static      the same VRAM bytes spent statically: the last quarter of the layers' experts on
-#               the GPU that runs those layers, the rest as cpu; static-mb1 the same with
+#   cpu-none    the same with --load-mode none: llama.cpp reads the experts into its own pinned
+#               host buffers (what its loader advises), where RAM holds the model
+#   staticP     the same VRAM bytes as a pool of P % spent statically: the last P % of the layers'
+#               experts on the GPU that runs those layers, the rest as cpu (static: P = 25);
+#               staticP-none with --load-mode none; static-mb1 static25 with
 #               GGML_OP_OFFLOAD_MIN_BATCH=1 (the recipe's form)
 #   recipe      the unified-memory recipe of DESIGN.md: GGML_OP_OFFLOAD_MIN_BATCH=1, experts in
 #               pageable host memory, every token's expert math on the GPU
 #   hookP-MODE  the recipe with libmoecache-cuda.so preloaded: a pool of P % of the experts of the
-#               layers each GPU serves, misses copied with MOECACHE_CUDA_PIN=MODE (off, auto, register, all)
+#               layers each GPU serves, misses copied with MOECACHE_CUDA_PIN=MODE (off, auto, register,
+#               all, staging; default: the hook's default); hookP-MODE-b the same with HOOK_B, another
+#               build of the hook (an A/B)
 # Rounds interleaved; medians; greedy text of every hook configuration compared with the recipe's
 # (the same computation without the hook: it must be byte-identical).
 #
 #   bench/gpu-serve.sh LLAMA_BIN [WORKDIR]
 # LLAMA_BIN: a folder with llama-bench and llama-completion of a CUDA build (and its libraries).
 # Environment: CONFIGS, WORKLOADS (pg sep compl), ROUNDS (2), THREADS (all cores), PROMPT_TOKENS,
-# MOECACHE_BUILD (build: the hook and moecache-mkmodel), LAYERS EXPERTS USED EMBD FF (the shape).
+# MOECACHE_BUILD (build: the hook and moecache-mkmodel), HOOK (the hook's path), HOOK_B, MKMODEL,
+# MODEL (a model to use as it is), else LAYERS EXPERTS USED EMBD FF TYPE SEED (the shape generated),
+# DEADLINE (seconds: no run starts after it; the table is still printed).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bin=$(realpath "${1:?usage: bench/gpu-serve.sh LLAMA_BIN [WORKDIR]}")
 work=${2:-/tmp/moecache-gpu-serve}
 build=${MOECACHE_BUILD:-build}
-hook=$(realpath "$build/cuda-hooks/libmoecache-cuda.so")
-mkmodel=$build/tools/mkmodel/moecache-mkmodel
+hook=$(realpath "${HOOK:-$build/cuda-hooks/libmoecache-cuda.so}")
+mkmodel=${MKMODEL:-$build/tools/mkmodel/moecache-mkmodel}
 rounds=${ROUNDS:-2}
 threads=${THREADS:-$(nproc)}
 prompt_tokens=${PROMPT_TOKENS:-3072}
@@ -38,14 +45,16 @@ if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # the GPUs llama.cpp sees
   gpus=$(( ${#visible[@]} < gpus ? ${#visible[@]} : gpus ))
 fi
 [ "$gpus" -ge 1 ] || { echo "gpu-serve: no GPU (nvidia-smi -L lists none)" >&2; exit 2; }
-configs=(${CONFIGS:-limit cpu static static-mb1 recipe hook10-auto hook25-off hook25-auto hook25-all hook50-auto})
+configs=(${CONFIGS:-limit cpu cpu-none static25 static25-none recipe hook10-auto hook25-off hook25-auto hook25-all hook50-auto})
 workloads=(${WORKLOADS:-pg sep compl})
 mkdir -p "$work"
-model=$work/serve-${layers}.gguf
+model=${MODEL:-$work/serve-${layers}${TYPE:+-$TYPE}${SEED:+-s$SEED}.gguf}
 if [ ! -f "$model" ]; then
   "$mkmodel" --output "$model" --layers "$layers" --experts "${EXPERTS:-128}" --experts-used "${USED:-8}" \
-    --embd "${EMBD:-2048}" --ff "${FF:-768}" --preset deepseek-v4-flash >/dev/null
+    --embd "${EMBD:-2048}" --ff "${FF:-768}" --preset deepseek-v4-flash ${TYPE:+--expert-type "$TYPE"} ${SEED:+--seed "$SEED"} >/dev/null
 fi
+# Its layers (a MODEL given may have another shape): the static splits count them.
+layers=$(python3 "$here/gguf_blocks.py" "$model")
 cat "$model" >/dev/null  # in the page cache: every configuration starts from the same warm cache
 # A prompt of ordinary words: the generated model's tokenizer makes about 2.5 tokens of each.
 python3 - "$work/prompt.txt" "$prompt_tokens" <<'EOF'
@@ -55,21 +64,30 @@ words = "the of and to in is was for on that with as by at from his her they thi
 open(sys.argv[1], "w").write(" ".join(random.choice(words) for _ in range(int(sys.argv[2]) * 2 // 5)))
 EOF
 
-last=$((layers - 1)); first=$((layers - layers / 4))
-static_ot="blk\.($(seq -s '|' "$first" "$last"))\.ffn_.*_exps\.=CUDA$((gpus - 1))"
-# setup NAME: the environment (env_) and tensor overrides (ot_) of a configuration.
+# The last P % of the layers' experts on the GPU that runs those layers: as many bytes as a pool of P %.
+static_ot() {
+  local n=$(( (layers * $1 + 50) / 100 )) last=$((layers - 1))
+  echo "blk\.($(seq -s '|' $((layers - n)) "$last"))\.ffn_.*_exps\.=CUDA$((gpus - 1))"
+}
+# setup NAME: the environment (env_), tensor overrides (ot_) and load mode (lm_) of a configuration.
 setup() {
   env_=(MOECACHE_UNUSED=1)
   ot_=(exps=CPU)
-  case $1 in
+  lm_=()
+  local c=$1
+  if [[ $c == *-none ]]; then lm_=(none); c=${c%-none}; fi
+  case $c in
     limit) ot_=() ;;
     cpu) ;;
-    static) ot_=("$static_ot" exps=CPU) ;;
-    static-mb1) ot_=("$static_ot" exps=CPU); env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
+    static) ot_=("$(static_ot 25)" exps=CPU) ;;
+    static[0-9]*) ot_=("$(static_ot "${c#static}")" exps=CPU) ;;
+    static-mb1) ot_=("$(static_ot 25)" exps=CPU); env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
     recipe) env_=(GGML_OP_OFFLOAD_MIN_BATCH=1) ;;
-    hook*-*) local p=${1#hook}; p=${p%-*}
-      env_=(LD_PRELOAD="$hook" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_PIN="${1##*-}"
-            MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_CLIENT=off) ;;
+    hook*-*) local p=${c#hook} lib=$hook mode
+      [[ $p == *-b ]] && { lib=$(realpath "${HOOK_B:?hook B: HOOK_B=PATH}"); p=${p%-b}; }
+      mode=${p#*-}; p=${p%%-*}
+      env_=(LD_PRELOAD="$lib" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_CLIENT=off)
+      [ "$mode" = default ] || env_+=(MOECACHE_CUDA_PIN="$mode") ;;
     *) echo "gpu-serve: unknown configuration $1" >&2; exit 2 ;;
   esac
 }
@@ -83,16 +101,25 @@ run() {  # run CONFIG WORKLOAD ROUND
     bench_ot=(-ot "$(IFS=';'; echo "${ot_[*]}")")
     compl_ot=(-ot "$(IFS=','; echo "${ot_[*]}")")
   fi
+  local lm=()
+  [ ${#lm_[@]} -gt 0 ] && lm=(--load-mode "${lm_[0]}")
   case $w in
-    pg) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" -fa 0 -t "$threads" -p 0 -n 0 -pg 512,128 -r 2 -o jsonl ;;
-    sep) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" -fa 0 -t "$threads" -p 512 -n 128 -r 2 -o jsonl ;;
-    compl) env "${env_[@]}" "$bin/llama-completion" -m "$model" -ngl 99 "${compl_ot[@]}" -fa off -t "$threads" -c $((prompt_tokens * 2 + 512)) \
+    pg) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 0 -n 0 -pg 512,128 -r 2 -o jsonl ;;
+    sep) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 512 -n 128 -r 2 -o jsonl ;;
+    compl) env "${env_[@]}" "$bin/llama-completion" -m "$model" -ngl 99 "${compl_ot[@]}" "${lm[@]}" -fa off -t "$threads" -c $((prompt_tokens * 2 + 512)) \
              -f "$work/prompt.txt" -n 128 --temp 0 --ignore-eos -no-cnv --no-display-prompt --seed 1 </dev/null ;;
-  esac >"$out.out" 2>"$out.err" || echo "gpu-serve: $c $w round $r failed: $(tail -n 3 "$out.err")" >&2
+  esac >"$out.out" 2>"$out.err" || echo "gpu-serve: $c $w round $r failed: $(grep -m1 -i 'error' "$out.err" || tail -n 3 "$out.err")" >&2
 }
+start=$SECONDS
 for r in $(seq "$rounds"); do
   for w in "${workloads[@]}"; do
-    for c in "${configs[@]}"; do run "$c" "$w" "$r"; done
+    for c in "${configs[@]}"; do
+      if [ -n "${DEADLINE:-}" ] && [ $(( SECONDS - start )) -ge "$DEADLINE" ]; then
+        echo "gpu-serve: deadline: $c $w round $r not run" >&2
+        continue
+      fi
+      run "$c" "$w" "$r"
+    done
   done
 done
 

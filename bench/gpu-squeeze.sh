@@ -12,6 +12,12 @@
 # Configurations (rounds interleaved; each run from a dropped page cache unless said):
 #   unsq-cpu      no cgroup, model cached, -ot exps=CPU at llama.cpp's default offload threshold:
 #                 the anchor users have today, unsqueezed
+#   unsq-cpu-none the same with --load-mode none (llama.cpp's own pinned host buffers)
+#   unsq-static   no cgroup, the last layers' experts in VRAM statically (as many bytes as the pool),
+#                 the rest as unsq-cpu; unsq-static-none with --load-mode none: the best llama.cpp
+#                 configuration of the same VRAM bytes where RAM holds the model
+#   unsq-hook     no cgroup, no daemon: the hook alone as config/'s drop-in preloads it (its default
+#                 pinning), a pool of POOL %
 #   sq-cpu        the same in the cgroup
 #   sq-recipe     in the cgroup, the unified-memory recipe (GGML_OP_OFFLOAD_MIN_BATCH=1, experts
 #                 in pageable host memory, their math on the GPU)
@@ -47,7 +53,7 @@
 #
 #   bench/gpu-squeeze.sh LLAMA_BIN [WORKDIR]
 # LLAMA_BIN: a folder with llama-server of a CUDA build and its libraries.
-# Environment: BUNDLE (a scripts/bundle.sh directory; made from MOECACHE_BUILD, default build,
+# Environment: SEED (11: the models' seed), BUNDLE (a scripts/bundle.sh directory; made from MOECACHE_BUILD, default build,
 #   when not given), CONFIGS, ROUNDS (2), POOL (50), SMALL_POOL (10), RAM_SHARE (0.66),
 #   RESERVE (2GiB), REQUESTS (3), PROMPT_WORDS (1200), N_PREDICT (128), SQ_N_PREDICT (32: the
 #   squeezed CPU runs decode this many), SQ_REQUESTS (REQUESTS: how many requests they send), LAYERS EXPERTS USED EMBD FF (the shape: 32 128 8 2048
@@ -96,11 +102,16 @@ for f in "$daemon" "$ctl" "$mkmodel" "$hook" "$rearm"; do [ -e "$f" ] || { echo 
 
 # The models: one family, two quantizations, the same routing (seed and preset).
 shape=(--layers "$layers" --experts "${EXPERTS:-128}" --experts-used "${USED:-8}" --embd "${EMBD:-2048}"
-       --ff "${FF:-1792}" --preset deepseek-v4-flash --seed 11)
-model=$work/decode-${TYPE:-q5_K}.gguf
-pmodel=$work/prompt-${PROMPT_TYPE:-q3_K}.gguf
+       --ff "${FF:-1792}" --preset deepseek-v4-flash --seed "${SEED:-11}")
+seed_tag=
+[ "${SEED:-11}" = 11 ] || seed_tag=-s$SEED
+model=$work/decode-${TYPE:-q5_K}$seed_tag.gguf
+pmodel=$work/prompt-${PROMPT_TYPE:-q3_K}$seed_tag.gguf
 [ -f "$model" ] || "$mkmodel" --output "$model" "${shape[@]}" --expert-type "${TYPE:-q5_K}" >/dev/null
-[ -f "$pmodel" ] || "$mkmodel" --output "$pmodel" "${shape[@]}" --expert-type "${PROMPT_TYPE:-q3_K}" >/dev/null
+# The prompt model only for the swaps (the disk holds a few such models, not many).
+if [[ " ${configs[*]} " == *" swap-"* ]]; then
+  [ -f "$pmodel" ] || "$mkmodel" --output "$pmodel" "${shape[@]}" --expert-type "${PROMPT_TYPE:-q3_K}" >/dev/null
+fi
 sync
 model_bytes=$(stat -c %s "$model")
 limit=$(awk -v b="$model_bytes" -v s="$ram_share" 'BEGIN {printf "%.0f", b * s}')
@@ -183,10 +194,9 @@ bus = "$( [ "$bus" = off ] && echo off || echo "$bus")"
 [[model]]
 path = "$model"
 $fam_d
-[[model]]
-path = "$pmodel"
-$fam_p
 TOML
+  [ -f "$pmodel" ] && printf '[[model]]\npath = "%s"\n%s\n' "$pmodel" "$fam_p" >> "$work/moecached.toml"
+  return 0
 }
 start_daemon() {  # start_daemon [nocg]: in the cgroup unless told
   # Each line stamped with the time (epoch seconds, as RUN.times: the swap's timeline).
@@ -273,9 +283,10 @@ wait_settled() {
 serve() {
   local name=$1 m=$2 in_cg=$3 prompts=$4 n=$5
   shift 5
-  local ot=(-ot exps=CPU)
-  case $name in sq-static*) ot=(-ot "$(static_ot),exps=CPU") ;; esac
-  local args=(-m "$m" -ngl 99 "${ot[@]}" -fa off -c 8192 -np 1 --port 18080 --no-webui --seed 1)
+  local ot=(-ot exps=CPU) lm=()
+  case $name in sq-static*|unsq-static*) ot=(-ot "$(static_ot),exps=CPU") ;; esac
+  case $name in *-none.*) lm=(--load-mode none) ;; esac
+  local args=(-m "$m" -ngl 99 "${ot[@]}" "${lm[@]}" -fa off -c 8192 -np 1 --port 18080 --no-webui --seed 1)
   [ -n "${THREADS:-}" ] && args+=(-t "$THREADS")
   if [ "$in_cg" = 1 ]; then
     sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$cg" env "$@" "$bin/llama-server" "${args[@]}" > "$work/$name.server.log" 2>&1 &
@@ -332,7 +343,12 @@ run() {
   k0=$(oom_kills)
   s0=$(sectors)
   case $c in
-    unsq-cpu) cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
+    unsq-cpu|unsq-cpu-none|unsq-static|unsq-static-none)
+      cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
+    unsq-hook)
+      cat "$model" > /dev/null
+      # shellcheck disable=SC2046
+      serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" $(hook_env "$pool") MOECACHE_CUDA_CLIENT=off ;;
     text) cat "$model" > /dev/null; serve "$out" "$model" 0 "$work/prompts.json" "$n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
     sq-cpu) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
     sq-recipe) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
@@ -475,7 +491,7 @@ for c in configs:
 ref = texts.get("text", [None])[0]
 if ref:
     for c in configs:
-        if c.startswith("mc") and c in texts:
+        if (c.startswith("mc") or c == "unsq-hook") and c in texts:
             same = all(t == ref for t in texts[c])
             print(f"greedy text of {c} = the recipe's: {'yes' if same else 'NO'}")
 EOF

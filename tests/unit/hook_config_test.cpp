@@ -36,6 +36,32 @@ TEST(HookConfig, PoolSizesForEveryDeviceAndPerDevice) {
     }
 }
 
+// PIN=off copies misses from pageable memory: with decode's experts on the GPU
+// (GGML_OP_OFFLOAD_MIN_BATCH below llama.cpp's 32) that ran at 0.25-0.49x of -ot exps=CPU on the GPU
+// machine, so there it is refused with its reason and auto is used; where decode stays on the CPU
+// (only prompt batches copy experts) it is taken.
+TEST(HookConfig, PinOffIsRefusedWhereDecodeCopiesExpertsToTheGpu) {
+    std::map<std::string, std::string> env;
+    std::vector<std::string> said;
+    auto read = [&] {
+        said.clear();
+        return hook_config_from([&](const char* k) { return env.count(k) ? env[k].c_str() : nullptr; },
+                                [&](const std::string& line) { said.push_back(line); });
+    };
+    env = {{"MOECACHE_CUDA_PIN", "off"}, {"GGML_OP_OFFLOAD_MIN_BATCH", "1"}};
+    EXPECT_EQ(read().pin, PinMode::Auto);
+    ASSERT_EQ(said.size(), 1u);
+    EXPECT_NE(said[0].find("MOECACHE_CUDA_PIN=off refused: with GGML_OP_OFFLOAD_MIN_BATCH=1"), std::string::npos) << said[0];
+    EXPECT_NE(said[0].find("slower than without moecache"), std::string::npos) << said[0];
+    env = {{"MOECACHE_CUDA_PIN", "off"}};
+    EXPECT_EQ(read().pin, PinMode::Off) << "decode on the CPU: only prompts copy experts";
+    EXPECT_TRUE(said.empty());
+    env = {{"MOECACHE_CUDA_PIN", "off"}, {"GGML_OP_OFFLOAD_MIN_BATCH", "32"}};
+    EXPECT_EQ(read().pin, PinMode::Off);
+    env = {{"MOECACHE_CUDA_PIN", "staging"}, {"GGML_OP_OFFLOAD_MIN_BATCH", "1"}};
+    EXPECT_EQ(read().pin, PinMode::Staging) << "staging is taken, and said to be slow once the pool is made";
+}
+
 TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
     std::map<std::string, std::string> env;
     std::vector<std::string> said;

@@ -44,6 +44,9 @@ struct PoolSizes {
 // without a daemon and with a model the budget cannot hold it registers nothing, and the rest is
 // staged only where a measurement at start shows staging faster than the runtime's own copy.
 enum class PinMode { Off, Auto, Staging, All, Register };
+// llama.cpp's offload threshold by default (GGML_OP_OFFLOAD_MIN_BATCH): batches smaller than this
+// compute host-resident experts on the CPU. Below it (1 for decode) off is refused: see hook_config.cpp.
+inline constexpr int kDefaultOffloadMinBatch = 32;
 
 struct HookConfig {
     PoolSizes pool;
