@@ -355,6 +355,12 @@ TEST_F(HookDaemonRoomy, WhereTheLockCapHoldsTheModelEveryRunOfExpertsIsRegistere
     };
     const auto* counts = static_cast<const Counts*>(dlsym(dlopen("libcuda.so.1", RTLD_NOW), "fake_cuda_counts"));
     ASSERT_NE(counts, nullptr);
+    // The model in RAM, as llama.cpp's load reads it (runs are registered once their pages are cached).
+    std::vector<uint8_t> buf(1 << 20);
+    const int fd = open(model_.c_str(), O_RDONLY | O_CLOEXEC);
+    while (read(fd, buf.data(), buf.size()) > 0) {
+    }
+    close(fd);
     constexpr uint32_t kA = 3, kB = 9;
     use(kA, 1);
     ASSERT_GE(sync(10000), 1);

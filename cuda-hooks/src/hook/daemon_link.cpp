@@ -72,7 +72,9 @@ void Engine::apply_daemon_budgets() {
             daemon_decided_ = false;
             for (Model* m : models_) std::fill(m->daemon_locked.begin(), m->daemon_locked.end(), 0);
         }
-        if (moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1 && moecache_client_wait_ready(client_, 0) == 1) {
+        // Decided once the daemon has said its policy and the models are known (decide_ahead).
+        if (moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1 && moecache_client_wait_ready(client_, 0) == 1 &&
+            !models_.empty() && ahead_models_ == models_.size()) {
             daemon_decided_ = true;
             if (!ahead_.load() || (cfg_.one_place && daemon_asks_one_place())) follow_daemon_locks();
         } else if (cs.connected == 0) {

@@ -123,6 +123,7 @@ void Engine::run() {
                 resized = true;
             }
         if (resized) report_pools();  // a pool that grew from nothing: its placements count from now
+        if (cfg_.registers()) decide_ahead();
         more = cfg_.registers() && register_wanted();
         apply_daemon_budgets();
         tell_miss_paths();

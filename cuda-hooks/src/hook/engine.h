@@ -261,6 +261,8 @@ private:
     static std::pair<double, double> measure_link(const Driver* drv);
     void pin_models();
     bool register_wanted();  // the registered tier: what the copy path or the daemon's locks asked for, and ahead
+    [[nodiscard]] uint64_t pin_budget() const;
+    void decide_ahead();
     void build_runs(Model& m);
     void register_run(Model& m, size_t run, uint64_t budget);
     void unregister_ahead();
@@ -335,6 +337,9 @@ private:
     size_t ahead_models_ = SIZE_MAX, ahead_model_ = 0;
     size_t ahead_run_ = 0;
     std::vector<std::pair<void*, size_t>> ahead_ranges_;  // registered whole tensors
+    bool ahead_waiting_ = false;  // runs not registered for want of cached pages: the pass starts again
+    bool ahead_told_ = false;
+    std::chrono::steady_clock::time_point ahead_retry_{};
     std::atomic<uint64_t> readback_reports_{0}, readbacks_refused_{0};  // routes.cpp
     std::vector<std::pair<uintptr_t, size_t>> unregistering_;  // background thread: slices let go, not yet unregistered
     moecache_client* client_ = nullptr;

@@ -292,28 +292,7 @@ bool Engine::register_wanted() {
     for (int d = 0; d < kMaxDevices && device < 0; ++d)
         if (pools_[d].load() != nullptr) device = d;
     if (drv == nullptr || device < 0) return false;
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    uint64_t budget = cfg_.pin_budget;
-    if (budget == 0) {
-        // Half of what this process may hold: pinned pages must be resident, and a runtime in a
-        // memory cgroup may hold less than the machine has.
-        uint64_t may_hold = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page;
-        if (const auto cg = own_memory_cgroup_limit()) may_hold = std::min(may_hold, cg->limit);
-        budget = may_hold / 2;
-    }
-    if (ahead_models_ != models_.size()) {
-        ahead_models_ = models_.size();
-        uint64_t all = 0;
-        for (const Model* m : models_)
-            for (const auto& l : m->map.layers)
-                for (const auto& t : l.tensors) all += t.bytes_per_expert * m->map.n_experts;
-        ahead_.store(all <= budget);
-        ahead_model_ = 0;
-        ahead_run_ = 0;
-        if (cfg_.log && ahead_.load())
-            say("registering the %.2f GiB of expert tensors for DMA, in the background (budget %.2f GiB)",
-                static_cast<double>(all) / 1073741824.0, static_cast<double>(budget) / 1073741824.0);
-    }
+    const uint64_t budget = pin_budget();
     // A daemon connected whose policy has not come yet may have its locks followed: wait for it.
     moecache_client_stats cs{};
     if (client_ != nullptr) moecache_client_stats_get(client_, &cs);
@@ -334,6 +313,15 @@ bool Engine::register_wanted() {
             build_runs(m);
             if (slice / m.map.n_experts < m.run_of_tensor.size()) register_run(m, m.run_of_tensor[slice / m.map.n_experts], budget);
         }
+        // Runs whose pages are not all in the page cache wait (registering them would read them a
+        // page at a time, in the driver, holding up the runtime's own calls: a cold model with lazy
+        // load took 130 s to load so): the pass starts again once a second while some wait.
+        const auto now = std::chrono::steady_clock::now();
+        if (ahead_model_ >= models_.size() && ahead_waiting_ && now >= ahead_retry_) {
+            ahead_model_ = 0;
+            ahead_run_ = 0;
+            ahead_waiting_ = false;
+        }
         while (ahead_model_ < models_.size() && std::chrono::steady_clock::now() < until) {
             Model& m = *models_[ahead_model_];
             build_runs(m);
@@ -344,8 +332,17 @@ bool Engine::register_wanted() {
             }
             register_run(m, ahead_run_++, budget);
         }
-        if (ahead_model_ >= models_.size() && cfg_.log)
-            say("%.2f GiB of expert tensors registered for DMA", static_cast<double>(pinned_bytes_.load()) / 1073741824.0);
+        if (ahead_model_ >= models_.size()) {
+            bool waiting = false;
+            for (const Model* m : models_)
+                for (const auto& r : m->runs) waiting = waiting || !r.done;
+            if (waiting && !ahead_waiting_) ahead_retry_ = now + std::chrono::seconds(1);
+            ahead_waiting_ = waiting;
+            if (!waiting && !ahead_told_ && cfg_.log) {
+                ahead_told_ = true;
+                say("%.2f GiB of expert tensors registered for DMA", static_cast<double>(pinned_bytes_.load()) / 1073741824.0);
+            }
+        }
         return ahead_model_ < models_.size();
     }
     // The slices asked for, registered together (one wait for the copies under way).
@@ -400,6 +397,35 @@ bool Engine::register_wanted() {
     return false;
 }
 
+// What the registered tier may hold: MOECACHE_CUDA_PIN_BUDGET, else half of what this process may
+// hold (pinned pages must be resident, and a runtime in a memory cgroup may hold less than the
+// machine has).
+uint64_t Engine::pin_budget() const {
+    if (cfg_.pin_budget != 0) return cfg_.pin_budget;
+    uint64_t may_hold = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    if (const auto cg = own_memory_cgroup_limit()) may_hold = std::min(may_hold, cg->limit);
+    return may_hold / 2;
+}
+
+// Whether the budget holds every expert of the models mapped (ahead_), decided each time the models
+// change, before anything else looks at it: a daemon's policy that comes first must not find it
+// undecided (with a warm daemon it did, and its locks were followed on a model RAM held whole).
+void Engine::decide_ahead() {
+    if (ahead_models_ == models_.size()) return;
+    ahead_models_ = models_.size();
+    uint64_t all = 0;
+    for (const Model* m : models_)
+        for (const auto& l : m->map.layers)
+            for (const auto& t : l.tensors) all += t.bytes_per_expert * m->map.n_experts;
+    const uint64_t budget = pin_budget();
+    ahead_.store(!models_.empty() && all <= budget);
+    ahead_model_ = 0;
+    ahead_run_ = 0;
+    if (cfg_.log && ahead_.load())
+        say("registering the %.2f GiB of expert tensors for DMA, in the background (budget %.2f GiB)",
+            static_cast<double>(all) / 1073741824.0, static_cast<double>(budget) / 1073741824.0);
+}
+
 // A model's expert tensors in runs of neighbours: tensors (model-local: slice / n_experts) in file
 // order whose bytes are no more than a page apart, in one file.
 void Engine::build_runs(Model& m) {
@@ -449,6 +475,14 @@ void Engine::register_run(Model& m, size_t run, uint64_t budget) {
         a = (first_start + page) & ~(page - 1);
         b = std::min<uintptr_t>(((mr.mapping.address_of(r.end) + page - 1) & ~(page - 1)) + page, mr.mapping.end);
         break;
+    }
+    if (a != 0 && b > a && !resident(reinterpret_cast<const uint8_t*>(a), b - a)) {
+        // Not all cached (a model lazily loaded beside moecached, whose reads and locks decide what
+        // RAM holds): registering would read the rest a page at a time inside the driver, holding
+        // up the runtime's own calls (a cold model took 130 s to load so). A later pass tries again;
+        // meanwhile its misses not in the page cache are read from the file (copy_from_host).
+        r.done = false;
+        return;
     }
     bool ok = false;
     if (a != 0 && b > a && pinned_bytes_.load() + (b - a) <= budget) {
