@@ -36,18 +36,25 @@ TEST(HookConfig, PoolSizesForEveryDeviceAndPerDevice) {
     }
 }
 
+// The settings from `env`, each line said about them in `said`.
+struct Settings {
+    std::map<std::string, std::string> env;
+    std::vector<std::string> said;
+    HookConfig operator()() {
+        said.clear();
+        return hook_config_from([&](const char* k) { return env.count(k) ? env[k].c_str() : nullptr; },
+                                [&](const std::string& line) { said.push_back(line); });
+    }
+};
+
 // PIN=off copies misses from pageable memory: with decode's experts on the GPU
 // (GGML_OP_OFFLOAD_MIN_BATCH below llama.cpp's 32) that ran at 0.25-0.49x of -ot exps=CPU on the GPU
 // machine, so there it is refused with its reason and auto is used; where decode stays on the CPU
 // (only prompt batches copy experts) it is taken.
 TEST(HookConfig, PinOffIsRefusedWhereDecodeCopiesExpertsToTheGpu) {
-    std::map<std::string, std::string> env;
-    std::vector<std::string> said;
-    auto read = [&] {
-        said.clear();
-        return hook_config_from([&](const char* k) { return env.count(k) ? env[k].c_str() : nullptr; },
-                                [&](const std::string& line) { said.push_back(line); });
-    };
+    Settings read;
+    auto& env = read.env;
+    auto& said = read.said;
     env = {{"MOECACHE_CUDA_PIN", "off"}, {"GGML_OP_OFFLOAD_MIN_BATCH", "1"}};
     EXPECT_EQ(read().pin, PinMode::Auto);
     ASSERT_EQ(said.size(), 1u);
@@ -63,13 +70,9 @@ TEST(HookConfig, PinOffIsRefusedWhereDecodeCopiesExpertsToTheGpu) {
 }
 
 TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
-    std::map<std::string, std::string> env;
-    std::vector<std::string> said;
-    auto read = [&] {
-        said.clear();
-        return hook_config_from([&](const char* k) { return env.count(k) ? env[k].c_str() : nullptr; },
-                                [&](const std::string& line) { said.push_back(line); });
-    };
+    Settings read;
+    auto& env = read.env;
+    auto& said = read.said;
     auto c = read();
     EXPECT_EQ(c.pin, PinMode::Auto) << "the registered tier, and staging where it pays, by default";
     EXPECT_TRUE(c.registers());

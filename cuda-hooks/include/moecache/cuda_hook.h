@@ -20,7 +20,10 @@
  *                            (register). The rest goes through
  *                            pinned staging buffers that several threads fill (auto: where a
  *                            measurement at start shows that faster than the driver's own copy).
- *                            "staging" (staging only), "off" (as the runtime asks), "all" (every
+ *                            "staging" (staging only), "off" (as the runtime asks; refused, and
+ *                            auto used, where GGML_OP_OFFLOAD_MIN_BATCH is below 32: decode's
+ *                            misses from pageable memory ran at a quarter to a half of the speed
+ *                            without moecache), "all" (every
  *                            expert byte of mapped models registered at once: for machines whose
  *                            RAM holds the model; no one place)
  *   MOECACHE_CUDA_CLAIM=off  a pool given in bytes takes what the runtime leaves (default: it is
