@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <pwd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -110,6 +111,12 @@ struct moecache_client {
 
     void run();
     bool session(int fd);
+    // Whether the peer listening at the socket may be given this process's model descriptors and
+    // telemetry: root, the daemon's user (MOECACHE_DAEMON_USER, default moecached) or this process's
+    // own user. Anyone who could write the socket's directory could otherwise stand in for the
+    // daemon and be handed every model file this runtime opens.
+    bool trusted_peer(int fd);
+    bool said_untrusted = false;
     bool request(int fd, const Message& m, const std::vector<int>& fds, Message& reply);
     bool read_one(int fd, int timeout_ms, Message& out, bool& hung_up);
     void take_directive(const Directive& d);
@@ -339,6 +346,34 @@ bool moecache_client::session(int fd) {
     }
 }
 
+bool moecache_client::trusted_peer(int fd) {
+    ucred peer{};
+    socklen_t len = sizeof peer;
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) return false;
+    if (peer.uid == 0 || peer.uid == ::geteuid()) return true;
+    const char* user = std::getenv("MOECACHE_DAEMON_USER");
+    if (user == nullptr || *user == '\0') user = "moecached";
+    // A number is a uid (a container whose image has no such user); else a name, looked up with
+    // getpwnam_r and a buffer of its own (this runs in the worker of a preloaded library).
+    char* end = nullptr;
+    const unsigned long as_uid = std::strtoul(user, &end, 10);
+    const bool numeric = end != user && *end == '\0';
+    passwd pw{}, *found = nullptr;
+    std::vector<char> buf(4096);
+    const bool known = numeric || (::getpwnam_r(user, &pw, buf.data(), buf.size(), &found) == 0 && found != nullptr);
+    if (known && peer.uid == (numeric ? static_cast<uid_t>(as_uid) : pw.pw_uid)) return true;
+    if (!said_untrusted) {
+        std::fprintf(stderr,
+                     "moecache: the socket %s is held by pid %d of uid %u, not root, user %s%s or this process's "
+                     "user: nothing is sent to it (no model descriptors, no telemetry); set MOECACHE_DAEMON_USER "
+                     "if moecached runs as another user\n",
+                     socket_path.c_str(), static_cast<int>(peer.pid), static_cast<unsigned>(peer.uid), user,
+                     known ? "" : " (no such user here)");
+        said_untrusted = true;
+    }
+    return false;
+}
+
 void moecache_client::run() {
     int backoff_ms = 100;
     while (!stop.load()) {
@@ -346,7 +381,9 @@ void moecache_client::run() {
         sockaddr_un a{};
         a.sun_family = AF_UNIX;
         std::memcpy(a.sun_path, socket_path.c_str(), std::min(socket_path.size() + 1, sizeof a.sun_path - 1));
-        if (s && ::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+        const bool reached = s && ::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+        const int why = errno;
+        if (reached && trusted_peer(s.get())) {
             backoff_ms = 100;
             (void)session(s.get());
             ring.store(nullptr, std::memory_order_release);
@@ -357,11 +394,11 @@ void moecache_client::run() {
                 ready = false;
             }
             if (stop.load()) break;
-        } else if (!said_absent) {
+        } else if (!reached && !said_absent) {
             std::fprintf(stderr, "moecache: no daemon at %s (%s): running without it, connecting when it appears\n",
-                         socket_path.c_str(), std::strerror(errno));
+                         socket_path.c_str(), std::strerror(why));
             said_absent = true;
-        }
+        }  // reached but not trusted: nothing was sent; tried again as if no daemon were there
         pollfd p{wake.get(), POLLIN, 0};
         ::poll(&p, 1, backoff_ms);
         backoff_ms = std::min(backoff_ms * 2, 2000);

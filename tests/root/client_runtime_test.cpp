@@ -9,8 +9,17 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <signal.h>
+#include <sys/wait.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/socket.h>
+#include <poll.h>
 #include <unistd.h>
 
+#include <thread>
+#include <chrono>
+#include <cstring>
+#include <vector>
 #include <iostream>
 #include <memory>
 #include <regex>
@@ -120,6 +129,73 @@ TEST_F(ClientRuntime, WithoutADaemonTheClientRunsAndSaysSoOnce) {
     const auto first = out.find("no daemon at");
     ASSERT_NE(first, std::string::npos) << out;
     EXPECT_EQ(out.find("no daemon at", first + 1), std::string::npos) << "said more than once:\n" << out;
+}
+
+// Whoever can write the socket's directory could listen there in the daemon's place and be handed
+// the runtime's model files (SCM_RIGHTS) and telemetry. The client checks the peer (SO_PEERCRED):
+// root, the daemon's user (MOECACHE_DAEMON_USER, default moecached) or its own user; to anyone else
+// it sends nothing, says so once, and keeps trying as if no daemon were there.
+TEST_F(ClientRuntime, NothingIsSentToASocketHeldByAnotherUser) {
+    constexpr uid_t kNobody = 65534;
+    test::TempDir dir;
+    ASSERT_EQ(chmod(dir.path().c_str(), 0777), 0);
+    const std::string sock = dir.file("impostor.sock");
+    int report[2];
+    ASSERT_EQ(pipe(report), 0);
+    const pid_t impostor = fork();
+    ASSERT_GE(impostor, 0);
+    if (impostor == 0) {  // listens as nobody; reports connections and bytes received, every 100 ms
+        if (setgid(kNobody) != 0 || setuid(kNobody) != 0) _exit(2);
+        const int l = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        strncpy(a.sun_path, sock.c_str(), sizeof a.sun_path - 1);
+        if (bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || listen(l, 8) != 0) _exit(3);
+        uint64_t counts[2] = {0, 0};  // connections, bytes
+        std::vector<int> conns;
+        for (int tick = 0; tick < 100; ++tick) {
+            pollfd p{l, POLLIN, 0};
+            while (poll(&p, 1, 0) > 0) {
+                conns.push_back(accept(l, nullptr, nullptr));
+                ++counts[0];
+            }
+            for (int c : conns) {
+                char buf[4096];
+                ssize_t n;
+                while ((n = recv(c, buf, sizeof buf, MSG_DONTWAIT)) > 0) counts[1] += static_cast<uint64_t>(n);
+            }
+            if (write(report[1], counts, sizeof counts) != sizeof counts) _exit(4);
+            usleep(100000);
+        }
+        _exit(0);
+    }
+    close(report[1]);
+    auto seen = [&] {
+        uint64_t counts[2] = {0, 0};
+        pollfd p{report[0], POLLIN, 0};
+        while (poll(&p, 1, 0) > 0 && read(report[0], counts, sizeof counts) == sizeof counts) {
+        }
+        return std::pair<uint64_t, uint64_t>{counts[0], counts[1]};
+    };
+    unsetenv("MOECACHE_DAEMON_USER");
+    test::Background c({MOECACHE_CLIENT_DEMO_BIN, model_, "--socket", sock, "--seconds", "3", "--rate", "1000", "--name",
+                        "victim", "--wait-ready", "2"});
+    std::pair<uint64_t, uint64_t> got{0, 0};
+    for (int i = 0; i < 30 && got.first == 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        got = seen();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const auto after = seen();
+    got = {std::max(got.first, after.first), std::max(got.second, after.second)};
+    EXPECT_GT(got.first, 0u) << "the client reached the impostor's socket";
+    EXPECT_EQ(got.second, 0u) << "not a byte to a peer of another user";
+    EXPECT_EQ(c.wait(30), 0) << c.output();
+    EXPECT_NE(c.output().find("is held by pid"), std::string::npos) << c.output();
+    EXPECT_NE(c.output().find("of uid 65534, not root, user moecached"), std::string::npos) << c.output();
+    kill(impostor, SIGTERM);
+    waitpid(impostor, nullptr, 0);
+    close(report[0]);
 }
 
 }  // namespace
