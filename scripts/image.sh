@@ -2,8 +2,8 @@
 # Builds the OCI image of moecached from the relocatable bundle (scripts/bundle.sh), from scratch:
 # no base image is pulled. The image holds the bundle under /opt/moecache, the C library and
 # compiler runtime its programs load (copied from this machine, at their paths), and a
-# configuration for containers (deploy/container/moecached.toml: no D-Bus, /metrics on every
-# interface, models under /models) and a static busybox (/bin/sh, cp: for an init container that
+# configuration for containers (deploy/container/moecached.toml: no D-Bus, /metrics on loopback
+# unless a drop-in opts in, models under /models) and a static busybox (/bin/sh, cp: for an init container that
 # puts the preload libraries on the node). Needs buildah (and busybox-static); run as root.
 #   scripts/image.sh [TAG] [BUILD_DIR]      TAG: localhost/moecache:VERSION
 set -euo pipefail

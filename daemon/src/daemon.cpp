@@ -188,7 +188,11 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
 
     if (!d->config_.metrics_listen.empty()) {
         // A busy port is no reason not to manage memory: say so and run without metrics.
-        auto m = MetricsServer::start(d->config_.metrics_listen);
+        // /health says stalled once the loop has not published for ten ticks (at least 30 s, the
+        // unit's watchdog).
+        const auto stalled_after = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+            std::chrono::duration<double>(std::max(30.0, 10 * d->config_.tick_seconds)));
+        auto m = MetricsServer::start(d->config_.metrics_listen, stalled_after);
         if (m) d->metrics_ = std::move(*m);
         else MC_LOG(LOG_WARNING, "no /metrics ([metrics] listen): {}", m.error().what());
     }

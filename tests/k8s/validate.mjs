@@ -8,6 +8,7 @@ import { readFileSync, existsSync } from 'node:fs';
 import { parseAllDocuments } from 'yaml';
 import * as core from 'kubernetes-models/v1';
 import * as apps from 'kubernetes-models/apps/v1';
+import * as networking from 'kubernetes-models/networking.k8s.io/v1';
 import * as monitoring from '@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1';
 
 const args = process.argv.slice(2);
@@ -18,6 +19,7 @@ const fail = (what) => failures.push(what);
 const models = {
   'v1/Namespace': core.Namespace, 'v1/ServiceAccount': core.ServiceAccount, 'v1/ConfigMap': core.ConfigMap,
   'v1/Service': core.Service, 'v1/Pod': core.Pod, 'apps/v1/DaemonSet': apps.DaemonSet,
+  'networking.k8s.io/v1/NetworkPolicy': networking.NetworkPolicy,
   'monitoring.coreos.com/v1/ServiceMonitor': monitoring.ServiceMonitor,
 };
 
@@ -65,7 +67,16 @@ else {
   if (!String(hostPath('state')).startsWith('/var/lib/moecache')) fail('DaemonSet: state is not kept on the host');
   const port = c.ports?.find((p) => p.name === 'metrics');
   const image = readFileSync(`${src}/deploy/container/moecached.toml`, 'utf8');
-  if (!port || !image.includes(`listen = "0.0.0.0:${port.containerPort}"`)) fail('DaemonSet: the metrics port is not the image\'s');
+  if (!/^listen = "127\.0\.0\.1:\d+"/m.test(image)) fail('the image\'s [metrics] listen is not loopback (an operator opts in)');
+  const dropIn = find('ConfigMap', 'moecached-config')?.data?.['10-node.toml'] ?? '';
+  if (!port || !dropIn.includes(`listen = "0.0.0.0:${port.containerPort}"`))
+    fail('DaemonSet: the node drop-in does not listen on the metrics port for the pod\'s IP');
+  for (const probe of ['readinessProbe', 'livenessProbe'])
+    if (c[probe]?.httpGet?.path !== '/health') fail(`DaemonSet: ${probe} is not /health (a slow /metrics would restart the daemon)`);
+  const np = objects.find((o) => o.kind === 'NetworkPolicy' && o.spec?.podSelector?.matchLabels?.['app.kubernetes.io/name'] === 'moecached');
+  if (!np) fail('no NetworkPolicy for moecached\'s port');
+  else if (!(np.spec.ingress ?? []).every((r) => (r.from ?? []).length > 0 && (r.ports ?? []).some((p) => p.port === port?.containerPort)))
+    fail('NetworkPolicy: an ingress rule open to every source or not for the metrics port');
   // Memory: the budgets of the drop-in, and 256 MiB for the daemon.
   const cm = find('ConfigMap', 'moecached-config');
   const toml = cm?.data?.['10-node.toml'] ?? '';

@@ -59,19 +59,28 @@ TEST(MetricsEndpoint, LiveScrapesOfAHostileModelNameWhileTelemetryFlows) {
     }
     ASSERT_NE(body.find(label), std::string::npos) << "the registered model never showed up:\n" << body;
 
-    std::atomic<int> ok{0}, bad{0};
+    // 40 scrapers at once from one address: past MetricsServer::kMaxPerAddress a scrape is told 503
+    // (try again) at once; every one gets its full answer in the end, none a broken one.
+    std::atomic<int> ok{0}, bad{0}, busy{0};
     std::vector<std::thread> scrapers;
     for (int t = 0; t < 40; ++t)
         scrapers.emplace_back([&] {
-            for (int i = 0; i < 5; ++i) {
-                httplib::Client c("127.0.0.1", port);
-                auto r = c.Get("/metrics");
-                if (r && r->status == 200 && r->body.find("moecache_clients ") != std::string::npos) ++ok;
-                else ++bad;
-            }
+            for (int i = 0; i < 5; ++i)
+                for (int attempt = 0; attempt < 200; ++attempt) {
+                    httplib::Client c("127.0.0.1", port);
+                    auto r = c.Get("/metrics");
+                    if (r && r->status == 503) {
+                        ++busy;
+                        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+                        continue;
+                    }
+                    if (r && r->status == 200 && r->body.find("moecache_clients ") != std::string::npos) ++ok;
+                    else ++bad;
+                    break;
+                }
         });
     for (auto& t : scrapers) t.join();
-    EXPECT_EQ(ok.load(), 200);
+    EXPECT_EQ(ok.load(), 200) << busy.load() << " told to try again";
     EXPECT_EQ(bad.load(), 0);
 
     test::write_file(dir.file("scrape.txt"), body);
@@ -108,6 +117,7 @@ TEST(MetricsEndpoint, LargeBodiesAndIdleConnectionsAreBounded) {
         for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(d.pid()) + "/fd")) ++n;
         return n;
     };
+    signal(SIGPIPE, SIG_IGN);  // the server closes on a body it will not read
     const uint64_t rss_before = status_kib("VmRSS:");
     const std::string body(64u << 20, 'x');
     for (int i = 0; i < 8; ++i) {
@@ -145,6 +155,126 @@ TEST(MetricsEndpoint, LargeBodiesAndIdleConnectionsAreBounded) {
         if (!answered) std::this_thread::sleep_for(std::chrono::milliseconds(250));
     }
     EXPECT_TRUE(answered);
+}
+
+// A connection to the metrics port from `source` (a 127.0.0.0/8 address of its own, so that
+// connections from different "peers" are counted apart), non-blocking; -1 when it cannot.
+int connect_from(const char* source, int port) {
+    const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in from{}, to{};
+    from.sin_family = to.sin_family = AF_INET;
+    inet_pton(AF_INET, source, &from.sin_addr);
+    to.sin_port = htons(static_cast<uint16_t>(port));
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(s, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0 ||
+        ::connect(s, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
+        ::close(s);
+        return -1;
+    }
+    return s;
+}
+
+// Sends `request`, reads the answer until the server closes (at most `seconds`); "" on a failure.
+std::string exchange(int s, const std::string& request, double seconds) {
+    if (::send(s, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) return "";
+    timeval tv{static_cast<time_t>(seconds), static_cast<suseconds_t>((seconds - static_cast<time_t>(seconds)) * 1e6)};
+    ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::string out;
+    char buf[65536];
+    for (ssize_t n; (n = ::recv(s, buf, sizeof buf, 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+    return out;
+}
+
+// What a pod that reaches the port can do (issue 38, rows 6 and 7): a body of any method, announced
+// by length or sent in chunks, is refused unread; 40 connections that trickle a byte every 1.5 s
+// (slowloris) are cut off at the request deadline and hold at most a few descriptors from their
+// address, while another address's /health and /metrics are answered at once throughout.
+TEST(MetricsEndpoint, BodiesOfAnyKindAndSlowPeersAreCutOffAndHealthAnswers) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root: moecached mlocks";
+    signal(SIGPIPE, SIG_IGN);
+    test::TempDir dir;
+    test::write_file(dir.file("moecached.toml"),
+                     "[daemon]\nstate_dir = \"" + dir.file("state") + "\"\nsocket = \"" + dir.file("moecached.sock") +
+                         "\"\n[pressure]\nenabled = false\n[telemetry]\npage_cache = \"off\"\n[dbus]\nbus = \"off\"\n"
+                         "[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    const int port = metrics_port(d);
+    ASSERT_GT(port, 0) << d.output();
+    auto rss_kib = [&] {
+        std::istringstream in(test::read_file("/proc/" + std::to_string(d.pid()) + "/status"));
+        std::string line;
+        while (std::getline(in, line))
+            if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6));
+        return 0ull;
+    };
+    const auto rss_before = rss_kib();
+    // A GET with a body, a chunked POST, a HEAD announcing a gigabyte: 413, nothing read.
+    const std::string chunk = "100000\r\n" + std::string(1 << 20, 'x') + "\r\n";
+    for (const std::string head : {"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n",
+                                   "POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                   "HEAD /health HTTP/1.1\r\nHost: x\r\ncontent-length: 5\r\n\r\n"}) {
+        const int s = connect_from("127.0.0.3", port);
+        ASSERT_GE(s, 0);
+        std::string sent = head;
+        for (int i = 0; i < 64 && head.find("chunked") != std::string::npos; ++i) sent += chunk;  // 64 MiB of chunks
+        std::thread writer([&] { (void)::send(s, sent.data(), sent.size(), MSG_NOSIGNAL); });
+        std::string got;
+        char buf[4096];
+        timeval tv{5, 0};
+        ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        for (ssize_t n; (n = ::recv(s, buf, sizeof buf, 0)) > 0;) got.append(buf, static_cast<size_t>(n));
+        ::shutdown(s, SHUT_RDWR);
+        writer.join();
+        ::close(s);
+        EXPECT_EQ(got.rfind("HTTP/1.1 413 ", 0), 0u) << head << "\n" << got;
+    }
+    EXPECT_LT(rss_kib(), rss_before + 32 * 1024) << "a body was read";
+    // Slowloris from 127.0.0.2: 40 connections, a byte of a request every 1.5 s.
+    std::vector<int> slow;
+    for (int i = 0; i < 40; ++i)
+        if (const int s = connect_from("127.0.0.2", port); s >= 0) slow.push_back(s);
+    std::atomic<bool> stop{false};
+    std::thread trickle([&] {
+        const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+        for (size_t at = 0; !stop && at < request.size(); ++at) {
+            for (int s : slow) (void)::send(s, &request[at], 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+            for (int i = 0; i < 15 && !stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    double slowest = 0;
+    while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(8)) {
+        for (const char* path : {"/health", "/metrics"}) {
+            const int s = connect_from("127.0.0.4", port);
+            ASSERT_GE(s, 0);
+            const auto a = std::chrono::steady_clock::now();
+            const std::string got = exchange(s, std::string("GET ") + path + " HTTP/1.1\r\nHost: x\r\n\r\n", 5);
+            slowest = std::max(slowest, std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+            ::close(s);
+            EXPECT_EQ(got.rfind("HTTP/1.1 200 OK", 0), 0u) << path << ": " << got.substr(0, 200);
+            if (std::string(path) == "/health") {
+                EXPECT_NE(got.find("\r\n\r\nok\n"), std::string::npos) << got;
+            }
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    EXPECT_LT(slowest, 1.0) << "seconds for an answer while the slow peers were connected";
+    // The deadline (5 s) has passed for all of them: each was closed by the server.
+    int closed = 0;
+    for (int s : slow) {
+        char buf[4096];
+        ssize_t n;
+        while ((n = ::recv(s, buf, sizeof buf, MSG_DONTWAIT)) > 0) {  // a 503 for those past the bound
+        }
+        if (n == 0) ++closed;
+    }
+    EXPECT_EQ(closed, static_cast<int>(slow.size())) << "connections past the request deadline are cut off";
+    stop = true;
+    trickle.join();
+    for (int s : slow) ::close(s);
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0);
 }
 
 }  // namespace
