@@ -18,6 +18,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "moecache/text.h"
+
 #include <algorithm>
 #include <cstring>
 #include <set>
@@ -51,9 +53,9 @@ std::vector<std::string> expand(const std::string& pattern) {
 // the file name where the user chose one, general.name where the file is named by its hash.
 std::string display_name(const std::string& path, const std::string& general_name, bool ollama) {
     if (ollama)
-        if (auto tags = ollama_tags(path)) return *tags;
+        if (auto tags = ollama_tags(path)) return shown_name(*tags);
     const std::string file = base_name(path);
-    return named_by_content_hash(file) && !general_name.empty() ? general_name : file;
+    return shown_name(named_by_content_hash(file) && !general_name.empty() ? general_name : file);
 }
 
 }  // namespace

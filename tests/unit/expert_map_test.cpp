@@ -4,6 +4,7 @@
 #include "temp_dir.h"
 
 #include "moecache/model.h"
+#include "moecache/text.h"
 
 #include <gtest/gtest.h>
 
@@ -29,9 +30,10 @@ void add(GgufWriter& w, std::string name, uint32_t type, std::vector<int64_t> ne
 // A DeepSeek-shaped file: one leading dense block, then MoE blocks with a shared expert, a
 // routing bias, and bias companions of the expert tensors.
 Result<ExpertMap> deepseek_like(const std::string& path, uint32_t declared_experts = 8,
-                                uint32_t leading_dense = 1, uint32_t used = 2) {
+                                uint32_t leading_dense = 1, uint32_t used = 2, const std::string& name = "") {
     GgufWriter w;
     w.add("general.architecture", std::string("deepseek2"));
+    if (!name.empty()) w.add("general.name", name);
     w.add("deepseek2.block_count", 3u);
     w.add("deepseek2.expert_count", declared_experts);
     w.add("deepseek2.expert_used_count", used);
@@ -79,6 +81,27 @@ TEST(ExpertMap, DeepSeekShapeAccountsEveryPart) {
     for (const auto& f : m->files) file_bytes += f.size;
     EXPECT_EQ(m->expert_bytes_total + m->shared_expert_bytes_total + m->dense_bytes_total + m->header_bytes_total,
               file_bytes);
+}
+
+// A model's name is what every metric sample, log line, D-Bus reply and profile key carries: a
+// general.name of megabytes (anyone may register a file of their own) is shown bounded, two long
+// names that differ only past the bound stay apart, and a short one is as it is.
+TEST(ExpertMap, ALongGeneralNameIsShownBoundedAndKeptApart) {
+    test::TempDir dir;
+    const std::string huge(8u << 20, 'n');
+    auto a = deepseek_like(dir.file("a.gguf"), 8, 1, 2, huge + "a");
+    auto b = deepseek_like(dir.file("b.gguf"), 8, 1, 2, huge + "b");
+    auto c = deepseek_like(dir.file("c.gguf"), 8, 1, 2, "DeepSeek V4 Flash");
+    ASSERT_TRUE(a && b && c);
+    EXPECT_LE(a->name.size(), kMaxShownName);
+    EXPECT_LE(a->profile_key().size(), kMaxShownName + 64);
+    EXPECT_NE(a->name, b->name);
+    EXPECT_NE(a->profile_key(), b->profile_key());
+    EXPECT_EQ(c->name, "DeepSeek V4 Flash");
+    EXPECT_EQ(shown_name("caf\xc3\xa9"), "caf\xc3\xa9");
+    const std::string cut = shown_name(std::string(300, 'x') + "\xc3\xa9");
+    EXPECT_EQ(cut.size(), kMaxShownName);
+    EXPECT_EQ(cut[cut.size() - 17], '~');
 }
 
 TEST(ExpertMap, RangesAndLookupAreInverse) {

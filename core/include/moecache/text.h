@@ -17,4 +17,11 @@ size_t utf8_length(std::string_view s);
 // keeps the real bytes.
 std::string printable_utf8(std::string_view s);
 
+// A name as it is shown and keyed (metrics labels, log lines, D-Bus, profile keys): s itself up to
+// kMaxShownName bytes; a longer one is cut at a character boundary and ends in "~" and 16 hex
+// digits of a hash of the whole (so that two long names stay apart). A GGUF's general.name may be
+// megabytes: shown in full it was copied into every metric sample, log line and reply each turn.
+inline constexpr size_t kMaxShownName = 256;
+std::string shown_name(std::string_view s);
+
 }  // namespace moecache

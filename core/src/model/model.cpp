@@ -1,4 +1,5 @@
 #include "moecache/model.h"
+#include "moecache/text.h"
 
 #include "moecache/unique_fd.h"
 
@@ -339,8 +340,8 @@ Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
     if (parts.empty()) return failf("a model needs at least one file");
     const GgufFile& head = parts.front();
     ExpertMap m;
-    m.architecture = MC_TRY(head.get_string("general.architecture"));
-    if (const auto* n = head.find("general.name"); n && n->as_string()) m.name = *n->as_string();
+    m.architecture = shown_name(MC_TRY(head.get_string("general.architecture")));
+    if (const auto* n = head.find("general.name"); n && n->as_string()) m.name = shown_name(*n->as_string());
     const std::string& arch = m.architecture;
     auto arch_key = [&](std::string_view k) { return fmt::format("{}.{}", arch, k); };
     constexpr uint32_t kMaxBlocks = 1u << 20;  // also the most of any count below

@@ -1,5 +1,7 @@
 #include "moecache/text.h"
 
+#include <algorithm>
+
 #include <cstdint>
 #include <cstdio>
 
@@ -51,6 +53,24 @@ std::string printable_utf8(std::string_view s) {
         else out.append(s.substr(0, n));
         s.remove_prefix(n);
     }
+    return out;
+}
+
+std::string shown_name(std::string_view s) {
+    if (s.size() <= kMaxShownName) return std::string(s);
+    uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the whole name
+    for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+    constexpr size_t kTail = 17;  // "~" and 16 hex digits
+    size_t keep = 0;
+    while (keep < s.size()) {  // whole characters only (a byte that starts none counts as one)
+        const size_t n = std::max<size_t>(utf8_length(s.substr(keep)), 1);
+        if (keep + n > kMaxShownName - kTail) break;
+        keep += n;
+    }
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out(s.substr(0, keep));
+    out += '~';
+    for (int i = 15; i >= 0; --i) out += kHex[(h >> (4 * i)) & 15];
     return out;
 }
 
