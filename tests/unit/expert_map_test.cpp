@@ -104,6 +104,31 @@ TEST(ExpertMap, ALongGeneralNameIsShownBoundedAndKeptApart) {
     EXPECT_EQ(cut[cut.size() - 17], '~');
 }
 
+// Counts past any model's are refused before anything is sized by them (a 4 MiB GGUF of 4.2
+// million one-byte experts held the daemon's loop 13 s at registration, +430 MiB).
+TEST(ExpertMap, LayersAndExpertsPastAnyModelAreRefused) {
+    test::TempDir dir;
+    auto with = [&](uint32_t blocks, uint32_t experts) {
+        GgufWriter w;
+        w.add("general.architecture", std::string("qwen3moe"));
+        w.add("qwen3moe.block_count", blocks);
+        w.add("qwen3moe.expert_count", experts);
+        w.add("qwen3moe.expert_used_count", 1u);
+        add(w, "blk.0.ffn_up_exps.weight", ggml::F32, {1, 1, static_cast<int64_t>(experts)});
+        const std::string path = dir.file("m" + std::to_string(blocks) + "x" + std::to_string(experts) + ".gguf");
+        EXPECT_TRUE(w.write(path, {}));
+        return load_expert_map(path);
+    };
+    auto refused = [](const Result<ExpertMap>& m, const std::string& what) {
+        ASSERT_FALSE(m) << "accepted";
+        EXPECT_NE(m.error().what().find(what), std::string::npos) << m.error().what();
+    };
+    refused(with(2048, 8), "qwen3moe.block_count is 2048, more than any model's (1024)");
+    refused(with(4, 70000), "qwen3moe.expert_count is 70000, more than any model's (8192)");
+    refused(with(1000, 1000), "1000 x 1000 experts, more than any model's (262144)");
+    EXPECT_TRUE(with(61, 384)) << "Kimi K2's shape";
+}
+
 TEST(ExpertMap, RangesAndLookupAreInverse) {
     test::TempDir dir;
     auto files = test::write_model(test::small_spec(), dir.file("m.gguf"), 2);

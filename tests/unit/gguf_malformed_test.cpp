@@ -234,6 +234,45 @@ TEST_F(GgufMalformed, HugeStringArrayCount) {
     expect_rejected(d, {"'tokenizer.ggml.tokens'", "claims 1073741824 bytes", at_byte(second)});
 }
 
+// Counts within what a sparse file holds but past any model's: refused at once, named, before
+// a loop or an allocation they would drive (an array of 2^30 empty strings in a sparse file held the
+// daemon's loop ~12 s a registration; the metadata's size was checked only after the whole array).
+TEST_F(GgufMalformed, CountsPastAnyModelAreRefusedAtOnce) {
+    auto sparse = [&](const GgufDesc& d, uint64_t size) {
+        write_file(path_, d.bytes());
+        ASSERT_EQ(truncate(path_.c_str(), static_cast<off_t>(size)), 0);
+    };
+    auto refused = [&](std::initializer_list<std::string> phrases) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const auto f = read_gguf(path_);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        ASSERT_FALSE(f) << "accepted";
+        expect_mentions(f.error().what(), phrases);
+        EXPECT_LT(s, 1.0) << "seconds to refuse it";
+    };
+    GgufDesc d = small();
+    d.add_kv("tokenizer.ggml.tokens", code(T::Array), GgufDesc::array(code(T::String), (uint64_t{1} << 24) + 1));
+    sparse(d, 8ull << 30);  // 2^24 + 1 empty strings fit in 8 GiB of zeros
+    refused({"'tokenizer.ggml.tokens'", "an array of 16777217 elements, more than any model's"});
+    // The array last, no tensors: the zeros of the sparse file are its 2^24 empty strings, 128 MiB of
+    // lengths, within the array bound: the header's bound, checked as they are read, stops it.
+    d = GgufDesc{};
+    d.add_str("general.architecture", "llama");
+    d.add_kv("tokenizer.ggml.tokens", code(T::Array), GgufDesc::array(code(T::String), uint64_t{1} << 24));
+    sparse(d, 8ull << 30);
+    const auto f = read_gguf(path_);
+    EXPECT_TRUE(f.has_value()) << "2^24 empty strings are a valid, if odd, header of 128 MiB: " << f.error().what();
+    GgufLimits tight;
+    tight.max_header_bytes = 64ull << 20;
+    const auto g = read_gguf(path_, tight);
+    ASSERT_FALSE(g);
+    expect_mentions(g.error().what(), {"larger than the limit of 67108864 bytes (in value of key 'tokenizer.ggml.tokens')"});
+    d = small();
+    d.n_kv = uint64_t{1} << 20;
+    sparse(d, 8ull << 30);
+    refused({"n_kv claims 1048576 entries, more than any model's"});
+}
+
 TEST_F(GgufMalformed, AlignmentZero) {
     GgufDesc d = small();
     d.add_u32("general.alignment", 0);

@@ -74,7 +74,13 @@ struct GgufLimits {
     uint64_t max_tensor_name_bytes = 255;   // ggml uses 63; some forks more
     uint64_t max_string_bytes = 64u << 20;  // a value string (chat templates are tens of KiB)
     uint64_t max_alignment = 1u << 24;
-    uint64_t max_header_bytes = 1ull << 32;  // metadata + directory
+    // Counts and sizes from real models with wide margins, checked as they are read (before any
+    // allocation or loop they would drive): the largest vocabularies are ~10^6 entries, a model's
+    // metadata tens of MiB, its tensors a few thousand. A file past them is refused, named.
+    uint64_t max_header_bytes = 256ull << 20;  // metadata + directory
+    uint64_t max_kvs = 1u << 16;               // metadata entries (models have < 100)
+    uint64_t max_tensors = 1u << 17;           // tensors of one file (DeepSeek-V3: ~1 100)
+    uint64_t max_array_elements = 1u << 24;    // elements of one array (a vocabulary: ~10^5-10^6)
 };
 
 // Reads the header of the GGUF file at fd. `path` is used in messages only.

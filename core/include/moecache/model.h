@@ -85,6 +85,11 @@ struct ModelFileInfo {
 
 class ExpertMap {
 public:
+    // Bounds from real models with wide margins (DeepSeek-V3 61 x 256, Kimi K2 61 x 384, Qwen3-Next
+    // 48 x 512, Qwen3-235B 94 x 128): build() refuses a model past them.
+    static constexpr uint32_t kMaxModelBlocks = 1024;
+    static constexpr uint32_t kMaxExpertsPerLayer = 8192;
+    static constexpr uint64_t kMaxModelExperts = 1u << 18;  // layers x experts
     std::string architecture;
     std::string name;  // general.name, when present
     std::vector<ModelFileInfo> files;

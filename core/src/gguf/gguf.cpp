@@ -183,12 +183,22 @@ Result<GgufKv> read_value(Cursor& c, GgufKv kv, const GgufLimits& limits) {
                                   static_cast<int64_t>(count));
             const auto element_type = static_cast<GgufValueType>(et);
             const uint64_t first = c.pos();
+            auto too_many = [&] {
+                return c.error_at(at + 4, "{}: an array of {} elements, more than any model's ({})", what, count,
+                                  limits.max_array_elements);
+            };
             if (element_type == GgufValueType::String) {
                 // Each string needs at least its 8-byte length: reject impossible counts at once.
                 if (count > c.remaining() / 8)
                     return c.error_at(at + 4, "{}: {} strings cannot fit in the {} bytes left", what,
                                       count, c.remaining());
-                for (uint64_t i = 0; i < count; ++i) MC_TRY_VOID(skip_string(c, what));
+                if (count > limits.max_array_elements) return too_many();
+                for (uint64_t i = 0; i < count; ++i) {
+                    MC_TRY_VOID(skip_string(c, what));
+                    if (c.pos() > limits.max_header_bytes)  // checked as it is read, not after the array
+                        return c.error_at(c.pos(), "the metadata is larger than the limit of {} bytes (in {})",
+                                          limits.max_header_bytes, what);
+                }
             } else {
                 const uint64_t esz = *scalar_size(element_type);
                 uint64_t total;
@@ -197,6 +207,7 @@ Result<GgufKv> read_value(Cursor& c, GgufKv kv, const GgufLimits& limits) {
                                       "{}: {} elements of {} bytes run past the end of the file "
                                       "({} bytes left)",
                                       what, count, esz, c.remaining());
+                if (count > limits.max_array_elements) return too_many();
                 MC_TRY_VOID(c.skip(total, what));
             }
             kv.value = GgufArrayRef{element_type, count, first};
@@ -368,6 +379,11 @@ Result<GgufFile> read_gguf(int fd, std::string path, const GgufLimits& limits) {
         return c.error_at(8, "n_tensors is negative ({})", static_cast<int64_t>(n_tensors_raw));
     if (static_cast<int64_t>(n_kv_raw) < 0)
         return c.error_at(16, "n_kv is negative ({})", static_cast<int64_t>(n_kv_raw));
+    if (n_kv_raw > limits.max_kvs)
+        return c.error_at(16, "n_kv claims {} entries, more than any model's ({})", n_kv_raw, limits.max_kvs);
+    if (n_tensors_raw > limits.max_tensors)
+        return c.error_at(8, "n_tensors claims {} tensors, more than any model's file ({})", n_tensors_raw,
+                          limits.max_tensors);
     // Memory is bounded by what the file really holds: a count that cannot fit is rejected now.
     if (n_kv_raw > c.remaining() / kMinKvBytes)
         return c.error_at(16, "n_kv claims {} entries; the {} bytes left hold at most {}", n_kv_raw,

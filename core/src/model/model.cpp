@@ -355,6 +355,18 @@ Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
     m.n_experts_used = MC_TRY(narrow("expert_used_count", MC_TRY(head.get_uint_opt(arch_key("expert_used_count")))));
     m.n_experts_shared = MC_TRY(narrow("expert_shared_count", MC_TRY(head.get_uint_opt(arch_key("expert_shared_count")))));
     m.n_leading_dense = MC_TRY(narrow("leading_dense_block_count", MC_TRY(head.get_uint_opt(arch_key("leading_dense_block_count")))));
+    // What a model of today has, with wide margins: everything sized per expert (heat, residency,
+    // a hook's slices) is bounded by these before it is made. A file past them is refused, named:
+    // a 4 MiB GGUF of 4.2 million one-byte experts held the daemon's loop 13 s at registration.
+    if (m.n_blocks > kMaxModelBlocks)
+        return failf("{}: {} is {}, more than any model's ({})", head.path, arch_key("block_count"), m.n_blocks,
+                     kMaxModelBlocks);
+    if (m.n_experts > kMaxExpertsPerLayer)
+        return failf("{}: {} is {}, more than any model's ({})", head.path, arch_key("expert_count"), m.n_experts,
+                     kMaxExpertsPerLayer);
+    if (uint64_t{m.n_blocks} * m.n_experts > kMaxModelExperts)
+        return failf("{}: {} x {} = {} x {} experts, more than any model's ({})", head.path, arch_key("block_count"),
+                     arch_key("expert_count"), m.n_blocks, m.n_experts, kMaxModelExperts);
 
     std::vector<MoeLayer> by_block;
     for (uint32_t fi = 0; fi < parts.size(); ++fi) {
