@@ -700,7 +700,7 @@ TEST_F(ClientSocketTest, SilentConnectionsAreClosedAndOneUidCannotTakeEverySlot)
     for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
     EXPECT_EQ(of_uid(), 3) << "[clients] max_per_uid";
     EXPECT_GE(d_->status().clients_refused, 5u);
-    // Root is not held to it, and others still get in.
+    // Another uid (root, in a cgroup of its own) still gets in.
     UniqueFd mine = hello("root-client");
     // Past the Hello deadline the silent ones are closed; the one that said Hello stays.
     std::this_thread::sleep_for(std::chrono::milliseconds(700));
@@ -710,6 +710,34 @@ TEST_F(ClientSocketTest, SilentConnectionsAreClosedAndOneUidCannotTakeEverySlot)
     EXPECT_EQ(d_->status().clients.size(), 1u);
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
+}
+
+// Every pod of a node may run as root: root's connections are held to [clients] max_per_uid too,
+// counted per cgroup (a service, a pod's container), so that one pod cannot take every slot; and
+// a connection that said Hello but registers no model within [clients] idle_seconds is closed
+// (a connection that said Hello stayed forever: one pod took all 256 slots).
+TEST_F(ClientSocketTest, RootIsHeldToItsShareByCgroupAndIdleConnectionsExpire) {
+    Config c = test::daemon_config(model_, dir_.file("state"), 16u << 20);
+    c.page_cache_telemetry = "off";
+    c.max_clients_per_uid = 3;
+    c.idle_seconds = 0.5;
+    start(c);
+    UniqueFd a = hello("idle-a"), b = hello("idle-b"), busy = hello("with-a-model");
+    uint32_t model = 0;
+    std::optional<telemetry::TelemetryRing> ring;
+    ASSERT_NO_FATAL_FAILURE(register_with_ring(busy.get(), model, ring));
+    UniqueFd fourth = connect();
+    auto r = reply(fourth.get());
+    ASSERT_TRUE(r && std::holds_alternative<Failure>(r->body)) << failure_text(r);
+    EXPECT_NE(failure_text(r).find("cgroup "), std::string::npos) << failure_text(r);
+    EXPECT_NE(failure_text(r).find("max_per_uid"), std::string::npos) << failure_text(r);
+    // Past idle_seconds the two without a model are closed; the one with a model stays.
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    d_->tick();
+    for (int i = 0; i < 5; ++i) ASSERT_TRUE(d_->step(5));
+    const auto st = d_->status();
+    ASSERT_EQ(st.clients.size(), 1u);
+    EXPECT_EQ(st.clients[0].name, "with-a-model");
 }
 
 // A Hello sent in time but left unread while the loop was busy past the deadline is the loop's

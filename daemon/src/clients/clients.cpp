@@ -98,11 +98,11 @@ void Daemon::accept_clients() {
                               c->peer.gid);
         else if (clients_.size() >= config_.max_clients)
             why = fmt::format("moecached serves {} clients already ([clients] max)", clients_.size());
-        else if (c->peer.uid != 0 &&
-                 std::count_if(clients_.begin(), clients_.end(), [&](const auto& o) { return !o->dead && o->peer.uid == c->peer.uid; }) >=
-                     static_cast<std::ptrdiff_t>(config_.max_clients_per_uid))
-            why = fmt::format("uid {} holds {} connections already ([clients] max_per_uid)", c->peer.uid,
-                              config_.max_clients_per_uid);
+        else if (std::count_if(clients_.begin(), clients_.end(), [&](const auto& o) {
+                     return !o->dead && o->peer.fairness_key == c->peer.fairness_key;
+                 }) >= static_cast<std::ptrdiff_t>(config_.max_clients_per_uid))
+            why = fmt::format("{} holds {} connections already ([clients] max_per_uid; root's are counted per cgroup)",
+                              c->peer.fairness_key, config_.max_clients_per_uid);
         if (!why.empty()) {
             ++clients_refused_;
             (void)send_nowait(c->conn.get(), encode({0, Failure{EACCES, why}}));
@@ -781,13 +781,20 @@ void Daemon::resume_listener() {
 // machine a runtime's reconnections were dropped so, one after another, for 40 s).
 void Daemon::expire_silent_clients() {
     const auto now = std::chrono::steady_clock::now();
-    for (auto& c : clients_)
-        if (!c->dead && !c->hello && now - c->connected > std::chrono::duration<double>(config_.hello_seconds)) {
-            pollfd p{c->conn.get(), POLLIN, 0};
-            if (::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0) continue;
-            ++clients_refused_;
-            drop_client(*c, fmt::format("no Hello within {} s ([clients] hello_seconds)", config_.hello_seconds));
-        }
+    for (auto& c : clients_) {
+        if (c->dead) continue;
+        const bool silent = !c->hello && now - c->connected > std::chrono::duration<double>(config_.hello_seconds);
+        // One that said Hello but registered no model holds a slot for nothing too (a runtime's
+        // GPU probe that inherited the hook, a client left behind): its library connects again.
+        const bool idle = c->hello && c->models.empty() && config_.idle_seconds > 0 &&
+                          now - c->connected > std::chrono::duration<double>(config_.idle_seconds);
+        if (!silent && !idle) continue;
+        pollfd p{c->conn.get(), POLLIN, 0};
+        if (::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0) continue;
+        ++clients_refused_;
+        drop_client(*c, silent ? fmt::format("no Hello within {} s ([clients] hello_seconds)", config_.hello_seconds)
+                               : fmt::format("no model registered within {} s ([clients] idle_seconds)", config_.idle_seconds));
+    }
 }
 
 void Daemon::reap_clients() {

@@ -153,6 +153,22 @@ Result<PeerIdentity> peer_identity(int conn) {
     if (::getsockopt(conn, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) == 0) p.pidfd.reset(pidfd);
 #endif
     if (!p.pidfd && p.pid > 0) p.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, p.pid, 0)));
+    p.fairness_key = fmt::format("uid {}", p.uid);
+    if (p.uid == 0 && p.pid > 0) {
+        // The unified hierarchy's line ("0::/PATH"); read while the pidfd pins the pid. A process
+        // gone already keeps root's shared key.
+        char buf[4096];
+        const UniqueFd f(::open(fmt::format("/proc/{}/cgroup", p.pid).c_str(), O_RDONLY | O_CLOEXEC));
+        const ssize_t n = f ? ::read(f.get(), buf, sizeof buf - 1) : -1;
+        if (n > 0) {
+            const std::string_view text(buf, static_cast<size_t>(n));
+            const size_t at = text.rfind("0::", text.size());
+            if (at != std::string_view::npos && (at == 0 || text[at - 1] == '\n')) {
+                const size_t end = text.find('\n', at);
+                p.fairness_key = fmt::format("cgroup {}", text.substr(at + 3, end == std::string_view::npos ? end : end - at - 3));
+            }
+        }
+    }
     return p;
 }
 

@@ -23,6 +23,9 @@ struct PeerIdentity {
     gid_t gid = 0;
     std::vector<gid_t> groups;  // supplementary, as the kernel saw them at connect (SO_PEERGROUPS)
     UniqueFd pidfd;  // -1 where pidfd_open is missing or the process has gone
+    // What its connections are counted under for [clients] max_per_uid: "uid N", or for root
+    // "cgroup PATH" (its unified-hierarchy cgroup at connect: a service, a pod's container).
+    std::string fairness_key;
 };
 
 struct Packet {

@@ -421,6 +421,7 @@ const Key<Config> kClientKeys[] = {
     MC_KEY("max", Config, t.max_clients = static_cast<U32>(MC_TRY(read_int(v, 1, 65536)))),
     MC_KEY("max_per_uid", Config, t.max_clients_per_uid = static_cast<U32>(MC_TRY(read_int(v, 1, 65536)))),
     MC_KEY("hello_seconds", Config, t.hello_seconds = MC_TRY(read_number(v, {0.05, true}, {3600, true}))),
+    MC_KEY("idle_seconds", Config, t.idle_seconds = MC_TRY(read_number(v, {0, true}, {86400, true}))),
     MC_KEY("uid_budgets", Config, t.uid_budgets = MC_TRY(read_uid_budgets(v))),
 };
 

@@ -106,8 +106,11 @@ struct Config {
     std::vector<uint32_t> client_allow_uids;  // empty: any uid; root may always connect
     std::vector<uint32_t> client_allow_gids;  // a peer whose primary gid is listed may connect too
     uint32_t max_clients = 256;
-    uint32_t max_clients_per_uid = 64;  // connections one uid other than root may hold at once
+    // Connections one uid may hold at once; root's are counted per cgroup (a service, a pod's
+    // container), since every pod of a node may run as root.
+    uint32_t max_clients_per_uid = 64;
     double hello_seconds = 5;           // a connection that has not said Hello by then is closed
+    double idle_seconds = 300;          // one that has registered no model by then is closed (0: never)
     // What the models a uid's clients registered (and no [[model]] names) may lock together, by
     // uid. A uid not listed is held to the global budget only.
     std::map<uint32_t, ByteAmount> uid_budgets;
