@@ -134,16 +134,17 @@ protected:
 
     // Registers the test's model on `s` and a telemetry ring of 64 KiB: its id in `model`, the ring
     // in `ring` (use under ASSERT_NO_FATAL_FAILURE).
-    void register_with_ring(int s, uint32_t& model, std::optional<telemetry::TelemetryRing>& ring) {
+    void register_with_ring(int s, uint32_t& model, std::optional<telemetry::TelemetryRing>& ring,
+                            uint32_t ring_bytes = 1u << 16) {
         UniqueFd f(::open(model_.c_str(), O_RDONLY | O_CLOEXEC));
         send_raw(s, encode({2, RegisterModel{1}}), {f.get()});
         auto r = reply(s);
         ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
         model = std::get<ModelRegistered>(r->body).model;
-        auto made = telemetry::TelemetryRing::create(1u << 16);
+        auto made = telemetry::TelemetryRing::create(ring_bytes);
         ASSERT_TRUE(made) << made.error().what();
         ring.emplace(std::move(*made));
-        send_raw(s, encode({3, TelemetrySetup{1u << 16}}), {ring->fd()});
+        send_raw(s, encode({3, TelemetrySetup{ring_bytes}}), {ring->fd()});
         r = reply(s);
         ASSERT_TRUE(r && std::holds_alternative<Ok>(r->body)) << failure_text(r);
     }
@@ -525,6 +526,56 @@ TEST_F(ClientSocketTest, ASlowReaderGetsEveryMessageInOrder) {
     }
     EXPECT_EQ(got, kRequests);
     EXPECT_EQ(d_->status().clients.size(), 1u);
+}
+
+// Rings are read fairly and within a budget a turn, all clients together: 16 full rings of 8 MiB
+// (each could take 2^16 records a turn: 16 held the loop ~1 s a turn) give each client an even
+// share each turn, none left out, and are all read over the turns that follow.
+TEST_F(ClientSocketTest, FullRingsAreReadFairlyWithinABudgetATurn) {
+    start();
+    constexpr int kClients = 16;
+    std::vector<UniqueFd> conns;
+    std::vector<std::optional<telemetry::TelemetryRing>> rings(kClients);
+    uint32_t model = 0;
+    for (int i = 0; i < kClients; ++i) {
+        conns.push_back(hello("ring-" + std::to_string(i)));
+        ASSERT_NO_FATAL_FAILURE(register_with_ring(conns.back().get(), model, rings[i], 8u << 20));
+    }
+    uint64_t pushed = 0;
+    for (auto& ring : rings) {
+        telemetry::RoutingEvent e;
+        e.model = model;
+        e.tokens = 1;
+        e.n_experts = 2;
+        e.experts[0] = 3;
+        e.experts[1] = 5;
+        for (uint32_t i = 0; ring->push(e); ++i) e.block = static_cast<uint16_t>(i % 4);
+        pushed += ring->counters().pushed;
+    }
+    ASSERT_GE(pushed, 16u * 65536u) << "the rings hold sixteen turns' budgets";
+    auto events = [&] {
+        std::map<std::string, uint64_t> by;
+        for (const auto& c : d_->status().clients) by[c.name] = c.events;
+        return by;
+    };
+    ASSERT_TRUE(d_->step(0));
+    const auto first = events();
+    uint64_t total = 0, least = UINT64_MAX, most = 0;
+    for (const auto& [name, n] : first) {
+        total += n;
+        least = std::min(least, n);
+        most = std::max(most, n);
+    }
+    EXPECT_LE(total, 65536u + 16u) << "one turn's budget, all clients together";
+    EXPECT_GT(least, 0u) << "no client left out";
+    EXPECT_LE(most, 2 * least) << "an even share";
+    for (int i = 0; i < 2000; ++i) {
+        total = 0;
+        for (const auto& [name, n] : events()) total += n;
+        if (total >= pushed) break;
+        ASSERT_TRUE(d_->step(0));
+    }
+    EXPECT_EQ(total, pushed) << "every record read over the turns that follow";
 }
 
 TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {

@@ -28,7 +28,12 @@ using namespace moecache::protocol;
 
 constexpr int kAcceptsPerTurn = 64;
 constexpr int kPacketsPerTurn = 64;
+// Routing records read in a turn, all clients together, shared out evenly (each at least
+// kMinEventsPerClient): a ring left fuller fills, and its client counts what it could not write.
+// Each client could take 2^16 a turn: 16 full rings held the loop ~1 s a turn (64 of them ~4 s),
+// and with it D-Bus answers and every client's directives.
 constexpr size_t kEventsPerTurn = 1u << 16;
+constexpr size_t kMinEventsPerClient = 1024;
 // What may wait for a client that reads more slowly than the daemon decides (a pool's first Locks
 // and Promotes: a directive is a few dozen bytes), before it counts as one that stopped reading.
 constexpr size_t kMaxUnsentBytes = 1u << 20;
@@ -689,8 +694,13 @@ void Daemon::bind_promoted() {
 void Daemon::consume_client_telemetry() {
     busy_rings_ = false;
     any_rings_ = false;
-    for (auto& cp : clients_) {
-        Client& c = *cp;
+    size_t rings = 0;
+    for (const auto& cp : clients_) rings += cp->ring && !cp->dead ? 1 : 0;
+    const size_t share = rings == 0 ? kEventsPerTurn : std::max(kEventsPerTurn / rings, kMinEventsPerClient);
+    // Who is read first moves each turn: no client is always last.
+    const size_t first = clients_.empty() ? 0 : ring_turn_++ % clients_.size();
+    for (size_t nth = 0; nth < clients_.size(); ++nth) {
+        Client& c = *clients_[(first + nth) % clients_.size()];
         // A client that has gone still has its last records read: they were sent.
         if (!c.ring) continue;
         // The client's models, resolved once per turn rather than per event.
@@ -742,7 +752,7 @@ void Daemon::consume_client_telemetry() {
                 joining_tokens = e.tokens;
                 joined_.assign(these.begin(), these.end());
             },
-            c.dead ? SIZE_MAX : kEventsPerTurn);
+            c.dead ? SIZE_MAX : share);
         record_joined();
         if (!n) {
             MC_LOG(LOG_WARNING, "client {}: telemetry ring dropped: {}", c.id, n.error().what());
@@ -750,8 +760,8 @@ void Daemon::consume_client_telemetry() {
             continue;
         }
         any_rings_ = true;
-        // A ring that was a quarter full is read again soon: see loop_timeout().
-        if (*n >= c.ring->capacity() / 4) busy_rings_ = true;
+        // A ring that was a quarter full, or that gave its whole share, is read again soon: see loop_timeout().
+        if (*n >= c.ring->capacity() / 4 || *n >= share) busy_rings_ = true;
     }
 }
 

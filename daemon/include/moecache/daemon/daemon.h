@@ -259,6 +259,7 @@ private:
     }
     void note_error(const char* doing, const std::string& what);
     bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
+    size_t ring_turn_ = 0;  // whose ring is read first, rotating (consume_client_telemetry)
     std::vector<uint32_t> joined_;  // consume_client_telemetry's decision of several records
     [[nodiscard]] int loop_timeout() const;
     std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
