@@ -21,6 +21,7 @@
 #include "moecache/text.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <set>
 
@@ -189,13 +190,22 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
         return;
     }
     std::string pp = profile_path(profile_name(m));
-    // None of its own yet: the fleet's, when one is shared (read only: its own is saved here).
+    // None of its own yet: the fleet's, when one is shared (read only: its own is saved here). Only
+    // a file that is in the folder (a ConfigMap's links inside it are; a link out of it is not).
     if (::access(pp.c_str(), F_OK) != 0 && !config_.fleet_profiles.empty() && !m.registered) {
         const std::string fleet = config_.fleet_profiles + "/" + profile_name(m) + ".json";
-        if (::access(fleet.c_str(), F_OK) == 0) pp = fleet;
+        char folder[PATH_MAX], file[PATH_MAX];
+        if (::realpath(config_.fleet_profiles.c_str(), folder) && ::realpath(fleet.c_str(), file)) {
+            const std::string inside = std::string(folder) + "/";
+            if (std::string_view(file).rfind(inside, 0) == 0) pp = file;
+            else MC_LOG(LOG_WARNING, "model {}: fleet profile {} leads out of {}: not read", m.path, fleet, config_.fleet_profiles);
+        }
     }
     if (::access(pp.c_str(), F_OK) == 0) {
-        auto text = read_whole_file(pp, 256u << 20, "heat profile");
+        // What a profile of this model's shape can take (its entries, generously): a larger file is
+        // refused unread (a 190 MiB one of valid entries held the start 30 s and 2.6 GiB).
+        const uint64_t most = 64u * 1024 + 256u * m.res->heat().n_layers() * m.res->heat().n_experts();
+        auto text = read_whole_file(pp, most, "heat profile");
         auto ok = text ? m.res->heat().load_profile(*text, m.res->model().profile_key(), pp)
                        : Result<void>(tl::unexpected(text.error()));
         if (ok) MC_LOG(LOG_INFO, "model {}: heat profile {} loaded: starting warm", m.path, pp);

@@ -251,6 +251,61 @@ TEST_F(DaemonTest, ANewMachineStartsWarmFromTheFleetsProfile) {
     EXPECT_FALSE(std::filesystem::is_empty(dir_.file("new-state") + "/profiles")) << "its own profile, in its own state_dir";
 }
 
+// The fleet's folder is whoever-can-write-it's: a profile is read only where it lies in the folder
+// (a ConfigMap's links inside it are followed, one out of it is not), only up to what a profile of
+// the model's shape can be (a 190 MiB one held the start 30 s and 2.6 GiB), and a wrong profile's
+// own key is never echoed into the log.
+TEST_F(DaemonTest, FleetProfilesAreReadOnlyFromTheFolderAndBounded) {
+    ASSERT_NO_FATAL_FAILURE(route_and_save());
+    std::string profile;
+    for (const auto& f : std::filesystem::directory_iterator(dir_.file("state") + "/profiles")) profile = f.path().filename();
+    ASSERT_FALSE(profile.empty());
+    const std::string saved = test::read_file(dir_.file("state") + "/profiles/" + profile);
+    auto starts_warm = [&](const std::string& fleet) {
+        test::drop_page_cache(model_);
+        std::filesystem::remove_all(dir_.file("new-state"));
+        Config c = test::daemon_config(model_, dir_.file("new-state"), 64ull << 20);
+        c.fleet_profiles = fleet;
+        auto d = Daemon::create(c);
+        EXPECT_TRUE(d) << d.error().what();
+        if (!d) return false;
+        settle(**d);
+        return expert((*d)->status(), 0, 1).tier == Tier::Locked;
+    };
+    // A ConfigMap's layout: KEY -> ..data/KEY, ..data -> a dated folder, all inside.
+    const std::string cm = dir_.file("cm");
+    std::filesystem::create_directories(cm + "/..2026_12_04");
+    test::write_file(cm + "/..2026_12_04/" + profile, saved);
+    std::filesystem::create_directory_symlink("..2026_12_04", cm + "/..data");
+    std::filesystem::create_symlink("..data/" + profile, cm + "/" + profile);
+    EXPECT_TRUE(starts_warm(cm)) << "a ConfigMap's links stay inside the folder";
+    // A link out of the folder: not read.
+    const std::string out = dir_.file("out");
+    std::filesystem::create_directories(out);
+    test::write_file(dir_.file("elsewhere.json"), saved);
+    std::filesystem::create_symlink(dir_.file("elsewhere.json"), out + "/" + profile);
+    EXPECT_FALSE(starts_warm(out)) << "a link out of the folder was followed";
+    // Larger than a profile of this shape can be: refused unread.
+    const std::string big = dir_.file("big");
+    std::filesystem::create_directories(big);
+    test::write_file(big + "/" + profile, saved.substr(0, saved.size() - 1) + std::string(32u << 20, ' ') + "}");
+    EXPECT_FALSE(starts_warm(big)) << "an oversized profile was read";
+    // Another model's profile under this name: its key is not quoted.
+    const std::string wrong = dir_.file("wrong");
+    std::filesystem::create_directories(wrong);
+    const std::string marker = "ATTACKER-TEXT-IN-A-KEY";
+    std::string other = saved;
+    const size_t k = other.find("\"key\"");
+    ASSERT_NE(k, std::string::npos);
+    other.insert(other.find('"', other.find(':', k)) + 1, marker);
+    test::write_file(wrong + "/" + profile, other);
+    testing::internal::CaptureStderr();
+    EXPECT_FALSE(starts_warm(wrong));
+    const std::string log = testing::internal::GetCapturedStderr();
+    EXPECT_NE(log.find("the profile is for another model"), std::string::npos) << log;
+    EXPECT_EQ(log.find(marker), std::string::npos) << "the profile's own key was echoed:\n" << log;
+}
+
 // A warm start also reads, without locking, the experts the profile saw used beyond the lock
 // budget; nothing the profile did not admit, nothing locked beyond the budget.
 TEST_F(DaemonTest, AWarmStartReadsTheProfilesNextTierWithoutLockingIt) {

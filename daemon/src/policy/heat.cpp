@@ -193,8 +193,8 @@ Result<void> HeatTable::load_profile(const std::string& text, const std::string&
         return j[k].get<uint64_t>();
     };
     if (!j.contains("key") || !j["key"].is_string() || j["key"].get<std::string>() != key)
-        return failf("{}: the profile is for another model (key '{}', expected '{}')", where,
-                     j.contains("key") && j["key"].is_string() ? j["key"].get<std::string>() : "", key);
+        // Its own key is not quoted: a profile's text is anyone's who can write the folder.
+        return failf("{}: the profile is for another model (expected key '{}')", where, key);
     if (MC_TRY(get_u("n_layers")) != n_layers_ || MC_TRY(get_u("n_experts")) != n_experts_)
         return failf("{}: the profile's shape does not match the model ({} layers x {} experts)", where, n_layers_,
                      n_experts_);
