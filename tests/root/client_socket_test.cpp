@@ -610,11 +610,18 @@ TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {
     bad.n_experts = 1;
     bad.experts[0] = 16;
     ring->push(bad);
+    // One expert named twice: a router picks an expert once (22 times over, read as perfect reuse,
+    // it turned the recency split up and released every lock).
+    bad.n_experts = 3;
+    bad.experts[0] = 3;
+    bad.experts[1] = 5;
+    bad.experts[2] = 3;
+    ring->push(bad);
     for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(2));
     const auto st = d_->status();
     ASSERT_EQ(st.clients.size(), 1u);
     EXPECT_EQ(st.clients[0].events, 1200u);
-    EXPECT_EQ(st.clients[0].bad_events, 3u);
+    EXPECT_EQ(st.clients[0].bad_events, 4u);
     EXPECT_EQ(st.clients[0].overflow, 0u);
     for (const auto& e : st.models[0].experts) EXPECT_EQ(e.uses, (e.expert == 3 || e.expert == 5) ? 300u : 0u);
 

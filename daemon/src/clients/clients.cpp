@@ -732,7 +732,13 @@ void Daemon::consume_client_telemetry() {
                 uint32_t k = 0;
                 for (uint32_t i = 0; i < e.n_experts; ++i)
                     if (e.experts[i] < n_experts) experts[k++] = e.experts[i];
-                if (k != e.n_experts || !m.res->layer_of_block(e.block)) {
+                // A router picks an expert once: a record naming one twice is malformed (22 times
+                // over read as perfect reuse, it turned the recency split up and the lock cap to 0).
+                uint32_t sorted[telemetry::kMaxExpertsPerRecord];
+                std::copy(experts, experts + k, sorted);
+                std::sort(sorted, sorted + k);
+                const bool repeats = std::adjacent_find(sorted, sorted + k) != sorted + k;
+                if (k != e.n_experts || repeats || !m.res->layer_of_block(e.block)) {
                     ++c.bad_events;
                     return;
                 }
