@@ -798,6 +798,19 @@ TEST_F(ClientSocketTest, RootIsHeldToItsShareByCgroupAndIdleConnectionsExpire) {
     EXPECT_EQ(st.clients[0].name, "with-a-model");
 }
 
+// The socket file is made 0666 by bind, whatever the daemon's umask, and never chmod-ed by path
+// afterwards (the path could be swapped in between for a link to a file the daemon may write).
+TEST_F(ClientSocketTest, TheSocketIsMadeOpenByBindNotChmodByPath) {
+    const mode_t was = ::umask(077);
+    start();
+    ::umask(was);
+    struct stat st {};
+    ASSERT_EQ(::lstat(d_->status().socket_path.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+    EXPECT_EQ(st.st_mode & 0777, 0666u);
+    EXPECT_EQ(::umask(was), was) << "the daemon gives the umask back";
+}
+
 // A Hello sent in time but left unread while the loop was busy past the deadline is the loop's
 // lateness, not the client's silence: it is answered, not dropped.
 TEST_F(ClientSocketTest, AHelloTheLoopWasLateToReadIsAnswered) {

@@ -69,7 +69,8 @@ std::string describe(const Config& c) {
       << "clients.allow_gids = " << fmt::format("{}", fmt::join(c.client_allow_gids, ",")) << "\n"
       << "clients.max = " << c.max_clients << "\n"
       << "clients.max_per_uid = " << c.max_clients_per_uid << "\n"
-      << "clients.hello_seconds = " << c.hello_seconds << "\n";
+      << "clients.hello_seconds = " << c.hello_seconds << "\n"
+      << "clients.idle_seconds = " << c.idle_seconds << "\n";
     for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
     s << "metrics.listen = " << c.metrics_listen << "\n";
     s << "dbus.bus = " << c.dbus_bus << "\n";
@@ -698,7 +699,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 40u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 41u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

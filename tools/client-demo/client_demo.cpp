@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cerrno>
@@ -130,7 +131,10 @@ int main(int argc, char** argv) {
     moecache_directive d[64];
     while (std::chrono::steady_clock::now() < end) {
         for (const auto& layer : map->layers) {
-            for (uint32_t i = 0; i < k; ++i) experts[i] = pick(rng);
+            // k distinct experts, as a router picks them (a record that names one twice is refused).
+            for (uint32_t i = 0; i < k; ++i)
+                do experts[i] = pick(rng);
+                while (std::find(experts.begin(), experts.begin() + i, experts[i]) != experts.begin() + i);
             moecache_client_report(c, handle, layer.index, experts.data(), k, 1);
             ++events;
         }

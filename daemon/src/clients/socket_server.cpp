@@ -112,9 +112,19 @@ Result<SocketServer> SocketServer::listen(const std::string& path) {
     SocketServer s;
     s.fd_.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!s.fd_) return fail_errno("socket(AF_UNIX, SOCK_SEQPACKET)");
-    if (::bind(s.fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return fail_errno("bind {}", path);
+    // The socket file is made 0666 by bind itself (the umask of the moment), not chmod-ed by path
+    // afterwards: between the two the path could have been swapped for something else (a link to
+    // a file the daemon may write), which chmod would then have opened to everyone. Access is the
+    // daemon's to check ([clients] allow_uids / allow_gids), and nobody connects before listen().
+    const mode_t umask_was = ::umask(0111);
+    const int bound = ::bind(s.fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    const int bind_errno = errno;
+    ::umask(umask_was);
+    if (bound != 0) {
+        errno = bind_errno;
+        return fail_errno("bind {}", path);
+    }
     s.path_ = path;
-    if (::chmod(path.c_str(), 0666) != 0) return fail_errno("chmod 0666 {}", path);
     if (::listen(s.fd_.get(), 512) != 0) return fail_errno("listen on {}", path);
     return s;
 }
