@@ -137,6 +137,15 @@ void Daemon::place() {
             if (const auto it = config_.uid_budgets.find(m->owner_uid); it != config_.uid_budgets.end())
                 mf.holder.user_budget = it->second.resolve(mem_total_);
         }
+        // A model users registered (no [[model]], no D-Bus RegisterModel): its dense part after the
+        // operator's experts, and its owner's budget in the plan, not only when locking.
+        if (m->registered && !m->operator_added) {
+            mf.view.users = true;
+            if (mf.holder.user_budget != kNoCap) {
+                mf.view.owner = m->owner_uid;
+                mf.view.owner_budget = mf.holder.user_budget;
+            }
+        }
         mf.waiting = m->waiting;
         mf.warm_pending = m->warm_pending;
         f.models.push_back(std::move(mf));

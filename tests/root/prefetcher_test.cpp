@@ -518,7 +518,9 @@ TEST_F(PrefetcherTest, WhereIoUringIsDeniedTheDefaultReadsWithThreads) {
     ASSERT_EQ(::waitpid(child, &status, 0), child);
     ASSERT_TRUE(WIFEXITED(status)) << "the child died of a signal";
     EXPECT_EQ(WEXITSTATUS(status), 0) << "failed check number " << WEXITSTATUS(status) << " (see the test's source)";
-    EXPECT_EQ(resident(path, kMiB, 3 * kMiB), 3 * kMiB);
+    // What was read is in the page cache, but for what proactive reclaim (DAMON's pageout: kdamond
+    // runs on these machines) took meanwhile; the child counted every byte read (check 16).
+    EXPECT_GE(resident(path, kMiB, 3 * kMiB), 3 * kMiB - 256 * 1024);
     EXPECT_EQ(resident(path, 0, kMiB), 0u);
 }
 

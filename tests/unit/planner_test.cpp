@@ -212,6 +212,43 @@ TEST(Planner, AModelOnStandbyTakesOnlyWhatTheModelsInUseLeave) {
     EXPECT_EQ(plan_placement(idle, 5 * kExpert, s).lock, plan_placement(plain, 5 * kExpert, s).lock);
 }
 
+// A user's model (any local user may register a file of their own): its dense part never outranks
+// the operator's experts (a sparse GGUF with a large dense tensor, a "must", took the whole cap and
+// released the operator's experts), and all its parts count against its owner's budget in the plan,
+// with the owner's other models, not only when locking (where the plan had released the operator's
+// experts for it all the same).
+TEST(Planner, AUsersDensePartComesAfterTheOperatorsExpertsAndWithinItsOwnersBudget) {
+    World op;
+    op.use(0, 1, 10);
+    op.use(0, 2, 8);
+    World user_a, user_b;
+    user_a.view.users = user_b.view.users = true;
+    user_a.view.dense_wanted = user_b.view.dense_wanted = true;
+    user_a.view.dense_bytes = user_b.view.dense_bytes = 4 * kExpert;
+    user_b.use(0, 3, 20);
+    PlannerSettings s;
+    s.elite_share = 0;
+    {
+        const ModelView views[] = {op.view, user_a.view};
+        const auto p = plan_placement(views, 4 * kExpert, s);
+        ASSERT_EQ(p.lock.size(), 2u) << "the operator's two experts, not the user's dense part";
+        EXPECT_EQ(p.lock[0], (SlotRef{0, 1}));
+        EXPECT_EQ(p.lock[1], (SlotRef{0, 2}));
+    }
+    // Two models of one owner whose budget holds one dense part and an expert: the plan gives them
+    // that much together, whatever room the cap has.
+    user_a.view.owner = user_b.view.owner = 1000;
+    user_a.view.owner_budget = user_b.view.owner_budget = 5 * kExpert;
+    const ModelView views[] = {op.view, user_a.view, user_b.view};
+    const auto p = plan_placement(views, 100 * kExpert, s);
+    uint64_t owners = 0;
+    for (const auto& r : p.lock)
+        if (r.model != 0) owners += r.slot == kDenseSlot ? 4 * kExpert : kExpert;
+    EXPECT_LE(owners, 5 * kExpert) << "the owner's budget, in the plan";
+    EXPECT_EQ(std::count_if(p.lock.begin(), p.lock.end(), [](const SlotRef& r) { return r.model == 0; }), 2)
+        << "the operator's experts are all planned";
+}
+
 TEST(Heat, DecaysByHalfLife) {
     HeatTable h(1, 4, 100);
     const uint32_t e[] = {1};

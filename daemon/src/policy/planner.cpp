@@ -10,16 +10,18 @@ namespace {
 
 struct Candidate {
     SlotRef ref;
-    int klass;     // 0 must, 1 elite, 2 regular; a model on standby: 4 elite, 5 regular
+    int klass;     // 0 must, 1 elite, 2 regular, 3 a user's dense part (or held in VRAM); on standby: 4 elite, 5 regular
     double score;  // within a class, higher first
     uint64_t bytes;
     bool locked;
     bool unwanted = false;  // held in VRAM: released if locked, never locked
 };
 
-void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::vector<Candidate>& out) {
+// `operators`: an operator's model is in use, whose experts a user's dense part must not outrank.
+void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, bool operators, std::vector<Candidate>& out) {
     if (m.dense_wanted && m.dense_bytes > 0)
-        out.push_back({{mi, kDenseSlot}, 0, std::numeric_limits<double>::infinity(), m.dense_bytes, m.dense_locked});
+        out.push_back({{mi, kDenseSlot}, m.users && operators ? 3 : 0, std::numeric_limits<double>::infinity(), m.dense_bytes,
+                       m.dense_locked});
     if (!m.heat) return;
     const uint32_t nl = m.heat->n_layers(), ne = m.heat->n_experts();
     const auto elite_n = static_cast<uint32_t>(std::ceil(s.elite_share * ne));
@@ -63,7 +65,8 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, std::v
 
 Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, const PlannerSettings& s) {
     std::vector<Candidate> cands;
-    for (uint32_t mi = 0; mi < models.size(); ++mi) add_model(mi, models[mi], s, cands);
+    const bool operators = std::any_of(models.begin(), models.end(), [](const ModelView& m) { return !m.users && !m.standby; });
+    for (uint32_t mi = 0; mi < models.size(); ++mi) add_model(mi, models[mi], s, operators, cands);
     std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
         return a.klass != b.klass ? a.klass < b.klass : a.score > b.score;
     });
@@ -77,6 +80,13 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
             auto [it, fresh] = family.try_emplace(m.family, m.family_budget, 0);
             if (!fresh) it->second.first = std::min(it->second.first, m.family_budget);
         }
+    // The same per owner number: its budget and what the plan gives it.
+    std::map<uint32_t, std::pair<uint64_t, uint64_t>> owner;
+    for (const auto& m : models)
+        if (m.owner != std::numeric_limits<uint32_t>::max()) {
+            auto [it, fresh] = owner.try_emplace(m.owner, m.owner_budget, 0);
+            if (!fresh) it->second.first = std::min(it->second.first, m.owner_budget);
+        }
     std::vector<const Candidate*> not_kept;
     for (const auto& c : cands) {
         if (c.unwanted) {
@@ -85,12 +95,14 @@ Plan plan_placement(std::span<const ModelView> models, uint64_t global_cap, cons
         }
         const auto& m = models[c.ref.model];
         auto* fam = m.family == std::numeric_limits<uint32_t>::max() ? nullptr : &family.at(m.family);
+        auto* own = m.owner == std::numeric_limits<uint32_t>::max() ? nullptr : &owner.at(m.owner);
         const bool fits = p.planned_bytes + c.bytes <= global_cap && model_used[c.ref.model] + c.bytes <= m.budget &&
-                          (!fam || fam->second + c.bytes <= fam->first);
+                          (!fam || fam->second + c.bytes <= fam->first) && (!own || own->second + c.bytes <= own->first);
         if (fits) {
             p.planned_bytes += c.bytes;
             model_used[c.ref.model] += c.bytes;
             if (fam) fam->second += c.bytes;
+            if (own) own->second += c.bytes;
             if (!c.locked) p.lock.push_back(c.ref);
         } else if (c.locked) {
             not_kept.push_back(&c);

@@ -1,12 +1,14 @@
 // The placement policy, first version: which experts (and dense parts) should be locked in RAM,
 // given their heat, the pins, and the budgets. Pure: it reads a view of the state and returns a
 // plan; the daemon carries it out. Order of claim on the budget:
-//   1. pinned experts and the dense part of models that lock it (used by every token);
+//   1. pinned experts and the dense part of the operator's models that lock it (used by every token);
 //   2. the elite: the hottest `elite_share` of each layer (among admitted experts);
 //   3. everything admitted (used at least `admit_after_uses` times), hottest first, where a
 //      locked expert counts `1 + hysteresis` times its heat so placements do not churn;
-//   4. the elite and then the rest of models on standby (no runtime uses them now), likewise.
-// Budgets (the global cap, each model's and each family's) are filled greedily in that order. An expert a VRAM
+//   4. the dense part of models users registered, where an operator's model is in use (else 1);
+//   5. the elite and then the rest of models on standby (no runtime uses them now), likewise.
+// Budgets (the global cap, each model's, each family's and each owner's) are filled greedily in
+// that order. An expert a VRAM
 // pool holds is not wanted in RAM (one place), unless pinned.
 #pragma once
 
@@ -68,6 +70,13 @@ struct ModelView {
     // model while the decode model runs) takes only what those leave. Its pins and dense part
     // keep their place.
     bool standby = false;
+    // A model a user registered (not the operator's): where an operator's model is in use, its
+    // dense part ranks after every expert, not before them (a user's sparse GGUF with a large dense
+    // tensor took the cap and released the operator's experts); and all its parts count against
+    // its owner's budget in the plan, with the other models of that owner (the same owner number).
+    bool users = false;
+    uint32_t owner = std::numeric_limits<uint32_t>::max();  // max: no owner's budget applies
+    uint64_t owner_budget = std::numeric_limits<uint64_t>::max();
 };
 
 struct SlotRef {
