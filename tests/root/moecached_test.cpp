@@ -1,12 +1,19 @@
 // The moecached program itself: bad configurations refused with a message and exit code 1,
 // --check, a foreground run that takes SIGHUP (reload) and SIGTERM (saves heat, exits 0).
+#include "gguf_builder.h"
+#include "memory_cgroup.h"
 #include "model_fixture.h"
 #include "run.h"
 #include "temp_dir.h"
 
+#include "moecache/client.h"
+#include "moecache/ggml_type.h"
+#include "moecache/mkmodel/gguf_writer.h"
+
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -33,6 +40,69 @@ protected:
     test::TempDir dir_;
     std::string model_;
 };
+
+// Whatever a client sends, the daemon stays within a bound its unit can hold (MemoryMax): in a
+// memory cgroup of 384 MiB, a local user registers a hash-named model whose general.name is 40 MiB,
+// one whose header is an array of 2^24 empty strings (128 MiB of a sparse file), and one that
+// claims 4.2 million experts (before, 16 MiB of such a file OOM-killed the daemon in a 1.5 GiB
+// cgroup). The daemon refuses or takes each, keeps answering, and nothing in its cgroup is killed.
+TEST_F(Moecached, AClientCannotPushTheDaemonPastItsMemoryBound) {
+    auto made = test::MemoryCgroup::create("moecache-hostile-client-test-", 384ull << 20);
+    if (!made) GTEST_SKIP() << "no memory cgroup here: " << made.error().what();
+    auto& cg = *made;
+    test::write_file(dir_.file("d.toml"), config() + "[metrics]\nlisten = \"127.0.0.1:0\"\n[telemetry]\npage_cache = \"off\"\n");
+    test::Background d(cg->inside({MOECACHE_DAEMON_BIN, "--config", dir_.file("d.toml")}));
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    std::smatch port;
+    const std::string out = d.output();
+    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    // A hash-named model with a 40 MiB general.name.
+    auto spec = test::small_spec();
+    spec.name = std::string(40u << 20, 'N');
+    const std::string named = dir_.file("sha256-" + std::string(64, 'a'));
+    test::write_model(spec, named);
+    // A header of 2^24 empty strings: the array last, the rest of a sparse file its zeros.
+    test::GgufDesc strings;
+    strings.add_str("general.architecture", "qwen3moe");
+    strings.add_kv("tokenizer.ggml.tokens", static_cast<uint32_t>(GgufValueType::Array),
+                   test::GgufDesc::array(static_cast<uint32_t>(GgufValueType::String), uint64_t{1} << 24));
+    const std::string sparse = dir_.file("strings.gguf");
+    test::write_file(sparse, strings.bytes());
+    ASSERT_EQ(truncate(sparse.c_str(), 8ll << 30), 0);
+    // 4.2 million one-byte experts.
+    mkmodel::GgufWriter w;
+    w.add("general.architecture", std::string("qwen3moe"));
+    w.add("qwen3moe.block_count", 1u);
+    w.add("qwen3moe.expert_count", 4200000u);
+    w.add("qwen3moe.expert_used_count", 1u);
+    mkmodel::TensorSpec t{"blk.0.ffn_up_exps.weight", *ggml_type_info(ggml::I8), {1, 1, 4200000}, {}};
+    t.fill = [](uint64_t, uint64_t n, uint8_t* o) { std::fill(o, o + n, 0); };
+    w.add_tensor(std::move(t));
+    const std::string many = dir_.file("many.gguf");
+    ASSERT_TRUE(w.write(many, {}));
+    moecache_client* c = moecache_client_open(dir_.file("sock").c_str(), "hostile");
+    ASSERT_NE(c, nullptr);
+    uint32_t h = 0;
+    for (const auto& path : {named, sparse, many}) (void)moecache_client_register_model(c, path.c_str(), &h);
+    (void)moecache_client_wait_ready(c, 20000);
+    std::this_thread::sleep_for(std::chrono::seconds(2));  // the refusals and their reconnections
+    std::string metrics;
+    for (int i = 0; i < 100; ++i) {
+        httplib::Client http("127.0.0.1", std::stoi(port[1]));
+        http.set_read_timeout(2, 0);
+        if (auto r = http.Get("/metrics"); r && r->status == 200 && r->body.find("sha256") != std::string::npos) {
+            metrics = r->body;
+            break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    EXPECT_FALSE(metrics.empty()) << "the daemon stopped answering, or never showed the model\n" << d.output();
+    EXPECT_EQ(cg->oom_kills(), 0u) << "killed in its cgroup\n" << d.output();
+    EXPECT_LT(metrics.size(), 1u << 20) << "a name of 40 MiB in the metrics";
+    moecache_client_close(c);
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+}
 
 TEST_F(Moecached, RefusesABadConfigurationWithAMessage) {
     test::write_file(dir_.file("bad.toml"), "[budget]\nlock = \"12 parsecs\"\n");
