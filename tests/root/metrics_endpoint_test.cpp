@@ -26,6 +26,24 @@
 namespace moecache {
 namespace {
 
+// A daemon with /metrics on a free loopback port and nothing else to do (its configuration in dir).
+std::vector<std::string> metrics_only_daemon(const test::TempDir& dir) {
+    test::write_file(dir.file("moecached.toml"),
+                     "[daemon]\nstate_dir = \"" + dir.file("state") + "\"\nsocket = \"" + dir.file("moecached.sock") +
+                         "\"\n[pressure]\nenabled = false\n[telemetry]\npage_cache = \"off\"\n[dbus]\nbus = \"off\"\n"
+                         "[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    return {MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")};
+}
+
+// A "KEY: N kB" line of /proc/PID/status, in KiB (0 when absent).
+uint64_t proc_status_kib(pid_t pid, const char* key) {
+    std::istringstream in(test::read_file("/proc/" + std::to_string(pid) + "/status"));
+    std::string line;
+    while (std::getline(in, line))
+        if (line.rfind(key, 0) == 0) return std::stoull(line.substr(std::strlen(key)));
+    return 0;
+}
+
 // The port a daemon started with [metrics] listen = "127.0.0.1:0" says it took; 0 when it said none.
 int metrics_port(const test::Background& d) {
     std::smatch m;
@@ -97,21 +115,11 @@ TEST(MetricsEndpoint, LiveScrapesOfAHostileModelNameWhileTelemetryFlows) {
 TEST(MetricsEndpoint, LargeBodiesAndIdleConnectionsAreBounded) {
     if (::geteuid() != 0) GTEST_SKIP() << "needs root: moecached mlocks";
     test::TempDir dir;
-    test::write_file(dir.file("moecached.toml"),
-                     "[daemon]\nstate_dir = \"" + dir.file("state") + "\"\nsocket = \"" + dir.file("moecached.sock") +
-                         "\"\n[pressure]\nenabled = false\n[telemetry]\npage_cache = \"off\"\n[dbus]\nbus = \"off\"\n"
-                         "[metrics]\nlisten = \"127.0.0.1:0\"\n");
-    test::Background d({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")});
+    test::Background d(metrics_only_daemon(dir));
     ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
     const int port = metrics_port(d);
     ASSERT_GT(port, 0) << d.output();
-    auto status_kib = [&](const char* key) -> uint64_t {
-        std::istringstream in(test::read_file("/proc/" + std::to_string(d.pid()) + "/status"));
-        std::string line;
-        while (std::getline(in, line))
-            if (line.rfind(key, 0) == 0) return std::stoull(line.substr(std::strlen(key)));
-        return 0;
-    };
+    auto status_kib = [&](const char* key) { return proc_status_kib(d.pid(), key); };
     auto fds = [&] {
         size_t n = 0;
         for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(d.pid()) + "/fd")) ++n;
@@ -193,21 +201,11 @@ TEST(MetricsEndpoint, BodiesOfAnyKindAndSlowPeersAreCutOffAndHealthAnswers) {
     if (::geteuid() != 0) GTEST_SKIP() << "needs root: moecached mlocks";
     signal(SIGPIPE, SIG_IGN);
     test::TempDir dir;
-    test::write_file(dir.file("moecached.toml"),
-                     "[daemon]\nstate_dir = \"" + dir.file("state") + "\"\nsocket = \"" + dir.file("moecached.sock") +
-                         "\"\n[pressure]\nenabled = false\n[telemetry]\npage_cache = \"off\"\n[dbus]\nbus = \"off\"\n"
-                         "[metrics]\nlisten = \"127.0.0.1:0\"\n");
-    test::Background d({MOECACHE_DAEMON_BIN, "--config", dir.file("moecached.toml")});
+    test::Background d(metrics_only_daemon(dir));
     ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
     const int port = metrics_port(d);
     ASSERT_GT(port, 0) << d.output();
-    auto rss_kib = [&] {
-        std::istringstream in(test::read_file("/proc/" + std::to_string(d.pid()) + "/status"));
-        std::string line;
-        while (std::getline(in, line))
-            if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6));
-        return 0ull;
-    };
+    auto rss_kib = [&] { return proc_status_kib(d.pid(), "VmRSS:"); };
     const auto rss_before = rss_kib();
     // A GET with a body, a chunked POST, a HEAD announcing a gigabyte: 413, nothing read.
     const std::string chunk = "100000\r\n" + std::string(1 << 20, 'x') + "\r\n";

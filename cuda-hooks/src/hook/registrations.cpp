@@ -22,8 +22,6 @@ bool Registrations::would_cut(const void* src, size_t n) const {
     return set != nullptr && crosses_an_edge(*set, reinterpret_cast<uintptr_t>(src), n);
 }
 
-size_t Registrations::count() const { return current_.size(); }
-
 // The old snapshot is kept until a grace period has passed (a reader may still be cutting by it).
 void Registrations::publish(const HostRanges& set) {
     auto next = std::make_unique<const HostRanges>(set);

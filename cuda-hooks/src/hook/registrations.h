@@ -55,7 +55,6 @@ public:
     void add(const Driver* drv, std::vector<Request>& requests, unsigned flags);
     // Unregisters the registration starting at p (the caller made sure no queued copy still reads it).
     CUresult remove(const Driver* drv, void* p);
-    [[nodiscard]] size_t count() const;
     // How long a registration waits for copies under way before it gives up for this turn.
     static constexpr auto kPatience = std::chrono::seconds(5);
 
