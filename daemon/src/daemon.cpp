@@ -264,7 +264,7 @@ void Daemon::tick() {
     }
     request_place();
     flush_trace();
-    if (metrics_) metrics_->publish(render_metrics(status(/*experts=*/false)));  // the counts suffice
+    if (metrics_) metrics_->publish(render_metrics(status(/*experts=*/false), config_.metrics_paths));  // the counts suffice
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
     if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
 }

@@ -73,6 +73,7 @@ std::string describe(const Config& c) {
       << "clients.idle_seconds = " << c.idle_seconds << "\n";
     for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
     s << "metrics.listen = " << c.metrics_listen << "\n";
+    s << "metrics.paths = " << c.metrics_paths << "\n";
     s << "dbus.bus = " << c.dbus_bus << "\n";
     s << "dbus.admin_group = " << c.dbus_admin_group << "\n";
     s << "vram.pool = " << (c.vram_pool ? std::to_string(*c.vram_pool) : "unset") << "\n"
@@ -699,7 +700,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 41u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 42u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

@@ -1,11 +1,14 @@
 // The Prometheus text the daemon serves: names, types, escaping of hostile label values, and what
 // promtool (Debian's prometheus package) says of it.
 #include "moecache/daemon/metrics.h"
+#include "moecache/file_util.h"
 #include "run.h"
 #include "temp_dir.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include <cstdlib>
@@ -124,6 +127,27 @@ TEST(Metrics, FamiliesHaveTypesAndModelsTheirLabels) {
     for (size_t at = 0; (at = text.find('\n', at)) != std::string::npos; ++at)
         ASSERT_TRUE(at + 1 == text.size() || text[at + 1] == '#' || text.compare(at + 1, 9, "moecache_") == 0)
             << "a raw newline inside a sample at byte " << at;
+}
+
+// [metrics] paths = false (a port a cluster reaches): no model's path in the text, its file label
+// the file name and a hash of the path, so that two files of one name stay two series.
+TEST(Metrics, WithoutPathsTheFileLabelIsItsNameAndAHash) {
+    DaemonStatus s = sample();
+    ASSERT_FALSE(s.models.empty());
+    s.models.resize(1);
+    s.models[0].path = "/srv/models/ds.gguf";
+    ModelStatus twin = s.models[0];
+    twin.path = "/elsewhere/" + base_name(s.models[0].path);
+    s.models.push_back(twin);
+    const std::string dir = s.models[0].path.substr(0, s.models[0].path.rfind('/'));
+    const std::string text = render_metrics(s, /*paths=*/false);
+    EXPECT_EQ(text.find(dir + "/"), std::string::npos) << "a path in the text";
+    EXPECT_EQ(text.find("/elsewhere/"), std::string::npos);
+    const std::regex label("file=\"" + base_name(s.models[0].path) + "#([0-9a-f]{8})\"");
+    std::set<std::string> hashes;
+    for (std::sregex_iterator it(text.begin(), text.end(), label), end; it != end; ++it) hashes.insert((*it)[1]);
+    EXPECT_EQ(hashes.size(), 2u) << "two files of one name, two series";
+    EXPECT_NE(render_metrics(s).find(s.models[0].path), std::string::npos) << "paths by default";
 }
 
 TEST(Metrics, PromtoolAcceptsThem) {

@@ -462,6 +462,7 @@ Result<std::string> read_listen(const Value& v) {
 
 const Key<Config> kMetricsKeys[] = {
     MC_KEY("listen", Config, t.metrics_listen = MC_TRY(read_listen(v))),
+    MC_KEY("paths", Config, t.metrics_paths = MC_TRY(read_bool(v))),
 };
 
 Result<std::string> read_bus(const Value& v) {

@@ -32,11 +32,17 @@ private:
     std::string out_;
 };
 
-std::string model_labels(const ModelStatus& m) {
-    // The model as users name it, and its file: a series per model that a re-registration (a new
-    // id) does not split.
+// The model as users name it, and its file: a series per model that a re-registration (a new id)
+// does not split. Without `paths`, the file name and 32 bits of a hash of the path.
+std::string model_labels(const ModelStatus& m, bool paths) {
+    std::string file = m.path;
+    if (!paths) {
+        uint32_t h = 2166136261u;  // FNV-1a
+        for (unsigned char c : m.path) h = (h ^ c) * 16777619u;
+        file = fmt::format("{}#{:08x}", base_name(m.path), h);
+    }
     return fmt::format("model=\"{}\",file=\"{}\"", escape_label_value(m.name.empty() ? base_name(m.path) : m.name),
-                       escape_label_value(m.path));
+                       escape_label_value(file));
 }
 
 }  // namespace
@@ -66,7 +72,8 @@ std::string escape_label_value(std::string_view v) {
     return out;
 }
 
-std::string render_metrics(const DaemonStatus& s) {
+std::string render_metrics(const DaemonStatus& s, bool paths) {
+    const auto labels_of = [paths](const ModelStatus& m) { return model_labels(m, paths); };
     Writer w;
     w.scalar("moecache_memory_bytes", "gauge",
              "RAM of the machine (MemTotal).", s.mem_total);
@@ -77,10 +84,10 @@ std::string render_metrics(const DaemonStatus& s) {
     w.scalar("moecache_lock_cap_bytes", "gauge",
              "What the daemon may lock now: the lock budget within RAM (and its memory cgroup limit) less the reserve, and any pressure cap.", s.lock_cap);
     w.family("moecache_locked_bytes", "gauge", "Bytes of model files the daemon holds locked in RAM, per model.");
-    for (const auto& m : s.models) w.sample("moecache_locked_bytes", model_labels(m), m.locked_bytes);
+    for (const auto& m : s.models) w.sample("moecache_locked_bytes", labels_of(m), m.locked_bytes);
     w.family("moecache_recency_share", "gauge",
              "The share of the model's lock cap left to the page cache's LRU: learnt from its routing's temporal locality (0: locks by heat alone).");
-    for (const auto& m : s.models) w.sample("moecache_recency_share", model_labels(m), m.recency_share);
+    for (const auto& m : s.models) w.sample("moecache_recency_share", labels_of(m), m.recency_share);
     w.scalar("moecache_process_locked_bytes", "gauge",
              "What the kernel counts as locked by the daemon (VmLck).", s.vmlck_bytes);
     w.scalar("moecache_under_pressure", "gauge",
@@ -111,10 +118,10 @@ std::string render_metrics(const DaemonStatus& s) {
              "Bytes read beyond the locks at warm starts (a heat profile loaded or imported), not locked.", s.warm_fetch_bytes);
 
     w.family("moecache_model_loaded", "gauge", "1 when the model is open and managed, 0 when it cannot be (see the log).");
-    for (const auto& m : s.models) w.sample("moecache_model_loaded", model_labels(m), uint64_t{m.loaded ? 1u : 0u});
+    for (const auto& m : s.models) w.sample("moecache_model_loaded", labels_of(m), uint64_t{m.loaded ? 1u : 0u});
     w.family("moecache_model_settled", "gauge",
              "1 when nothing of the model is being read and its VRAM pools hold what they were directed to (moecachectl wait).");
-    for (const auto& m : s.models) w.sample("moecache_model_settled", model_labels(m), uint64_t{m.settled ? 1u : 0u});
+    for (const auto& m : s.models) w.sample("moecache_model_settled", labels_of(m), uint64_t{m.settled ? 1u : 0u});
     w.family("moecache_experts", "gauge",
              "Routed experts per tier: ssd (storage only), fetching, ram (locked), vram (in a pool), vram+ram (in a pool "
              "and locked in RAM too).");
@@ -124,12 +131,12 @@ std::string render_metrics(const DaemonStatus& s) {
             tiers[to_string(p)] = 0;
         for (size_t p = 0; p < m.placements.size(); ++p) tiers[to_string(static_cast<Placement>(p))] += m.placements[p];
         for (const auto& [tier, n] : tiers)
-            w.sample("moecache_experts", fmt::format("{},tier=\"{}\"", model_labels(m), tier), n);
+            w.sample("moecache_experts", fmt::format("{},tier=\"{}\"", labels_of(m), tier), n);
     }
     w.family("moecache_expert_bytes", "gauge", "Bytes of routed experts, per model.");
-    for (const auto& m : s.models) w.sample("moecache_expert_bytes", model_labels(m), m.expert_bytes);
+    for (const auto& m : s.models) w.sample("moecache_expert_bytes", labels_of(m), m.expert_bytes);
     w.family("moecache_expert_cached_bytes", "gauge", "Bytes of routed experts in the page cache at the last look.");
-    for (const auto& m : s.models) w.sample("moecache_expert_cached_bytes", model_labels(m), m.expert_cached_bytes);
+    for (const auto& m : s.models) w.sample("moecache_expert_cached_bytes", labels_of(m), m.expert_cached_bytes);
 
     struct Sum {
         uint64_t read = 0, prefetch = 0, evicted = 0, faults = 0;
@@ -148,14 +155,14 @@ std::string render_metrics(const DaemonStatus& s) {
     };
     w.family("moecache_storage_read_bytes_total", "counter",
              "Bytes of the model read from storage by other processes (page-cache misses of a runtime), from eBPF.");
-    for (const auto& m : s.models) w.sample("moecache_storage_read_bytes_total", model_labels(m), sum(m).read);
+    for (const auto& m : s.models) w.sample("moecache_storage_read_bytes_total", labels_of(m), sum(m).read);
     w.family("moecache_evicted_bytes_total", "counter", "Bytes of the model that left the page cache, from eBPF.");
-    for (const auto& m : s.models) w.sample("moecache_evicted_bytes_total", model_labels(m), sum(m).evicted);
+    for (const auto& m : s.models) w.sample("moecache_evicted_bytes_total", labels_of(m), sum(m).evicted);
     w.family("moecache_page_faults_total", "counter", "Page faults of other processes on the model, from eBPF.");
-    for (const auto& m : s.models) w.sample("moecache_page_faults_total", model_labels(m), sum(m).faults);
+    for (const auto& m : s.models) w.sample("moecache_page_faults_total", labels_of(m), sum(m).faults);
     w.family("moecache_dropped_bytes_total", "counter",
              "Cached bytes of the model the daemon asked the kernel to drop (evictions, one place, releases under pressure).");
-    for (const auto& m : s.models) w.sample("moecache_dropped_bytes_total", model_labels(m), m.dropped_bytes);
+    for (const auto& m : s.models) w.sample("moecache_dropped_bytes_total", labels_of(m), m.dropped_bytes);
     // The VRAM pools, per device: (family, type, help, field).
     const struct {
         const char* name;

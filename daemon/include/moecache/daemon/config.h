@@ -119,6 +119,9 @@ struct Config {
     // Where GET /metrics answers: "HOST:PORT" with an IP address; "" turns it off. Loopback by
     // default; a busy port is reported and the daemon runs without metrics.
     std::string metrics_listen = "127.0.0.1:8474";
+    // The metrics' file label is the model's path; off: its file name and a hash of the path (which
+    // keeps two files of one name apart), for a port a cluster reaches ([metrics] paths).
+    bool metrics_paths = true;
 
     // [dbus]
     // The bus moecached takes the name org.moecache1 on: "system", "session", "off", or an address

@@ -10,7 +10,8 @@
 
 namespace moecache::daemon {
 
-std::string render_metrics(const DaemonStatus& s);
+// `paths`: the file label is the model's path; else its file name and a hash of the path.
+std::string render_metrics(const DaemonStatus& s, bool paths = true);
 
 // A label value as the format wants it: backslash, double quote and newline escaped, and bytes that
 // are not UTF-8 replaced by U+FFFD (Prometheus rejects them).
