@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -22,6 +23,8 @@ std::string printable_utf8(std::string_view s);
 // digits of a hash of the whole (so that two long names stay apart). A GGUF's general.name may be
 // megabytes: shown in full it was copied into every metric sample, log line and reply each turn.
 inline constexpr size_t kMaxShownName = 256;
+// FNV-1a (64 bits) of s: what tells long or shortened names apart where they are shown.
+uint64_t name_hash(std::string_view s);
 std::string shown_name(std::string_view s);
 
 }  // namespace moecache

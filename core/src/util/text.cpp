@@ -56,10 +56,15 @@ std::string printable_utf8(std::string_view s) {
     return out;
 }
 
+uint64_t name_hash(std::string_view s) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+    return h;
+}
+
 std::string shown_name(std::string_view s) {
     if (s.size() <= kMaxShownName) return std::string(s);
-    uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the whole name
-    for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+    const uint64_t h = name_hash(s);
     constexpr size_t kTail = 17;  // "~" and 16 hex digits
     size_t keep = 0;
     while (keep < s.size()) {  // whole characters only (a byte that starts none counts as one)

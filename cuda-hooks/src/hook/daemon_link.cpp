@@ -44,14 +44,10 @@ bool Engine::daemon_wants_one_place(int device) const {
            moecache_client_wait_ready(client_, 0) == 1;
 }
 
-// Whether the daemon asks any device's pool for one place (experts in VRAM leave RAM).
+// Whether the daemon asks any device's pool for one place (device 0 before any pool is made).
 bool Engine::daemon_asks_one_place() const {
-    for (int d = 0; d < kMaxDevices; ++d) {
-        if (d > 0 && pools_[d].load() == nullptr) continue;
-        int one_place = 0;
-        if (moecache_client_vram_policy(client_, static_cast<uint32_t>(d), nullptr, &one_place) == 1 && one_place == 1)
-            return true;
-    }
+    for (int d = 0; d < kMaxDevices; ++d)
+        if ((d == 0 || pools_[d].load() != nullptr) && daemon_wants_one_place(d)) return true;
     return false;
 }
 
@@ -76,7 +72,7 @@ void Engine::apply_daemon_budgets() {
         if (moecache_client_vram_policy(client_, 0, nullptr, nullptr) == 1 && moecache_client_wait_ready(client_, 0) == 1 &&
             !models_.empty() && ahead_models_ == models_.size()) {
             daemon_decided_ = true;
-            if (!ahead_.load() || (cfg_.one_place && daemon_asks_one_place())) follow_daemon_locks();
+            if (!ahead_.load() || daemon_asks_one_place()) follow_daemon_locks();
         } else if (cs.connected == 0) {
             follow_locks_.store(false);
         }
@@ -177,13 +173,13 @@ int Engine::miss_path(const DevicePool& dp) const {
 // metrics), and on stderr once where decode with every expert on the GPU is slower for it than
 // without moecache, with why and what to do.
 void Engine::tell_miss_paths() {
+    // With a model that fits the budget, the registered tier waits for a connected daemon's word.
+    moecache_client_stats cs{};
+    if (client_ != nullptr) moecache_client_stats_get(client_, &cs);
+    if (cfg_.registers() && ahead_.load() && !follow_locks_.load() && cs.connected != 0 && !daemon_decided_) return;
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
         if (dp == nullptr || !dp->copies_set_up.load(std::memory_order_acquire)) continue;
-        // With a model that fits the budget, the registered tier waits for a connected daemon's word.
-        moecache_client_stats cs{};
-        if (client_ != nullptr) moecache_client_stats_get(client_, &cs);
-        if (cfg_.registers() && ahead_.load() && !follow_locks_.load() && cs.connected != 0 && !daemon_decided_) continue;
         const int path = miss_path(*dp);
         const int before = dp->told_path.load();
         if (path == before) continue;

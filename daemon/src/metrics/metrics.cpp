@@ -36,11 +36,7 @@ private:
 // does not split. Without `paths`, the file name and 32 bits of a hash of the path.
 std::string model_labels(const ModelStatus& m, bool paths) {
     std::string file = m.path;
-    if (!paths) {
-        uint32_t h = 2166136261u;  // FNV-1a
-        for (unsigned char c : m.path) h = (h ^ c) * 16777619u;
-        file = fmt::format("{}#{:08x}", base_name(m.path), h);
-    }
+    if (!paths) file = fmt::format("{}#{:08x}", base_name(m.path), static_cast<uint32_t>(name_hash(m.path)));
     return fmt::format("model=\"{}\",file=\"{}\"", escape_label_value(m.name.empty() ? base_name(m.path) : m.name),
                        escape_label_value(file));
 }
