@@ -1,5 +1,6 @@
 #include "moecache/cuda/hook_config.h"
 
+#include "moecache/cuda/hot_profile.h"
 #include "moecache/device_list.h"
 
 #include <cstdlib>
@@ -116,6 +117,7 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
     c.one_place = one == nullptr || !off_value(one);
     const char* from_files = get("MOECACHE_CUDA_FILL_FROM_FILES");
     c.fill_from_files = from_files != nullptr && *from_files != '\0' && !off_value(from_files);
+    c.profile_dir = hot_profile_dir(get("MOECACHE_CUDA_PROFILE"), get("XDG_CACHE_HOME"), get("HOME"));
     return c;
 }
 

@@ -48,6 +48,10 @@ uint32_t ExpertHeat::heat(uint32_t model, uint32_t expert) const {
     return recency_ ? last_[model][expert] : heat_[model][expert];
 }
 
+uint32_t ExpertHeat::count(uint32_t model, uint32_t expert) const {
+    return model < heat_.size() && expert < heat_[model].size() ? heat_[model][expert] : 0;
+}
+
 uint32_t ExpertHeat::hottest() const {
     uint32_t h = 0;
     for (uint32_t m = 0; m < heat_.size(); ++m)

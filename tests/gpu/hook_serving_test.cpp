@@ -6,6 +6,7 @@
 // driver (label gpu) on the GPU machine. Each test sets the hook's variables first: ctest runs each
 // in a process of its own.
 #include "hook/cuda_driver.h"
+#include "moecache/cuda/hot_profile.h"
 #include "moecache/gguf.h"
 #include "model_fixture.h"
 #include "preload_main.h"
@@ -13,6 +14,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -48,6 +50,8 @@ protected:
     virtual std::vector<std::pair<const char*, const char*>> env() const { return {}; }
     virtual int devices() const { return 1; }
     virtual bool map_model() const { return true; }
+    // After the model is written, before this process maps it (and the hook can find it).
+    virtual void before_map() {}
 
     void SetUp() override {
         ASSERT_TRUE(hook_.load()) << "libmoecache-cuda.so is not preloaded (ctest sets LD_PRELOAD)";
@@ -69,6 +73,7 @@ protected:
         spec.n_ff_exp = 256;
         spec.n_embd = 512;
         files_ = write_model(spec, dir_.path() + "/serve.gguf");
+        before_map();
         ASSERT_EQ(model_.open(files_[0]), "");
         slice_ = model_.map.layers[0].tensors[0].bytes_per_expert;
         for (uint32_t l = 0; l < 4; ++l) {
@@ -1210,6 +1215,98 @@ TEST_F(ModelsByContent, ABlobNamedSplitSetIsOneModel) {
     EXPECT_EQ(st.models, 1u) << "three blobs, one model";
     EXPECT_GT(st.expert_copies, 0u) << "copies out of the second and third blobs are expert copies";
     cu_.mem_free(d);
+}
+
+// The hook's own hot profile (no daemon): a run that decoded leaves the experts it routed to most
+// in MOECACHE_CUDA_PROFILE at exit; the next run of the same model (found by its content, here a
+// copy written elsewhere) fills its pool with them before they are asked for.
+class HotProfiles : public HookServing {
+protected:
+    std::vector<std::pair<const char*, const char*>> env() const override {
+        // The folder of the test that started this process (a death test's child runs the test again).
+        const char* given = getenv("MOECACHE_TEST_PROFILE_DIR");
+        profiles_ = given != nullptr ? given : dir_.path() + "/profiles";
+        return {{"MOECACHE_CUDA_PROFILE", profiles_.c_str()}, {"MOECACHE_CUDA_POOL", "50%"}, {"MOECACHE_CUDA_LOG", "1"}};
+    }
+    std::string profile_path() const {
+        auto name = cuda::hot_profile_name(files_[0]);
+        EXPECT_TRUE(name) << name.error().what();
+        return profiles_ + "/" + (name ? *name : std::string("?"));
+    }
+    // One token routed to `ids` in every layer.
+    void token_to(const std::vector<CUstream>& streams, const std::vector<uint32_t>& ids) {
+        for (uint32_t l = 0; l < 4 && !HasFailure(); ++l)
+            for (uint32_t t = 0; t < 3; ++t)
+                ASSERT_TRUE(copy_experts(cu_, model_, dst_[l][t], l, t, ids, streams[0]));
+    }
+    mutable std::string profiles_;
+};
+
+class HotProfileRead : public HotProfiles {
+protected:
+    // The last run's profile: experts 24-27 of every layer, which this test's warm-up rarely routes
+    // to (a geometric pick from 0), hottest; a few others warm.
+    void before_map() override {
+        cuda::HotProfile p;
+        p.n_layers = 4;
+        p.n_experts = 32;
+        p.routings = 4096;
+        p.counts.assign(4 * 32, 0);
+        for (uint32_t l = 0; l < 4; ++l) {
+            for (uint32_t e = 24; e < 28; ++e) p.counts[l * 32 + e] = 900 + e;
+            p.counts[l * 32 + 1] = 30;
+        }
+        auto saved = cuda::save_hot_profile(profile_path(), p);
+        ASSERT_TRUE(saved) << saved.error().what();
+    }
+};
+
+TEST_F(HotProfileRead, TheNextRunsPoolHoldsTheLastRunsHotExpertsBeforeTheyAreAskedFor) {
+    auto s = new_streams();
+    warm_up(s);
+    // The pool fills from the profile in the background: 4 experts x 4 layers x 3 tensors.
+    for (int i = 0; i < 100 && hook_.stats().filled_ahead < 48; ++i) (void)hook_.sync(100);
+    ASSERT_GE(hook_.stats().filled_ahead, 48u) << "the profile's experts were not filled ahead";
+    sync_all();
+    const auto before = hook_.stats();
+    for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[0][t], 0, t, {24, 25, 26, 27}, s[0]), 1);
+    token_to(s, {24, 25, 26, 27});
+    const auto after = hook_.stats();
+    EXPECT_EQ(after.slice_misses - before.slice_misses, 0u) << "the first use of the profile's experts missed";
+    EXPECT_EQ(after.slice_hits - before.slice_hits, 3u * 4 + 4u * 3 * 4);
+    destroy(s);
+}
+
+TEST_F(HotProfiles, ARunThatDecodedLeavesTheExpertsItUsedMostForTheNext) {
+    ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+    setenv("MOECACHE_TEST_PROFILE_DIR", profiles_.c_str(), 1);
+    // The run: decodes mostly experts 5, 9, 13, 17, and exits as a runtime does (the hook saves then).
+    EXPECT_EXIT(
+        {
+            auto s = new_streams();
+            warm_up(s);
+            for (int i = 0; i < 80; ++i) token_to(s, i % 4 == 3 ? std::vector<uint32_t>{0, 1, 2, 3} : std::vector<uint32_t>{5, 9, 13, 17});
+            sync_all();
+            std::error_code ec;
+            std::filesystem::remove_all(dir_.path(), ec);  // its own model (this child's fixture is not torn down)
+            std::exit(HasFailure() ? 3 : 0);
+        },
+        ::testing::ExitedWithCode(0), "hot profile saved");
+    unsetenv("MOECACHE_TEST_PROFILE_DIR");
+    auto p = cuda::load_hot_profile(profile_path(), 4, 32);
+    ASSERT_TRUE(p) << p.error().what();
+    EXPECT_GE(p->routings, 80u * 4 * 4);
+    for (uint32_t l = 0; l < 4; ++l) {
+        std::vector<uint32_t> order(32);
+        for (uint32_t e = 0; e < 32; ++e) order[e] = e;
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return p->counts[l * 32 + a] > p->counts[l * 32 + b]; });
+        std::vector<uint32_t> top(order.begin(), order.begin() + 4);
+        std::sort(top.begin(), top.end());
+        EXPECT_EQ(top, (std::vector<uint32_t>{5, 9, 13, 17})) << "layer " << l;
+    }
+    struct stat st {};
+    ASSERT_EQ(stat(profiles_.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0700u) << "the profiles' folder is the user's alone";
 }
 
 }  // namespace

@@ -22,6 +22,9 @@ int preloaded_test_main(int argc, char** argv, const std::vector<std::pair<std::
         setenv("LD_PRELOAD", preload.c_str(), 1);
         if (!driver_dir.empty()) setenv("LD_LIBRARY_PATH", driver_dir.c_str(), 1);
         for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+        // No hot profile carried from one test to the next (the same generated model has the same
+        // name everywhere): a test that wants one names its folder.
+        setenv("MOECACHE_CUDA_PROFILE", "off", 0);
         args.push_back(nullptr);
         execv("/proc/self/exe", args.data());
         perror("execv /proc/self/exe");

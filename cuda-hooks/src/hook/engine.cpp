@@ -23,6 +23,8 @@ namespace moecache::cuda::hook {
 namespace {
 
 constexpr auto kRescanInterval = std::chrono::seconds(1);
+// A runtime killed rather than ended keeps the hot profile of its last minute.
+constexpr auto kProfileInterval = std::chrono::seconds(60);
 
 std::atomic<bool> g_forked{false};
 std::atomic<Engine*> g_engine{nullptr};
@@ -138,6 +140,10 @@ void Engine::run() {
             report_pools();
             last_rezap = std::chrono::steady_clock::now();
         }
+        if (std::chrono::steady_clock::now() - profile_saved_ > kProfileInterval) {
+            save_profiles(false);
+            profile_saved_ = std::chrono::steady_clock::now();
+        }
         sync_cv_.notify_all();
     }
 }
@@ -205,6 +211,7 @@ int Engine::sync(int timeout_ms) {
 }
 
 void Engine::shutdown() {
+    save_profiles(true);
     if (cfg_.log) {
         moecache_cuda_stats s;
         stats(&s);

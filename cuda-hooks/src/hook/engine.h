@@ -109,6 +109,14 @@ private:
         std::vector<uint8_t> daemon_locked;
         std::vector<uint64_t> pooled_on;
         std::vector<uint8_t> promoted;  // by expert (background thread only): the daemon's Promote
+        // The hot profile the last run left (hot_profile.h), as heat by expert (empty: none), and
+        // the experts of it queued to fill the pools while no daemon directs them (background thread).
+        std::string profile_path;  // where this run's is saved ("": profiles off, or not named)
+        uint64_t profile_routings = 0;  // the routings the profile read came from
+        std::vector<uint32_t> prior;
+        std::vector<uint8_t> prior_wanted;
+        std::atomic<uint64_t> routed{0};  // decode routings this run (experts, not slices)
+        uint64_t routed_saved = 0;        // of them, those in the profile last saved (under profile_mu_)
         // How many experts are promoted now (read by the copy path: the daemon directs this
         // model's pools, and a prompt's batches admit only what it promoted).
         std::atomic<uint32_t> n_promoted{0};
@@ -298,6 +306,14 @@ private:
     void note_promoted(Model& m, uint32_t expert, bool promoted);
     bool fill_pools();
     bool fill_device(DevicePool& dp, bool from_file);
+    // The pool is to hold it: the daemon promoted it, or (no daemon directing) the profile names it.
+    [[nodiscard]] bool wants_filled(const Model& m, uint32_t expert, const DevicePool& dp) const;
+    [[nodiscard]] bool prior_from_file(const DevicePool& dp, const Model& m, uint32_t expert) const;
+    // models.cpp: the last run's hot profile of a model just opened; its experts queued to fill.
+    void read_profile(Model& m);
+    void queue_prior(Model& m);
+    // Each model's hot profile saved where this run routed enough to say something (`final`: at exit).
+    void save_profiles(bool final);
     void report(Model& m, uint32_t block, uint32_t first, uint32_t n);
     // routes.cpp: the routing one copy of a layer's first expert tensor tells, from the runtime's
     // read-back ids where they check out against the copy, else from the copy's experts where it
@@ -345,6 +361,8 @@ private:
     moecache_client* client_ = nullptr;
     CopyCrew crew_;
 
+    std::mutex profile_mu_;  // saving profiles: the background thread now and then, the exit once
+    std::chrono::steady_clock::time_point profile_saved_ = std::chrono::steady_clock::now();
     std::mutex report_mu_;
     std::mutex wanted_mu_;
     std::vector<std::pair<uint32_t, uint32_t>> wanted_;  // (model, slice) to register

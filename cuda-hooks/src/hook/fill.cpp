@@ -27,6 +27,12 @@ constexpr uint32_t kMostRefused = 64;           // admissions the pool refused b
 
 }  // namespace
 
+// The last run's hot set (not what a daemon promoted) may be read from the model file while the
+// pool is new: once, at the start, as a daemon's warm start reads it.
+bool Engine::prior_from_file(const DevicePool& dp, const Model& m, uint32_t expert) const {
+    return m.promoted[expert] == 0 && now_ns() - dp.made_ns < kFirstFillNs;
+}
+
 void Engine::note_promoted(Model& m, uint32_t expert, bool promoted) {
     if (expert >= m.promoted.size() || (m.promoted[expert] != 0) == promoted) return;
     ++fill_gen_;
@@ -52,13 +58,13 @@ bool Engine::fillable(const Model& m, uint32_t expert, bool from_file) const {
     const auto ls = static_cast<int32_t>(expert / m.map.n_experts);
     const uint32_t local = expert % m.map.n_experts;
     const auto& layer = m.map.layers[static_cast<size_t>(ls)];
-    if (m.daemon_locked[expert] != 0) {
-        for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)]; ++t) {
-            const uint8_t st = m.registered[m.slice(ls, t, local)].load(std::memory_order_acquire);
-            if (st != Model::kInside && st != Model::kWhole) return !cfg_.registers();
-        }
-        return true;
+    bool registered = true;  // every slice straight from registered pages: no disk, nothing waits
+    for (uint32_t t = 0; t < m.slices_per_expert[static_cast<size_t>(ls)] && registered; ++t) {
+        const uint8_t st = m.registered[m.slice(ls, t, local)].load(std::memory_order_acquire);
+        registered = st == Model::kInside || st == Model::kWhole;
     }
+    if (registered || pinned_all_) return true;
+    if (m.daemon_locked[expert] != 0) return !cfg_.registers();
     if (!from_file || now_ns() - last_batch_ns_.load(std::memory_order_relaxed) < kPromptQuietNs) return false;
     for (const auto& t : layer.tensors)
         if (t.file >= m.fds.size() || m.fds[t.file] < 0) return false;
@@ -69,11 +75,23 @@ bool Engine::fillable(const Model& m, uint32_t expert, bool from_file) const {
 // after the runtime's streams that used a slot last (an event recorded on them, waited for on the
 // fill's stream), and an event recorded on a stream being captured would draw the fill's stream, and
 // its copies, into the runtime's graph.
+bool Engine::wants_filled(const Model& m, uint32_t expert, const DevicePool& dp) const {
+    if (m.promoted[expert] != 0) return true;
+    // The last run's hot set (hot_profile.h), until a daemon directs: what it promotes, and one
+    // place (where what a pool takes leaves RAM), are its to choose.
+    return expert < m.prior_wanted.size() && m.prior_wanted[expert] != 0 && m.n_promoted.load(std::memory_order_relaxed) == 0 &&
+           !dp.one_place.load(std::memory_order_relaxed);
+}
+
 bool Engine::fill_pools() {
-    if (client_ == nullptr || fill_queue_.empty()) return false;
+    if (fill_queue_.empty()) return false;
     if (fill_queue_dirty_) {  // what was unpromoted leaves the queue, the rest keeps its order
         fill_queue_.erase(std::remove_if(fill_queue_.begin(), fill_queue_.end(),
-                                         [&](const auto& q) { return models_[q.first]->promoted[q.second] == 0; }),
+                                         [&](const auto& q) {
+                                             const Model& m = *models_[q.first];
+                                             return m.promoted[q.second] == 0 &&
+                                                    (q.second >= m.prior_wanted.size() || m.prior_wanted[q.second] == 0);
+                                         }),
                           fill_queue_.end());
         fill_queue_dirty_ = false;
     }
@@ -106,7 +124,8 @@ bool Engine::fill_pools() {
         // The gate holds the runtime's captures back: taken only when there is something to fill.
         const bool work = std::any_of(fill_queue_.begin(), fill_queue_.end(), [&](const auto& q) {
             const Model& m = *models_[q.first];
-            return m.promoted[q.second] != 0 && (m.pooled_on[q.second] >> d & 1) == 0 && fillable(m, q.second, from_file);
+            return wants_filled(m, q.second, *dp) && (m.pooled_on[q.second] >> d & 1) == 0 &&
+                   fillable(m, q.second, from_file || prior_from_file(*dp, m, q.second));
         });
         if (work) capture_gate().exclusive([&] { more = fill_device(*dp, from_file) || more; });
     }
@@ -149,7 +168,9 @@ bool Engine::fill_device(DevicePool& pool, bool from_file) {
             uint64_t used = 0;
             for (const auto& [mi, e] : fill_queue_) {
                 Model& m = *models_[mi];
-                if (m.promoted[e] == 0 || m.pooled_on[e] >> d & 1 || !fillable(m, e, from_file)) continue;
+                if (!wants_filled(m, e, *dp) || m.pooled_on[e] >> d & 1 ||
+                    !fillable(m, e, from_file || prior_from_file(*dp, m, e)))
+                    continue;
                 const auto ls = static_cast<int32_t>(e / m.map.n_experts);
                 const uint32_t local = e % m.map.n_experts;
                 const auto& layer = m.map.layers[static_cast<size_t>(ls)];

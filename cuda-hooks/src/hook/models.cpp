@@ -6,6 +6,7 @@
 #include "engine.h"
 #include "log.h"
 #include "moecache/client.h"
+#include "moecache/cuda/hot_profile.h"
 #include "moecache/unique_fd.h"
 
 #include <dirent.h>
@@ -15,6 +16,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cinttypes>
 #include <cstring>
 
 namespace moecache::cuda::hook {
@@ -112,6 +115,7 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
     m->daemon_locked.assign(m->n_experts, 0);
     m->pooled_on.assign(m->n_experts, 0);
     m->promoted.assign(m->n_experts, 0);
+    read_profile(*m);
     for (auto& p : pools_)
         if (auto* dp = p.load()) {
             std::lock_guard lock(dp->mu);
@@ -119,11 +123,86 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
         }
     models_.push_back(m);
     n_models_.store(models_.size());
+    queue_prior(*m);
     if (client_ != nullptr) {
         uint32_t h = 0;
         if (moecache_client_register_model(client_, m->path.c_str(), &h) == 0) m->client_handle.store(h);
     }
     return m;
+}
+
+// The hottest expert of a profile starts at this heat: a few hundred tokens of this run's own
+// routing move the ranking where this run routes otherwise (each routing adds one a tensor).
+constexpr uint32_t kPriorTop = 64;
+
+void Engine::read_profile(Model& m) {
+    if (cfg_.profile_dir.empty()) return;
+    auto name = hot_profile_name(m.map.files.empty() ? m.path : m.map.files.front().path);
+    if (!name) {
+        if (cfg_.log) say("%s: no hot profile: %s", m.path.c_str(), name.error().what().c_str());
+        return;
+    }
+    m.profile_path = cfg_.profile_dir + "/" + *name;
+    auto p = load_hot_profile(m.profile_path, static_cast<uint32_t>(m.map.layers.size()), m.map.n_experts);
+    if (!p) {
+        if (p.error().errnum != ENOENT)
+            say("%s: the hot profile is not used (it is written again at exit): %s", m.path.c_str(), p.error().what().c_str());
+        return;
+    }
+    m.prior = profile_heat(*p, kPriorTop);
+    m.profile_routings = p->routings;
+    if (cfg_.log)
+        say("%s: the pool starts from the hot set of earlier runs (%s, %" PRIu64 " routings)", m.path.c_str(),
+            m.profile_path.c_str(), p->routings);
+}
+
+// The profile's experts, hottest first, for the pools to fill from (fill.cpp) while no daemon
+// directs them: a prompt, whose batches displace nothing, then finds them there too.
+void Engine::queue_prior(Model& m) {
+    if (m.prior.size() != m.n_experts) return;
+    m.prior_wanted.assign(m.n_experts, 0);
+    std::vector<uint32_t> order;
+    for (uint32_t e = 0; e < m.n_experts; ++e)
+        if (m.prior[e] > 0) order.push_back(e);
+    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return m.prior[a] > m.prior[b]; });
+    for (uint32_t e : order) {
+        m.prior_wanted[e] = 1;
+        fill_queue_.emplace_back(m.id, e);
+    }
+    ++fill_gen_;
+}
+
+// Saved where this run routed at least kProfileTokens tokens' worth since the last save: the counts
+// the pools kept (the profile's heat they started from, decayed, and what this run added).
+void Engine::save_profiles(bool final) {
+    constexpr uint64_t kProfileTokens = 32;
+    std::lock_guard plock(profile_mu_);
+    const Snapshot* snap = snapshot_.load(std::memory_order_acquire);
+    if (snap == nullptr || cfg_.profile_dir.empty()) return;
+    for (Model* m : snap->models) {
+        if (m->profile_path.empty()) continue;
+        const uint64_t routed = m->routed.load(std::memory_order_relaxed);
+        const uint64_t enough = kProfileTokens * m->map.layers.size() * std::max<uint32_t>(m->map.n_experts_used, 1);
+        if (routed - m->routed_saved < enough) continue;
+        HotProfile p;
+        p.n_layers = static_cast<uint32_t>(m->map.layers.size());
+        p.n_experts = m->map.n_experts;
+        p.counts.assign(m->n_experts, 0);
+        p.routings = m->profile_routings + routed;
+        for (auto& slot : pools_)
+            if (DevicePool* dp = slot.load()) {
+                std::lock_guard lock(dp->mu);
+                for (uint32_t e = 0; e < m->n_experts; ++e) p.counts[e] += dp->heat.count(m->id, e);
+            }
+        if (auto r = save_hot_profile(m->profile_path, p); !r) {
+            if (cfg_.log) say("%s: the hot profile was not saved: %s", m->path.c_str(), r.error().what().c_str());
+            m->profile_path.clear();  // once: the folder is not ours to write
+            continue;
+        }
+        m->routed_saved = routed;
+        if (cfg_.log && final)
+            say("%s: hot profile saved (%s, %" PRIu64 " routings)", m->path.c_str(), m->profile_path.c_str(), p.routings);
+    }
 }
 
 void Engine::scan() {

@@ -127,6 +127,9 @@ void Engine::see_every_tensor(DevicePool& dp, const Model& m) {
 void Engine::add_model_to(DevicePool& dp, const Model& m) {
     dp.pool.add_model(m.id, m.n_slices, m.n_experts);
     dp.heat.add_model(m.id, m.n_experts);
+    if (m.prior.size() == m.n_experts)  // the last run's hot set ranks first until this run's routing moves it
+        for (uint32_t e = 0; e < m.n_experts; ++e)
+            if (m.prior[e] > 0) dp.heat.set(m.id, e, m.prior[e]);
     if (dp.full.size() <= m.id) dp.full.resize(m.id + 1);
     dp.full[m.id].assign(m.n_experts, 0);
     if (dp.seen.size() <= m.id) dp.seen.resize(m.id + 1);

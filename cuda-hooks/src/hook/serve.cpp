@@ -274,8 +274,10 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
             const uint64_t one = 1;
             (void)!write(wake_fd_, &one, sizeof one);
         }
-        if (routing && !batch)
+        if (routing && !batch) {
             for (uint32_t i = 0; i < cls->n_experts; ++i) dp->heat.touch(m.id, m.expert(ls, cls->first_expert + i));
+            if (cls->tensor == 0) m.routed.fetch_add(cls->n_experts, std::memory_order_relaxed);
+        }
         bool tail_served = false;  // the padding came with the last slice, from its slot's tail
         for (uint32_t i = 0; i < n_slices; ++i) {
             if (tail_served) {  // i == n_experts

@@ -263,6 +263,7 @@ void Engine::pin_models() {
         }
     }
     pinned_all_ = all;
+    ++fill_gen_;  // a fill waiting for registered pages can go now
 }
 
 // The registered tier (auto, register). With a daemon, or when the budget cannot hold every expert
@@ -497,6 +498,7 @@ void Engine::register_run(Model& m, size_t run, uint64_t budget) {
         if (ok) {
             pinned_bytes_.fetch_add(b - a);
             ahead_ranges_.emplace_back(reinterpret_cast<void*>(a), b - a);
+            ++fill_gen_;  // a fill waiting for these pages can go now
         }
     }
     for (uint32_t tensor : r.tensors)

@@ -63,6 +63,9 @@ struct HookConfig {
     // A pool's first fill reads what the daemon directs from the model files, not only from its
     // locks (MOECACHE_CUDA_FILL_FROM_FILES=1, with the daemon's [vram] fill_from_files).
     bool fill_from_files = false;
+    // Where the hook keeps each model's hot profile (hot_profile.h): MOECACHE_CUDA_PROFILE (a folder,
+    // or off), by default $XDG_CACHE_HOME/moecache/hook or ~/.cache/moecache/hook; "" for none.
+    std::string profile_dir;
     // A pool given in bytes (MOECACHE_CUDA_POOL=12G, 0:12G) is claimed from the start: the runtime's
     // free-memory queries (cudaMemGetInfo, cuMemGetInfo) report that much less on that device until
     // the pool holds it, so that a runtime that sizes its own use from free memory (llama.cpp's

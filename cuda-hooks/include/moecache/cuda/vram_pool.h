@@ -31,6 +31,7 @@ public:
     void set(uint32_t model, uint32_t expert, uint32_t value);
     void set_promoted(uint32_t model, uint32_t expert, bool promoted);
     [[nodiscard]] uint32_t heat(uint32_t model, uint32_t expert) const;  // with the promotion
+    [[nodiscard]] uint32_t count(uint32_t model, uint32_t expert) const;  // the decayed count alone
     [[nodiscard]] uint32_t hottest() const;
     // Recency for what was not promoted: where the daemon directs the pool by frequency (the
     // share its split learnt: daemon/heat.h, pool_wanted), the rest of the pool is the recency
