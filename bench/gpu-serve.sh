@@ -18,14 +18,16 @@
 #   hookP-MODE  the recipe with libmoecache-cuda.so preloaded: a pool of P % of the experts of the
 #               layers each GPU serves, misses copied with MOECACHE_CUDA_PIN=MODE (off, auto, register,
 #               all, staging; default: the hook's default); hookP-MODE-b the same with HOOK_B, another
-#               build of the hook (an A/B)
+#               build of the hook (an A/B). Each run starts without a hot profile (a first run);
+#               hookP-MODE-warm keeps the profile its previous runs saved (a restart), after one run
+#               of `llama-bench -p 0 -n 128` that is not counted
 # Rounds interleaved; medians; greedy text of every hook configuration compared with the recipe's
 # (the same computation without the hook: it must be byte-identical).
 #
 #   bench/gpu-serve.sh LLAMA_BIN [WORKDIR]
 # LLAMA_BIN: a folder with llama-bench and llama-completion of a CUDA build (and its libraries).
 # Environment: CONFIGS, WORKLOADS (pg sep compl), ROUNDS (2), THREADS (all cores), PROMPT_TOKENS,
-# MOECACHE_BUILD (build: the hook and moecache-mkmodel), HOOK (the hook's path), HOOK_B, MKMODEL,
+# MOECACHE_BUILD (build: the hook and moecache-mkmodel) or BUNDLE (scripts/bundle.sh's), HOOK (the hook's path), HOOK_B, MKMODEL,
 # MODEL (a model to use as it is), else LAYERS EXPERTS USED EMBD FF TYPE SEED (the shape generated),
 # DEADLINE (seconds: no run starts after it; the table is still printed).
 set -euo pipefail
@@ -33,8 +35,13 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bin=$(realpath "${1:?usage: bench/gpu-serve.sh LLAMA_BIN [WORKDIR]}")
 work=${2:-/tmp/moecache-gpu-serve}
 build=${MOECACHE_BUILD:-build}
-hook=$(realpath "${HOOK:-$build/cuda-hooks/libmoecache-cuda.so}")
-mkmodel=${MKMODEL:-$build/tools/mkmodel/moecache-mkmodel}
+if [ -n "${BUNDLE:-}" ]; then  # a scripts/bundle.sh directory (bench/gpu-call.sh sets it)
+  hook=$(realpath "${HOOK:-$BUNDLE/lib/libmoecache-cuda.so}")
+  mkmodel=${MKMODEL:-$BUNDLE/bin/moecache-mkmodel}
+else
+  hook=$(realpath "${HOOK:-$build/cuda-hooks/libmoecache-cuda.so}")
+  mkmodel=${MKMODEL:-$build/tools/mkmodel/moecache-mkmodel}
+fi
 rounds=${ROUNDS:-2}
 threads=${THREADS:-$(nproc)}
 prompt_tokens=${PROMPT_TOKENS:-3072}
@@ -75,6 +82,8 @@ setup() {
   ot_=(exps=CPU)
   lm_=()
   local c=$1
+  warm_=0
+  if [[ $c == *-warm ]]; then warm_=1; c=${c%-warm}; fi
   if [[ $c == *-none ]]; then lm_=(none); c=${c%-none}; fi
   case $c in
     limit) ot_=() ;;
@@ -86,7 +95,8 @@ setup() {
     hook*-*) local p=${c#hook} lib=$hook mode
       [[ $p == *-b ]] && { lib=$(realpath "${HOOK_B:?hook B: HOOK_B=PATH}"); p=${p%-b}; }
       mode=${p#*-}; p=${p%%-*}
-      env_=(LD_PRELOAD="$lib" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_CLIENT=off)
+      env_=(LD_PRELOAD="$lib" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_CLIENT=off
+            MOECACHE_CUDA_PROFILE="$work/profiles/$1")
       [ "$mode" = default ] || env_+=(MOECACHE_CUDA_PIN="$mode") ;;
     *) echo "gpu-serve: unknown configuration $1" >&2; exit 2 ;;
   esac
@@ -103,6 +113,14 @@ run() {  # run CONFIG WORKLOAD ROUND
   fi
   local lm=()
   [ ${#lm_[@]} -gt 0 ] && lm=(--load-mode "${lm_[0]}")
+  if [[ $c == hook* ]]; then
+    if [ "$warm_" = 0 ]; then
+      rm -rf "$work/profiles/$c"
+    elif [ ! -d "$work/profiles/$c" ]; then  # the run before the restart
+      env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 0 -n 128 -r 1 \
+        >"$out.prime.out" 2>"$out.prime.err" || echo "gpu-serve: $c: the run before the restart failed" >&2
+    fi
+  fi
   case $w in
     pg) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 0 -n 0 -pg 512,128 -r 2 -o jsonl ;;
     sep) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 512 -n 128 -r 2 -o jsonl ;;

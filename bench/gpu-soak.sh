@@ -132,7 +132,9 @@ for i in $(seq 0 $(( runs - 1 ))); do
     with) with=1 ;;
     *) with=$(( (i / ${#modes[@]}) % 2 )) ;;
   esac
-  env_=(LD_PRELOAD="$hook" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$pool%" MOECACHE_CUDA_LOG=1)
+  # The hook's hot profile carried from run to run, as a user's restarts carry it.
+  env_=(LD_PRELOAD="$hook" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$pool%" MOECACHE_CUDA_LOG=1
+        MOECACHE_CUDA_PROFILE="$work/profiles")
   [ "$mode" = default ] || env_+=(MOECACHE_CUDA_PIN="$mode")
   if [ $with = 1 ]; then
     start_daemon

@@ -329,7 +329,8 @@ hook_env() {  # hook_env POOL_PERCENT [b]: the environment of config/'s llama-se
   [ "${2:-}" = b ] && hook=libmoecache-cuda-b.so
   sed -n 's/^Environment=//p' "$top/config/llama-server.service.d/moecache.conf" |
     sed -e "s|/usr/lib/libmoecache-cuda.so|/usr/lib/$hook|" -e "s|/usr/lib/|$bundle/lib/|g" -e "s|/run/moecache/moecached.sock|$work/moecached.sock|"
-  echo MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1
+  # The hook's own hot profile off: warm and cold here are the daemon's (HOOK_PROFILE: a folder for it).
+  echo MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_PROFILE="${HOOK_PROFILE:-off}"
 }
 
 trace_env() {  # trace_env CONFIG RUN: MOECACHE_TRACE for the configurations TRACE_CONFIGS names
