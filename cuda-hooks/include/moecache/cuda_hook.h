@@ -39,6 +39,10 @@
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even
  *                            when the daemon asks for one place (its [vram] keep_ram_copy unset);
  *                            without a daemon the mapping is never touched
+ *   MOECACHE_CUDA_PROFILE=DIR  where each model's hot profile (its routing counts) is kept
+ *                            across runs: a folder, or "off" (default: $XDG_CACHE_HOME/moecache/
+ *                            hook, else ~/.cache/moecache/hook); the next run fills its pool from
+ *                            it while no daemon directs the pool
  *   MOECACHE_CUDA_LOG=1      a summary on stderr at exit
  *   MOECACHE_SOCKET=PATH     the daemon's client socket; MOECACHE_CUDA_CLIENT=off: no daemon */
 #ifndef MOECACHE_CUDA_HOOK_H
