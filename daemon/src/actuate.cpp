@@ -10,6 +10,12 @@
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/log.h"
 
+
+#include <sys/sysmacros.h>
+
+
+#include <algorithm>
+
 namespace moecache::daemon {
 
 void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded) {
@@ -81,8 +87,13 @@ void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {
     // comes (a memory cgroup at its limit): mlock would read them again from storage, a page at a
     // time, inside the loop (seconds for a few experts on a busy disk, while every client waits for
     // a reply). Such a slot goes back to storage with what is cached of it: the plan reads it again.
-    if (const auto resident = m.res->resident_bytes(slot);
-        resident && *resident + m.res->slot_length(slot) / 32 < m.res->slot_length(slot)) {
+    // On a file system without a block device (NFS, SMB, FUSE) a page read inside mlock may never
+    // come back and hold the loop: there every page must be cached (read by the prefetcher, whose
+    // reads have deadlines).
+    const auto& files = m.res->model().files();
+    const bool remote = std::any_of(files.begin(), files.end(), [](const ModelFile& f) { return ::major(f.identity.dev) == 0; });
+    const uint64_t slack = remote ? 0 : m.res->slot_length(slot) / 32;
+    if (const auto resident = m.res->resident_bytes(slot); resident && *resident + slack < m.res->slot_length(slot)) {
         m.res->abandon(slot);
         m.res->state(slot).cached_bytes = *resident;
         ++evicted_before_lock_;

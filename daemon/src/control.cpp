@@ -94,12 +94,18 @@ Result<uint32_t> Daemon::add_model(const std::string& given) {
     e->config = mc;
     e->path = path;
     e->operator_added = true;
-    open_model(*e);
-    if (!e->res) return invalid(fmt::format("model {} cannot be managed: {}", path, e->error));
-    // A split model's other parts name the same set: the path as opened is its first part's.
-    const uint32_t id = e->id;
-    MC_LOG(LOG_INFO, "model {} registered by the operator (id {})", path, id);
+    // Opened before the answer, within [prefetch] read_deadline (its header read off the loop).
+    ModelEntry& m = *e;
     models_.push_back(std::move(e));
+    open_model(m, nullptr, /*wait=*/true);
+    const uint32_t id = m.id;
+    if (!m.res) {
+        std::string why = m.opening ? "its header is still being read" : m.error;
+        std::erase_if(models_, [&](const auto& o) { return o->id == id; });
+        return invalid(fmt::format("model {} cannot be managed: {}", path, why));
+    }
+    // A split model's other parts name the same set: the path as opened is its first part's.
+    MC_LOG(LOG_INFO, "model {} registered by the operator (id {})", path, id);
     request_place();
     return id;
 }

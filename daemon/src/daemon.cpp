@@ -7,6 +7,7 @@
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/metrics.h"
 
+#include "moecache/daemon/off_loop.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/daemon/pressure.h"
 #include "moecache/file_util.h"
@@ -138,6 +139,8 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     Daemon* self = d.get();
     d->prefetcher_->set_callback([self](uint64_t, uint64_t tag, uint64_t bytes, int err) { self->on_fetched(tag, bytes, err); });
     MC_TRY_VOID(watch(EventSource::Reads, d->prefetcher_->event_fd(), EPOLLIN));
+    d->off_loop_ = std::make_unique<OffLoop>(MC_TRY(OffLoop::create()));
+    MC_TRY_VOID(watch(EventSource::OffLoop, d->off_loop_->event_fd(), EPOLLIN));
 
     if (d->config_.pressure_enabled) {
         auto pm = PressureMonitor::open(d->config_.pressure_stall_us, d->config_.pressure_window_us);
@@ -198,7 +201,13 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     }
 
     d->add_plain_models();
-    d->refresh_models();
+    // The configured models are open before the daemon takes requests, as far as their files answer
+    // within [prefetch] read_deadline; the rest goes on in the loop. Twice: a glob's matches are
+    // entries once their headers have been looked at.
+    for (int i = 0; i < 2; ++i) {
+        d->refresh_models();
+        d->off_loop_->wait_all();
+    }
 
     // As for metrics: without a bus the daemon still manages memory; say so and go on (and try
     // again now and then: the bus may start later, or come back).
@@ -239,6 +248,8 @@ void Daemon::tick() {
         connect_bus();
     expire_silent_clients();
     cgroup_ = own_memory_cgroup_limit();
+    off_loop_->turn();  // opens past their deadline
+    set_aside_hung_reads();
     refresh_models();
     for (auto& m : models_)
         if (m->res) {
@@ -397,6 +408,9 @@ Result<void> Daemon::step(int timeout_ms) {
                 break;  // read below, on every turn
             case EventSource::Bus:
                 bus_ready = true;
+                break;
+            case EventSource::OffLoop:
+                off_loop_->turn();
                 break;
             case EventSource::Reads:
                 MC_TRY_VOID(prefetcher_->on_ready());

@@ -23,7 +23,7 @@ namespace moecache::daemon {
 // What woke the loop: each descriptor the loop waits on is registered with its source in the
 // high half of its epoll data and the descriptor in the low half, and step() has one handler per
 // source.
-enum class EventSource : uint32_t { Signal, Timer, Listener, Client, PageCache, Bus, Reads, Pressure };
+enum class EventSource : uint32_t { Signal, Timer, Listener, Client, PageCache, Bus, Reads, Pressure, OffLoop };
 inline uint64_t event_data(EventSource source, int fd) {
     return (uint64_t{static_cast<uint32_t>(source)} << 32) | static_cast<uint32_t>(fd);
 }
@@ -44,6 +44,10 @@ struct Daemon::ModelEntry {
     std::string name;
     std::unique_ptr<ModelResidency> res;
     std::string error;  // the last reason it could not be loaded, logged once
+    bool opening = false;  // its header is being read and its setup made, off the loop (OffLoop)
+    // Its file did not answer a read within [prefetch] read_deadline (a hung network or FUSE file
+    // system): not opened again before this (registry.cpp, set_aside()).
+    std::chrono::steady_clock::time_point set_aside_until{};
     std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn
     std::vector<uint32_t> file_ids;  // page-cache telemetry ids of its files, while watched
     bool registered = false;  // added by a client at run time (not configured): closed with its last client
@@ -67,6 +71,12 @@ struct Daemon::ModelEntry {
     // recency pays (each miss follows its own routing). Page-cache uses count again
     // kPageCacheUsesAfterRouting after the last report (a CPU runtime without the hook has no other signal).
     std::optional<std::chrono::steady_clock::time_point> last_routed;
+    // Who reported its routing, and when: by uid, and the last report of a client that steers it
+    // (Daemon::steers). While clients report it, the routing's temporal locality cuts its lock cap
+    // (decide.cpp) only if one that steers it reports, or several users do: one user's fabricated
+    // routing, however well formed, cannot release an operator's locks.
+    std::map<uint32_t, std::chrono::steady_clock::time_point> routed_by;
+    std::optional<std::chrono::steady_clock::time_point> steered_routing;
     // When the last client holding it went (unset while one holds it, or none ever did): of two
     // members of a family that no client holds, the one left last waits for the other (decide.cpp).
     std::optional<std::chrono::steady_clock::time_point> runtime_left;

@@ -110,7 +110,8 @@ void Daemon::place() {
             const double per_expert = static_cast<double>(all) / r.n_slots();
             const double layers = static_cast<double>(map.layers.size());
             m->res->heat().set_split_capacity(static_cast<double>(std::min(f.lock_cap, all)) / per_expert / layers);
-            const double share = m->res->heat().recency_share();
+            // Only from routing that may steer it (recency_trusted): the learner itself goes on.
+            const double share = recency_trusted(*m) ? m->res->heat().recency_share() : 0.0;
             if (share > 0) cap = std::min(cap, static_cast<uint64_t>(static_cast<double>(f.lock_cap) * (1.0 - share)));
         } else {
             m->res->heat().set_split_capacity(0);

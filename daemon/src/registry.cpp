@@ -6,6 +6,7 @@
 
 #include "daemon_state.h"
 #include "dbus/dbus_service.h"
+#include "moecache/daemon/off_loop.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
 #include "moecache/log.h"
@@ -114,7 +115,7 @@ void Daemon::refresh_models() {
         }
         // A model only clients registered is opened from what a client hands over, never again
         // by its name (which its owner may swap); the next registration opens it again.
-        if (!m->res && (m->operator_added || !m->registered)) open_model(*m);
+        if (!m->res && (m->operator_added || !m->registered)) open_model(*m);  // not while it opens or is set aside
     }
 }
 
@@ -132,37 +133,114 @@ bool Daemon::glob_match_is_moe(const std::string& path) {
     if (it != glob_checked_.end() && it->second.definite && it->second.dev == now.dev && it->second.ino == now.ino &&
         it->second.size == now.size && it->second.mtime_ns == now.mtime_ns)
         return it->second.moe;
-    // What the content says is remembered for this version of the file; what may pass (a part of a
-    // split set not there yet, a descriptor limit, an I/O error) is looked at again next time.
-    char magic[4] = {};
-    const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-    if (!fd) {
-        now.why = fmt::format("cannot open it: {}", std::strerror(errno));
-    } else if (::pread(fd.get(), magic, sizeof magic, 0) != static_cast<ssize_t>(sizeof magic) ||
-               std::memcmp(magic, "GGUF", 4) != 0) {
-        now.why = "not a GGUF file";
-        now.definite = true;
-    } else if (auto map = load_expert_map(path); !map) {
-        now.why = map.error().what();
-        now.definite = map.error().errnum == 0 || map.error().errnum == EINVAL;  // the content, not the system
-    } else if (map->layers.empty()) {
-        now.why = "a GGUF file without routed experts (a dense model, a vision projector)";
-        now.definite = true;
-    } else {
-        now.moe = now.definite = true;
+    // Its header is looked at off the loop (a file system may not answer): false until then.
+    if (!glob_looking_.insert(path).second) return false;
+    auto job = off_loop_->run(
+        fmt::format("looking at {}", path), read_deadline(),
+        [this, path, now]() mutable -> OffLoop::Continuation {
+            // What the content says is remembered for this version of the file; what may pass (a
+            // part of a split set not there yet, a descriptor limit, an I/O error) is looked at
+            // again next time.
+            char magic[4] = {};
+            const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+            if (!fd) {
+                now.why = fmt::format("cannot open it: {}", std::strerror(errno));
+            } else if (::pread(fd.get(), magic, sizeof magic, 0) != static_cast<ssize_t>(sizeof magic) ||
+                       std::memcmp(magic, "GGUF", 4) != 0) {
+                now.why = "not a GGUF file";
+                now.definite = true;
+            } else if (auto map = load_expert_map(path); !map) {
+                now.why = map.error().what();
+                now.definite = map.error().errnum == 0 || map.error().errnum == EINVAL;  // the content, not the system
+            } else if (map->layers.empty()) {
+                now.why = "a GGUF file without routed experts (a dense model, a vision projector)";
+                now.definite = true;
+            } else {
+                now.moe = now.definite = true;
+            }
+            return [this, path, now] { glob_looked_at(path, now); };
+        },
+        [this, path, now]() mutable {
+            // Not again for this version of the file: each look would leave a thread behind.
+            now.why = fmt::format("its header did not read within {} s ([prefetch] read_deadline)", config_.read_deadline_seconds);
+            now.definite = true;
+            glob_looked_at(path, now);
+        });
+    if (!job) {
+        glob_looking_.erase(path);
+        note_error("looking at a file a [[model]] glob matched", job.error().what());
     }
-    if (!now.moe && (it == glob_checked_.end() || it->second.why != now.why))
-        MC_LOG(LOG_INFO, "{}: skipped, matched by a [[model]] glob but {}", path, now.why);
-    glob_checked_[path] = now;
-    return now.moe;
+    return false;
 }
 
-void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
-    auto res = ModelResidency::open(m.path, m.config, config_.decay_half_life_tokens, handed);
+void Daemon::glob_looked_at(const std::string& path, const GlobVerdict& now) {
+    glob_looking_.erase(path);
+    const auto it = glob_checked_.find(path);
+    if (!now.moe && (it == glob_checked_.end() || it->second.why != now.why))
+        MC_LOG(LOG_INFO, "{}: skipped, matched by a [[model]] glob but {}", path, now.why);
+    glob_checked_[path] = now;  // the next refresh_models() (a tick, the start's second round) adds it
+}
+
+std::chrono::milliseconds Daemon::read_deadline() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(config_.read_deadline_seconds * 1000));
+}
+
+void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed, bool wait) {
+    if (m.opening || m.res) return;
+    if (std::chrono::steady_clock::now() < m.set_aside_until) return;  // m.error says why
+    // The work gets copies of what it needs: the entry may go, or change, while it runs.
+    auto fds = std::make_shared<std::vector<UniqueFd>>();
+    if (handed != nullptr)
+        for (int fd : *handed) {
+            fds->emplace_back(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+            if (!fds->back()) {
+                m.error = fmt::format("cannot hold the client's descriptor of {}: {}", m.path, std::strerror(errno));
+                return;
+            }
+        }
+    const uint32_t id = m.id;
+    const double half_life = config_.decay_half_life_tokens;
+    auto job = off_loop_->run(
+        fmt::format("opening model {}", m.path), read_deadline(),
+        [this, id, path = m.path, cfg = m.config, half_life, fds, with_fds = handed != nullptr]() -> OffLoop::Continuation {
+            std::vector<int> raw;
+            for (const auto& fd : *fds) raw.push_back(fd.get());
+            auto res = std::make_shared<Result<std::unique_ptr<ModelResidency>>>(
+                ModelResidency::open(path, cfg, half_life, with_fds ? &raw : nullptr));
+            return [this, id, res] { opened(id, std::move(*res)); };
+        },
+        [this, id] { open_late(id); });
+    if (!job) {
+        const std::string why = job.error().what();
+        if (why != m.error) MC_LOG(LOG_WARNING, "model {} is not loaded (retrying): {}", m.path, why);
+        m.error = why;
+        return;
+    }
+    m.opening = true;
+    if (wait) off_loop_->wait(*job);
+}
+
+// Its header did not read within the deadline: the thread that reads it is left to its file, and
+// the model is set aside (not opened again for a while), so that one hung file cannot take every
+// thread; registrations waiting for it hear why.
+void Daemon::open_late(uint32_t id) {
+    ModelEntry* m = find_model(id);
+    if (m == nullptr) return;
+    m->opening = false;
+    set_aside(*m, fmt::format("its header did not read within {} s ([prefetch] read_deadline)", config_.read_deadline_seconds));
+    finish_registrations(id);
+}
+
+void Daemon::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
+    ModelEntry* found = find_model(id);
+    if (found == nullptr) return;  // removed meanwhile: what was opened closes here
+    ModelEntry& m = *found;
+    m.opening = false;
     if (!res) {
         const std::string why = res.error().what();
         if (why != m.error) MC_LOG(LOG_WARNING, "model {} is not loaded (retrying): {}", m.path, why);
         m.error = why;
+        finish_registrations(id);
         return;
     }
     m.res = std::move(*res);
@@ -187,6 +265,8 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
         MC_LOG(LOG_INFO, "model {}: family {}: shares heat with {}", m.path, family, o->path);
         m.warm_pending = config_.warm_start && h.clock() > 0;
         note("reading the page cache's residency", m.res->refresh_cached());
+        finish_registrations(id);
+        request_place();
         return;
     }
     std::string pp = profile_path(profile_name(m));
@@ -213,6 +293,8 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed) {
         m.warm_pending = ok && config_.warm_start;
     }
     note("reading the page cache's residency", m.res->refresh_cached());
+    finish_registrations(id);
+    request_place();
 }
 
 void Daemon::close_model(ModelEntry& m, const std::string& why) {
@@ -232,6 +314,36 @@ void Daemon::close_model(ModelEntry& m, const std::string& why) {
     unwatch_files(m);
     m.res.reset();
     m.waiting.clear();
+}
+
+void Daemon::set_aside(ModelEntry& m, const std::string& why) {
+    constexpr auto kSetAsideFor = std::chrono::minutes(10);
+    ++models_set_aside_;
+    if (m.res) {
+        // Its reads stop holding the prefetcher's slots before the model closes (which cancels).
+        for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
+            prefetcher_->abandon(fetch_tag(m.id, s));
+            prefetcher_->abandon(fetch_tag(m.id, s, true));
+        }
+        prefetcher_->abandon(fetch_tag(m.id, kDenseSlot));
+        prefetcher_->abandon(fetch_tag(m.id, kDenseSlot, true));
+        close_model(m, "set aside: " + why);
+    }
+    m.set_aside_until = std::chrono::steady_clock::now() + kSetAsideFor;
+    m.error = fmt::format("set aside for {} minutes: {}", kSetAsideFor.count(), why);
+    MC_LOG(LOG_ERR, "model {}: {} (a hung network or FUSE file system?); other models are read meanwhile", m.path, m.error);
+}
+
+void Daemon::set_aside_hung_reads() {
+    for (const uint64_t tag : prefetcher_->overdue(read_deadline())) {
+        ModelEntry* m = find_model(static_cast<uint32_t>((tag >> 32) & 0x7fffffffu));
+        if (m == nullptr || !m->res) {
+            prefetcher_->abandon(tag);
+            continue;
+        }
+        set_aside(*m, fmt::format("a read of its file did not complete within {} s ([prefetch] read_deadline)",
+                                  config_.read_deadline_seconds));
+    }
 }
 
 void Daemon::watch_files(ModelEntry& m) {

@@ -22,6 +22,7 @@ bool Daemon::idle() const {
     // Facts the next turn decides on, reads into the page cache under way.
     if (!missed_this_batch_.empty() || !predicted_.empty() || !one_place_due_.empty()) return false;
     for (const auto& m : models_) {
+        if (m->opening) return false;  // its header is being read (OffLoop)
         if (!m->res) continue;
         if (!m->waiting.empty() || !m->prefetching.empty()) return false;
         for (uint32_t s = 0; s < m->res->n_slots(); ++s)
@@ -71,6 +72,7 @@ DaemonStatus Daemon::status(bool experts) const {
     }
     s.clients_refused = clients_refused_;
     s.accept_pauses = accept_pauses_;
+    s.models_set_aside = models_set_aside_;
     for (const auto& [device, totals] : pool_totals_) {
         PoolDeviceStatus pool = totals;
         for (const auto& c : clients_) {
@@ -149,12 +151,14 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
     ms.owner_uid = m->owner_uid;
     ms.budget_bytes = m->config.budget ? m->config.budget->resolve(mem_total_) : 0;
     ms.prefetching_experts = static_cast<uint32_t>(m->prefetching.size());
+    ms.opening = m->opening;
     if (m->res) {
         const auto& r = *m->res;
         ms.key = r.model().profile_key();
         ms.family = family_of(*m);
         ms.locked_bytes = r.locked_bytes();
         ms.recency_share = r.heat().recency_share();
+        ms.recency_applied = recency_trusted(*m);
         ms.dropped_bytes = r.dropped_bytes();
         ms.dense_tier = r.state(kDenseSlot).tier();
         ms.dense_bytes = r.slot_bytes(kDenseSlot);

@@ -27,6 +27,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -576,6 +577,56 @@ TEST_F(ClientSocketTest, FullRingsAreReadFairlyWithinABudgetATurn) {
         ASSERT_TRUE(d_->step(0));
     }
     EXPECT_EQ(total, pushed) << "every record read over the turns that follow";
+}
+
+// Issue 38, row 1: any local user who can read an operator's model (0644) could register it and
+// report routing whose temporal locality the split learner read as "recency pays", cutting the
+// model's lock cap to nothing. Well-formed records cannot be told from a runtime's, so what one
+// user alone reports about a model it may not steer (an operator's, another user's) moves no cap:
+// the learnt share applies again once root, the admin group or the model's owner reports, or
+// several users do.
+TEST_F(ClientSocketTest, OneUsersRoutingCannotCutTheLocksOfAModelItMayNotSteer) {
+    Config c = test::daemon_config(model_, dir_.file("state"), 16u << 20);
+    c.page_cache_telemetry = "off";
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);  // so that other uids reach the socket and the model
+    ASSERT_EQ(::chmod(model_.c_str(), 0644), 0);
+    start(c);
+    const std::string sock = d_->status().socket_path;
+    const std::string model = model_;
+    auto reporter = [&](uint32_t uid) {
+        int ready = -1;
+        const pid_t pid = spawn_as(uid, [sock, model] {
+            uint32_t h = 0;
+            moecache_client* cl = registered_client(sock, model, "reporter", h);
+            const uint32_t experts[2] = {3, 5};  // the same two every token: perfect reuse
+            for (int t = 0; t < 64; ++t)
+                for (uint32_t b = 0; b < 4; ++b) (void)moecache_client_report(cl, h, b, experts, 2, 1);
+        }, ready);
+        EXPECT_GT(pid, 0);
+        EXPECT_TRUE(until_ready(ready));
+        for (int i = 0; i < 20; ++i) EXPECT_TRUE(d_->step(5));  // its ring read
+        return pid;
+    };
+    auto applied = [&] {
+        const auto st = d_->status();
+        EXPECT_EQ(st.models.size(), 1u);
+        return !st.models.empty() && st.models[0].recency_applied;
+    };
+    EXPECT_TRUE(applied()) << "no client reports: the page cache's uses, which the kernel reports";
+    const pid_t one = reporter(65534);
+    EXPECT_FALSE(applied()) << "one user that may not steer the operator's model cut its cap";
+    const pid_t two = reporter(65533);
+    EXPECT_TRUE(applied()) << "two users report the same model";
+    for (pid_t p : {one, two}) {
+        ::kill(p, SIGKILL);
+        ::waitpid(p, nullptr, 0);
+    }
+    d_.reset();
+    start(c);  // a new daemon: nobody has reported yet
+    const pid_t root = reporter(0);
+    EXPECT_TRUE(applied()) << "root steers every model";
+    ::kill(root, SIGKILL);
+    ::waitpid(root, nullptr, 0);
 }
 
 TEST_F(ClientSocketTest, RoutingTelemetryThroughTheRingFeedsHeat) {

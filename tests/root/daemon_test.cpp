@@ -44,6 +44,15 @@ protected:
     Config config(uint64_t budget = 64ull << 20) { return test::daemon_config(model_, dir_.file("state"), budget); }
 
     // Drives the loop until nothing is fetching or waiting, or the deadline passes.
+    // Turns the loop until no model's header is being read (opens run off the loop).
+    static void opened(Daemon& d) {
+        for (int i = 0; i < 2000; ++i) {
+            const auto s = d.status();
+            if (std::none_of(s.models.begin(), s.models.end(), [](const auto& m) { return m.opening; })) return;
+            ASSERT_TRUE(d.step(5));
+        }
+        ADD_FAILURE() << "a model's open did not end";
+    }
     static void settle(Daemon& d, double seconds = 20) {
         const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
         d.tick();
@@ -360,6 +369,7 @@ TEST_F(DaemonTest, TruncatedModelIsReportedAndReexamined) {
     std::filesystem::copy_file(model_, saved);
     ASSERT_EQ(::truncate(model_.c_str(), static_cast<off_t>(size / 2)), 0);
     (*d)->tick();
+    opened(**d);
     auto s = (*d)->status();
     EXPECT_FALSE(s.models[0].loaded);
     EXPECT_FALSE(s.models[0].error.empty());
@@ -407,11 +417,13 @@ TEST_F(DaemonTest, ModelThatVanishesAndComesBack) {
     const std::string away = dir_.file("away.gguf");
     std::filesystem::rename(model_, away);
     (*d)->tick();
+    opened(**d);
     auto s = (*d)->status();
     EXPECT_FALSE(s.models[0].loaded);
     EXPECT_NE(s.models[0].error.find("No such file"), std::string::npos) << s.models[0].error;
     std::filesystem::rename(away, model_);
     (*d)->tick();
+    opened(**d);
     s = (*d)->status();
     EXPECT_TRUE(s.models[0].loaded) << s.models[0].error;
 }

@@ -4,6 +4,7 @@
 // pages of the ranges asked for.
 #include "model_fixture.h"
 #include "seccomp.h"
+#include "slow_fs.h"
 #include "temp_dir.h"
 
 #include "moecache/daemon/prefetcher.h"
@@ -15,16 +16,19 @@
 #include <gtest/gtest.h>
 #include <liburing.h>
 #include <numaif.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <ostream>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -485,6 +489,58 @@ TEST_P(PrefetcherEngines, DestroyedAndMovedWithReadsInFlight) {
         // Destroyed with up to 32 reads into plain buffers in flight: it must wait for them.
     }
     EXPECT_TRUE(rec.done.empty()) << "no callbacks from a destructor";
+}
+
+// A file system that stops answering (a hung NFS server, a FUSE server that stopped: slow_fs.h):
+// its reads show as overdue, abandon() gives them up (ETIMEDOUT) and frees their place in the
+// queue, so a read of another file that waited behind them is made; and the prefetcher is
+// destroyed within its 2 s bound with those reads still held by the file system.
+TEST_P(PrefetcherEngines, AReadThatHangsIsGivenUpAndOthersAreRead) {
+    if (::access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse on this machine";
+    const auto source = make_cold_file(dir, "source.bin", 8 * kMiB);
+    const auto local = make_cold_file(dir, "local.bin", 4 * kMiB);
+    std::filesystem::create_directories(dir.file("mnt"));
+    std::string why;
+    auto fs = test::SlowFs::mount(dir.file("mnt"), "slow.bin", source, 1 * kMiB, why);
+    ASSERT_TRUE(fs) << why;
+    UniqueFd slow(::open(fs->path().c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(slow) << fs->path();
+    auto fd = open_random(local);
+    Recorder rec;
+    std::optional<Prefetcher> p(make({.queue_depth = 2, .read_size = 1 * kMiB}, rec));
+    const uint64_t hung = p->enqueue({slow.get(), 2 * kMiB, 2 * kMiB, 0, 1});
+    const uint64_t other = p->enqueue({fd.get(), 0, 4 * kMiB, 1, 2});
+    ASSERT_TRUE(p->submit());
+    auto pump = [&](int ms) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+        while (std::chrono::steady_clock::now() < until) {
+            pollfd pf{p->event_fd(), POLLIN, 0};
+            (void)::poll(&pf, 1, 20);
+            ASSERT_TRUE(p->on_ready());
+        }
+    };
+    pump(500);
+    EXPECT_EQ(rec.find(other), nullptr) << "both slots are held by the hung reads";
+    EXPECT_GT(fs->held(), 0u);
+    EXPECT_TRUE(p->overdue(std::chrono::seconds(10)).empty());
+    EXPECT_EQ(p->overdue(std::chrono::milliseconds(200)), std::vector<uint64_t>{1});
+    EXPECT_EQ(p->abandon(1), 1u);
+    for (int i = 0; i < 100 && rec.find(other) == nullptr; ++i) pump(50);
+    ASSERT_NE(rec.find(hung), nullptr);
+    EXPECT_EQ(rec.find(hung)->err, ETIMEDOUT);
+    ASSERT_NE(rec.find(other), nullptr) << "the other file's read never got a slot";
+    EXPECT_EQ(rec.find(other)->err, 0);
+    EXPECT_EQ(rec.find(other)->bytes, 4 * kMiB);
+    EXPECT_TRUE(p->overdue(std::chrono::milliseconds(0)).empty()) << "given-up reads are not overdue again";
+    const auto pr = p->progress();
+    EXPECT_EQ(pr.queued_bytes + pr.inflight_bytes, 0u);
+    p->enqueue({slow.get(), 4 * kMiB, 1 * kMiB, 0, 3});  // one more that hangs, then the stop
+    ASSERT_TRUE(p->submit());
+    const auto t0 = std::chrono::steady_clock::now();
+    p.reset();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4))
+        << "the destructor waited for reads that never come";
+    fs->release();
 }
 
 INSTANTIATE_TEST_SUITE_P(Both, PrefetcherEngines, testing::Values(Prefetcher::Engine::IoUring, Prefetcher::Engine::Threads),

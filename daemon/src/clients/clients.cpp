@@ -313,6 +313,24 @@ bool Daemon::may_release_ram(const Client& c, const ModelEntry& m) const {
     return m.registered && !m.operator_added;  // a model its users brought: theirs to place
 }
 
+bool Daemon::steers(const Client& c, const ModelEntry& m) const {
+    if (c.peer.uid == 0) return true;
+    if (admin_gid_ && (c.peer.gid == *admin_gid_ ||
+                       std::find(c.peer.groups.begin(), c.peer.groups.end(), *admin_gid_) != c.peer.groups.end()))
+        return true;
+    return m.registered && !m.operator_added && c.peer.uid == m.owner_uid;
+}
+
+bool Daemon::recency_trusted(const ModelEntry& m) const {
+    // Reports within the last minute: a runtime reports every token while it runs.
+    constexpr auto kLately = std::chrono::seconds(60);
+    const auto now = std::chrono::steady_clock::now();
+    if (m.steered_routing && now - *m.steered_routing < kLately) return true;
+    const auto users = std::count_if(m.routed_by.begin(), m.routed_by.end(), [&](const auto& v) { return now - v.second < kLately; });
+    // None: the heat is the page cache's uses, which the kernel reports (eBPF), not a client.
+    return users != 1;
+}
+
 // The turn's one-place decisions, from what every live client says its pool holds: an expert
 // leaves RAM (unlocked, its pages dropped) when each client of the model holds it in VRAM, at
 // least one of them may evict, and [vram] keep_ram_copy is off; it is wanted in RAM again as soon
@@ -455,22 +473,81 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         }
         std::vector<int> handed;
         for (const auto& fd : fds) handed.push_back(fd.get());
-        if (!entry->res) open_model(*entry, entry->operator_added || !entry->registered ? nullptr : &handed);
+        PendingRegistration p{c.id, rq, entry->id, existed, ids};
+        if (!entry->res) {
+            // Its header is read and its setup made off the loop: the answer comes when that is done
+            // (finish_registrations), within [prefetch] read_deadline.
+            open_model(*entry, entry->operator_added || !entry->registered ? nullptr : &handed);
+            if (entry->opening) {
+                registering_.push_back(std::move(p));
+                return true;
+            }
+        }
+        return finish_registration(c, p);
+    }
+    PendingRegistration p{c.id, rq, entry->id, true, ids};
+    return finish_registration(c, p);
+}
+
+// The registrations that waited for this model's open: each answered, in the order they came.
+void Daemon::finish_registrations(uint32_t model) {
+    std::vector<PendingRegistration> due;
+    std::erase_if(registering_, [&](PendingRegistration& p) {
+        if (p.model != model) return false;
+        due.push_back(std::move(p));
+        return true;
+    });
+    for (const auto& p : due) {
+        Client* c = nullptr;
+        for (auto& o : clients_)
+            if (o->id == p.client && !o->dead) c = o.get();
+        if (c != nullptr) {
+            if (!finish_registration(*c, p)) drop_client(*c, "its registration failed");
+            continue;
+        }
+        // Its client went while it opened: a model only it brought goes too (as reap_clients does).
+        ModelEntry* m = find_model(model);
+        const bool held = std::any_of(clients_.begin(), clients_.end(), [&](const auto& o) {
+            return std::find(o->models.begin(), o->models.end(), model) != o->models.end();
+        });
+        const bool waited = std::any_of(registering_.begin(), registering_.end(),
+                                        [&](const PendingRegistration& o) { return o.model == model; });
+        if (m != nullptr && m->registered && !m->operator_added && !held && !waited) {
+            if (m->res) close_model(*m, "the client that registered it is gone");
+            std::erase_if(models_, [&](const auto& o) { return o->id == model; });
+        }
+    }
+}
+
+bool Daemon::finish_registration(Client& c, const PendingRegistration& p) {
+    const uint32_t rq = p.request;
+    ModelEntry* entry = find_model(p.model);
+    if (entry == nullptr) return cannot(c, rq, ENOENT, "the model went away while it was being opened");
+    auto matches = [&](const ModelEntry& e) {
+        const auto& files = e.res->model().files();
+        if (files.size() != p.ids.size()) return false;
+        for (size_t i = 0; i < p.ids.size(); ++i)
+            if (files[i].identity.dev != p.ids[i].dev || files[i].identity.ino != p.ids[i].ino) return false;
+        return true;
+    };
+    {
         std::string why;
         int errnum = ESTALE;
         if (!entry->res) {
             why = entry->error;
-            errnum = EINVAL;
+            errnum = entry->set_aside_until > std::chrono::steady_clock::now() ? ETIMEDOUT : EINVAL;
         } else if (!matches(*entry)) {
             why = fmt::format("{}: the files the daemon opened are not the ones the client handed over (replaced "
                               "meanwhile, or not all parts, part 1 first)",
                               entry->path);
         }
         if (!why.empty()) {
-            if (!existed) {
+            const bool waited = std::any_of(registering_.begin(), registering_.end(),
+                                            [&](const PendingRegistration& o) { return o.model == p.model; });
+            if (!p.existed && !waited) {
                 if (entry->res) close_model(*entry, "registration refused");
-                models_.erase(std::remove_if(models_.begin(), models_.end(), [&](const auto& e) { return e.get() == entry; }),
-                              models_.end());
+                const uint32_t id = entry->id;
+                std::erase_if(models_, [&](const auto& e) { return e->id == id; });
             }
             return cannot(c, rq, errnum, why);
         }
@@ -743,6 +820,9 @@ void Daemon::consume_client_telemetry() {
                     return;
                 }
                 ++c.events;
+                const auto now = std::chrono::steady_clock::now();
+                m.routed_by[c.peer.uid] = now;
+                if (steers(c, m)) m.steered_routing = now;
                 const std::span<const uint32_t> these(experts, k);
                 if (e.continued && joining == &m && joining_block == e.block) {
                     joined_.insert(joined_.end(), these.begin(), these.end());

@@ -380,6 +380,7 @@ const Key<Config> kPrefetchKeys[] = {
     MC_KEY("threads", Config, t.prefetch_threads = static_cast<U32>(MC_TRY(read_int(v, 0, 64)))),
     MC_KEY("read_size", Config, t.read_size = MC_TRY(read_read_size(v))),
     MC_KEY("numa_node", Config, t.numa_node = static_cast<int>(MC_TRY(read_int(v, -1, 1023)))),
+    MC_KEY("read_deadline", Config, t.read_deadline_seconds = MC_TRY(read_number(v, {0.1, true}, {3600, true}))),
     MC_KEY("on_miss", Config, t.on_miss = MC_TRY(read_bool(v))),
     MC_KEY("warm_start", Config, MC_TRY_VOID(read_warm_start(v, t))),
 };

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstdint>
 #include <deque>
@@ -66,6 +67,7 @@ struct Prefetcher::State {
         uint32_t inflight = 0;  // reads issued whose completion has not been reaped
         int err = 0;
         bool cancelled = false;
+        bool timed_out = false;  // given up by abandon(): reports ETIMEDOUT
     };
     struct Slot {
         uint64_t request = 0;  // 0: free
@@ -75,6 +77,8 @@ struct Prefetcher::State {
         uint32_t done = 0;
         uint32_t retries = 0;
         bool cancel_sent = false;
+        bool stuck = false;  // given up by abandon(): its completion only frees the slot
+        int64_t issued_ns = 0;  // when its current read was issued (steady clock)
     };
     struct Finished {
         uint64_t id, tag, bytes;
@@ -97,6 +101,7 @@ struct Prefetcher::State {
     std::vector<Slot> slots;
     std::vector<uint32_t> free_slots;
     uint32_t busy_slots = 0;
+    uint32_t stuck_slots = 0;  // of the busy ones, reads given up that the kernel still holds
     uint32_t cancels_in_kernel = 0;  // ASYNC_CANCEL SQEs whose completion is not reaped yet
     std::vector<Finished> finished;  // waiting for their callback
     uint64_t next_id = 1;
@@ -109,6 +114,8 @@ struct Prefetcher::State {
 
     uint64_t enqueue(const PrefetchRequest& q);
     size_t cancel(uint64_t tag);
+    std::vector<uint64_t> overdue(std::chrono::nanoseconds deadline) const;
+    size_t abandon(uint64_t tag);
     Result<void> submit();
     Result<void> on_ready();
     Result<void> run_until_idle();
@@ -168,11 +175,52 @@ size_t Prefetcher::State::cancel(uint64_t tag) {
     // a read already waiting on the device just completes), and ignore what they return.
     for (uint32_t i = 0; i < slots.size(); ++i) {
         Slot& s = slots[i];
-        if (s.request == 0 || s.cancel_sent) continue;
+        if (s.request == 0 || s.cancel_sent || s.stuck) continue;
         const auto it = requests.find(s.request);
         if (it != requests.end() && it->second.cancelled) prep_cancel(i);
     }
     return n;
+}
+
+std::vector<uint64_t> Prefetcher::State::overdue(std::chrono::nanoseconds deadline) const {
+    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch()).count();
+    std::vector<uint64_t> tags;
+    for (const Slot& s : slots) {
+        if (s.request == 0 || s.stuck || now - s.issued_ns < deadline.count()) continue;
+        const auto it = requests.find(s.request);
+        if (it != requests.end() && std::find(tags.begin(), tags.end(), it->second.tag) == tags.end())
+            tags.push_back(it->second.tag);
+    }
+    return tags;
+}
+
+size_t Prefetcher::State::abandon(uint64_t tag) {
+    const auto t = by_tag.find(tag);
+    if (t == by_tag.end()) return 0;
+    const std::vector<uint64_t> ids = t->second;
+    for (const uint64_t id : ids) {
+        Request& r = requests.at(id);
+        r.cancelled = r.timed_out = true;
+        stop_issuing(r);
+    }
+    // Its reads in flight stop counting against queue_depth (as many as there are spare slots);
+    // the kernel is asked to drop them, and their slots come back whenever it answers.
+    for (uint32_t i = 0; i < slots.size(); ++i) {
+        Slot& s = slots[i];
+        if (s.request == 0 || s.stuck || std::find(ids.begin(), ids.end(), s.request) == ids.end()) continue;
+        if (!s.cancel_sent) prep_cancel(i);
+        if (stuck_slots >= options.queue_depth) continue;
+        Request& r = requests.at(s.request);
+        progress.inflight_bytes -= s.length - s.done;
+        --r.inflight;
+        s.stuck = true;
+        ++stuck_slots;
+        if (pool) pool->add_worker();  // the one that reads it may never come back
+    }
+    for (const uint64_t id : ids) finish_if_done(id);
+    (void)flush();
+    return ids.size();
 }
 
 Result<void> Prefetcher::State::submit() {
@@ -226,7 +274,9 @@ Result<void> Prefetcher::State::run_until_idle() {
 }
 
 void Prefetcher::State::fill_slots() {
-    while (!free_slots.empty() && !waiting.empty()) {
+    // Slots are twice queue_depth: reads given up (abandon()) hold theirs until the kernel lets go,
+    // and do not count against queue_depth meanwhile.
+    while (!free_slots.empty() && !waiting.empty() && busy_slots - stuck_slots < options.queue_depth) {
         const auto level = waiting.begin();
         const uint64_t id = level->second.front();
         const auto it = requests.find(id);
@@ -256,17 +306,22 @@ void Prefetcher::State::prep_read(uint32_t i) {
     const Slot& s = slots[i];
     const Request& r = requests.at(s.request);
     // The data is thrown away, so a short read's remainder may land at the start of the buffer.
-    void* buf = buffers.buffer(i);
+    // Slots share the queue_depth buffers (slot i and i + queue_depth): the data is thrown away, so
+    // two reads landing in one buffer harm nothing.
+    const uint32_t b = i % options.queue_depth;
+    void* buf = buffers.buffer(b);
     const uint32_t len = s.length - s.done;
     const uint64_t off = s.offset + s.done;
     ++progress.reads_submitted;
+    slots[i].issued_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch()).count();
     if (pool) {
         pool->submit(r.fd, buf, len, off, read_user_data(i, s.generation));
         return;
     }
     io_uring_sqe* sqe = next_sqe();
     if (setup.registered_buffers)
-        io_uring_prep_read_fixed(sqe, r.fd, buf, len, off, static_cast<int>(i));
+        io_uring_prep_read_fixed(sqe, r.fd, buf, len, off, static_cast<int>(b));
     else
         io_uring_prep_read(sqe, r.fd, buf, len, off);
     io_uring_sqe_set_data64(sqe, read_user_data(i, s.generation));
@@ -347,6 +402,13 @@ void Prefetcher::State::complete(uint64_t user_data, int res) {
     const auto i = static_cast<uint32_t>(user_data & kSlotMask);
     if (i >= slots.size() || slots[i].request == 0 || slots[i].generation != user_data >> kSlotBits) return;
     Slot& s = slots[i];
+    if (s.stuck) {  // given up long ago: its request has finished already
+        s = Slot{.generation = s.generation};
+        --stuck_slots;
+        --busy_slots;
+        free_slots.push_back(i);
+        return;
+    }
     const uint64_t id = s.request;
     Request& r = requests.at(id);
     const uint32_t asked = s.length - s.done;
@@ -404,7 +466,7 @@ void Prefetcher::State::finish_if_done(uint64_t id) {
     const auto it = requests.find(id);
     const Request& r = it->second;
     if (r.inflight != 0 || r.next < r.end) return;
-    const int err = r.cancelled ? ECANCELED : r.err;
+    const int err = r.timed_out ? ETIMEDOUT : r.cancelled ? ECANCELED : r.err;
     if (r.cancelled)
         ++progress.requests_cancelled;
     else if (err != 0)
@@ -446,8 +508,15 @@ void Prefetcher::State::drain_eventfd() const {
 // The kernel may still write into the buffers of reads in flight, so they must complete before
 // the buffers go. Nobody is called back: the owner is going away.
 void Prefetcher::State::drain_before_exit() {
+    // At most this long: a read a file system never answers (a hung NFS server, a FUSE server
+    // that stopped) must not keep the daemon from stopping. Its buffer is then left to it.
+    constexpr auto kMostWait = std::chrono::seconds(2);
     if (pool) {
-        pool.reset();  // the reads being made finish; none starts after
+        if (!pool->stop(kMostWait)) {
+            MC_LOG(LOG_WARNING, "prefetcher: reads that do not complete are left behind at exit");
+            buffers.leak();
+        }
+        pool.reset();
         return;
     }
     if (!ring) return;
@@ -458,13 +527,24 @@ void Prefetcher::State::drain_before_exit() {
     for (uint32_t i = 0; i < slots.size(); ++i) {
         if (slots[i].request != 0 && !slots[i].cancel_sent) prep_cancel(i);
     }
+    const auto until = std::chrono::steady_clock::now() + kMostWait;
     while (busy_slots > 0) {
-        const int r = io_uring_submit_and_wait(ring->get(), 1);
-        if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
+        const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(until - std::chrono::steady_clock::now());
+        if (left.count() <= 0) {
+            MC_LOG(LOG_WARNING, "prefetcher: {} reads did not complete within {} s of the stop: left behind", busy_slots,
+                   kMostWait.count());
+            buffers.leak();
+            return;
+        }
+        __kernel_timespec ts{.tv_sec = left.count() / 1'000'000'000, .tv_nsec = left.count() % 1'000'000'000};
+        io_uring_cqe* cqe = nullptr;
+        (void)io_uring_submit(ring->get());
+        const int r = io_uring_wait_cqe_timeout(ring->get(), &cqe, &ts);
+        if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY && r != -ETIME) {
             // E.g. -EEXIST: destroyed from another thread than the one that made it (DEFER_TASKRUN).
             MC_LOG(LOG_ERR, "prefetcher: cannot wait for {} reads in flight ({}); leaking their buffers",
                    busy_slots, Error{-r, ""}.what());
-            if (!setup.registered_buffers) buffers.leak();  // registered ones are pinned by the kernel
+            buffers.leak();
             return;
         }
         reap();
@@ -524,8 +604,8 @@ Result<Prefetcher> Prefetcher::create(const Options& options) {
         s->setup.engine = Engine::IoUring;
     }
     s->setup.numa_node = options.numa_node;
-    s->slots.resize(options.queue_depth);
-    for (uint32_t i = options.queue_depth; i > 0; --i) s->free_slots.push_back(i - 1);
+    s->slots.resize(2 * size_t{options.queue_depth});
+    for (auto i = static_cast<uint32_t>(s->slots.size()); i > 0; --i) s->free_slots.push_back(i - 1);
     return Prefetcher(std::move(s));
 }
 
@@ -537,6 +617,8 @@ Prefetcher::~Prefetcher() = default;
 void Prefetcher::set_callback(Callback callback) { state_->callback = std::move(callback); }
 uint64_t Prefetcher::enqueue(const PrefetchRequest& request) { return state_->enqueue(request); }
 size_t Prefetcher::cancel(uint64_t tag) { return state_->cancel(tag); }
+std::vector<uint64_t> Prefetcher::overdue(std::chrono::nanoseconds deadline) const { return state_->overdue(deadline); }
+size_t Prefetcher::abandon(uint64_t tag) { return state_->abandon(tag); }
 Result<void> Prefetcher::submit() { return state_->submit(); }
 Result<void> Prefetcher::on_ready() { return state_->on_ready(); }
 Result<void> Prefetcher::run_until_idle() { return state_->run_until_idle(); }

@@ -4,19 +4,19 @@
 // same for both engines. Completions come back the way the ring's do: (user data, result) pairs
 // and a count on an eventfd, so the daemon's loop waits on one descriptor whichever engine reads.
 //
-// Threading: submit(), cancel() and take() come from the owner's thread; the workers only pread,
-// post and signal. The destructor stops the workers after their current read (queued reads are
-// dropped): nothing writes into a buffer once it has returned.
+// Threading: submit(), cancel(), take(), add_worker() and stop() come from the owner's thread; the
+// workers only pread, post and signal. A worker blocked in a read a file system never answers
+// (a hung NFS server, a FUSE server that stopped) is not waited for: add_worker() replaces it,
+// and stop() leaves it behind after its timeout. What workers share lives as long as the last of
+// them (a duplicate of the eventfd included), so one that comes back late touches nothing freed;
+// its read's buffer is the owner's to leave allocated (stop() says when).
 #pragma once
 
 #include "moecache/error.h"
 
-#include <condition_variable>
+#include <chrono>
 #include <cstdint>
-#include <deque>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,11 +28,12 @@ public:
         uint64_t user_data = 0;
         int res = 0;  // bytes read, 0 at end of file, or -errno (-ECANCELED: taken back by cancel)
     };
+    static constexpr uint32_t kMaxThreads = 64;
 
-    // `threads` workers (1..64) signalling `event_fd` (borrowed: it outlives the pool). The
-    // workers are started here, so they inherit the calling thread's memory policy and signal mask.
+    // `threads` workers (1..64) signalling `event_fd` (duplicated here). The workers are started
+    // here, so they inherit the calling thread's memory policy and signal mask.
     static Result<std::unique_ptr<ReadPool>> create(uint32_t threads, int event_fd);
-    ~ReadPool();
+    ~ReadPool();  // stop(2 s), unless stop() was called
     ReadPool(const ReadPool&) = delete;
     ReadPool& operator=(const ReadPool&) = delete;
 
@@ -42,27 +43,19 @@ public:
     void cancel(uint64_t user_data);
     // Every completion posted since the last call, oldest first.
     std::vector<Completion> take();
-    [[nodiscard]] uint32_t threads() const { return static_cast<uint32_t>(workers_.size()); }
+    // One more worker, for one that a read holds (at most kMaxThreads in all).
+    void add_worker();
+    // Stops the workers after their current read (queued reads are dropped) and waits for them up
+    // to `most`. False: some are still in a read, left behind; their buffers must stay allocated.
+    bool stop(std::chrono::milliseconds most);
+    [[nodiscard]] uint32_t threads() const;
 
 private:
-    struct Job {
-        int fd;
-        void* buf;
-        uint32_t length;
-        uint64_t offset;
-        uint64_t user_data;
-    };
-    explicit ReadPool(int event_fd) : event_fd_(event_fd) {}
-    void work();
-    void post(const Completion& c);  // with mu_ held
-
-    int event_fd_;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<Job> jobs_;
-    std::vector<Completion> done_;
-    bool stop_ = false;
-    std::vector<std::thread> workers_;
+    struct Shared;
+    explicit ReadPool(std::shared_ptr<Shared> s) : s_(std::move(s)) {}
+    Result<void> start_worker();
+    std::shared_ptr<Shared> s_;
+    bool stopped_ = false;  // stop() was called: the destructor waits no more
 };
 
 }  // namespace moecache::daemon::io

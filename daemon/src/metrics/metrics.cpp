@@ -227,6 +227,9 @@ std::string render_metrics(const DaemonStatus& s, bool paths) {
              "Connections turned away (not allowed, too many, no Hello in time).", s.clients_refused);
     w.scalar("moecache_client_accept_pauses_total", "counter",
              "Times the client socket stopped accepting for want of file descriptors.", s.accept_pauses);
+    w.scalar("moecache_models_set_aside_total", "counter",
+             "Times a model was set aside because its file did not answer a read within [prefetch] read_deadline.",
+             s.models_set_aside);
     w.scalar("moecache_router_events_total", "counter",
              "Router decisions received from the clients now connected.", events);
     w.scalar("moecache_router_events_refused_total", "counter",

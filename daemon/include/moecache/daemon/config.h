@@ -69,6 +69,10 @@ struct Config {
     std::string prefetch_engine = "auto";
     uint32_t prefetch_threads = 0;
     int numa_node = -1;             // -1: wherever the kernel puts pages
+    // Seconds a read of a model file may take (its header at open, an expert's range) before the
+    // file counts as not answering (a hung NFS or SMB server, a FUSE file system that stopped):
+    // its model is set aside for a while and other models are read meanwhile.
+    double read_deadline_seconds = 30;
     // When a runtime reads part of an expert from storage (a miss, as eBPF sees it), read the rest
     // of that expert at once, into the page cache (not locked): the runtime's next faults in it hit.
     bool on_miss = true;

@@ -36,6 +36,7 @@
 namespace moecache::daemon {
 
 class Prefetcher;
+class OffLoop;
 class PressureMonitor;
 class SocketServer;
 class MetricsServer;
@@ -106,8 +107,18 @@ private:
     bool glob_match_is_moe(const std::string& path);
     void add_plain_models();
     void refresh_models();
-    void open_model(ModelEntry& m, const std::vector<int>* handed = nullptr);  // handed: a client's descriptors of it
+    // Opens a model off the loop (OffLoop): its header read and its setup made on a thread, within
+    // [prefetch] read_deadline; opened() carries on in a later turn. handed: a client's descriptors
+    // of it. wait: block until it is open or past the deadline (the start, an operator's request).
+    void open_model(ModelEntry& m, const std::vector<int>* handed = nullptr, bool wait = false);
+    void opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res);
+    void open_late(uint32_t id);
     void close_model(ModelEntry& m, const std::string& why);
+    // A model whose file does not answer reads: closed, its reads given up, not opened again for
+    // kSetAsideFor, said and counted. So that other models are read and locked meanwhile.
+    void set_aside(ModelEntry& m, const std::string& why);
+    void set_aside_hung_reads();  // the models whose reads passed [prefetch] read_deadline
+    [[nodiscard]] std::chrono::milliseconds read_deadline() const;
     void place();
     // Placement is due: planned at the end of the loop turn, or now when called outside one (a
     // test or tool driving the daemon directly).
@@ -154,6 +165,14 @@ private:
     // Handles one packet; false when the client must be dropped (after a Failure was sent).
     bool on_client_packet(Client& c, struct Packet& p);
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
+    // The rest of a registration, once its model is open (or could not be): the answer.
+    struct PendingRegistration {
+        uint32_t client = 0, request = 0, model = 0;
+        bool existed = false;  // the model's entry was there before this registration
+        std::vector<FileIdentity> ids;
+    };
+    bool finish_registration(Client& c, const PendingRegistration& p);
+    void finish_registrations(uint32_t model);
     bool on_placement(Client& c, const protocol::ExpertPlacement& x);
     bool on_pool_stats(Client& c, const protocol::PoolStats& x);
     bool on_unmapped(Client& c, const protocol::Unmapped& x);
@@ -161,6 +180,11 @@ private:
     // D-Bus allows only to root and the admin group; on a model users registered themselves, any
     // of its clients may.
     [[nodiscard]] bool may_release_ram(const Client& c, const ModelEntry& m) const;
+    // Whether this client's routing may steer model m's caps (the recency cut of its locks): root,
+    // the admin group, or the uid that registered it (a model its user brought).
+    [[nodiscard]] bool steers(const Client& c, const ModelEntry& m) const;
+    // Whether m's routing, as reported lately, may cut its lock cap (ModelEntry::routed_by).
+    [[nodiscard]] bool recency_trusted(const ModelEntry& m) const;
     void direct_pools();
     void on_client_writable(Client& c);
     void watch_writable(Client& c, bool on);
@@ -206,6 +230,9 @@ private:
     uint64_t mem_total_ = 0;
     UniqueFd epoll_, signal_fd_, timer_fd_;
     std::unique_ptr<Prefetcher> prefetcher_;
+    std::unique_ptr<OffLoop> off_loop_;  // models' headers and setup, off the loop's thread
+    std::vector<PendingRegistration> registering_;  // registrations waiting for their model's open
+    uint64_t models_set_aside_ = 0;  // times a model's file stopped answering (set_aside)
     std::unique_ptr<PressureMonitor> pressure_;
     std::unique_ptr<SocketServer> server_;
     std::unique_ptr<MetricsServer> metrics_;
@@ -253,6 +280,8 @@ private:
         std::string why;        // why not, as logged (logged again only when it changes)
     };
     std::map<std::string, GlobVerdict> glob_checked_;  // by path: what glob_match_is_moe found
+    std::set<std::string> glob_looking_;               // paths whose header is being looked at (OffLoop)
+    void glob_looked_at(const std::string& path, const GlobVerdict& now);
     template <class T>
     void note(const char* doing, const Result<T>& r) {
         if (!r) note_error(doing, r.error().what());

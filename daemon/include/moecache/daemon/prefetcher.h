@@ -8,7 +8,7 @@
 // the destructor included, must come from that thread.
 //
 // Blocking: nothing here waits for I/O except run_until_idle() and the destructor (which waits
-// for the reads still in flight, at most queue_depth of them). submit() does each read's page
+// for the reads still in flight, at most 2 s: a read a file system never answers is left behind). submit() does each read's page
 // allocation and bio submission inline, in the calling thread (microseconds per read; on a cold
 // file the file system may first read its extent blocks). Without DEFER_TASKRUN (kernels before
 // 6.1, or Options::defer_taskrun = false) completions run as task work that interrupts the
@@ -38,10 +38,12 @@
 
 #include "moecache/error.h"
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace moecache::daemon {
 
@@ -120,6 +122,14 @@ public:
     // ones in flight; their results are ignored. Each such request then reports ECANCELED with the
     // bytes it had read. Returns how many requests were cancelled.
     size_t cancel(uint64_t tag);
+    // The tags of requests with a read issued longer than `deadline` ago and not completed: a file
+    // system that does not answer (a hung NFS server, a FUSE server that stopped).
+    [[nodiscard]] std::vector<uint64_t> overdue(std::chrono::nanoseconds deadline) const;
+    // Gives up the requests of this tag: each reports ETIMEDOUT with the bytes it had read, and its
+    // reads in flight stop counting against queue_depth (up to queue_depth such reads at once: the
+    // slots are twice queue_depth), so that other files are read meanwhile. The kernel is asked to
+    // drop them; a slot comes back when it answers. Returns how many requests were given up.
+    size_t abandon(uint64_t tag);
 
     // Runs callbacks of finished requests, fills free slots of the queue in priority order and
     // submits them in one system call (none when there is nothing to submit).

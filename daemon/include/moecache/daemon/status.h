@@ -31,10 +31,14 @@ struct ModelStatus {
     std::string family;   // the models it shares heat (and a family budget) with have the same
     std::string error;    // why it is not loaded, if it is not
     bool loaded = false;
+    bool opening = false;     // its header is being read, off the daemon's loop
     bool registered = false;  // by a client, not configured
     uint32_t owner_uid = 0;   // of that client
     uint64_t locked_bytes = 0;
     double recency_share = 0;  // of its lock cap left to the page cache's LRU (heat.h), learnt
+    // Whether that share cuts its lock cap now: not while one user alone reports its routing and
+    // may not steer it (an operator's model, another user's: Daemon::recency_trusted).
+    bool recency_applied = true;
     uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
     uint32_t experts_in_vram = 0;  // held by at least one VRAM pool
     uint32_t n_experts_total = 0, experts_locked = 0, experts_pinned = 0;
@@ -112,6 +116,7 @@ struct DaemonStatus {
     std::string metrics_address;   // where GET /metrics answers, "HOST:PORT" ("" when it does not)
     uint64_t clients_refused = 0;  // connections turned away (not allowed, too many, no Hello in time)
     uint64_t accept_pauses = 0;    // times the client socket stopped accepting for want of descriptors
+    uint64_t models_set_aside = 0;  // times a model's file did not answer a read in time (set aside)
     uint64_t vram_releases = 0;    // experts unlocked and dropped because a VRAM pool took them
     std::vector<PoolDeviceStatus> vram_pools;  // by device
     // Large host-to-device copies CUDA hooks saw from memory that maps no model (a runtime that

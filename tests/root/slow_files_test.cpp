@@ -1,0 +1,163 @@
+// A model on a file system that stops answering (a hung NFS or SMB server, a FUSE file system a
+// user mounted with allow_other: tests/support/slow_fs.h) takes nothing from the others: its
+// header is read off the loop within [prefetch] read_deadline, its reads in flight are given up
+// and the model set aside, another model's experts are read and locked meanwhile, /metrics
+// answers throughout, and SIGTERM stops the daemon within seconds. Before, header reads on the
+// loop held it 45 s (past the unit's watchdog), hanging reads took every prefetch slot, and the
+// daemon never stopped.
+#include "model_fixture.h"
+#include "run.h"
+#include "slow_fs.h"
+#include "temp_dir.h"
+
+#include "moecache/model.h"
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <filesystem>
+#include <regex>
+#include <thread>
+
+namespace moecache {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class SlowFiles : public testing::Test {
+protected:
+    void SetUp() override {
+        if (::geteuid() != 0) GTEST_SKIP() << "needs root: mounts a FUSE file system, mlock";
+        if (::access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse on this machine";
+        fast_ = dir_.file("fast.gguf");
+        test::write_model(test::small_spec(), fast_);
+        source_ = dir_.file("slow-source.gguf");
+        auto spec = test::small_spec();
+        spec.seed = 7;  // another file, other bytes
+        test::write_model(spec, source_);
+        std::filesystem::create_directories(dir_.file("mnt"));
+    }
+    // The first byte of any routed expert of the slow model: reads from there on may hang.
+    uint64_t first_expert_byte() const {
+        auto map = load_expert_map(source_);
+        EXPECT_TRUE(map) << map.error().what();
+        uint64_t first = UINT64_MAX;
+        for (const auto& l : map->layers)
+            for (uint32_t e = 0; e < map->n_experts; ++e)
+                for (const auto& r : map->ranges(l.index, e)) first = std::min(first, r.offset);
+        return first & ~uint64_t{4095};
+    }
+    bool mount(uint64_t hang_from) {
+        std::string why;
+        fs_ = test::SlowFs::mount(dir_.file("mnt"), "slow.gguf", source_, hang_from, why);
+        if (!fs_) ADD_FAILURE() << why;
+        return fs_ != nullptr;
+    }
+    std::string config() const {
+        return "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\ntick_seconds = 0.1\nsocket = \"" + dir_.file("sock") +
+               "\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[prefetch]\nread_deadline = 2\n"
+               "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n"
+               "[pressure]\nenabled = false\n"
+               "[[model]]\npath = \"" + fs_->path() + "\"\npin = [\"0:0-15\"]\n"
+               "[[model]]\npath = \"" + fast_ + "\"\npin = [\"0:0-3\"]\n";
+    }
+    static int port_of(const std::string& out) {
+        std::smatch m;
+        if (!std::regex_search(out, m, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) return -1;
+        return std::stoi(m[1]);
+    }
+    // One GET of /metrics: its body, and how long it took.
+    static std::pair<std::string, double> metrics(int port) {
+        const auto t0 = Clock::now();
+        httplib::Client c("127.0.0.1", port);
+        c.set_read_timeout(10, 0);
+        auto r = c.Get("/metrics");
+        const std::string body = r && r->status == 200 ? r->body
+                                 : r                   ? "HTTP " + std::to_string(r->status)
+                                                       : "no answer: " + httplib::to_string(r.error());
+        return {body, std::chrono::duration<double>(Clock::now() - t0).count()};
+    }
+    static uint64_t value(const std::string& body, const std::string& pattern) {
+        std::smatch m;
+        if (!std::regex_search(body, m, std::regex(pattern))) return 0;
+        return std::stoull(m[1]);
+    }
+    // The fast model's pinned experts locked while the slow model hangs; /metrics prompt all along.
+    void expect_the_rest_goes_on(int port) {
+        uint64_t locked = 0;
+        double slowest = 0;
+        std::string body;
+        for (int i = 0; i < 100 && locked == 0; ++i) {
+            auto [b, took] = metrics(port);
+            body = b;
+            slowest = std::max(slowest, took);
+            locked = value(body, "moecache_locked_bytes\\{[^}]*fast[^}]*\\} ([0-9]+)");
+            if (locked == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+        EXPECT_GT(locked, 0u) << "the other model's pinned experts were not locked\n" << body;
+        EXPECT_LT(slowest, 2.0) << "a /metrics answer took " << slowest << " s";
+    }
+    void expect_a_prompt_stop(test::Background& d) {
+        const auto t0 = Clock::now();
+        d.signal(SIGTERM);
+        EXPECT_EQ(d.wait(20), 0) << d.output();
+        const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+        EXPECT_LT(took, 6.0) << "SIGTERM took " << took << " s to stop the daemon\n" << d.output();
+        if (getenv("MOECACHE_TEST_VERBOSE")) std::cerr << d.output();
+    }
+
+    test::TempDir dir_;
+    std::string fast_, source_;
+    std::unique_ptr<test::SlowFs> fs_;
+};
+
+// The header reads, the experts' reads hang: the model loads, its reads pass the deadline, it is
+// set aside (counted), and the other model's pinned experts are read and locked.
+TEST_F(SlowFiles, AModelWhoseReadsHangIsSetAsideAndTheOthersAreRead) {
+    ASSERT_TRUE(mount(first_expert_byte()));
+    test::drop_page_cache(fast_);
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config());
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    EXPECT_NE(d.output().find("model " + fs_->path() + " loaded"), std::string::npos) << d.output();
+    const int port = port_of(d.output());
+    ASSERT_GT(port, 0) << d.output();
+    EXPECT_TRUE(d.wait_for("a read of its file did not complete within 2 s", 15)) << d.output();
+    EXPECT_GT(fs_->held(), 0u) << "no read reached the hanging part of the file";
+    expect_the_rest_goes_on(port);
+    uint64_t set_aside = 0;
+    for (int i = 0; i < 50 && set_aside == 0; ++i) {  // published at the next tick
+        set_aside = value(metrics(port).first, "moecache_models_set_aside_total ([0-9]+)");
+        if (set_aside == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_GE(set_aside, 1u) << d.output();
+    expect_a_prompt_stop(d);
+}
+
+// Every read hangs, the header's too: the start waits for it no longer than the deadline, the
+// model is set aside, and the rest of the daemon runs as if it were not configured.
+TEST_F(SlowFiles, AHeaderThatHangsHoldsNeitherTheStartNorTheLoop) {
+    ASSERT_TRUE(mount(0));
+    test::drop_page_cache(fast_);
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config());
+    const auto t0 = Clock::now();
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    const double start = std::chrono::duration<double>(Clock::now() - t0).count();
+    EXPECT_LT(start, 8.0) << "the start took " << start << " s";
+    EXPECT_TRUE(d.wait_for("its header did not read within 2 s", 10)) << d.output();
+    const int port = port_of(d.output());
+    ASSERT_GT(port, 0) << d.output();
+    expect_the_rest_goes_on(port);
+    expect_a_prompt_stop(d);
+}
+
+}  // namespace
+}  // namespace moecache
