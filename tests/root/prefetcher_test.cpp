@@ -496,7 +496,8 @@ TEST_P(PrefetcherEngines, DestroyedAndMovedWithReadsInFlight) {
 // queue, so a read of another file that waited behind them is made; and the prefetcher is
 // destroyed within its 2 s bound with those reads still held by the file system.
 TEST_P(PrefetcherEngines, AReadThatHangsIsGivenUpAndOthersAreRead) {
-    if (::access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse on this machine";
+    if (const auto why = test::SlowFs::unavailable(dir.path()); !why.empty())
+        GTEST_SKIP() << "cannot mount a FUSE file system here: " << why;
     const auto source = make_cold_file(dir, "source.bin", 8 * kMiB);
     const auto local = make_cold_file(dir, "local.bin", 4 * kMiB);
     std::filesystem::create_directories(dir.file("mnt"));

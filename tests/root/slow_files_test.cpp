@@ -33,7 +33,8 @@ class SlowFiles : public testing::Test {
 protected:
     void SetUp() override {
         if (::geteuid() != 0) GTEST_SKIP() << "needs root: mounts a FUSE file system, mlock";
-        if (::access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse on this machine";
+        if (const auto why = test::SlowFs::unavailable(dir_.path()); !why.empty())
+            GTEST_SKIP() << "cannot mount a FUSE file system here: " << why;
         fast_ = dir_.file("fast.gguf");
         test::write_model(test::small_spec(), fast_);
         source_ = dir_.file("slow-source.gguf");

@@ -62,6 +62,19 @@ std::unique_ptr<SlowFs> SlowFs::mount(const std::string& mountpoint, const std::
     return fs;
 }
 
+std::string SlowFs::unavailable(const std::string& scratch_dir) {
+    if (::access("/dev/fuse", R_OK | W_OK) != 0) return std::string("/dev/fuse: ") + std::strerror(errno);
+    const std::string source = scratch_dir + "/slowfs-probe", mnt = scratch_dir + "/slowfs-probe-mnt";
+    const int fd = ::open(source.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) ::close(fd);
+    (void)::mkdir(mnt.c_str(), 0755);
+    std::string why;
+    const bool ok = mount(mnt, "probe", source, 0, why) != nullptr;
+    (void)::rmdir(mnt.c_str());
+    (void)::unlink(source.c_str());
+    return ok ? std::string() : why;
+}
+
 SlowFs::~SlowFs() {
     if (server_.joinable()) {
         release();

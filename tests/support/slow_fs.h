@@ -21,9 +21,12 @@ namespace moecache::test {
 class SlowFs {
 public:
     // Mounts at `mountpoint` (a folder that exists) a file system holding one file, `name`, with the
-    // bytes of `source`. Returns null with `why` set where it cannot (not root, no /dev/fuse).
+    // bytes of `source`. Returns null with `why` set where it cannot.
     static std::unique_ptr<SlowFs> mount(const std::string& mountpoint, const std::string& name,
                                          const std::string& source, uint64_t hang_from, std::string& why);
+    // Why this machine cannot mount one at all ("" where it can): no /dev/fuse, or mounts refused
+    // (a container without CAP_SYS_ADMIN). For a GTEST_SKIP with its reason.
+    static std::string unavailable(const std::string& scratch_dir);
     ~SlowFs();  // answers what it holds, unmounts, stops the server
     SlowFs(const SlowFs&) = delete;
     SlowFs& operator=(const SlowFs&) = delete;
