@@ -227,7 +227,7 @@ void Daemon::fetch_missed() {
 }
 
 void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
-    const auto id = static_cast<uint32_t>((tag >> 32) & 0x7fffffffu);
+    const auto id = fetch_tag_model(tag);
     const auto slot = static_cast<uint32_t>(tag & 0xffffffffu);
     if ((tag >> 63) != 0) {
         // A read that fails leaves part of the expert on storage: said (once a minute with a count),

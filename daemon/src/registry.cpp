@@ -336,7 +336,7 @@ void Daemon::set_aside(ModelEntry& m, const std::string& why) {
 
 void Daemon::set_aside_hung_reads() {
     for (const uint64_t tag : prefetcher_->overdue(read_deadline())) {
-        ModelEntry* m = find_model(static_cast<uint32_t>((tag >> 32) & 0x7fffffffu));
+        ModelEntry* m = find_model(fetch_tag_model(tag));
         if (m == nullptr || !m->res) {
             prefetcher_->abandon(tag);
             continue;

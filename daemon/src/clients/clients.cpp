@@ -305,20 +305,18 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
     return true;
 }
 
+bool Daemon::is_admin(const Client& c) const {
+    return c.peer.uid == 0 ||
+           (admin_gid_ && (c.peer.gid == *admin_gid_ ||
+                           std::find(c.peer.groups.begin(), c.peer.groups.end(), *admin_gid_) != c.peer.groups.end()));
+}
+
 bool Daemon::may_release_ram(const Client& c, const ModelEntry& m) const {
-    if (c.peer.uid == 0) return true;
-    if (admin_gid_ && (c.peer.gid == *admin_gid_ ||
-                       std::find(c.peer.groups.begin(), c.peer.groups.end(), *admin_gid_) != c.peer.groups.end()))
-        return true;
-    return m.registered && !m.operator_added;  // a model its users brought: theirs to place
+    return is_admin(c) || (m.registered && !m.operator_added);  // a model its users brought: theirs to place
 }
 
 bool Daemon::steers(const Client& c, const ModelEntry& m) const {
-    if (c.peer.uid == 0) return true;
-    if (admin_gid_ && (c.peer.gid == *admin_gid_ ||
-                       std::find(c.peer.groups.begin(), c.peer.groups.end(), *admin_gid_) != c.peer.groups.end()))
-        return true;
-    return m.registered && !m.operator_added && c.peer.uid == m.owner_uid;
+    return is_admin(c) || (m.registered && !m.operator_added && c.peer.uid == m.owner_uid);
 }
 
 bool Daemon::recency_trusted(const ModelEntry& m) const {
@@ -424,6 +422,17 @@ bool Daemon::on_unmapped(Client& c, const Unmapped& x) {
     return true;
 }
 
+namespace {
+// Whether a loaded model's files are exactly these inodes, in this order (part 1 first).
+bool same_files(const ModelResidency& r, const std::vector<FileIdentity>& ids) {
+    const auto& files = r.model().files();
+    if (files.size() != ids.size()) return false;
+    for (size_t i = 0; i < ids.size(); ++i)
+        if (files[i].identity.dev != ids[i].dev || files[i].identity.ino != ids[i].ino) return false;
+    return true;
+}
+}  // namespace
+
 bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) {
     // The client proves it may read every file by handing over a readable descriptor of it; the
     // daemon opens the model by the path the kernel gives for the descriptor and checks that each
@@ -435,16 +444,9 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         if (!id) return cannot(c, rq, id.error().errnum, id.error().what());
         ids.push_back(*id);
     }
-    auto matches = [&](const ModelEntry& e) {
-        const auto& files = e.res->model().files();
-        if (files.size() != ids.size()) return false;
-        for (size_t i = 0; i < ids.size(); ++i)
-            if (files[i].identity.dev != ids[i].dev || files[i].identity.ino != ids[i].ino) return false;
-        return true;
-    };
     ModelEntry* entry = nullptr;
     for (auto& e : models_)
-        if (e->res && matches(*e)) entry = e.get();
+        if (e->res && same_files(*e->res, ids)) entry = e.get();
     if (!entry) {
         char link[64];
         std::snprintf(link, sizeof link, "/proc/self/fd/%d", fds.front().get());
@@ -523,20 +525,13 @@ bool Daemon::finish_registration(Client& c, const PendingRegistration& p) {
     const uint32_t rq = p.request;
     ModelEntry* entry = find_model(p.model);
     if (entry == nullptr) return cannot(c, rq, ENOENT, "the model went away while it was being opened");
-    auto matches = [&](const ModelEntry& e) {
-        const auto& files = e.res->model().files();
-        if (files.size() != p.ids.size()) return false;
-        for (size_t i = 0; i < p.ids.size(); ++i)
-            if (files[i].identity.dev != p.ids[i].dev || files[i].identity.ino != p.ids[i].ino) return false;
-        return true;
-    };
     {
         std::string why;
         int errnum = ESTALE;
         if (!entry->res) {
             why = entry->error;
             errnum = entry->set_aside_until > std::chrono::steady_clock::now() ? ETIMEDOUT : EINVAL;
-        } else if (!matches(*entry)) {
+        } else if (!same_files(*entry->res, p.ids)) {
             why = fmt::format("{}: the files the daemon opened are not the ones the client handed over (replaced "
                               "meanwhile, or not all parts, part 1 first)",
                               entry->path);

@@ -179,6 +179,7 @@ private:
     // Whether this client's VRAM pool may take model m's experts out of RAM: an eviction, which
     // D-Bus allows only to root and the admin group; on a model users registered themselves, any
     // of its clients may.
+    [[nodiscard]] bool is_admin(const Client& c) const;  // root or the [dbus] admin_group
     [[nodiscard]] bool may_release_ram(const Client& c, const ModelEntry& m) const;
     // Whether this client's routing may steer model m's caps (the recency cut of its locks): root,
     // the admin group, or the uid that registered it (a model its user brought).
