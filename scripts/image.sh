@@ -3,8 +3,9 @@
 # no base image is pulled. The image holds the bundle under /opt/moecache, the C library and
 # compiler runtime its programs load (copied from this machine, at their paths), and a
 # configuration for containers (deploy/container/moecached.toml: no D-Bus, /metrics on loopback
-# unless a drop-in opts in, models under /models) and a static busybox (/bin/sh, cp: for an init container that
-# puts the preload libraries on the node). Needs buildah (and busybox-static); run as root.
+# unless a drop-in opts in, models under /models), the daemon's user (moecached, 65532: the
+# default command switches to it) and a static busybox (/bin/sh, cp, chown: for an init container
+# that prepares the node). Needs buildah (and busybox-static); run as root.
 #   scripts/image.sh [TAG] [BUILD_DIR]      TAG: localhost/moecache:VERSION
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,20 +44,26 @@ done
 interp=$(readelf -l "$root/opt/moecache/bin/moecached" | sed -n 's/.*interpreter: \(.*\)]/\1/p')
 mkdir -p "$root$(dirname "$interp")"
 [ -e "$root$interp" ] || cp -L "$interp" "$root$interp"
+
 # A static busybox, for the one thing a shell is needed for on a node: an init container that
-# copies the preload libraries onto the host for inference pods (deploy/kubernetes).
+# gives the daemon's host directories to its user and copies the preload libraries onto the host
+# for inference pods (deploy/kubernetes).
 if [ -x /bin/busybox ] && [[ $(file -L /bin/busybox) == *"statically linked"* ]]; then
   mkdir -p "$root/bin"
   cp /bin/busybox "$root/bin/busybox"
-  for tool in sh cp mv mkdir ls cat; do ln -s busybox "$root/bin/$tool"; done
+  for tool in sh cp mv mkdir ls cat chown chmod; do ln -s busybox "$root/bin/$tool"; done
 else
   echo "image: no static busybox (apt-get install busybox-static): the image has no shell" >&2
 fi
-printf 'root:x:0:0:root:/root:/sbin/nologin\n' > "$root/etc/passwd"
-printf 'root:x:0:\n' > "$root/etc/group"
+# The daemon's own user (--user moecached, the default command): it owns the state and socket
+# directories; anonymous volumes are created with that ownership.
+printf 'root:x:0:0:root:/root:/sbin/nologin\nmoecached:x:65532:65532:moecached:/var/lib/moecache:/sbin/nologin\n' > "$root/etc/passwd"
+printf 'root:x:0:\nmoecached:x:65532:\n' > "$root/etc/group"
+chown 65532:65532 "$root/var/lib/moecache" "$root/run/moecache"
+chmod 0700 "$root/var/lib/moecache"
 buildah umount "$ctr" >/dev/null
 
-buildah config --entrypoint '["/opt/moecache/bin/moecached"]' --cmd '["--config", "/etc/moecache/moecached.toml"]' \
+buildah config --entrypoint '["/opt/moecache/bin/moecached"]' --cmd '["--config", "/etc/moecache/moecached.toml", "--user", "moecached"]' \
   --port 8474 --volume /models --volume /var/lib/moecache --volume /run/moecache \
   --label org.opencontainers.image.title=moecache \
   --label org.opencontainers.image.description="moecached: keeps the hot experts of MoE models in RAM and VRAM" \

@@ -2,11 +2,13 @@
 #include "moecache/daemon/config.h"
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/descriptors.h"
+#include "moecache/daemon/privileges.h"
 #include "moecache/log.h"
 
 #include <fmt/format.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <fstream>
@@ -14,7 +16,7 @@
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: moecached [--config FILE] [--check] [--verbose]
+constexpr const char* kUsage = R"(usage: moecached [--config FILE] [--user USER[:GROUP]] [--check] [--verbose]
 
 Keeps the hot experts of Mixture-of-Experts models resident: locks them in the page cache within
 budgets, prefetches them with io_uring, backs off under memory pressure, and saves their heat so
@@ -22,6 +24,9 @@ that a restart starts warm. Runs in the foreground; SIGHUP reloads the configura
 
   --config FILE   the configuration (default /etc/moecache/moecached.toml; drop-ins are read
                   from moecached.toml.d/ beside it)
+  --user U[:G]    started as root (a container), switch to this user and group first, keeping
+                  only the capabilities the daemon uses (IPC_LOCK, BPF, PERFMON, SYS_RESOURCE,
+                  FOWNER) of those it was given; names or numbers (65532:65532)
   --check         load and validate the configuration, print what it says, and exit
   --verbose       debug logging
   --version       print the version and exit
@@ -41,9 +46,11 @@ bool has_ipc_lock() {
 int main(int argc, char** argv) {
     std::string config_path = "/etc/moecache/moecached.toml";
     bool check = false;
+    std::string user;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "--config" && i + 1 < argc) config_path = argv[++i];
+        else if (a == "--user" && i + 1 < argc) user = argv[++i];
         else if (a == "--check") check = true;
         else if (a == "--verbose") moecache::log::set_max_priority(LOG_DEBUG);
         else if (a == "--version") {
@@ -56,6 +63,22 @@ int main(int argc, char** argv) {
             fmt::print(stderr, "moecached: unknown argument '{}'\n{}", a, kUsage);
             return 2;
         }
+    }
+    // The switch comes first: the configuration is read as the user that will read it again on
+    // SIGHUP, and no thread is started yet (capabilities are set per thread).
+    if (!user.empty() && !check) {
+        auto who = moecache::daemon::parse_run_as(user);
+        if (!who) {
+            MC_LOG(LOG_ERR, "{}", who.error().what());
+            return 1;
+        }
+        if (auto r = moecache::daemon::switch_user(*who, moecache::daemon::kDaemonCapabilities); !r) {
+            MC_LOG(LOG_ERR, "{}", r.error().what());
+            return 1;
+        }
+        const auto caps = moecache::daemon::own_capabilities();
+        MC_LOG(LOG_INFO, "running as uid {} gid {} ({}), capabilities: {}", ::getuid(), ::getgid(), user,
+               caps ? moecache::daemon::capability_names(caps->effective) : caps.error().what());
     }
     auto config = moecache::daemon::load_config(config_path);
     if (!config) {

@@ -53,7 +53,16 @@ else {
   const caps = c?.securityContext?.capabilities ?? {};
   for (const cap of ['IPC_LOCK', 'BPF', 'PERFMON', 'SYS_RESOURCE', 'FOWNER'])
     if (!(caps.add ?? []).includes(cap)) fail(`DaemonSet: capability ${cap} is not added`);
+  // Its own user: SETUID, SETGID and SETPCAP only for the switch (--user), nothing else.
+  for (const cap of caps.add ?? [])
+    if (!['IPC_LOCK', 'BPF', 'PERFMON', 'SYS_RESOURCE', 'FOWNER', 'SETUID', 'SETGID', 'SETPCAP'].includes(cap))
+      fail(`DaemonSet: capability ${cap} is added, which the daemon does not use`);
   if (!(caps.drop ?? []).includes('ALL')) fail('DaemonSet: capabilities are not dropped first (drop: ALL)');
+  if (c?.securityContext?.allowPrivilegeEscalation !== false) fail('DaemonSet: allowPrivilegeEscalation is not false');
+  const userArg = (c?.args ?? [])[(c?.args ?? []).indexOf('--user') + 1];
+  const daemonUid = /^(\d+):(\d+)$/.exec(userArg ?? '')?.[1];
+  if (!(c?.args ?? []).includes('--user') || !daemonUid || daemonUid === '0')
+    fail('DaemonSet: moecached is not told to run as its own user (--user UID:GID, not root)');
   const sp = c?.securityContext?.seccompProfile;
   if (sp?.type !== 'Localhost') fail('DaemonSet: no Localhost seccomp profile (the runtime default denies io_uring)');
   else if (!existsSync(`${src}/deploy/kubernetes/seccomp/${String(sp.localhostProfile).split('/').pop()}`))
@@ -89,10 +98,14 @@ else {
   if (!fleet || mountOf(c, 'fleet-profiles') !== fleet) fail('DaemonSet: fleet_profiles is not where the fleet\'s ConfigMap is mounted');
   if (!pod.volumes.find((v) => v.name === 'fleet-profiles')?.configMap?.optional) fail('DaemonSet: the fleet profiles are not optional');
   // The preload libraries: put on the host by the init container, where inference pods find them.
-  const init = pod.initContainers?.find((x) => x.name === 'install-preload-libraries');
+  const init = pod.initContainers?.find((x) => x.name === 'prepare-node');
   const libHost = hostPath('preload-libraries');
   if (!init || !libHost || !init.command.join(' ').includes(mountOf(init, 'preload-libraries')))
     fail('DaemonSet: no init container copying the preload libraries to the host');
+  // The host directories the daemon writes are its user's.
+  for (const v of ['socket', 'state'])
+    if (!init?.command.join(' ').includes(`chown -R ${userArg} `) || !init.command.join(' ').includes(mountOf(init, v) ?? '\0'))
+      fail(`DaemonSet: the init container does not give ${v}'s host directory to the daemon's user (${userArg})`);
   const example = objects.find((o) => o.kind === 'Pod' && o.metadata.name === 'llama-server');
   if (!example) fail('no example inference pod');
   else {
@@ -106,6 +119,7 @@ else {
     if (!sock || vol(sock.name) !== '/run/moecache') fail('example pod: MOECACHE_SOCKET is not the node\'s socket');
     if (env.LLAMA_ARG_LOAD_MODE !== 'mmap') fail('example pod: the model is not mapped (LLAMA_ARG_LOAD_MODE=mmap)');
     if (env.GGML_OP_OFFLOAD_MIN_BATCH !== '1') fail('example pod: GGML_OP_OFFLOAD_MIN_BATCH is not 1');
+    if (env.MOECACHE_DAEMON_USER !== daemonUid) fail(`example pod: MOECACHE_DAEMON_USER is not the daemon's uid (${daemonUid}): the hook would not trust its socket`);
   }
 }
 const svc = find('Service', 'moecached-metrics');

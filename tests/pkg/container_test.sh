@@ -79,13 +79,39 @@ podman stop -t 20 "$name" >/dev/null
 [[ $(logs) == *'signal 15: stopping'* ]] || fail "SIGTERM was not taken as PID 1"
 podman rm -f "$name" >/dev/null
 
-# The profile the Kubernetes manifests ship (deploy/kubernetes/seccomp/moecached.json, an allowlist
-# from the systemd unit's filter, with io_uring): the daemon runs under it and io_uring reads.
-podman "${runtime[@]}" run -d --name "$name" --network host --cap-add IPC_LOCK \
+# As the DaemonSet runs it: root only to switch (--user 65532:65532), every capability dropped but
+# the daemon's and the three the switch needs, no new privileges, a read-only root, its host
+# directories given to its user; under the profile the Kubernetes manifests ship
+# (deploy/kubernetes/seccomp/moecached.json, an allowlist from the systemd unit's filter, with
+# io_uring): it runs as 65532 with only the capabilities it uses, and io_uring reads.
+want=(SETUID SETGID SETPCAP IPC_LOCK BPF PERFMON SYS_RESOURCE FOWNER)
+bits=(7 6 8 14 39 38 24 3)
+bounding=$(( 16#$(awk '/^CapBnd:/ {print $2}' /proc/self/status) ))
+caps=()
+kept=0
+for i in "${!want[@]}"; do  # this machine's root may lack some (a sandbox without SYS_RESOURCE)
+  (( bounding >> ${bits[$i]} & 1 )) || continue
+  caps+=(--cap-add "${want[$i]}")
+  [ "$i" -ge 3 ] && kept=$(( kept | 1 << ${bits[$i]} ))
+done
+mkdir -p "$t/state" "$t/run"
+chown 65532:65532 "$t/state" "$t/run"
+podman "${runtime[@]}" run -d --name "$name" --network host --user 0 --cap-drop ALL "${caps[@]}" \
+  --security-opt no-new-privileges --read-only \
   --security-opt seccomp="$src/deploy/kubernetes/seccomp/moecached.json" -v "$t/models:/models:ro" \
-  -v "$t/conf:/etc/moecache/moecached.toml.d:ro" "$tag" >/dev/null || fail "podman run with the shipped profile"
-until_locked || fail "under the shipped profile nothing was locked"
+  -v "$t/conf:/etc/moecache/moecached.toml.d:ro" -v "$t/state:/var/lib/moecache" -v "$t/run:/run/moecache" \
+  "$tag" --config /etc/moecache/moecached.toml --user 65532:65532 >/dev/null || fail "podman run as the DaemonSet does"
+until_locked || fail "as the DaemonSet runs it, nothing was locked"
 grep -q '^moecache_prefetch_engine{engine="io_uring"} 1' <<<"$metrics" || fail "the shipped profile does not let io_uring read"
+pid=$(podman inspect "$name" --format '{{.State.Pid}}')
+status=$(cat "/proc/$pid/status")
+grep -q $'^Uid:\t65532\t65532\t65532\t65532$' <<<"$status" || fail "the daemon does not run as 65532: $(grep Uid <<<"$status")"
+eff=$(( 16#$(awk '/^CapEff:/ {print $2}' <<<"$status") ))
+prm=$(( 16#$(awk '/^CapPrm:/ {print $2}' <<<"$status") ))
+[ "$eff" = "$kept" ] && [ "$prm" = "$kept" ] ||
+  fail "capabilities: effective $(printf %x $eff), permitted $(printf %x $prm), want $(printf %x $kept) (no SETUID, SETGID, SETPCAP)"
+[ -S "$t/run/moecached.sock" ] && [ "$(stat -c %u "$t/run/moecached.sock")" = 65532 ] || fail "the client socket is not the daemon user's"
 podman stop -t 20 "$name" >/dev/null
-[ "$(podman inspect "$name" --format '{{.State.ExitCode}}')" = 0 ] || fail "under the shipped profile: exit code $(podman inspect "$name" --format '{{.State.ExitCode}}')"
-echo "PASS: image $tag ($((size / 1048576)) MiB): with io_uring denied it reads with threads, locks a model, serves /metrics and stops cleanly; under the shipped profile io_uring reads"
+[ "$(podman inspect "$name" --format '{{.State.ExitCode}}')" = 0 ] || fail "as the DaemonSet runs it: exit code $(podman inspect "$name" --format '{{.State.ExitCode}}')"
+ls "$t/state/profiles/"*.json >/dev/null 2>&1 || fail "no heat profile saved in the state directory"
+echo "PASS: image $tag ($((size / 1048576)) MiB): with io_uring denied it reads with threads, locks a model, serves /metrics and stops cleanly; as the DaemonSet runs it (uid 65532, capabilities $(printf %x $kept), the shipped profile) io_uring reads"

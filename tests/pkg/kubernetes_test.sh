@@ -23,6 +23,13 @@ if node "$src/tests/k8s/validate.mjs" "$t/no-ipc-lock.yaml" "$src/deploy/kuberne
   echo "FAIL: a DaemonSet without IPC_LOCK passed"; exit 1
 fi
 grep -q 'IPC_LOCK' "$t/out" || { cat "$t/out"; echo "FAIL: the missing IPC_LOCK was not named"; exit 1; }
+# One that runs the daemon as root (no --user): refused.
+sed 's/, *"--user", *"[0-9:]*"//; /- --user$/{N;d}' "$t/rendered.yaml" > "$t/root.yaml"
+! grep -q -- '--user' "$t/root.yaml" || { echo "FAIL: the test could not take --user out"; exit 1; }
+if node "$src/tests/k8s/validate.mjs" "$t/root.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" > "$t/out" 2>&1; then
+  echo "FAIL: a DaemonSet running moecached as root passed"; exit 1
+fi
+grep -q 'its own user' "$t/out" || { cat "$t/out"; echo "FAIL: running as root was not named"; exit 1; }
 sed 's/hostPID: true/hostPID: "yes"/' "$t/rendered.yaml" > "$t/bad-type.yaml"
 if node "$src/tests/k8s/validate.mjs" "$t/bad-type.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" > "$t/out" 2>&1; then
   echo "FAIL: hostPID: \"yes\" passed the schema"; exit 1

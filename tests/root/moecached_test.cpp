@@ -7,6 +7,7 @@
 #include "temp_dir.h"
 
 #include "moecache/client.h"
+#include "moecache/daemon/privileges.h"
 #include "moecache/ggml_type.h"
 #include "moecache/mkmodel/gguf_writer.h"
 
@@ -14,10 +15,14 @@
 #include <httplib.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <thread>
 
@@ -206,6 +211,108 @@ TEST_F(Moecached, WhereIoUringIsDeniedItReadsWithThreadsAndLocks) {
     EXPECT_GT(std::stoull(read[1]), 0u) << "the locks were not read by the prefetcher's threads";
     d.signal(SIGTERM);
     EXPECT_EQ(d.wait(20), 0) << d.output();
+}
+
+// Status line "Key:\t..." of a process, the text after the tab.
+std::string proc_status(int pid, const std::string& key) {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+    std::string line;
+    while (std::getline(f, line))
+        if (line.rfind(key + ":", 0) == 0) return line.substr(key.size() + 2);
+    return "";
+}
+
+// Why the DaemonSet keeps the host's PID namespace: from another one (a pod's own) a client in
+// a third (an inference pod) has pid 0 to the daemon (SO_PEERCRED), so root clients, which are
+// counted per cgroup (read from /proc/PID/cgroup), fall back to one count for all of them. The
+// daemon says so, once, naming the fix.
+TEST_F(Moecached, SaysWhenARootClientsPidCannotBeSeen) {
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config() + "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n[pressure]\nenabled = false\n"
+                                     "[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    test::Background d({"/usr/bin/unshare", "--pid", "--fork", "--kill-child", MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    for (int i = 0; i < 2; ++i) {
+        const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        ASSERT_GE(fd, 0);
+        sockaddr_un addr{};
+        addr.sun_family = AF_UNIX;
+        std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", dir_.file("sock").c_str());
+        ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+        EXPECT_TRUE(d.wait_for("a root client's pid is not visible in moecached's PID namespace", 10)) << d.output();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // a second warning would be out by now
+        ::close(fd);
+    }
+    const std::string out = d.output();
+    EXPECT_EQ(out.find("pid is not visible"), out.rfind("pid is not visible")) << "said more than once: " << out;
+}
+
+// As a container starts it (Kubernetes gives a non-root container no capabilities): root with a
+// few more capabilities than it uses, told to be its own user. It switches before anything else:
+// every id is the user's, of its capabilities only those it uses remain (none to switch back),
+// and it does its job as that user (the pinned experts locked, the profile saved where the user
+// may write). Not root, it refuses to switch, saying why.
+TEST_F(Moecached, SwitchesToItsUserKeepingOnlyTheCapabilitiesItUses) {
+    const uint32_t nobody = 65534;
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
+    ASSERT_EQ(::chmod(model_.c_str(), 0644), 0);
+    const std::string own = dir_.file("own");
+    ASSERT_EQ(::mkdir(own.c_str(), 0700), 0);
+    ASSERT_EQ(::chown(own.c_str(), nobody, nobody), 0);
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, "[daemon]\nstate_dir = \"" + own + "/state\"\ntick_seconds = 0.1\nsocket = \"" + own +
+                              "/sock\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[dbus]\nbus = \"off\"\n"
+                              "[pressure]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n"
+                              "[[model]]\npath = \"" + model_ + "\"\npin = [\"0:0-3\"]\n");
+    ASSERT_EQ(::chmod(cfg.c_str(), 0644), 0);
+    const auto mine = daemon::own_capabilities();
+    ASSERT_TRUE(mine) << mine.error().what();
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg, "--user", "65534:65534"});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    EXPECT_TRUE(d.wait_for("running as uid 65534 gid 65534", 1)) << d.output();
+    EXPECT_EQ(proc_status(d.pid(), "Uid"), "65534\t65534\t65534\t65534");
+    EXPECT_EQ(proc_status(d.pid(), "Gid"), "65534\t65534\t65534\t65534");
+    const uint64_t kept = daemon::kDaemonCapabilities & mine->permitted;
+    EXPECT_EQ(std::stoull(proc_status(d.pid(), "CapEff"), nullptr, 16), kept) << daemon::capability_names(kept);
+    EXPECT_EQ(std::stoull(proc_status(d.pid(), "CapPrm"), nullptr, 16), kept);
+    if (mine->effective & (uint64_t{1} << 8)) {  // CAP_SETPCAP: the bounding set is cut too
+        EXPECT_EQ(std::stoull(proc_status(d.pid(), "CapBnd"), nullptr, 16), kept);
+    }
+    EXPECT_EQ(std::stoull(proc_status(d.pid(), "CapAmb"), nullptr, 16), 0u);
+    std::smatch port;
+    const std::string out = d.output();
+    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    const std::regex locked("moecache_locked_bytes\\{[^}]*\\} ([0-9]+)");
+    uint64_t bytes = 0;
+    std::string body;
+    for (int i = 0; i < 200 && bytes == 0; ++i) {
+        httplib::Client c("127.0.0.1", std::stoi(port[1]));
+        if (auto r = c.Get("/metrics"); r && r->status == 200) {
+            body = r->body;
+            std::smatch m;
+            if (std::regex_search(body, m, locked)) bytes = std::stoull(m[1]);
+        }
+        if (bytes == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_GT(bytes, 0u) << body << d.output();
+    struct stat sock{};
+    ASSERT_EQ(::stat((own + "/sock").c_str(), &sock), 0);
+    EXPECT_EQ(sock.st_uid, nobody);
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+    struct stat profile{};
+    ASSERT_EQ(::stat((own + "/state/profiles/qwen3moe-4x16-moecache-synthetic.json").c_str(), &profile), 0) << d.output();
+    EXPECT_EQ(profile.st_uid, nobody);
+
+    // Not root: no switch.
+    const auto r = test::run({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", MOECACHE_DAEMON_BIN,
+                              "--config", cfg, "--user", "0:0"});
+    EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+    EXPECT_NE((r.out + r.err).find("only root can switch users"), std::string::npos) << r.out << r.err;
+    // A user that is neither a name nor a number.
+    const auto bad = test::run({MOECACHE_DAEMON_BIN, "--config", cfg, "--user", "no such user"});
+    EXPECT_EQ(bad.exit_code, 1);
+    EXPECT_NE((bad.out + bad.err).find("no user 'no such user' in the user database"), std::string::npos) << bad.err;
 }
 
 }  // namespace

@@ -90,6 +90,14 @@ void Daemon::accept_clients() {
             continue;
         }
         c->peer = std::move(*peer);
+        if (c->peer.uid == 0 && c->peer.pid == 0 && !said_pid_hidden_) {
+            // A peer the kernel cannot name here: its PID namespace is not this one's or below it
+            // (a pod, where moecached runs without the host's PID namespace).
+            said_pid_hidden_ = true;
+            MC_LOG(LOG_WARNING, "a root client's pid is not visible in moecached's PID namespace: root clients share "
+                                "one [clients] max_per_uid count instead of one per cgroup; run moecached in the host's "
+                                "PID namespace (hostPID on Kubernetes)");
+        }
         c->id = next_client_id_++;
         c->connected = std::chrono::steady_clock::now();
         const auto& uids = config_.client_allow_uids;

@@ -256,6 +256,7 @@ private:
     uint64_t accept_pauses_ = 0;     // times the listener was paused for want of descriptors
     bool listener_paused_ = false;   // not in the epoll set's interest now
     bool listener_starved_ = false;  // since the last pause, no connection could be accepted
+    bool said_pid_hidden_ = false;   // a root client whose pid this PID namespace cannot see, said once
     uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
     std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
     uint64_t unmapped_bytes_ = 0;                        // accumulated from Unmapped
