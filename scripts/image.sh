@@ -28,6 +28,9 @@ root=$(buildah mount "$ctr")
 mkdir -p "$root/opt" "$root/etc/moecache/moecached.toml.d" "$root/var/lib/moecache" "$root/run/moecache" "$root/models" "$root/tmp"
 chmod 1777 "$root/tmp"
 cp -a "$work/moecache" "$root/opt/moecache"
+# No D-Bus in a container (the configuration sets none): the D-Bus module, moecachectl and the
+# libraries only they load (sdbus-c++, and libsystemd with its own) stay out.
+rm -rf "$root/opt/moecache/lib/moecache" "$root/opt/moecache/bin/moecachectl" "$root"/opt/moecache/lib/libsdbus-c++.so*
 install -m 0644 "$top/deploy/container/moecached.toml" "$root/etc/moecache/moecached.toml"
 # What the bundle leaves to the system (glibc, libstdc++, libgcc_s and the dynamic loader), at the
 # paths this machine has them: the bundle's programs were linked against exactly these.

@@ -243,7 +243,7 @@ void Daemon::note_error(const char* doing, const std::string& what) {
 
 void Daemon::tick() {
     resume_listener();
-    if (!dbus_ && config_.dbus_bus != "off" &&
+    if (!dbus_ && !bus_module_missing_ && config_.dbus_bus != "off" &&
         std::chrono::steady_clock::now() - last_bus_try_ > std::chrono::seconds(kBusRetrySeconds))
         connect_bus();
     expire_silent_clients();
@@ -492,6 +492,13 @@ void Daemon::connect_bus() {
     last_bus_try_ = std::chrono::steady_clock::now();
     auto b = DbusService::open(*this, config_.dbus_bus, config_.dbus_admin_group);
     if (!b) {
+        if (b.error().errnum == ELIBACC) {  // the module: trying again will not mend it
+            bus_module_missing_ = true;
+            MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus = \"{}\"): {}; moecachectl cannot reach this daemon, "
+                                "/metrics and the client socket work. Install the D-Bus module, or set [dbus] bus = \"off\"",
+                   config_.dbus_bus, b.error().message);
+            return;
+        }
         if (!bus_missing_said_) MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus): {}; trying again every {} s",
                                        b.error().what(), kBusRetrySeconds);
         bus_missing_said_ = true;

@@ -8,7 +8,7 @@
 # Usage: bundle_test.sh BUILD_DIR SOURCE_DIR      exit 77: skipped (not root, no unshare/patchelf)
 set -euo pipefail
 build=${1:?usage: bundle_test.sh BUILD_DIR SOURCE_DIR}
-src=${2:?usage: bundle_test.sh BUILD_DIR SOURCE_DIR}
+src=$(realpath "${2:?usage: bundle_test.sh BUILD_DIR SOURCE_DIR}")
 
 [ "$(id -u)" -eq 0 ] || { echo "SKIP: needs root (a mount namespace to hide the system's libraries)"; exit 77; }
 for tool in unshare patchelf ldconfig; do
@@ -33,6 +33,12 @@ done
 for f in "$b"/bin/*; do
   [ "$(patchelf --print-rpath "$f")" = '$ORIGIN/../lib' ] || fail "$f: rpath $(patchelf --print-rpath "$f")"
 done
+# The base system's libsystemd and compression libraries are the system's, not frozen copies.
+for lib in libsystemd.so.0 libz.so.1 libzstd.so.1 liblzma.so.5 libgcrypt.so.20 libssl.so.3 libcrypto.so.3; do
+  [[ " $carried " != *" $lib "* ]] || fail "$lib is carried: a frozen copy of the system's ($carried)"
+done
+[ -f "$b/lib/moecache/libmoecache-dbus.so" ] || fail "no D-Bus module in lib/moecache/"
+sed -e "s|@SOCKET@|$t/bus|" -e "s|@POLICY@|$src/dbus/org.moecache1.conf|" "$src/dbus/private-bus.conf.in" > "$t/bus.conf"
 
 # Inside: the system copies of what the bundle carries are gone.
 cat > "$t/inside.sh" <<'EOF'
@@ -65,21 +71,30 @@ reserve = "256MiB"
 [metrics]
 listen = ""
 [dbus]
-bus = "off"
+bus = "unix:path=$t/bus"
 [[model]]
 path = "$t/m.gguf"
 pin = ["0"]
 CONF
+# A private bus: the bundled moecachectl reaches the bundled daemon through its D-Bus module.
+dbus-daemon --config-file="$t/bus.conf" --nofork > "$t/bus.log" 2>&1 &
+bus=$!
+for _ in $(seq 100); do [ -S "$t/bus" ] && break; sleep 0.1; done
+[ -S "$t/bus" ] || { cat "$t/bus.log"; echo "no private bus"; exit 1; }
 "$b/bin/moecached" --config "$t/moecached.toml" > "$t/daemon.log" 2>&1 &
 daemon=$!
 for _ in $(seq 100); do grep -q 'moecached running' "$t/daemon.log" && break; sleep 0.1; done
 grep -q 'moecached running' "$t/daemon.log" || { cat "$t/daemon.log"; exit 1; }
+grep -q 'D-Bus: org.moecache1 on the' "$t/daemon.log" || { cat "$t/daemon.log"; echo "the D-Bus module did not load"; exit 1; }
+"$b/bin/moecachectl" --bus "unix:path=$t/bus" models > "$t/ctl.log" 2>&1 || { cat "$t/ctl.log" "$t/daemon.log"; exit 1; }
+grep -q "m.gguf" "$t/ctl.log" || { cat "$t/ctl.log"; echo "moecachectl models does not list the model"; exit 1; }
 "$b/bin/moecache-client-demo" "$t/m.gguf" --socket "$t/moecached.sock" --seconds 1 --wait-ready 10 > "$t/client.log" 2>&1 ||
   { cat "$t/client.log" "$t/daemon.log"; exit 1; }
 kill -TERM $daemon
 wait $daemon
+kill $bus
 grep -q 'telemetry: [1-9][0-9]* events' "$t/daemon.log" || { cat "$t/daemon.log"; exit 1; }
-echo "the bundled daemon ran, served the bundled client and stopped"
+echo "the bundled daemon ran, loaded its D-Bus module, answered the bundled moecachectl, served the bundled client and stopped"
 EOF
 BUILD_DAEMON="$build/daemon/moecached" unshare -m --propagation private bash "$t/inside.sh" "$b" "$t" "$carried" ||
   fail "the bundle did not run with the system's copies hidden"

@@ -22,7 +22,7 @@ fail() {
   exit 1
 }
 cleanup() {
-  podman rm -f "$name" >/dev/null 2>&1 || true
+  podman rm -f "$name" "$name-files" >/dev/null 2>&1 || true
   podman rmi -f "$tag" >/dev/null 2>&1 || true
   rm -rf "$t"
 }
@@ -41,6 +41,15 @@ fi
 
 "$src/scripts/image.sh" "$tag" "$build" >/dev/null || fail "scripts/image.sh"
 size=$(podman image inspect "$tag" --format '{{.Size}}')
+# Only the libraries its programs load: no D-Bus in a container, so neither sdbus-c++ nor
+# libsystemd (with its crypto and compression libraries), and no TLS.
+podman create --name "$name-files" "$tag" >/dev/null || fail "podman create"
+files=$(podman export "$name-files" | tar -t)
+podman rm "$name-files" >/dev/null
+for lib in libsystemd libsdbus-c++ libssl libcrypto libgcrypt libgpg-error liblz4 libcap; do
+  ! grep -q "/$lib\.so" <<<"$files" || fail "the image carries $lib, which nothing in it loads: $(grep "/$lib\.so" <<<"$files" | head -3)"
+done
+grep -q 'opt/moecache/bin/moecached$' <<<"$files" || fail "the image has no moecached (the file list is wrong)"
 mkdir -p "$t/models" "$t/conf"
 "$build/tools/mkmodel/moecache-mkmodel" --output "$t/models/m.gguf" --layers 4 --experts 16 --embd 256 --ff 256 --drop-cache >/dev/null
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||

@@ -222,6 +222,28 @@ std::string proc_status(int pid, const std::string& key) {
     return "";
 }
 
+// The D-Bus API is a module of its own (libmoecache-dbus.so, with sdbus-c++ and libsystemd): a
+// daemon told to use a bus whose module cannot be loaded says so once, with what to do, and runs
+// without it; it does not try again every few seconds.
+TEST_F(Moecached, WithoutItsDbusModuleItRunsAndSaysSo) {
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config() + "[dbus]\nbus = \"unix:path=" + dir_.file("bus") + "\"\n[telemetry]\npage_cache = \"off\"\n"
+                                     "[pressure]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    const std::string missing = dir_.file("no/libmoecache-dbus.so");
+    test::Background d({"/usr/bin/env", "MOECACHE_DBUS_MODULE=" + missing, MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    EXPECT_TRUE(d.wait_for("no D-Bus API ([dbus] bus = \"unix:path=" + dir_.file("bus") + "\"): no libmoecache-dbus.so (looked at " +
+                               missing + ")", 1))
+        << d.output();
+    ASSERT_TRUE(d.wait_for("model " + model_ + " loaded", 20)) << d.output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // several ticks
+    const std::string out = d.output();
+    EXPECT_EQ(out.find("no D-Bus API"), out.rfind("no D-Bus API")) << "said more than once: " << out;
+    EXPECT_EQ(out.find("trying again"), std::string::npos) << out;
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+}
+
 // Why the DaemonSet keeps the host's PID namespace: from another one (a pod's own) a client in
 // a third (an inference pod) has pid 0 to the daemon (SO_PEERCRED), so root clients, which are
 // counted per cgroup (read from /proc/PID/cgroup), fall back to one count for all of them. The

@@ -11,6 +11,7 @@ namespace moecache::log {
 void write(int priority, std::string_view line);
 bool enabled(int priority);
 void set_max_priority(int priority);  // LOG_DEBUG shows everything; default LOG_INFO
+int max_priority();
 
 }  // namespace moecache::log
 

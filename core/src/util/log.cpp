@@ -28,6 +28,7 @@ const char* label(int priority) {
 
 bool enabled(int priority) { return priority <= g_max_priority.load(std::memory_order_relaxed); }
 void set_max_priority(int priority) { g_max_priority.store(priority, std::memory_order_relaxed); }
+int max_priority() { return g_max_priority.load(std::memory_order_relaxed); }
 
 void write(int priority, std::string_view line) {
     std::string out;

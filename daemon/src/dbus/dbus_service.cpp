@@ -105,7 +105,33 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
 
 }  // namespace
 
-struct DbusService::Impl {
+// The service over sdbus-c++.
+class SdbusService final : public DbusService {
+public:
+    static Result<std::unique_ptr<SdbusService>> open(Control& daemon, const std::string& bus, const std::string& admin_group);
+    ~SdbusService() override;
+    SdbusService(const SdbusService&) = delete;
+    SdbusService& operator=(const SdbusService&) = delete;
+
+    [[nodiscard]] int fd() const override;
+    [[nodiscard]] uint32_t epoll_events() const override;
+    [[nodiscard]] int timeout_ms() const override;
+    [[nodiscard]] bool lost() const override { return lost_; }
+    void process() override;
+    void sync_models() override;
+    void pressure_backoff(const std::string& source, uint64_t lock_cap) override;
+    void budget_changed(const std::string& name, uint64_t bytes) override;
+    [[nodiscard]] const std::string& bus() const override;
+
+private:
+    struct Impl;
+    explicit SdbusService(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+    mutable bool lost_ = false;
+    int fd_ = -1;  // as it was when the connection was made
+};
+
+struct SdbusService::Impl {
     Control& daemon;
     std::string bus;
     std::optional<gid_t> admin_gid;
@@ -156,7 +182,7 @@ struct DbusService::Impl {
     }
 };
 
-struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Manager_adaptor> {
+struct SdbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Manager_adaptor> {
     Impl& impl;
     Manager(Impl& i) : AdaptorInterfaces(*i.conn, kManagerPath), impl(i) { registerAdaptor(); }
     virtual ~Manager() { unregisterAdaptor(); }
@@ -271,7 +297,7 @@ struct DbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Man
     }
 };
 
-struct DbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model_adaptor> {
+struct SdbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model_adaptor> {
     Impl& impl;
     uint32_t id;
     Model(Impl& i, uint32_t model) : AdaptorInterfaces(*i.conn, model_path(model)), impl(i), id(model) { registerAdaptor(); }
@@ -356,7 +382,7 @@ struct DbusService::Impl::Model : sdbus::AdaptorInterfaces<org::moecache1::Model
     std::string Error() override { return guarded([&] { return printable_utf8(status(false).error); }); }
 };
 
-void DbusService::Impl::sync() {
+void SdbusService::Impl::sync() {
     const auto ids = daemon.model_ids();
     for (auto it = models.begin(); it != models.end();) {
         if (std::find(ids.begin(), ids.end(), it->first) == ids.end()) it = models.erase(it);
@@ -366,8 +392,8 @@ void DbusService::Impl::sync() {
         if (!models.count(id)) models.emplace(id, std::make_unique<Model>(*this, id));
 }
 
-DbusService::DbusService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-DbusService::~DbusService() {
+SdbusService::SdbusService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+SdbusService::~SdbusService() {
     if (!impl_) return;
     try {
         impl_->models.clear();
@@ -379,8 +405,8 @@ DbusService::~DbusService() {
     }
 }
 
-Result<std::unique_ptr<DbusService>> DbusService::open(Control& daemon, const std::string& bus,
-                                                       const std::string& admin_group) {
+Result<std::unique_ptr<SdbusService>> SdbusService::open(Control& daemon, const std::string& bus,
+                                                         const std::string& admin_group) {
     auto impl = std::make_unique<Impl>(daemon);
     impl->bus = bus;
     impl->admin_group = admin_group;
@@ -399,7 +425,7 @@ Result<std::unique_ptr<DbusService>> DbusService::open(Control& daemon, const st
         return failf("the {} bus ([dbus] bus = \"{}\"): {}: {}", bus == "system" || bus == "session" ? bus : "configured",
                      bus, e.getName(), e.getMessage());
     }
-    std::unique_ptr<DbusService> s(new DbusService(std::move(impl)));
+    std::unique_ptr<SdbusService> s(new SdbusService(std::move(impl)));
     try {
         s->fd_ = s->impl_->conn->getEventLoopPollData().fd;
     } catch (const sdbus::Error& e) {
@@ -410,9 +436,9 @@ Result<std::unique_ptr<DbusService>> DbusService::open(Control& daemon, const st
     return s;
 }
 
-int DbusService::fd() const { return fd_; }
+int SdbusService::fd() const { return fd_; }
 
-uint32_t DbusService::epoll_events() const {
+uint32_t SdbusService::epoll_events() const {
     if (lost_) return 0;
     try {
         const auto pd = impl_->conn->getEventLoopPollData();
@@ -426,7 +452,7 @@ uint32_t DbusService::epoll_events() const {
     }
 }
 
-int DbusService::timeout_ms() const {
+int SdbusService::timeout_ms() const {
     if (lost_) return -1;
     sdbus::IConnection::PollData pd{};
     try {
@@ -443,7 +469,7 @@ int DbusService::timeout_ms() const {
     return static_cast<int>(std::min<uint64_t>((pd.timeout_usec - now_us + 999) / 1000, 60'000));
 }
 
-void DbusService::process() {
+void SdbusService::process() {
     if (lost_) return;
     // A bounded number per turn, so that a flood of calls cannot starve the rest of the loop.
     for (int i = 0; i < 256; ++i) {
@@ -458,7 +484,7 @@ void DbusService::process() {
     (void)epoll_events();
 }
 
-void DbusService::sync_models() {
+void SdbusService::sync_models() {
     try {
         impl_->sync();
     } catch (const std::exception& e) {
@@ -466,7 +492,7 @@ void DbusService::sync_models() {
     }
 }
 
-void DbusService::pressure_backoff(const std::string& source, uint64_t lock_cap) {
+void SdbusService::pressure_backoff(const std::string& source, uint64_t lock_cap) {
     try {
         impl_->manager->emitPressureBackoff(source, lock_cap);
     } catch (const std::exception& e) {
@@ -474,7 +500,7 @@ void DbusService::pressure_backoff(const std::string& source, uint64_t lock_cap)
     }
 }
 
-void DbusService::budget_changed(const std::string& name, uint64_t bytes) {
+void SdbusService::budget_changed(const std::string& name, uint64_t bytes) {
     try {
         impl_->manager->emitBudgetChanged(name, bytes);
     } catch (const std::exception& e) {
@@ -482,6 +508,31 @@ void DbusService::budget_changed(const std::string& name, uint64_t bytes) {
     }
 }
 
-const std::string& DbusService::bus() const { return impl_->bus; }
+const std::string& SdbusService::bus() const { return impl_->bus; }
 
 }  // namespace moecache::daemon
+
+// The module's entry point (dbus_service.h): nothing may unwind out of it.
+extern "C" __attribute__((visibility("default"))) int moecache_dbus_open_v1(const moecache::daemon::DbusModuleArgs* args,
+                                                                          std::unique_ptr<moecache::daemon::DbusService>* out,
+                                                                          moecache::Error* error) {
+    using namespace moecache::daemon;
+    try {
+        if (std::string_view(args->abi) != kDbusModuleAbi) {
+            *error = moecache::Error{ELIBACC, fmt::format("libmoecache-dbus.so is of another build ({}; moecached: {})",
+                                                          kDbusModuleAbi, args->abi)};
+            return -1;
+        }
+        moecache::log::set_max_priority(args->log_priority);
+        auto s = SdbusService::open(*args->daemon, *args->bus, *args->admin_group);
+        if (!s) {
+            *error = s.error();
+            return -1;
+        }
+        *out = std::move(*s);
+        return 0;
+    } catch (const std::exception& e) {
+        *error = moecache::Error{0, fmt::format("D-Bus: {}", e.what())};
+        return -1;
+    }
+}

@@ -245,6 +245,7 @@ private:
     uint32_t bus_events_ = 0;    // what epoll waits for on the bus's fd
     std::chrono::steady_clock::time_point last_bus_try_{};  // without a bus: when it last tried one
     bool bus_missing_said_ = false;
+    bool bus_module_missing_ = false;  // libmoecache-dbus.so cannot be loaded: not tried again
     static constexpr int kBusRetrySeconds = 10;
     std::pair<uint32_t, size_t> bus_models_{UINT32_MAX, 0};  // (next id, count) the bus's model objects match
     std::set<uint32_t> traced_models_;  // ids whose description the trace has

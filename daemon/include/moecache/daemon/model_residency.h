@@ -18,14 +18,6 @@
 
 namespace moecache::daemon {
 
-// Where an expert is, in the one vocabulary every reader uses (/metrics, D-Bus, moecachectl): in
-// storage only ("ssd": the page cache may hold some of it), being read in ("fetching"), locked in
-// RAM ("ram"), in a CUDA hook's VRAM pool ("vram"), or in a pool and locked in RAM as well
-// ("vram+ram": [vram] keep_ram_copy, or pinned).
-enum class Placement : uint8_t { Storage, Fetching, Ram, Vram, VramAndRam };
-[[nodiscard]] Placement placement(Tier tier, uint32_t vram_holders);
-const char* to_string(Placement p);
-
 class ModelResidency;
 
 // A slot's residency. Its tier changes only through ModelResidency (see "The state machine" there).
