@@ -29,6 +29,26 @@
 namespace moecache {
 namespace {
 
+// What the daemon's /metrics (its port from its output) says is locked, once it is more than nothing
+// (20 s at most); its last body in *body. 0: nothing locked, or no metrics port in the output.
+uint64_t locked_bytes(const std::string& daemon_output, std::string* body) {
+    std::smatch found;
+    if (!std::regex_search(daemon_output, found, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) return 0;
+    const int port = std::stoi(found[1]);
+    const std::regex locked("moecache_locked_bytes\\{[^}]*\\} ([0-9]+)");
+    uint64_t bytes = 0;
+    for (int i = 0; i < 200 && bytes == 0; ++i) {
+        httplib::Client c("127.0.0.1", port);
+        if (auto r = c.Get("/metrics"); r && r->status == 200) {
+            *body = r->body;
+            std::smatch m;
+            if (std::regex_search(*body, m, locked)) bytes = std::stoull(m[1]);
+        }
+        if (bytes == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return bytes;
+}
+
 class Moecached : public testing::Test {
 protected:
     void SetUp() override {
@@ -188,23 +208,9 @@ TEST_F(Moecached, WhereIoUringIsDeniedItReadsWithThreadsAndLocks) {
     ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
     EXPECT_TRUE(d.wait_for("io_uring is denied here", 1)) << d.output();
     EXPECT_NE(d.output().find("Operation not permitted"), std::string::npos) << d.output();
-    std::smatch port;
-    const std::string out = d.output();
-    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
     // Experts 0-3 of block 0 are pinned: read by the threads, then locked.
-    const std::regex locked("moecache_locked_bytes\\{[^}]*\\} ([0-9]+)");
     std::string body;
-    uint64_t bytes = 0;
-    for (int i = 0; i < 200 && bytes == 0; ++i) {
-        httplib::Client c("127.0.0.1", std::stoi(port[1]));
-        if (auto r = c.Get("/metrics"); r && r->status == 200) {
-            body = r->body;
-            std::smatch m;
-            if (std::regex_search(body, m, locked)) bytes = std::stoull(m[1]);
-        }
-        if (bytes == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    EXPECT_GT(bytes, 0u) << body << d.output();
+    EXPECT_GT(locked_bytes(d.output(), &body), 0u) << body << d.output();
     EXPECT_NE(body.find("moecache_prefetch_engine{engine=\"threads\"} 1"), std::string::npos) << body;
     std::smatch read;
     ASSERT_TRUE(std::regex_search(body, read, std::regex("moecache_prefetched_bytes_total ([0-9]+)"))) << body;
@@ -301,22 +307,8 @@ TEST_F(Moecached, SwitchesToItsUserKeepingOnlyTheCapabilitiesItUses) {
         EXPECT_EQ(std::stoull(proc_status(d.pid(), "CapBnd"), nullptr, 16), kept);
     }
     EXPECT_EQ(std::stoull(proc_status(d.pid(), "CapAmb"), nullptr, 16), 0u);
-    std::smatch port;
-    const std::string out = d.output();
-    ASSERT_TRUE(std::regex_search(out, port, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
-    const std::regex locked("moecache_locked_bytes\\{[^}]*\\} ([0-9]+)");
-    uint64_t bytes = 0;
     std::string body;
-    for (int i = 0; i < 200 && bytes == 0; ++i) {
-        httplib::Client c("127.0.0.1", std::stoi(port[1]));
-        if (auto r = c.Get("/metrics"); r && r->status == 200) {
-            body = r->body;
-            std::smatch m;
-            if (std::regex_search(body, m, locked)) bytes = std::stoull(m[1]);
-        }
-        if (bytes == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    EXPECT_GT(bytes, 0u) << body << d.output();
+    EXPECT_GT(locked_bytes(d.output(), &body), 0u) << body << d.output();
     struct stat sock{};
     ASSERT_EQ(::stat((own + "/sock").c_str(), &sock), 0);
     EXPECT_EQ(sock.st_uid, nobody);
