@@ -8,10 +8,8 @@
 #include <fmt/format.h>
 
 #include <sys/resource.h>
-#include <unistd.h>
 
 #include <cstring>
-#include <fstream>
 #include <string>
 
 namespace {
@@ -31,15 +29,6 @@ that a restart starts warm. Runs in the foreground; SIGHUP reloads the configura
   --verbose       debug logging
   --version       print the version and exit
 )";
-
-// CAP_IPC_LOCK in the effective set, from /proc/self/status (no libcap needed for one bit).
-bool has_ipc_lock() {
-    std::ifstream f("/proc/self/status");
-    std::string line;
-    while (std::getline(f, line))
-        if (line.rfind("CapEff:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> 14) & 1;
-    return false;
-}
 
 }  // namespace
 
@@ -67,18 +56,12 @@ int main(int argc, char** argv) {
     // The switch comes first: the configuration is read as the user that will read it again on
     // SIGHUP, and no thread is started yet (capabilities are set per thread).
     if (!user.empty() && !check) {
-        auto who = moecache::daemon::parse_run_as(user);
-        if (!who) {
-            MC_LOG(LOG_ERR, "{}", who.error().what());
+        auto became = moecache::daemon::become_user(user);
+        if (!became) {
+            MC_LOG(LOG_ERR, "{}", became.error().what());
             return 1;
         }
-        if (auto r = moecache::daemon::switch_user(*who, moecache::daemon::kDaemonCapabilities); !r) {
-            MC_LOG(LOG_ERR, "{}", r.error().what());
-            return 1;
-        }
-        const auto caps = moecache::daemon::own_capabilities();
-        MC_LOG(LOG_INFO, "running as uid {} gid {} ({}), capabilities: {}", ::getuid(), ::getgid(), user,
-               caps ? moecache::daemon::capability_names(caps->effective) : caps.error().what());
+        MC_LOG(LOG_INFO, "{}", *became);
     }
     auto config = moecache::daemon::load_config(config_path);
     if (!config) {
@@ -105,7 +88,8 @@ int main(int argc, char** argv) {
     if (config->log_level == "debug") moecache::log::set_max_priority(LOG_DEBUG);
     // Locking is bounded by the daemon's own budgets, not by RLIMIT_MEMLOCK: CAP_IPC_LOCK lifts the
     // limit, and without it the limit is raised as far as it goes.
-    if (!has_ipc_lock()) {
+    const auto caps = moecache::daemon::own_capabilities();
+    if (!caps || !(caps->effective & (uint64_t{1} << 14 /* CAP_IPC_LOCK */))) {
         rlimit unlimited{RLIM_INFINITY, RLIM_INFINITY};
         if (::setrlimit(RLIMIT_MEMLOCK, &unlimited) != 0)
             MC_LOG(LOG_WARNING, "no CAP_IPC_LOCK and RLIMIT_MEMLOCK stays limited ({}): locking fails past "

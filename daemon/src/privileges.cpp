@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <charconv>
-#include <climits>
 #include <optional>
 
 namespace moecache::daemon {
@@ -164,6 +163,15 @@ Result<void> switch_user(const RunAs& who, uint64_t keep) {
     if (after->permitted & ~kept)
         return failf("--user {}: capabilities {} are still permitted after the switch", who.name, capability_names(after->permitted & ~kept));
     return {};
+}
+
+Result<std::string> become_user(const std::string& spec) {
+    const auto who = parse_run_as(spec);
+    if (!who) return tl::unexpected(who.error());
+    if (auto r = switch_user(*who, kDaemonCapabilities); !r) return tl::unexpected(r.error());
+    const auto caps = own_capabilities();
+    return fmt::format("running as uid {} gid {} ({}), capabilities: {}", ::getuid(), ::getgid(), spec,
+                       caps ? capability_names(caps->effective) : caps.error().what());
 }
 
 }  // namespace moecache::daemon

@@ -12,7 +12,6 @@
 
 #include <climits>
 #include <filesystem>
-#include <mutex>
 #include <vector>
 
 namespace moecache::daemon {

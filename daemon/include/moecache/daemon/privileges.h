@@ -36,6 +36,10 @@ Result<RunAs> parse_run_as(const std::string& spec);
 // switch it checks that root cannot be had back.
 Result<void> switch_user(const RunAs& who, uint64_t keep);
 
+// parse_run_as and switch_user with kDaemonCapabilities, for --user: what to log on success
+// ("running as uid U gid G (SPEC), capabilities: ...").
+Result<std::string> become_user(const std::string& spec);
+
 // The capabilities of a mask by name ("BPF PERFMON"), for messages; "none" for 0.
 std::string capability_names(uint64_t mask);
 
