@@ -1,0 +1,84 @@
+// The experts one device holds for the backend: an arena per slice size (one buffer of the
+// device's own ggml backend, a slot per expert slice), the slots' bookkeeping and the local heat
+// (the hook's VramPool and ExpertHeat: one policy for both routes), and the expert tensors the
+// runtime put in the backend's buffers. One per process: every context's backend shares it, under
+// its lock.
+#pragma once
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "moecache/cuda/vram_pool.h"
+#include "settings.h"
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace moecache::backend {
+
+struct ExpertTensor {
+    const char* data = nullptr;  // in the mapping (or the runtime's host buffer)
+    ggml_type type = GGML_TYPE_F32;
+    int64_t ne0 = 0, ne1 = 0, n_expert = 0;
+    size_t slice_bytes = 0;  // one expert: nb[2]
+    uint32_t id = 0;         // the pool's model index
+    std::string name;
+};
+
+struct PoolArena {
+    ggml_backend_buffer_t buffer = nullptr;
+    ggml_tensor* whole = nullptr;  // every slot, as bytes: what fills write through
+    char* base = nullptr;          // the buffer's base (a device address)
+    uint64_t slot_bytes = 0;
+    uint32_t slots = 0;
+};
+
+struct PoolStats {
+    uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
+};
+
+class ExpertPool {
+public:
+    static ExpertPool& get();
+
+    // An expert tensor (3-D, op NONE) the runtime placed in one of the backend's buffers.
+    void add_tensor(const ggml_tensor* t);
+    // The expert tensor whose data starts at `data`, or null.
+    [[nodiscard]] const ExpertTensor* find(const void* data) const;
+
+    // Makes the arenas on the device that `settings` names (once; the first compute does it, after
+    // the runtime allocated its own buffers). Null when there is no such device or no room: every
+    // expert is then computed on the CPU, and the reason said once.
+    ggml_backend_dev_t device(const Settings& settings);
+
+    // Under mu: the slot that holds the expert's slice, or -1; the arena of its size.
+    int32_t slot_of(const ExpertTensor& t, int32_t expert);
+    [[nodiscard]] const PoolArena* arena_for(uint64_t slice_bytes) const;
+    // Under mu: what the computes used; misses that the local policy admits are copied in now.
+    void used(const ExpertTensor& t, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed);
+
+    [[nodiscard]] PoolStats stats() const { return stats_; }
+    void count_rows(uint32_t pool, uint32_t cpu) {
+        stats_.pool_rows += pool;
+        stats_.cpu_rows += cpu;
+    }
+    std::mutex mu;
+
+private:
+    bool make_arenas(ggml_backend_dev_t dev, const Settings& settings);
+
+    std::unordered_map<const void*, ExpertTensor> tensors_;
+    std::vector<PoolArena> arenas_;
+    ggml_context* ctx_ = nullptr;  // the arenas' whole-slot tensors
+    cuda::VramPool slots_;
+    cuda::ExpertHeat heat_;
+    bool tried_ = false;
+    ggml_backend_dev_t dev_ = nullptr;
+    bool log_ = false;
+    PoolStats stats_;
+};
+
+}  // namespace moecache::backend

@@ -1,0 +1,69 @@
+#include "moecache/backend/row_split.h"
+
+#include <cstring>
+#include <unordered_set>
+
+namespace moecache::backend {
+
+Result<RowSplit> split_rows(const char* ids, size_t nb0, size_t nb1, int64_t n_used, int64_t n_tokens,
+                            int64_t n_expert, int64_t n_slots, const std::function<int32_t(int32_t)>& slot_of) {
+    if (n_used <= 0 || n_tokens < 0 || n_expert <= 0) {
+        return failf("MUL_MAT_ID with {} experts a token of {} and {} tokens: nothing to split", n_used, n_expert,
+                     n_tokens);
+    }
+    RowSplit s;
+    s.n_used = n_used;
+    s.n_tokens = n_tokens;
+    const auto rows = static_cast<size_t>(n_used * n_tokens);
+    s.pool_ids.assign(rows, -1);
+    s.cpu_ids.assign(rows, -1);
+    s.pooled.assign(rows, 0);
+    std::unordered_set<int32_t> seen_pool, seen_cpu;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        for (int64_t k = 0; k < n_used; ++k) {
+            int32_t e;
+            std::memcpy(&e, ids + k * nb0 + t * nb1, sizeof e);
+            if (e < 0 || e >= n_expert) {
+                return failf("MUL_MAT_ID row (expert {} of token {}) names expert {} of a tensor of {}", k, t, e,
+                             n_expert);
+            }
+            const auto r = static_cast<size_t>(t * n_used + k);
+            const int32_t slot = slot_of(e);
+            if (slot >= n_slots) return failf("expert {} is said to be in slot {} of a pool of {}", e, slot, n_slots);
+            if (slot >= 0) {
+                s.pooled[r] = 1;
+                s.pool_ids[r] = slot;
+                ++s.pool_rows;
+                if (seen_pool.insert(e).second) s.pool_experts.push_back(e);
+            } else {
+                s.cpu_ids[r] = e;
+                ++s.cpu_rows;
+                if (seen_cpu.insert(e).second) s.cpu_experts.push_back(e);
+            }
+        }
+    }
+    // Fillers: the first slot (expert) each half reads anyway; a half with no rows of its own is
+    // not computed at all, its ids are left as they are.
+    const int32_t pool_filler = s.pool_rows ? slot_of(s.pool_experts.front()) : -1;
+    const int32_t cpu_filler = s.cpu_rows ? s.cpu_experts.front() : -1;
+    for (size_t r = 0; r < rows; ++r) {
+        if (s.pooled[r]) {
+            s.cpu_ids[r] = cpu_filler;
+        } else {
+            s.pool_ids[r] = pool_filler;
+        }
+    }
+    return s;
+}
+
+void join_rows(const RowSplit& split, Rows dst, ConstRows pool_out, size_t row_bytes) {
+    for (int64_t t = 0; t < split.n_tokens; ++t) {
+        for (int64_t k = 0; k < split.n_used; ++k) {
+            if (!split.pooled[static_cast<size_t>(t * split.n_used + k)]) continue;
+            std::memcpy(dst.base + k * dst.nb1 + t * dst.nb2, pool_out.base + k * pool_out.nb1 + t * pool_out.nb2,
+                        row_bytes);
+        }
+    }
+}
+
+}  // namespace moecache::backend

@@ -1,0 +1,43 @@
+#include "settings.h"
+
+#include "moecache/cuda/hook_config.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace moecache::backend {
+
+Result<Settings> settings_from_env() {
+    Settings s;
+    if (const char* d = getenv("MOECACHE_GGML_DEVICE"); d != nullptr && *d) {
+        if (strlen(d) > 64) return failf("MOECACHE_GGML_DEVICE: a device name of {} characters", strlen(d));
+        s.device = d;
+    }
+    if (const char* p = getenv("MOECACHE_GGML_POOL"); p != nullptr && *p && strcmp(p, "auto") != 0) {
+        std::string v = p;
+        const bool percent = v.back() == '%';
+        if (percent) v.pop_back();
+        const auto n = cuda::parse_size(v);
+        if (!n || (percent && (*n > 100 || v.find_first_not_of("0123456789.") != std::string::npos))) {
+            return failf("MOECACHE_GGML_POOL={}: not a size (12G, 512M) or a share of the experts (60%)", p);
+        }
+        s.pool_kind = percent ? Settings::PoolKind::Percent : Settings::PoolKind::Bytes;
+        s.pool_value = *n;
+    }
+    if (const char* l = getenv("MOECACHE_GGML_LOG"); l != nullptr && *l && strcmp(l, "0") != 0) s.log = true;
+    return s;
+}
+
+uint64_t pool_bytes(const Settings& s, uint64_t free_bytes, uint64_t expert_bytes) {
+    uint64_t want = expert_bytes;
+    if (s.pool_kind == Settings::PoolKind::Bytes) want = static_cast<uint64_t>(s.pool_value);
+    if (s.pool_kind == Settings::PoolKind::Percent) {
+        want = static_cast<uint64_t>(static_cast<double>(expert_bytes) * s.pool_value / 100.0);
+    }
+    const uint64_t reserve = (1ull << 30) + free_bytes / 20;
+    const uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
+    return std::min({want, room, expert_bytes});
+}
+
+}  // namespace moecache::backend

@@ -1,0 +1,33 @@
+// What a user sets for the ggml backend, from the environment (the runtime's command line is the
+// runtime's): which device computes the pooled experts, and how large the pool is.
+//   MOECACHE_GGML_DEVICE  auto (the first GPU that ggml has), none (every expert on the CPU), or a
+//                         ggml device name (CUDA0, CUDA1, CPU: the CPU stands in for a GPU, tests)
+//   MOECACHE_GGML_POOL    bytes (12G), or a share of the expert tensors' bytes (60%, as
+//                         MOECACHE_CUDA_POOL means it); auto: all of them. Never more than the
+//                         device has free when the pool is made, less a reserve for the runtime
+//   MOECACHE_GGML_LOG     1: a line per pool change and the pool's figures at exit
+#pragma once
+
+#include "moecache/error.h"
+
+#include <cstdint>
+#include <string>
+
+namespace moecache::backend {
+
+struct Settings {
+    std::string device = "auto";
+    enum class PoolKind { Auto, Bytes, Percent } pool_kind = PoolKind::Auto;
+    double pool_value = 0;
+    bool log = false;
+};
+
+// From the environment; a bad value is an error naming the variable and the value.
+Result<Settings> settings_from_env();
+
+// The pool's bytes on a device with `free_bytes` free, for expert tensors of `expert_bytes` in all:
+// what was asked for, within what is free less a reserve for the runtime's later allocations (a new
+// context's buffers): 1 GiB and 5 % of what was free.
+uint64_t pool_bytes(const Settings& s, uint64_t free_bytes, uint64_t expert_bytes);
+
+}  // namespace moecache::backend

@@ -1,0 +1,179 @@
+// libmoecache-ggml.so loaded into a real ggml (the llama.cpp release node-llama-cpp ships, built
+// from the same source the library was built against), its MUL_MAT_ID against ggml-cpu's byte for
+// byte: every expert on the CPU first, then with a pool that a CPU device stands in for (the GPU's
+// half, over ggml's own CPU kernels), its rows joined with the CPU's.
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct PoolStats {
+    uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
+};
+
+struct Ggml {
+    ggml_backend_t cpu = nullptr;
+    ggml_backend_reg_t reg = nullptr;
+    ggml_backend_dev_t dev = nullptr;
+    ggml_backend_t mc = nullptr;
+    void (*stats)(PoolStats*) = nullptr;
+};
+
+Ggml& ggml() {
+    static Ggml g = [] {
+        Ggml r;
+        // The pool on a CPU device (the stand-in for a GPU), half the experts' bytes.
+        setenv("MOECACHE_GGML_DEVICE", "CPU", 1);
+        setenv("MOECACHE_GGML_POOL", "50%", 1);
+        ggml_backend_load_all_from_path(MOECACHE_GGML_LIBDIR);
+        r.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+        r.reg = ggml_backend_load(MOECACHE_GGML_BACKEND_SO);
+        if (r.reg != nullptr) {
+            r.dev = ggml_backend_reg_dev_get(r.reg, 0);
+            r.mc = ggml_backend_dev_init(r.dev, nullptr);
+            r.stats = reinterpret_cast<void (*)(PoolStats*)>(ggml_backend_reg_get_proc_address(r.reg, "moecache_ggml_pool_stats"));
+        }
+        return r;
+    }();
+    return g;
+}
+
+TEST(GgmlBackend, LoadsIntoTheRuntimesGgmlAsAnAcceleratorWithAHostBufferType) {
+    auto& g = ggml();
+    ASSERT_NE(g.cpu, nullptr) << "no CPU backend in " MOECACHE_GGML_LIBDIR;
+    ASSERT_NE(g.reg, nullptr) << "ggml_backend_load(" MOECACHE_GGML_BACKEND_SO ") failed";
+    EXPECT_STREQ(ggml_backend_reg_name(g.reg), "MOECACHE");
+    ASSERT_NE(g.dev, nullptr);
+    EXPECT_EQ(ggml_backend_dev_type(g.dev), GGML_BACKEND_DEVICE_TYPE_ACCEL);
+    auto* buft = ggml_backend_dev_buffer_type(g.dev);
+    EXPECT_STREQ(ggml_backend_buft_name(buft), "MOECACHE");  // what -ot exps=MOECACHE names
+    EXPECT_TRUE(ggml_backend_buft_is_host(buft));
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(g.dev, &props);
+    EXPECT_TRUE(props.caps.buffer_from_host_ptr);  // the loader keeps the model's mapping
+    EXPECT_NE(g.mc, nullptr);
+    EXPECT_NE(g.stats, nullptr);
+}
+
+// Every type the project's models use, one expert tensor each ([k, rows, experts], as llama.cpp's
+// ffn_*_exps), placed as a load places them: in a MOECACHE buffer over a "mapping", and in a CPU
+// buffer for ggml-cpu's own result. All placed before the first compute, as a model's are.
+constexpr ggml_type kTypes[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_Q4_0, GGML_TYPE_Q4_1,
+                                GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_Q2_K,
+                                GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
+constexpr int64_t kK = 512, kRows = 48, kExperts = 16;
+
+struct Model {
+    std::vector<std::vector<char>> mapping;  // by type: the bytes the MOECACHE buffers wrap
+    std::vector<ggml_tensor*> mc, cpu;       // by type
+    ggml_context* ctx = nullptr;
+};
+
+Model& model() {
+    static Model m = [] {
+        Model r;
+        auto& g = ggml();
+        ggml_init_params p{ggml_tensor_overhead() * 64, nullptr, true};
+        r.ctx = ggml_init(p);
+        std::mt19937 rng(7);
+        std::normal_distribution<float> dist(0.0f, 1.0f);
+        for (const ggml_type t : kTypes) {
+            std::vector<float> f(static_cast<size_t>(kK * kRows * kExperts));
+            for (auto& x : f) x = dist(rng) * 0.1f;
+            std::vector<char> q(ggml_row_size(t, kK) * kRows * kExperts);
+            ggml_quantize_chunk(t, f.data(), q.data(), 0, kRows * kExperts, kK, nullptr);
+            const std::string name = std::string("blk.") + std::to_string(r.mc.size()) + ".ffn_up_exps.weight";
+            ggml_tensor* mc = ggml_new_tensor_3d(r.ctx, t, kK, kRows, kExperts);
+            ggml_set_name(mc, name.c_str());
+            ggml_tensor* cpu = ggml_dup_tensor(r.ctx, mc);
+            r.mapping.push_back(q);
+            auto& bytes = r.mapping.back();
+            ggml_backend_buffer_t buf = ggml_backend_dev_buffer_from_host_ptr(g.dev, bytes.data(), bytes.size(), bytes.size());
+            EXPECT_EQ(ggml_backend_tensor_alloc(buf, mc, bytes.data()), GGML_STATUS_SUCCESS);
+            ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+            ggml_backend_buffer_t cbuf = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), bytes.size());
+            EXPECT_EQ(ggml_backend_tensor_alloc(cbuf, cpu, ggml_backend_buffer_get_base(cbuf)), GGML_STATUS_SUCCESS);
+            ggml_backend_tensor_set(cpu, bytes.data(), 0, bytes.size());
+            r.mc.push_back(mc);
+            r.cpu.push_back(cpu);
+        }
+        return r;
+    }();
+    return m;
+}
+
+// One MUL_MAT_ID as llama.cpp builds an expert FFN's: activations [k, 1 (gate, up) or used (down),
+// tokens], ids [used, tokens] a view of a wider tensor (llama.cpp's are a view of its argsort).
+std::vector<float> mul_mat_id(ggml_backend_t backend, ggml_tensor* w, const std::vector<float>& act,
+                              const std::vector<int32_t>& ids_full, int64_t used, int64_t tokens, bool broadcast) {
+    ggml_init_params p{ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, true};
+    ggml_context* ctx = ggml_init(p);
+    ggml_tensor* b = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, kK, broadcast ? 1 : used, tokens);
+    ggml_tensor* all_ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, kExperts, tokens);
+    ggml_tensor* ids = ggml_view_2d(ctx, all_ids, used, tokens, all_ids->nb[1], 0);
+    ggml_tensor* out = ggml_mul_mat_id(ctx, w, b, ids);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    ggml_backend_tensor_set(b, act.data(), 0, ggml_nbytes(b));
+    ggml_backend_tensor_set(all_ids, ids_full.data(), 0, ggml_nbytes(all_ids));
+    ggml_cgraph* graph = ggml_new_graph(ctx);
+    ggml_build_forward_expand(graph, out);
+    EXPECT_EQ(ggml_backend_graph_compute(backend, graph), GGML_STATUS_SUCCESS);
+    std::vector<float> r(static_cast<size_t>(ggml_nelements(out)));
+    ggml_backend_tensor_get(out, r.data(), 0, ggml_nbytes(out));
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    return r;
+}
+
+TEST(GgmlBackend, EveryTypesMulMatIdIsGgmlCpusByteForByteOnTheCpuAndSplitWithAPool) {
+    auto& g = ggml();
+    ASSERT_NE(g.mc, nullptr);
+    auto& m = model();
+    std::mt19937 rng(11);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    PoolStats before{};
+    g.stats(&before);
+    // Rounds: the first finds the pool empty (every row on the CPU); the misses it admits make
+    // later rounds split. Routing skewed to the low experts, as routers are, so the pool (half
+    // the bytes) holds some experts of every round and not others.
+    for (int round = 0; round < 8; ++round) {
+        for (size_t i = 0; i < std::size(kTypes); ++i) {
+            const bool broadcast = (round + i) % 2 == 0;
+            const int64_t used = 4, tokens = 1 + (round % 3) * 7;
+            std::vector<float> act(static_cast<size_t>(kK * (broadcast ? 1 : used) * tokens));
+            for (auto& x : act) x = dist(rng);
+            std::vector<int32_t> ids(static_cast<size_t>(kExperts * tokens));
+            for (int64_t t = 0; t < tokens; ++t) {
+                std::vector<int32_t> order(kExperts);
+                for (int32_t e = 0; e < kExperts; ++e) order[static_cast<size_t>(e)] = e;
+                std::shuffle(order.begin(), order.begin() + 8, rng);  // the first 4 of the hottest 8
+                std::shuffle(order.begin() + 8, order.end(), rng);
+                if (rng() % 4 == 0) std::swap(order[0], order[8 + rng() % 8]);  // now and then a cold one
+                for (int32_t e = 0; e < kExperts; ++e) ids[static_cast<size_t>(t * kExperts + e)] = order[static_cast<size_t>(e)];
+            }
+            const auto want = mul_mat_id(g.cpu, m.cpu[i], act, ids, used, tokens, broadcast);
+            const auto got = mul_mat_id(g.mc, m.mc[i], act, ids, used, tokens, broadcast);
+            ASSERT_EQ(want.size(), got.size());
+            if (getenv("DEBUG_ROWS")) for (size_t r = 0; r < want.size() / kRows; ++r) if (memcmp(&want[r*kRows], &got[r*kRows], kRows*4)) fprintf(stderr, "row %zu (k %lld t %lld): id %d %.9g %.9g\n", r, (long long)(r % used), (long long)(r / used), ids[(r/used)*kExperts + r%used], (double)want[r*kRows], (double)got[r*kRows]);
+            ASSERT_EQ(0, memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+                << ggml_type_name(kTypes[i]) << ", round " << round << ", " << tokens << " tokens"
+                << (broadcast ? ", activations broadcast" : "");
+        }
+    }
+    PoolStats after{};
+    g.stats(&after);
+    EXPECT_GT(after.fills, before.fills) << "no expert was admitted to the pool";
+    EXPECT_GT(after.pool_rows, before.pool_rows) << "no row was computed from the pool";
+    EXPECT_GT(after.cpu_rows, before.cpu_rows) << "no row was computed on the CPU beside the pool";
+}
+
+}  // namespace
