@@ -21,6 +21,10 @@
 #               build of the hook (an A/B). Each run starts without a hot profile (a first run);
 #               hookP-MODE-warm keeps the profile its previous runs saved (a restart), after one run
 #               of `llama-bench -p 0 -n 128` that is not counted
+#   mcP         the ggml backend route: libmoecache-ggml.so loaded (GGML_BACKEND_PATH) and given the
+#               experts (-ot exps=MOECACHE), a pool of P % of them on the GPU; pooled experts are
+#               computed there, the rest on the CPU at once (BACKEND: the library; it must be built
+#               against this llama.cpp's source)
 # Rounds interleaved; medians; greedy text of every hook configuration compared with the recipe's
 # (the same computation without the hook: it must be byte-identical).
 #
@@ -28,6 +32,7 @@
 # LLAMA_BIN: a folder with llama-bench and llama-completion of a CUDA build (and its libraries).
 # Environment: CONFIGS, WORKLOADS (pg sep compl), ROUNDS (2), THREADS (all cores), PROMPT_TOKENS,
 # MOECACHE_BUILD (build: the hook and moecache-mkmodel) or BUNDLE (scripts/bundle.sh's), HOOK (the hook's path), HOOK_B, MKMODEL,
+# BACKEND (libmoecache-ggml.so, for mcP),
 # MODEL (a model to use as it is), else LAYERS EXPERTS USED EMBD FF TYPE SEED (the shape generated),
 # DEADLINE (seconds: no run starts after it; the table is still printed).
 set -euo pipefail
@@ -37,9 +42,11 @@ work=${2:-/tmp/moecache-gpu-serve}
 build=${MOECACHE_BUILD:-build}
 if [ -n "${BUNDLE:-}" ]; then  # a scripts/bundle.sh directory (bench/gpu-call.sh sets it)
   hook=$(realpath "${HOOK:-$BUNDLE/lib/libmoecache-cuda.so}")
+  backend=${BACKEND:-$BUNDLE/lib/libmoecache-ggml.so}
   mkmodel=${MKMODEL:-$BUNDLE/bin/moecache-mkmodel}
 else
   hook=$(realpath "${HOOK:-$build/cuda-hooks/libmoecache-cuda.so}")
+  backend=${BACKEND:-$build/backend/libmoecache-ggml.so}
   mkmodel=${MKMODEL:-$build/tools/mkmodel/moecache-mkmodel}
 fi
 rounds=${ROUNDS:-2}
@@ -98,6 +105,8 @@ setup() {
       env_=(LD_PRELOAD="$lib" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_CLIENT=off
             MOECACHE_CUDA_PROFILE="$work/profiles/$1")
       [ "$mode" = default ] || env_+=(MOECACHE_CUDA_PIN="$mode") ;;
+    mc[0-9]*) ot_=(exps=MOECACHE)
+      env_=(GGML_BACKEND_PATH="$(realpath "$backend")" MOECACHE_GGML_POOL="${c#mc}%" MOECACHE_GGML_LOG=1) ;;
     *) echo "gpu-serve: unknown configuration $1" >&2; exit 2 ;;
   esac
 }
@@ -171,6 +180,8 @@ for c in configs:
                 hits, miss = int(h.group(1)), int(h.group(2))
                 got.setdefault("hit", []).append(100.0 * hits / max(hits + miss, 1))
                 got.setdefault("host_gib", []).append(float(h.group(4)))
+            b = re.findall(r"expert rows computed: ([\d.]+) % from the pool", err)
+            if b: got.setdefault("hit", []).append(float(b[-1]))
             d = re.findall(r"in decode steps (\d+) / (\d+)", err)
             if d:
                 dh, dm = sum(int(a) for a, _ in d), sum(int(b) for _, b in d)

@@ -10,6 +10,10 @@ namespace moecache::backend {
 namespace {
 
 constexpr cuda::StreamId kStream = 1;  // every pool copy and compute completes before its call returns
+// Bytes after each arena's last slot, zeroed: a device's kernels may read a quantized tensor's last
+// row past its end, up to a padded width (ggml-cuda's MATRIX_ROW_PADDING: 512 weights).
+constexpr uint64_t kTailBytes = 64 * 1024;
+constexpr size_t kMaxViews = 64;
 
 }  // namespace
 
@@ -87,7 +91,7 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
     const uint64_t want = pool_bytes(settings, free_bytes, expert_bytes);
     auto* buft = ggml_backend_dev_buffer_type(dev);
     const size_t max_size = ggml_backend_buft_get_max_size(buft);
-    ggml_init_params params{ggml_tensor_overhead() * (bytes_by_size.size() + 1), nullptr, true};
+    ggml_init_params params{ggml_tensor_overhead() * (bytes_by_size.size() * (kMaxViews + 1) + 1), nullptr, true};
     ctx_ = ggml_init(params);
     uint64_t made = 0;
     for (const auto& [slot_bytes, bytes] : bytes_by_size) {
@@ -97,10 +101,11 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
         if (count == 0) continue;
         ggml_backend_buffer_t buf = nullptr;
         for (; count > 0 && buf == nullptr; count = count * 3 / 4) {
-            buf = ggml_backend_buft_alloc_buffer(buft, count * slot_bytes);
+            buf = ggml_backend_buft_alloc_buffer(buft, count * slot_bytes + kTailBytes);
             if (buf != nullptr) break;
         }
         if (buf == nullptr) continue;
+        ggml_backend_buffer_clear(buf, 0);
         PoolArena a;
         a.buffer = buf;
         a.base = static_cast<char*>(ggml_backend_buffer_get_base(buf));
@@ -131,6 +136,21 @@ const PoolArena* ExpertPool::arena_for(uint64_t slice_bytes) const {
     for (const auto& a : arenas_)
         if (a.slot_bytes == slice_bytes) return &a;
     return nullptr;
+}
+
+ggml_tensor* ExpertPool::view(const ExpertTensor& t) {
+    auto* a = const_cast<PoolArena*>(arena_for(t.slice_bytes));
+    if (a == nullptr) return nullptr;
+    for (const auto& v : a->views)
+        if (v.type == t.type && v.ne0 == t.ne0 && v.ne1 == t.ne1) return v.tensor;
+    if (a->views.size() >= kMaxViews) return nullptr;
+    ggml_tensor* w = ggml_new_tensor_3d(ctx_, t.type, t.ne0, t.ne1, a->slots);
+    if (ggml_nbytes(w) != a->slots * a->slot_bytes ||
+        ggml_backend_tensor_alloc(a->buffer, w, a->base) != GGML_STATUS_SUCCESS) {
+        w = nullptr;
+    }
+    a->views.push_back(PoolArena::View{t.type, t.ne0, t.ne1, w});
+    return w;
 }
 
 int32_t ExpertPool::slot_of(const ExpertTensor& t, int32_t expert) {

@@ -34,6 +34,13 @@ struct PoolArena {
     char* base = nullptr;          // the buffer's base (a device address)
     uint64_t slot_bytes = 0;
     uint32_t slots = 0;
+    // The arena seen as one expert tensor [ne0, ne1, slots] of a type: what a compute reads.
+    struct View {
+        ggml_type type;
+        int64_t ne0, ne1;
+        ggml_tensor* tensor;
+    };
+    std::vector<View> views;
 };
 
 struct PoolStats {
@@ -57,6 +64,9 @@ public:
     // Under mu: the slot that holds the expert's slice, or -1; the arena of its size.
     int32_t slot_of(const ExpertTensor& t, int32_t expert);
     [[nodiscard]] const PoolArena* arena_for(uint64_t slice_bytes) const;
+    // Under mu: the arena of the tensor's slice size as a tensor of its type and shape, whose
+    // expert i is slot i (made once; null when the device cannot place it).
+    ggml_tensor* view(const ExpertTensor& t);
     // Under mu: what the computes used; misses that the local policy admits are copied in now.
     void used(const ExpertTensor& t, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed);
 

@@ -206,12 +206,12 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
     }
 
     // The pool's half, queued on its device.
+    ggml_tensor* pw = pool.view(*t);
     Graph pg(be.ctx_mem, 4, 1);
-    ggml_tensor* pw = ggml_new_tensor_3d(pg.ctx, w->type, w->ne[0], w->ne[1], arena->slots);
     ggml_tensor* pb = ggml_new_tensor(pg.ctx, b->type, GGML_MAX_DIMS, b->ne);
     ggml_tensor* pids = ggml_new_tensor_2d(pg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
-    ggml_tensor* pout = ggml_mul_mat_id(pg.ctx, pw, pb, pids);
-    if (ggml_backend_tensor_alloc(arena->buffer, pw, arena->base) != GGML_STATUS_SUCCESS || !place(be, {pb, pids, pout}) ||
+    ggml_tensor* pout = pw != nullptr ? ggml_mul_mat_id(pg.ctx, pw, pb, pids) : nullptr;
+    if (pw == nullptr || !place(be, {pb, pids, pout}) ||
         !ggml_backend_supports_op(be.acc, pout)) {
         lock.unlock();
         return compute_on_cpu(be, node);
