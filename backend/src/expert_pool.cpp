@@ -14,6 +14,9 @@ constexpr cuda::StreamId kStream = 1;  // every pool copy and compute completes 
 // row past its end, up to a padded width (ggml-cuda's MATRIX_ROW_PADDING: 512 weights).
 constexpr uint64_t kTailBytes = 64 * 1024;
 constexpr size_t kMaxViews = 64;
+// Fills queued at most: a prompt misses nearly every expert, and what it would queue is stale by
+// the time it is copied; a full queue declines.
+constexpr size_t kMaxQueued = 32;
 
 }  // namespace
 
@@ -71,6 +74,8 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     }
     if (!make_arenas(dev, settings)) return nullptr;
     dev_ = dev;
+    filler_ = std::thread([this] { fill_loop(); });
+    atexit(stop_filler);  // before the device's runtime is torn down (atexit runs in reverse)
     return dev_;
 }
 
@@ -169,18 +174,57 @@ void ExpertPool::used(const ExpertTensor& t, const std::vector<int32_t>& pooled,
         const auto e = static_cast<uint32_t>(e32);
         heat_.touch(t.id, e);
         if (a == nullptr) continue;
-        const cuda::SliceRef s{t.id, e, e};
-        const uint64_t addr = slots_.admit(s, t.slice_bytes, kStream, heat_);
+        if (fills_.size() >= kMaxQueued) {
+            ++stats_.declined;
+            continue;
+        }
+        const uint64_t addr = slots_.admit(cuda::SliceRef{t.id, e, e}, t.slice_bytes, kStream, heat_);
         if (addr == 0) {
             ++stats_.declined;
             continue;
         }
-        const size_t offset = addr - reinterpret_cast<uint64_t>(a->base);
-        ggml_backend_tensor_set(a->whole, t.data + static_cast<size_t>(e) * t.slice_bytes, offset, t.slice_bytes);
-        slots_.commit(s);
-        ++stats_.fills;
-        stats_.fill_bytes += t.slice_bytes;
+        fills_.push_back(Fill{&t, e, a, static_cast<size_t>(addr - reinterpret_cast<uint64_t>(a->base))});
+        fill_cv_.notify_one();
     }
+}
+
+void ExpertPool::fill_loop() {
+    std::unique_lock lock(mu);
+    for (;;) {
+        fill_cv_.wait(lock, [&] { return stop_ || !fills_.empty(); });
+        if (stop_) return;
+        const Fill f = fills_.front();
+        fills_.pop_front();
+        ++filling_;
+        lock.unlock();
+        // The slot is nobody's until committed: no compute reads it meanwhile.
+        const ExpertTensor& t = *f.tensor;
+        ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
+                                t.slice_bytes);
+        lock.lock();
+        --filling_;
+        if (slots_.commit(cuda::SliceRef{t.id, f.expert, f.expert}) != 0) {
+            ++stats_.fills;
+            stats_.fill_bytes += t.slice_bytes;
+        }
+        if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
+    }
+}
+
+void ExpertPool::drain() {
+    std::unique_lock lock(mu);
+    drained_cv_.wait(lock, [&] { return stop_ || !filler_.joinable() || (fills_.empty() && filling_ == 0); });
+}
+
+void ExpertPool::stop_filler() {
+    auto& p = get();
+    {
+        std::lock_guard lock(p.mu);
+        p.stop_ = true;
+    }
+    p.fill_cv_.notify_all();
+    p.drained_cv_.notify_all();
+    if (p.filler_.joinable()) p.filler_.join();
 }
 
 }  // namespace moecache::backend

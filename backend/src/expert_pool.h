@@ -10,10 +10,13 @@
 #include "moecache/cuda/vram_pool.h"
 #include "settings.h"
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -67,7 +70,8 @@ public:
     // Under mu: the arena of the tensor's slice size as a tensor of its type and shape, whose
     // expert i is slot i (made once; null when the device cannot place it).
     ggml_tensor* view(const ExpertTensor& t);
-    // Under mu: what the computes used; misses that the local policy admits are copied in now.
+    // Under mu: what the computes used. Misses that the local policy admits are copied in by the
+    // pool's own thread, off the computes' path: a slot serves once its copy is done.
     void used(const ExpertTensor& t, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed);
 
     [[nodiscard]] PoolStats stats() const { return stats_; }
@@ -77,8 +81,19 @@ public:
     }
     std::mutex mu;
 
+    // Waits for the fills queued so far (tests; before exit).
+    void drain();
+
 private:
+    struct Fill {
+        const ExpertTensor* tensor;
+        uint32_t expert;
+        const PoolArena* arena;
+        size_t offset;
+    };
     bool make_arenas(ggml_backend_dev_t dev, const Settings& settings);
+    void fill_loop();
+    static void stop_filler();
 
     std::unordered_map<const void*, ExpertTensor> tensors_;
     std::vector<PoolArena> arenas_;
@@ -89,6 +104,11 @@ private:
     ggml_backend_dev_t dev_ = nullptr;
     bool log_ = false;
     PoolStats stats_;
+    std::deque<Fill> fills_;  // under mu
+    size_t filling_ = 0;      // popped, not committed (under mu)
+    std::condition_variable fill_cv_, drained_cv_;
+    std::thread filler_;
+    bool stop_ = false;
 };
 
 }  // namespace moecache::backend

@@ -357,8 +357,9 @@ const char* reg_name(ggml_backend_reg_t) { return kName; }
 size_t reg_device_count(ggml_backend_reg_t) { return 1; }
 ggml_backend_dev_t reg_device(ggml_backend_reg_t, size_t index) { return index == 0 ? &registry->dev : nullptr; }
 
-// For tests and tools: the pool's figures.
+// For tests and tools: the pool's figures, once the fills queued so far are done.
 void pool_stats(PoolStats* out) {
+    ExpertPool::get().drain();
     std::lock_guard lock(ExpertPool::get().mu);
     *out = ExpertPool::get().stats();
 }
