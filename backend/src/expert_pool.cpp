@@ -28,9 +28,19 @@ ExpertPool& ExpertPool::get() {
 void ExpertPool::add_tensor(const ggml_tensor* t) {
     if (t->op != GGML_OP_NONE || t->ne[2] < 2 || t->ne[3] != 1 || t->data == nullptr) return;
     if (strstr(t->name, "exps") == nullptr) return;  // llama.cpp's expert tensors: blk.N.ffn_*_exps
+    if (t->nb[2] != static_cast<size_t>(t->ne[1]) * t->nb[1]) return;  // not one slice after another
     std::lock_guard lock(mu);
     if (tensors_.count(t->data) != 0) return;
     if (dev_ != nullptr) return;  // the arenas are made: a later model computes on the CPU (for now)
+    // Its group: the tensors of its layer ("blk.N."), of as many experts; else a group of its own.
+    std::string key = t->name;
+    if (key.rfind("blk.", 0) == 0 && key.find('.', 4) != std::string::npos) {
+        key = key.substr(0, key.find('.', 4) + 1) + "/" + std::to_string(t->ne[2]);
+    } else {
+        key = std::string(t->name) + "#" + std::to_string(tensors_.size());
+    }
+    auto [it, added] = group_of_.emplace(key, static_cast<uint32_t>(groups_.size()));
+    if (added) groups_.emplace_back();
     ExpertTensor e;
     e.data = static_cast<const char*>(t->data);
     e.type = t->type;
@@ -38,13 +48,14 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     e.ne1 = t->ne[1];
     e.n_expert = t->ne[2];
     e.slice_bytes = t->nb[2];
-    e.id = static_cast<uint32_t>(tensors_.size());
+    e.group = it->second;
+    e.index = static_cast<uint32_t>(groups_[e.group].size());
     e.name = t->name;
-    if (e.slice_bytes != static_cast<size_t>(e.ne1) * t->nb[1]) return;  // not one slice after another
     const auto n = static_cast<uint32_t>(e.n_expert);
-    slots_.add_model(e.id, n, n);
-    heat_.add_model(e.id, n);
-    tensors_.emplace(t->data, std::move(e));
+    slots_.add_model(e.group, (e.index + 1) * n, n);
+    heat_.add_model(e.group, n);
+    const auto* stored = &tensors_.emplace(t->data, std::move(e)).first->second;
+    groups_[stored->group].push_back(stored);
 }
 
 const ExpertTensor* ExpertPool::find(const void* data) const {
@@ -162,30 +173,56 @@ int32_t ExpertPool::slot_of(const ExpertTensor& t, int32_t expert) {
     const auto* a = arena_for(t.slice_bytes);
     if (a == nullptr) return -1;
     const auto e = static_cast<uint32_t>(expert);
-    const uint64_t addr = slots_.lookup(cuda::SliceRef{t.id, e, e}, kStream);
+    const uint64_t addr = slots_.lookup(cuda::SliceRef{t.group, t.index * static_cast<uint32_t>(t.n_expert) + e, e}, kStream);
     if (addr == 0) return -1;
     return static_cast<int32_t>((addr - reinterpret_cast<uint64_t>(a->base)) / a->slot_bytes);
 }
 
-void ExpertPool::used(const ExpertTensor& t, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed) {
-    for (const int32_t e : pooled) heat_.touch(t.id, static_cast<uint32_t>(e));
-    const auto* a = arena_for(t.slice_bytes);
-    for (const int32_t e32 : missed) {
-        const auto e = static_cast<uint32_t>(e32);
-        heat_.touch(t.id, e);
-        if (a == nullptr) continue;
-        if (fills_.size() >= kMaxQueued) {
+bool ExpertPool::pooled(uint32_t group, int32_t expert) {
+    if (group >= groups_.size()) return false;
+    for (const auto* t : groups_[group])
+        if (slot_of(*t, expert) < 0) return false;
+    return true;
+}
+
+void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts, const std::vector<int32_t>& missed) {
+    for (const int32_t e : pooled_experts) heat_.touch(group, static_cast<uint32_t>(e));
+    for (const int32_t e : missed) {
+        heat_.touch(group, static_cast<uint32_t>(e));
+        if (fills_.size() + groups_[group].size() > kMaxQueued || !admit(group, static_cast<uint32_t>(e))) {
             ++stats_.declined;
-            continue;
         }
-        const uint64_t addr = slots_.admit(cuda::SliceRef{t.id, e, e}, t.slice_bytes, kStream, heat_);
-        if (addr == 0) {
-            ++stats_.declined;
-            continue;
-        }
-        fills_.push_back(Fill{&t, e, a, static_cast<size_t>(addr - reinterpret_cast<uint64_t>(a->base))});
-        fill_cv_.notify_one();
     }
+}
+
+// A slot for each slice of the expert, or none: what is admitted of it is given back when a slice
+// finds no room. An expert another slice displaced is dropped whole.
+bool ExpertPool::admit(uint32_t group, uint32_t expert) {
+    const auto& tensors = groups_[group];
+    std::vector<std::pair<const ExpertTensor*, uint64_t>> got;
+    for (const auto* t : tensors) {
+        const auto n = static_cast<uint32_t>(t->n_expert);
+        const cuda::SliceRef s{group, t->index * n + expert, expert};
+        if (slots_.holds(group, s.slice)) continue;  // pooled already (or being filled)
+        cuda::SliceRef evicted{cuda::kNoSlot, 0, 0};
+        const uint64_t addr = arena_for(t->slice_bytes) != nullptr
+                                  ? slots_.admit(s, t->slice_bytes, kStream, heat_, cuda::same_stream_only(), &evicted)
+                                  : 0;
+        if (evicted.model != cuda::kNoSlot && !(evicted.model == group && evicted.expert == expert)) {
+            slots_.drop_expert(evicted.model, evicted.expert);
+        }
+        if (addr == 0) {
+            for (const auto& [gt, a] : got) slots_.drop(group, gt->index * static_cast<uint32_t>(gt->n_expert) + expert);
+            return false;
+        }
+        got.emplace_back(t, addr);
+    }
+    for (const auto& [t, addr] : got) {
+        const auto* a = arena_for(t->slice_bytes);
+        fills_.push_back(Fill{t, expert, a, static_cast<size_t>(addr - reinterpret_cast<uint64_t>(a->base))});
+    }
+    if (!got.empty()) fill_cv_.notify_one();
+    return true;
 }
 
 void ExpertPool::fill_loop() {
@@ -203,7 +240,8 @@ void ExpertPool::fill_loop() {
                                 t.slice_bytes);
         lock.lock();
         --filling_;
-        if (slots_.commit(cuda::SliceRef{t.id, f.expert, f.expert}) != 0) {
+        const uint32_t slice = t.index * static_cast<uint32_t>(t.n_expert) + f.expert;
+        if (slots_.commit(cuda::SliceRef{t.group, slice, f.expert}) != 0) {
             ++stats_.fills;
             stats_.fill_bytes += t.slice_bytes;
         }

@@ -27,7 +27,9 @@ struct ExpertTensor {
     ggml_type type = GGML_TYPE_F32;
     int64_t ne0 = 0, ne1 = 0, n_expert = 0;
     size_t slice_bytes = 0;  // one expert: nb[2]
-    uint32_t id = 0;         // the pool's model index
+    // The layer's tensors are one group (the pool's model): an expert is pooled when each of its
+    // group's slices is, and is admitted and evicted whole. Slice index: index * n_expert + expert.
+    uint32_t group = 0, index = 0;
     std::string name;
 };
 
@@ -48,6 +50,7 @@ struct PoolArena {
 
 struct PoolStats {
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
+    uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
 };
 
 class ExpertPool {
@@ -66,15 +69,18 @@ public:
 
     // Under mu: the slot that holds the expert's slice, or -1; the arena of its size.
     int32_t slot_of(const ExpertTensor& t, int32_t expert);
+    // Under mu: whether every slice of the expert in its group is in a slot (and filled).
+    bool pooled(uint32_t group, int32_t expert);
     [[nodiscard]] const PoolArena* arena_for(uint64_t slice_bytes) const;
     // Under mu: the arena of the tensor's slice size as a tensor of its type and shape, whose
     // expert i is slot i (made once; null when the device cannot place it).
     ggml_tensor* view(const ExpertTensor& t);
     // Under mu: what the computes used. Misses that the local policy admits are copied in by the
     // pool's own thread, off the computes' path: a slot serves once its copy is done.
-    void used(const ExpertTensor& t, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed);
+    void used(uint32_t group, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed);
 
     [[nodiscard]] PoolStats stats() const { return stats_; }
+    void count_split(bool unit) { ++(unit ? stats_.units : stats_.nodes); }
     void count_rows(uint32_t pool, uint32_t cpu) {
         stats_.pool_rows += pool;
         stats_.cpu_rows += cpu;
@@ -95,7 +101,11 @@ private:
     void fill_loop();
     static void stop_filler();
 
+    bool admit(uint32_t group, uint32_t expert);
+
     std::unordered_map<const void*, ExpertTensor> tensors_;
+    std::vector<std::vector<const ExpertTensor*>> groups_;  // by group: its tensors, by index
+    std::unordered_map<std::string, uint32_t> group_of_;     // "blk.N." -> group
     std::vector<PoolArena> arenas_;
     ggml_context* ctx_ = nullptr;  // the arenas' whole-slot tensors
     cuda::VramPool slots_;

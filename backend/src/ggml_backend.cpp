@@ -16,8 +16,13 @@
 #include "say.h"
 #include "settings.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <functional>
+#include <optional>
+#include <unordered_map>
+#include <unordered_set>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -157,7 +162,8 @@ bool acc_ready(Backend& be, ggml_backend_dev_t dev) {
 }
 
 // Places `tensors` one after another in the backend's scratch buffer on the pool's device.
-bool place(Backend& be, std::initializer_list<ggml_tensor*> tensors) {
+template <class List>
+bool place(Backend& be, const List& tensors) {
     auto* buft = ggml_backend_get_default_buffer_type(be.acc);
     const size_t align = ggml_backend_buft_get_alignment(buft);
     size_t need = 0;
@@ -201,7 +207,7 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
     if (split->pool_rows == 0) {
         const ggml_status st = compute_on_cpu(be, node);
         pool.count_rows(0, split->cpu_rows);
-        pool.used(*t, {}, split->cpu_experts);
+        pool.used(t->group, {}, split->cpu_experts);
         return st;
     }
 
@@ -211,7 +217,7 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
     ggml_tensor* pb = ggml_new_tensor(pg.ctx, b->type, GGML_MAX_DIMS, b->ne);
     ggml_tensor* pids = ggml_new_tensor_2d(pg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
     ggml_tensor* pout = pw != nullptr ? ggml_mul_mat_id(pg.ctx, pw, pb, pids) : nullptr;
-    if (pw == nullptr || !place(be, {pb, pids, pout}) ||
+    if (pw == nullptr || !place(be, std::initializer_list<ggml_tensor*>{pb, pids, pout}) ||
         !ggml_backend_supports_op(be.acc, pout)) {
         lock.unlock();
         return compute_on_cpu(be, node);
@@ -242,7 +248,215 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
     join_rows(*split, Rows{static_cast<char*>(node->data), node->nb[1], node->nb[2]},
               ConstRows{be.pool_out.data(), pout->nb[1], pout->nb[2]}, static_cast<size_t>(node->ne[0]) * sizeof(float));
     pool.count_rows(split->pool_rows, split->cpu_rows);
-    pool.used(*t, split->pool_experts, split->cpu_experts);
+    pool.used(t->group, split->pool_experts, split->cpu_experts);
+    return GGML_STATUS_SUCCESS;
+}
+
+
+// ---- a unit: a layer's expert FFN as one split (MUL_MAT_IDs and the row-wise ops between) ----
+
+// Ops that compute row (k, t) of their output from row (k, t) of their inputs (or a broadcast):
+// each half computes its rows of the whole chain, and the halves join once, at its outputs. (Not
+// SCALE or CLAMP: the scheduler would hand over the router weights' own, a split of their own.)
+bool row_wise(const ggml_tensor* t) {
+    switch (t->op) {
+        case GGML_OP_GLU: case GGML_OP_UNARY: case GGML_OP_MUL: case GGML_OP_ADD_ID:
+            return true;
+        default:
+            return false;
+    }
+}
+
+struct Unit {
+    std::vector<ggml_tensor*> nodes;  // in order, the views among them
+    std::vector<ggml_tensor*> mmids, outputs;
+    std::vector<const ExpertTensor*> weights;  // by mmid
+    ggml_tensor* ids = nullptr;
+    uint32_t group = 0;
+};
+
+// The split as one unit, or nullopt: every node a MUL_MAT_ID over an expert tensor of one layer,
+// all routed by one ids tensor, or a row-wise op or a view; every output [*, used, tokens] in F32.
+std::optional<Unit> find_unit(ggml_cgraph* graph, ExpertPool& pool) {
+    Unit u;
+    std::unordered_set<const ggml_tensor*> in_unit, consumed;
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; ++i) {
+        ggml_tensor* node = ggml_graph_node(graph, i);
+        if ((node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0 && !is_noop(node)) return std::nullopt;
+        if (node->op == GGML_OP_MUL_MAT_ID) {
+            const ExpertTensor* t = pool.find(node->src[0]->data);
+            if (t == nullptr || (u.ids != nullptr && node->src[2] != u.ids)) return std::nullopt;
+            if (!u.weights.empty() && t->group != u.group) return std::nullopt;
+            u.ids = node->src[2];
+            u.group = t->group;
+            u.mmids.push_back(node);
+            u.weights.push_back(t);
+        } else if (!row_wise(node) && !is_noop(node)) {
+            return std::nullopt;
+        }
+        u.nodes.push_back(node);
+        in_unit.insert(node);
+    }
+    if (u.mmids.empty()) return std::nullopt;
+    // What a node of the unit consumes, seeing through views.
+    for (auto* node : u.nodes) {
+        if (is_noop(node)) continue;
+        for (auto* src : node->src) {
+            for (const ggml_tensor* s = src; s != nullptr; s = s->view_src) consumed.insert(s);
+        }
+    }
+    const int64_t used = u.ids->ne[0], tokens = u.ids->ne[1];
+    for (auto* node : u.nodes) {
+        if (is_noop(node) || consumed.count(node) != 0) continue;
+        if (node->type != GGML_TYPE_F32 || node->ne[1] != used || node->ne[2] != tokens || node->ne[3] != 1 ||
+            !ggml_is_contiguous(node)) {
+            return std::nullopt;
+        }
+        u.outputs.push_back(node);
+    }
+    return u;
+}
+
+// The unit's pooled rows on the pool's device (a copy of its chain over the pool's slots), the
+// rest on the CPU (the chain itself, the MUL_MAT_IDs routed to the CPU's experts), at once.
+std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
+    auto& pool = ExpertPool::get();
+    std::unique_lock lock(pool.mu);
+    auto unit = find_unit(graph, pool);
+    if (!unit) return std::nullopt;
+    ggml_backend_dev_t dev = pool.device(be.settings);
+    ggml_tensor* ids = unit->ids;
+    if (dev == nullptr || ids->buffer == nullptr || !ggml_backend_buffer_is_host(ids->buffer) || !acc_ready(be, dev)) {
+        return std::nullopt;
+    }
+    const uint32_t group = unit->group;
+    auto split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
+                            unit->weights[0]->n_expert, 1, [&](int32_t e) { return pool.pooled(group, e) ? 0 : -1; });
+    if (!split) return std::nullopt;  // the per-node path says what is wrong
+    if (split->pool_rows == 0) {
+        lock.unlock();
+        for (auto* node : unit->nodes) {
+            if (is_noop(node)) continue;
+            if (const ggml_status st = compute_on_cpu(be, node); st != GGML_STATUS_SUCCESS) return st;
+        }
+        lock.lock();
+        pool.count_rows(0, split->cpu_rows);
+        pool.count_split(true);
+        pool.used(group, {}, split->cpu_experts);
+        return GGML_STATUS_SUCCESS;
+    }
+
+    // The pool's copy of the chain: its MUL_MAT_IDs read the pool's slots, routed by slot; what
+    // comes from outside the unit is uploaded.
+    const size_t n_nodes = unit->nodes.size();
+    Graph pg(be.ctx_mem, static_cast<int>(4 * n_nodes + 8), static_cast<int>(n_nodes));
+    std::unordered_map<const ggml_tensor*, ggml_tensor*> copy;
+    std::unordered_set<const ggml_tensor*> in_unit(unit->nodes.begin(), unit->nodes.end());
+    std::vector<ggml_tensor*> placed, views;
+    std::vector<std::pair<ggml_tensor*, const ggml_tensor*>> uploads;
+    std::vector<std::vector<int32_t>> slot_ids(unit->mmids.size());
+    bool ok = true;
+    std::function<ggml_tensor*(ggml_tensor*)> clone = [&](ggml_tensor* t) -> ggml_tensor* {
+        if (auto it = copy.find(t); it != copy.end()) return it->second;
+        ggml_tensor* c = nullptr;
+        if (in_unit.count(t) != 0 && t->view_src != nullptr && is_noop(t)) {
+            ggml_tensor* src = clone(t->view_src);
+            if (src == nullptr) return nullptr;
+            c = ggml_view_4d(pg.ctx, src, t->ne[0], t->ne[1], t->ne[2], t->ne[3], t->nb[1], t->nb[2], t->nb[3], t->view_offs);
+            views.push_back(c);
+        } else if (in_unit.count(t) != 0) {
+            c = ggml_new_tensor(pg.ctx, t->type, GGML_MAX_DIMS, t->ne);
+            c->op = t->op;
+            memcpy(c->op_params, t->op_params, sizeof c->op_params);
+            c->flags = t->flags;
+            const auto k = static_cast<size_t>(std::find(unit->mmids.begin(), unit->mmids.end(), t) - unit->mmids.begin());
+            for (int i = 0; i < GGML_MAX_SRC && ok; ++i) {
+                if (t->src[i] == nullptr) continue;
+                if (k < unit->mmids.size() && i == 0) {
+                    c->src[0] = pool.view(*unit->weights[k]);
+                } else if (k < unit->mmids.size() && i == 2) {
+                    c->src[2] = ggml_new_tensor_2d(pg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
+                    placed.push_back(c->src[2]);
+                    const ExpertTensor& w = *unit->weights[k];
+                    auto& v = slot_ids[k];
+                    v.resize(split->pool_ids.size());
+                    const int32_t filler = pool.slot_of(w, split->pool_experts.front());
+                    for (size_t r = 0; r < v.size(); ++r) v[r] = split->pooled[r] ? pool.slot_of(w, split->experts[r]) : filler;
+                    uploads.emplace_back(c->src[2], nullptr);
+                } else {
+                    c->src[i] = clone(t->src[i]);
+                }
+                if (c->src[i] == nullptr) ok = false;
+            }
+            placed.push_back(c);
+        } else {
+            if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer) || !ggml_is_contiguous(t)) return nullptr;
+            c = ggml_new_tensor(pg.ctx, t->type, GGML_MAX_DIMS, t->ne);
+            placed.push_back(c);
+            uploads.emplace_back(c, t);
+        }
+        copy.emplace(t, c);
+        return c;
+    };
+    std::vector<ggml_tensor*> outs;
+    for (auto* node : unit->nodes) {
+        if (is_noop(node)) continue;
+        ggml_tensor* c = clone(node);
+        if (c == nullptr || !ok) return std::nullopt;
+        ggml_graph_add_node(pg.graph, c);
+    }
+    for (auto* o : unit->outputs) outs.push_back(copy.at(o));
+    if (!place(be, placed)) return std::nullopt;
+    for (auto* v : views)
+        if (ggml_backend_view_init(v) != GGML_STATUS_SUCCESS) return std::nullopt;
+    for (int i = 0; i < ggml_graph_n_nodes(pg.graph); ++i)
+        if (!ggml_backend_supports_op(be.acc, ggml_graph_node(pg.graph, i))) return std::nullopt;
+    size_t k_ids = 0;
+    for (const auto& [dst, src] : uploads) {
+        if (src != nullptr) {
+            ggml_backend_tensor_set_async(be.acc, dst, src->data, 0, ggml_nbytes(dst));
+        } else {
+            while (slot_ids[k_ids].empty()) ++k_ids;
+            ggml_backend_tensor_set_async(be.acc, dst, slot_ids[k_ids].data(), 0, ggml_nbytes(dst));
+            ++k_ids;
+        }
+    }
+    ggml_status st = ggml_backend_graph_compute_async(be.acc, pg.graph);
+
+    // The CPU's half meanwhile: the chain itself, its MUL_MAT_IDs routed to the CPU's experts.
+    if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
+        std::vector<char> mem;
+        Graph cg(mem, 1, static_cast<int>(n_nodes));
+        ggml_tensor* cids = ggml_new_tensor_2d(cg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
+        cids->data = split->cpu_ids.data();
+        for (auto* node : unit->nodes)
+            if (!is_noop(node)) ggml_graph_add_node(cg.graph, node);
+        for (auto* m : unit->mmids) m->src[2] = cids;
+        st = ggml_backend_graph_compute(be.cpu, cg.graph);
+        for (auto* m : unit->mmids) m->src[2] = ids;
+    }
+    size_t out_bytes = 0;
+    for (auto* o : outs) out_bytes += ggml_nbytes(o);
+    be.pool_out.resize(out_bytes);
+    size_t at = 0;
+    for (auto* o : outs) {
+        ggml_backend_tensor_get_async(be.acc, o, be.pool_out.data() + at, 0, ggml_nbytes(o));
+        at += ggml_nbytes(o);
+    }
+    ggml_backend_synchronize(be.acc);
+    if (st != GGML_STATUS_SUCCESS) return st;
+    at = 0;
+    for (size_t i = 0; i < outs.size(); ++i) {
+        ggml_tensor* o = unit->outputs[i];
+        join_rows(*split, Rows{static_cast<char*>(o->data), o->nb[1], o->nb[2]},
+                  ConstRows{be.pool_out.data() + at, outs[i]->nb[1], outs[i]->nb[2]},
+                  static_cast<size_t>(o->ne[0]) * sizeof(float));
+        at += ggml_nbytes(outs[i]);
+    }
+    pool.count_rows(split->pool_rows, split->cpu_rows);
+    pool.count_split(true);
+    pool.used(group, split->pool_experts, split->cpu_experts);
     return GGML_STATUS_SUCCESS;
 }
 
@@ -259,6 +473,11 @@ void backend_free(ggml_backend_t b) {
 }
 ggml_status backend_graph_compute(ggml_backend_t b, ggml_cgraph* graph) {
     auto& be = *backend_of(b);
+    if (const auto st = compute_unit(be, graph)) return *st;
+    {
+        std::lock_guard lock(ExpertPool::get().mu);
+        ExpertPool::get().count_split(false);
+    }
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; ++i) {
         ggml_tensor* node = ggml_graph_node(graph, i);
@@ -342,12 +561,27 @@ ggml_backend_buffer_t dev_buffer_from_host_ptr(ggml_backend_dev_t, void* ptr, si
     h->size = size;
     return ggml_backend_buffer_init(&registry->buft, buffer_iface(), h, size);
 }
+// MUL_MAT_ID over the backend's own tensors; and the row-wise ops of an expert FFN, so that the
+// scheduler gives the backend a layer's whole chain (up, gate, activation, down, weighting) as one
+// split: the halves then join once a layer, not once a MUL_MAT_ID.
 bool dev_supports_op(ggml_backend_dev_t, const ggml_tensor* op) {
-    if (op->op != GGML_OP_MUL_MAT_ID) return false;
-    const ggml_tensor* w = op->src[0];
-    if (w->buffer == nullptr || w->buffer->buft != &registry->buft) return false;
     ggml_backend_dev_t cpu = cpu_device();
-    return cpu != nullptr && ggml_backend_dev_supports_op(cpu, op);
+    if (cpu == nullptr) return false;
+    if (op->op == GGML_OP_MUL_MAT_ID) {
+        const ggml_tensor* w = op->src[0];
+        if (w->buffer == nullptr || w->buffer->buft != &registry->buft) return false;
+        return ggml_backend_dev_supports_op(cpu, op);
+    }
+    // Not an op over a weight (a norm's MUL): the loader would put the weight here, the scheduler
+    // the op. Only an expert bias (ADD_ID's second source) is a weight of the chain.
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        const ggml_tensor* src = op->src[i];
+        if (src != nullptr && src->op == GGML_OP_NONE && src->view_src == nullptr &&
+            !(op->op == GGML_OP_ADD_ID && i == 1)) {
+            return false;
+        }
+    }
+    return row_wise(op) && ggml_backend_dev_supports_op(cpu, op);
 }
 bool dev_supports_buft(ggml_backend_dev_t, ggml_backend_buffer_type_t buft) {
     return buft == &registry->buft || ggml_backend_buft_is_host(buft);
@@ -373,10 +607,12 @@ void* reg_proc(ggml_backend_reg_t, const char* name) {
 void say_stats() {
     const auto s = ExpertPool::get().stats();
     const double rows = static_cast<double>(s.pool_rows + s.cpu_rows);
-    say("%llu expert rows computed: %.1f %% from the pool, %llu fills (%.2f GiB), %llu declined",
+    say("%llu expert rows computed: %.1f %% from the pool, %llu fills (%.2f GiB), %llu declined; %llu splits as a "
+        "layer's chain, %llu node by node",
         static_cast<unsigned long long>(s.pool_rows + s.cpu_rows), rows > 0 ? 100.0 * static_cast<double>(s.pool_rows) / rows : 0.0,
         static_cast<unsigned long long>(s.fills), static_cast<double>(s.fill_bytes) / (1 << 30),
-        static_cast<unsigned long long>(s.declined));
+        static_cast<unsigned long long>(s.declined), static_cast<unsigned long long>(s.units),
+        static_cast<unsigned long long>(s.nodes));
 }
 
 ggml_backend_reg_t make_registry() {

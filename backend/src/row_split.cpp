@@ -15,6 +15,7 @@ Result<RowSplit> split_rows(const char* ids, size_t nb0, size_t nb1, int64_t n_u
     s.n_used = n_used;
     s.n_tokens = n_tokens;
     const auto rows = static_cast<size_t>(n_used * n_tokens);
+    s.experts.assign(rows, -1);
     s.pool_ids.assign(rows, -1);
     s.cpu_ids.assign(rows, -1);
     s.pooled.assign(rows, 0);
@@ -28,6 +29,7 @@ Result<RowSplit> split_rows(const char* ids, size_t nb0, size_t nb1, int64_t n_u
                              n_expert);
             }
             const auto r = static_cast<size_t>(t * n_used + k);
+            s.experts[r] = e;
             const int32_t slot = slot_of(e);
             if (slot >= n_slots) return failf("expert {} is said to be in slot {} of a pool of {}", e, slot, n_slots);
             if (slot >= 0) {

@@ -55,6 +55,12 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithTheExpertsInTheBackend)
         << split.err;
     EXPECT_GT(std::stod(m[2]), 5.0) << split.err;
     EXPECT_LT(std::stod(m[2]), 100.0) << split.err;
+    // llama.cpp's scheduler gave it each layer's chain (up, gate, activation, down, weighting) as
+    // one split, and nothing else: the halves join once a layer.
+    ASSERT_TRUE(std::regex_search(split.err, m, std::regex(R"((\d+) splits as a layer's chain, (\d+) node by node)")))
+        << split.err;
+    EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
+    EXPECT_EQ(std::stoul(m[2]), 0u) << split.err;
 }
 
 }  // namespace

@@ -19,6 +19,7 @@ namespace moecache::backend {
 
 struct RowSplit {
     int64_t n_used = 0, n_tokens = 0;
+    std::vector<int32_t> experts;   // [n_tokens][n_used], dense: the ids as given
     std::vector<int32_t> pool_ids;  // [n_tokens][n_used], dense: slots
     std::vector<int32_t> cpu_ids;   // [n_tokens][n_used], dense: experts
     std::vector<uint8_t> pooled;    // [n_tokens][n_used]: whether the row is the pool's
