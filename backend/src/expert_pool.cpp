@@ -2,6 +2,9 @@
 
 #include "say.h"
 
+#include <dlfcn.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -85,18 +88,27 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     }
     if (!make_arenas(dev, settings)) return nullptr;
     dev_ = dev;
-    filler_ = std::thread([this] { fill_loop(); });
+    filler_ = std::thread([this] {
+        register_for_dma();
+        fill_loop();
+    });
     atexit(stop_filler);  // before the device's runtime is torn down (atexit runs in reverse)
     return dev_;
 }
 
 bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
     // Slices by size: an arena per size, its share of the pool that size's share of the experts.
-    std::map<uint64_t, uint64_t> bytes_by_size;
+    // Each keeps room to stage one layer's experts of that size (a large batch misses most of them).
+    std::map<uint64_t, uint64_t> bytes_by_size, stage_by_size;
     uint64_t expert_bytes = 0;
     for (const auto& [data, t] : tensors_) {
         bytes_by_size[t.slice_bytes] += t.slice_bytes * static_cast<uint64_t>(t.n_expert);
         expert_bytes += t.slice_bytes * static_cast<uint64_t>(t.n_expert);
+    }
+    for (const auto& g : groups_) {
+        std::map<uint64_t, uint64_t> in_group;
+        for (const auto* t : g) in_group[t->slice_bytes] += static_cast<uint64_t>(t->n_expert);
+        for (const auto& [size, n] : in_group) stage_by_size[size] = std::max(stage_by_size[size], n);
     }
     if (expert_bytes == 0) {
         say("no expert tensors in the backend's buffers (-ot exps=MOECACHE?): nothing to pool");
@@ -127,12 +139,14 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
         a.base = static_cast<char*>(ggml_backend_buffer_get_base(buf));
         a.slot_bytes = slot_bytes;
         a.slots = static_cast<uint32_t>(count);
+        // Staging only where the pool keeps most of the arena (else large batches split as small ones).
+        a.staging = stage_by_size[slot_bytes] * 2 <= count ? static_cast<uint32_t>(stage_by_size[slot_bytes]) : 0;
         a.whole = ggml_new_tensor_1d(ctx_, GGML_TYPE_I8, static_cast<int64_t>(count * slot_bytes));
         if (ggml_backend_tensor_alloc(buf, a.whole, a.base) != GGML_STATUS_SUCCESS) {
             ggml_backend_buffer_free(buf);
             continue;
         }
-        slots_.add_arena(slot_bytes, reinterpret_cast<uint64_t>(a.base), a.slots);
+        slots_.add_arena(slot_bytes, reinterpret_cast<uint64_t>(a.base), a.slots - a.staging);
         made += count * slot_bytes;
         arenas_.push_back(a);
     }
@@ -223,6 +237,61 @@ bool ExpertPool::admit(uint32_t group, uint32_t expert) {
     }
     if (!got.empty()) fill_cv_.notify_one();
     return true;
+}
+
+// Pins the expert tensors' host bytes for the device's DMA engines (what large batches stage and
+// fills copy come at link speed, not through the driver's pageable bounce), where they fit in half of
+// RAM: the CUDA runtime the process loaded (libggml-cuda's), registering read-only, portable. Else,
+// or on another device, copies are pageable.
+void ExpertPool::register_for_dma() {
+    if (dev_ == nullptr || strncmp(ggml_backend_dev_name(dev_), "CUDA", 4) != 0) return;
+    void* cudart = nullptr;
+    for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+        if ((cudart = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) != nullptr) break;
+    }
+    if (cudart == nullptr) {
+        say("no shared CUDA runtime in the process: large batches stage experts through pageable copies");
+        return;
+    }
+    using Register = int (*)(void*, size_t, unsigned);
+    auto reg = reinterpret_cast<Register>(dlsym(cudart, "cudaHostRegister"));
+    // Ranges: the tensors in address order, merged where they share a page.
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+    {
+        std::lock_guard lock(mu);
+        for (const auto& [data, t] : tensors_) {
+            const auto begin = reinterpret_cast<uintptr_t>(t.data);
+            ranges.emplace_back(begin, begin + t.slice_bytes * static_cast<uint64_t>(t.n_expert));
+        }
+    }
+    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const auto ram = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page;
+    uint64_t total = 0;
+    for (const auto& [b, e] : ranges) total += e - b;
+    if (reg == nullptr || total > ram / 2) {
+        say("%.1f GiB of experts, %.1f GiB of RAM: not pinned; large batches stage experts through pageable copies",
+            static_cast<double>(total) / (1 << 30), static_cast<double>(ram) / (1 << 30));
+        return;
+    }
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+    for (auto [b, e] : ranges) {
+        b = b / page * page;
+        e = (e + page - 1) / page * page;
+        if (!merged.empty() && b <= merged.back().second) {
+            merged.back().second = std::max(merged.back().second, e);
+        } else {
+            merged.emplace_back(b, e);
+        }
+    }
+    constexpr unsigned kPortable = 0x01, kReadOnly = 0x08;  // cudaHostRegisterPortable, ...ReadOnly
+    uint64_t pinned = 0;
+    for (const auto& [b, e] : merged) {
+        if (reg(reinterpret_cast<void*>(b), e - b, kPortable | kReadOnly) == 0) pinned += e - b;
+    }
+    std::lock_guard lock(mu);
+    stats_.registered = pinned == total || pinned > 0;
+    if (log_) say("%.2f GiB of expert bytes pinned for DMA", static_cast<double>(pinned) / (1 << 30));
 }
 
 void ExpertPool::fill_loop() {

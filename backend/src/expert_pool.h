@@ -38,7 +38,8 @@ struct PoolArena {
     ggml_tensor* whole = nullptr;  // every slot, as bytes: what fills write through
     char* base = nullptr;          // the buffer's base (a device address)
     uint64_t slot_bytes = 0;
-    uint32_t slots = 0;
+    uint32_t slots = 0;    // all of them: the pool's, then the staging ones
+    uint32_t staging = 0;  // the last `staging` slots: a large batch's misses, copied in for it
     // The arena seen as one expert tensor [ne0, ne1, slots] of a type: what a compute reads.
     struct View {
         ggml_type type;
@@ -51,6 +52,8 @@ struct PoolArena {
 struct PoolStats {
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
+    uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
+    bool registered = false;                // the expert tensors are pinned for DMA
 };
 
 class ExpertPool {
@@ -89,6 +92,10 @@ public:
 
     // Waits for the fills queued so far (tests; before exit).
     void drain();
+    void count_staged(uint64_t bytes) {
+        ++stats_.staged;
+        stats_.staged_bytes += bytes;
+    }
 
 private:
     struct Fill {
@@ -98,6 +105,7 @@ private:
         size_t offset;
     };
     bool make_arenas(ggml_backend_dev_t dev, const Settings& settings);
+    void register_for_dma();
     void fill_loop();
     static void stop_filler();
 

@@ -253,6 +253,10 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
 }
 
 
+// From this many tokens a batch's misses are copied to the device rather than computed on the CPU:
+// llama.cpp's own offload threshold (GGML_OP_OFFLOAD_MIN_BATCH's default).
+constexpr int64_t kLargeBatch = 32;
+
 // ---- a unit: a layer's expert FFN as one split (MUL_MAT_IDs and the row-wise ops between) ----
 
 // Ops that compute row (k, t) of their output from row (k, t) of their inputs (or a broadcast):
@@ -334,6 +338,41 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     auto split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                             unit->weights[0]->n_expert, 1, [&](int32_t e) { return pool.pooled(group, e) ? 0 : -1; });
     if (!split) return std::nullopt;  // the per-node path says what is wrong
+
+    // A large batch (a prompt) reads nearly every expert of the layer: the ones not pooled are
+    // copied to the device's staging slots for it, and the whole chain runs there, as llama.cpp
+    // offloads a large batch's CPU experts; its misses still count for the pool's admissions.
+    std::vector<std::unordered_map<int32_t, int32_t>> staged(unit->mmids.size());
+    const std::vector<int32_t> missed = split->cpu_experts;
+    if (ids->ne[1] >= kLargeBatch && split->cpu_rows > 0) {
+        std::unordered_map<const PoolArena*, uint32_t> need;
+        for (const auto* w : unit->weights) {
+            const auto* a = pool.arena_for(w->slice_bytes);
+            need[a] += a != nullptr ? static_cast<uint32_t>(split->cpu_experts.size()) : UINT32_MAX / 2;
+        }
+        bool room = true;
+        for (const auto& [a, n] : need) room = room && a != nullptr && n <= a->staging;
+        if (room) {
+            std::unordered_map<const PoolArena*, uint32_t> next;
+            for (size_t k = 0; k < unit->mmids.size(); ++k) {
+                const ExpertTensor& w = *unit->weights[k];
+                const auto* a = pool.arena_for(w.slice_bytes);
+                for (const int32_t e : split->cpu_experts) {
+                    const uint32_t slot = a->slots - a->staging + next[a]++;
+                    ggml_backend_tensor_set_async(be.acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
+                                                  static_cast<size_t>(slot) * a->slot_bytes, w.slice_bytes);
+                    staged[k][e] = static_cast<int32_t>(slot);
+                    pool.count_staged(w.slice_bytes);
+                }
+            }
+            // Every row is the device's now.
+            std::fill(split->pooled.begin(), split->pooled.end(), 1);
+            split->pool_rows += split->cpu_rows;
+            split->cpu_rows = 0;
+            split->pool_experts.insert(split->pool_experts.end(), split->cpu_experts.begin(), split->cpu_experts.end());
+            split->cpu_experts.clear();
+        }
+    }
     if (split->pool_rows == 0) {
         lock.unlock();
         for (auto* node : unit->nodes) {
@@ -381,8 +420,12 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
                     const ExpertTensor& w = *unit->weights[k];
                     auto& v = slot_ids[k];
                     v.resize(split->pool_ids.size());
-                    const int32_t filler = pool.slot_of(w, split->pool_experts.front());
-                    for (size_t r = 0; r < v.size(); ++r) v[r] = split->pooled[r] ? pool.slot_of(w, split->experts[r]) : filler;
+                    const auto slot_for = [&](int32_t e) {
+                        const auto st = staged[k].find(e);
+                        return st != staged[k].end() ? st->second : pool.slot_of(w, e);
+                    };
+                    const int32_t filler = slot_for(split->pool_experts.front());
+                    for (size_t r = 0; r < v.size(); ++r) v[r] = split->pooled[r] ? slot_for(split->experts[r]) : filler;
                     uploads.emplace_back(c->src[2], nullptr);
                 } else {
                     c->src[i] = clone(t->src[i]);
@@ -456,7 +499,10 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     }
     pool.count_rows(split->pool_rows, split->cpu_rows);
     pool.count_split(true);
-    pool.used(group, split->pool_experts, split->cpu_experts);
+    std::vector<int32_t> hits;
+    for (const int32_t e : split->pool_experts)
+        if (std::find(missed.begin(), missed.end(), e) == missed.end()) hits.push_back(e);
+    pool.used(group, hits, missed);
     return GGML_STATUS_SUCCESS;
 }
 
@@ -608,11 +654,12 @@ void say_stats() {
     const auto s = ExpertPool::get().stats();
     const double rows = static_cast<double>(s.pool_rows + s.cpu_rows);
     say("%llu expert rows computed: %.1f %% from the pool, %llu fills (%.2f GiB), %llu declined; %llu splits as a "
-        "layer's chain, %llu node by node",
+        "layer's chain, %llu node by node; %llu slices staged for large batches (%.2f GiB)",
         static_cast<unsigned long long>(s.pool_rows + s.cpu_rows), rows > 0 ? 100.0 * static_cast<double>(s.pool_rows) / rows : 0.0,
         static_cast<unsigned long long>(s.fills), static_cast<double>(s.fill_bytes) / (1 << 30),
         static_cast<unsigned long long>(s.declined), static_cast<unsigned long long>(s.units),
-        static_cast<unsigned long long>(s.nodes));
+        static_cast<unsigned long long>(s.nodes), static_cast<unsigned long long>(s.staged),
+        static_cast<double>(s.staged_bytes) / (1 << 30));
 }
 
 ggml_backend_reg_t make_registry() {
