@@ -193,6 +193,7 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
     const PoolArena* arena = dev != nullptr ? pool.arena_for(t->slice_bytes) : nullptr;
     if (arena == nullptr || !ggml_is_contiguous(b) || ids->buffer == nullptr || !ggml_backend_buffer_is_host(ids->buffer) ||
         !acc_ready(be, dev)) {
+        if (t != nullptr) pool.count_rows(0, static_cast<uint32_t>(ids->ne[0] * ids->ne[1]));
         lock.unlock();
         return compute_on_cpu(be, node);
     }
@@ -670,12 +671,9 @@ ggml_backend_reg_t make_registry() {
         return nullptr;
     }
     registry = new Registry;
-    if (auto s = settings_from_env()) {
-        registry->settings = *s;
-    } else {
-        say("%s: the pool is off, every expert is computed on the CPU", s.error().what().c_str());
-        registry->settings.device = "none";
-    }
+    std::string problem;
+    registry->settings = settings_from_env(&problem);
+    if (!problem.empty()) say("%s: the pool is off, every expert is computed on the CPU", problem.c_str());
     if (registry->settings.log) atexit(say_stats);
 
     ggml_backend_buffer_type_i bi{};

@@ -8,10 +8,16 @@
 
 namespace moecache::backend {
 
-Result<Settings> settings_from_env() {
+Settings settings_from_env(std::string* problem) {
     Settings s;
+    if (const char* l = getenv("MOECACHE_GGML_LOG"); l != nullptr && *l && strcmp(l, "0") != 0) s.log = true;
+    const auto off = [&](std::string why) {
+        *problem = std::move(why);
+        s.device = "none";
+        return s;
+    };
     if (const char* d = getenv("MOECACHE_GGML_DEVICE"); d != nullptr && *d) {
-        if (strlen(d) > 64) return failf("MOECACHE_GGML_DEVICE: a device name of {} characters", strlen(d));
+        if (strlen(d) > 64) return off(fmt::format("MOECACHE_GGML_DEVICE: a device name of {} characters", strlen(d)));
         s.device = d;
     }
     if (const char* p = getenv("MOECACHE_GGML_POOL"); p != nullptr && *p && strcmp(p, "auto") != 0) {
@@ -20,12 +26,11 @@ Result<Settings> settings_from_env() {
         if (percent) v.pop_back();
         const auto n = cuda::parse_size(v);
         if (!n || (percent && (*n > 100 || v.find_first_not_of("0123456789.") != std::string::npos))) {
-            return failf("MOECACHE_GGML_POOL={}: not a size (12G, 512M) or a share of the experts (60%)", p);
+            return off(fmt::format("MOECACHE_GGML_POOL={}: not a size (12G, 512M) or a share of the experts (60%)", p));
         }
         s.pool_kind = percent ? Settings::PoolKind::Percent : Settings::PoolKind::Bytes;
         s.pool_value = *n;
     }
-    if (const char* l = getenv("MOECACHE_GGML_LOG"); l != nullptr && *l && strcmp(l, "0") != 0) s.log = true;
     return s;
 }
 

@@ -22,8 +22,9 @@ struct Settings {
     bool log = false;
 };
 
-// From the environment; a bad value is an error naming the variable and the value.
-Result<Settings> settings_from_env();
+// From the environment. A bad value is said in `problem` (naming the variable and the value) and
+// turns the pool off: every expert is then computed on the CPU.
+Settings settings_from_env(std::string* problem);
 
 // The pool's bytes on a device with `free_bytes` free, for expert tensors of `expert_bytes` in all:
 // what was asked for, within what is free less a reserve for the runtime's later allocations (a new

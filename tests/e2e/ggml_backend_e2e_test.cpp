@@ -72,5 +72,32 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertO
     EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
 }
 
+TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
+    if (!std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json"))
+        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
+                     << ": run scripts/setup/install-deps.sh";
+    test::TempDir dir;
+    auto spec = test::small_spec();
+    spec.expert_type = *ggml_type_info(ggml::Q4_K);
+    const auto model = test::write_model(spec, dir.file("model.gguf"), 1)[0];
+    const auto reference = generate(model, {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
+                                            "MOECACHE_GGML_DEVICE=none"});
+    ASSERT_FALSE(reference.text.empty());
+
+    // Built against another ggml: not loaded (ggml's loader goes on without it), and says both.
+    const auto other = generate(model, {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_MISMATCH_SO});
+    EXPECT_FALSE(other.text.empty());
+    EXPECT_NE(other.err.find("built against ggml 0.0.0-test"), std::string::npos) << other.err;
+    EXPECT_NE(other.err.find("this runtime's ggml is 0."), std::string::npos) << other.err;
+    EXPECT_EQ(other.err.find("expert rows computed"), std::string::npos) << other.err;
+
+    // A setting it cannot read: the pool is off, every expert on the CPU, the setting named.
+    const auto bad = generate(model, {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
+                                      "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=lots", "MOECACHE_GGML_LOG=1"});
+    EXPECT_EQ(bad.text, reference.text) << bad.err;
+    EXPECT_NE(bad.err.find("MOECACHE_GGML_POOL=lots: not a size"), std::string::npos) << bad.err;
+    EXPECT_NE(bad.err.find("0.0 % from the pool"), std::string::npos) << bad.err;
+}
+
 }  // namespace
 }  // namespace moecache
