@@ -53,6 +53,7 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     e.slice_bytes = t->nb[2];
     e.group = it->second;
     e.index = static_cast<uint32_t>(groups_[e.group].size());
+    if (strncmp(t->name, "blk.", 4) == 0) e.block = static_cast<uint32_t>(strtoul(t->name + 4, nullptr, 10));
     e.name = t->name;
     const auto n = static_cast<uint32_t>(e.n_expert);
     slots_.add_model(e.group, (e.index + 1) * n, n);
@@ -70,6 +71,8 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     if (tried_) return dev_;
     tried_ = true;
     log_ = settings.log;
+    link_ = std::make_unique<DaemonLink>(settings.client);
+    group_model_.assign(groups_.size(), UINT32_MAX - 1);  // UINT32_MAX - 1: not asked yet
     if (settings.device == "none") return nullptr;
     ggml_backend_dev_t dev = nullptr;
     if (settings.device == "auto") {
@@ -148,6 +151,7 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
         }
         slots_.add_arena(slot_bytes, reinterpret_cast<uint64_t>(a.base), a.slots - a.staging);
         made += count * slot_bytes;
+        pool_bytes_ += count * slot_bytes;
         arenas_.push_back(a);
     }
     if (arenas_.empty()) {
@@ -199,13 +203,52 @@ bool ExpertPool::pooled(uint32_t group, int32_t expert) {
     return true;
 }
 
-void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts, const std::vector<int32_t>& missed) {
+uint32_t ExpertPool::model_of(uint32_t group) {
+    if (link_ == nullptr || group >= group_model_.size()) return UINT32_MAX;
+    if (group_model_[group] == UINT32_MAX - 1) group_model_[group] = link_->model_of(groups_[group].front()->data);
+    return group_model_[group];
+}
+
+void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts, const std::vector<int32_t>& missed,
+                      uint32_t tokens) {
+    if (link_ != nullptr) {
+        std::vector<int32_t> all(pooled_experts);
+        all.insert(all.end(), missed.begin(), missed.end());
+        link_->report(model_of(group), groups_[group].front()->block, all, tokens);
+        if (dev_ != nullptr && since_report_++ % 64 == 0) link_->pool(stats_.pool_rows, stats_.cpu_rows, pool_bytes_);
+        for (const auto& d : link_->directives()) follow(d);
+    }
     for (const int32_t e : pooled_experts) heat_.touch(group, static_cast<uint32_t>(e));
     for (const int32_t e : missed) {
         heat_.touch(group, static_cast<uint32_t>(e));
         if (fills_.size() + groups_[group].size() > kMaxQueued || !admit(group, static_cast<uint32_t>(e))) {
             ++stats_.declined;
         }
+    }
+}
+
+// The daemon's word on an expert: promoted ones rank above every other and are admitted now;
+// demoted ones leave the pool.
+void ExpertPool::follow(const moecache_directive& d) {
+    for (uint32_t g = 0; g < groups_.size(); ++g) {
+        if (group_model_[g] != d.model || groups_[g].front()->block != d.block) continue;
+        if (d.expert >= static_cast<uint32_t>(groups_[g].front()->n_expert)) return;
+        switch (d.action) {
+            case MOECACHE_PROMOTE:
+                heat_.set_promoted(g, d.expert, true);
+                if (dev_ != nullptr && !pooled(g, static_cast<int32_t>(d.expert))) (void)admit(g, d.expert);
+                break;
+            case MOECACHE_DEMOTE:
+                heat_.set_promoted(g, d.expert, false);
+                if (slots_.drop_expert(g, d.expert) > 0) link_->placement(d.model, d.block, d.expert, false);
+                break;
+            case MOECACHE_UNPROMOTE:
+                heat_.set_promoted(g, d.expert, false);
+                break;
+            default:
+                break;
+        }
+        return;
     }
 }
 
@@ -224,6 +267,9 @@ bool ExpertPool::admit(uint32_t group, uint32_t expert) {
                                   : 0;
         if (evicted.model != cuda::kNoSlot && !(evicted.model == group && evicted.expert == expert)) {
             slots_.drop_expert(evicted.model, evicted.expert);
+            if (link_ != nullptr) {
+                link_->placement(model_of(evicted.model), groups_[evicted.model].front()->block, evicted.expert, false);
+            }
         }
         if (addr == 0) {
             for (const auto& [gt, a] : got) slots_.drop(group, gt->index * static_cast<uint32_t>(gt->n_expert) + expert);
@@ -313,6 +359,10 @@ void ExpertPool::fill_loop() {
         if (slots_.commit(cuda::SliceRef{t.group, slice, f.expert}) != 0) {
             ++stats_.fills;
             stats_.fill_bytes += t.slice_bytes;
+            // The expert's last slice in: it is in VRAM now, and the daemon may let its RAM go.
+            if (link_ != nullptr && pooled(t.group, static_cast<int32_t>(f.expert))) {
+                link_->placement(model_of(t.group), t.block, f.expert, true);
+            }
         }
         if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
     }

@@ -5,6 +5,7 @@
 // its lock.
 #pragma once
 
+#include "daemon_link.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "moecache/cuda/vram_pool.h"
@@ -30,6 +31,7 @@ struct ExpertTensor {
     // The layer's tensors are one group (the pool's model): an expert is pooled when each of its
     // group's slices is, and is admitted and evicted whole. Slice index: index * n_expert + expert.
     uint32_t group = 0, index = 0;
+    uint32_t block = 0;  // the layer: N of blk.N (what the daemon's expert map numbers)
     std::string name;
 };
 
@@ -80,7 +82,8 @@ public:
     ggml_tensor* view(const ExpertTensor& t);
     // Under mu: what the computes used. Misses that the local policy admits are copied in by the
     // pool's own thread, off the computes' path: a slot serves once its copy is done.
-    void used(uint32_t group, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed);
+    // `tokens`: the batch's. Reported to moecached with the experts, whose directives are followed.
+    void used(uint32_t group, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed, uint32_t tokens);
 
     [[nodiscard]] PoolStats stats() const { return stats_; }
     void count_split(bool unit) { ++(unit ? stats_.units : stats_.nodes); }
@@ -110,10 +113,16 @@ private:
     static void stop_filler();
 
     bool admit(uint32_t group, uint32_t expert);
+    uint32_t model_of(uint32_t group);
+    void follow(const moecache_directive& d);
 
     std::unordered_map<const void*, ExpertTensor> tensors_;
     std::vector<std::vector<const ExpertTensor*>> groups_;  // by group: its tensors, by index
     std::unordered_map<std::string, uint32_t> group_of_;     // "blk.N." -> group
+    std::unique_ptr<DaemonLink> link_;
+    std::vector<uint32_t> group_model_;  // by group: the daemon link's model handle (UINT32_MAX: none)
+    uint64_t pool_bytes_ = 0;
+    uint32_t since_report_ = 0;
     std::vector<PoolArena> arenas_;
     ggml_context* ctx_ = nullptr;  // the arenas' whole-slot tensors
     cuda::VramPool slots_;

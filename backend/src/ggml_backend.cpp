@@ -208,7 +208,7 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
     if (split->pool_rows == 0) {
         const ggml_status st = compute_on_cpu(be, node);
         pool.count_rows(0, split->cpu_rows);
-        pool.used(t->group, {}, split->cpu_experts);
+        pool.used(t->group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
         return st;
     }
 
@@ -249,7 +249,7 @@ ggml_status compute_experts(Backend& be, ggml_tensor* node) {
     join_rows(*split, Rows{static_cast<char*>(node->data), node->nb[1], node->nb[2]},
               ConstRows{be.pool_out.data(), pout->nb[1], pout->nb[2]}, static_cast<size_t>(node->ne[0]) * sizeof(float));
     pool.count_rows(split->pool_rows, split->cpu_rows);
-    pool.used(t->group, split->pool_experts, split->cpu_experts);
+    pool.used(t->group, split->pool_experts, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
     return GGML_STATUS_SUCCESS;
 }
 
@@ -383,7 +383,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         lock.lock();
         pool.count_rows(0, split->cpu_rows);
         pool.count_split(true);
-        pool.used(group, {}, split->cpu_experts);
+        pool.used(group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
         return GGML_STATUS_SUCCESS;
     }
 
@@ -503,7 +503,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     std::vector<int32_t> hits;
     for (const int32_t e : split->pool_experts)
         if (std::find(missed.begin(), missed.end(), e) == missed.end()) hits.push_back(e);
-    pool.used(group, hits, missed);
+    pool.used(group, hits, missed, static_cast<uint32_t>(ids->ne[1]));
     return GGML_STATUS_SUCCESS;
 }
 

@@ -11,6 +11,9 @@ namespace moecache::backend {
 Settings settings_from_env(std::string* problem) {
     Settings s;
     if (const char* l = getenv("MOECACHE_GGML_LOG"); l != nullptr && *l && strcmp(l, "0") != 0) s.log = true;
+    if (const char* c = getenv("MOECACHE_GGML_CLIENT"); c != nullptr && (!strcmp(c, "off") || !strcmp(c, "0"))) {
+        s.client = false;
+    }
     const auto off = [&](std::string why) {
         *problem = std::move(why);
         s.device = "none";

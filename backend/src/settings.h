@@ -6,6 +6,7 @@
 //                         MOECACHE_CUDA_POOL means it); auto: all of them. Never more than the
 //                         device has free when the pool is made, less a reserve for the runtime
 //   MOECACHE_GGML_LOG     1: a line per pool change and the pool's figures at exit
+//   MOECACHE_GGML_CLIENT  off: no link to moecached (no routing reports, no one place)
 #pragma once
 
 #include "moecache/error.h"
@@ -20,6 +21,7 @@ struct Settings {
     enum class PoolKind { Auto, Bytes, Percent } pool_kind = PoolKind::Auto;
     double pool_value = 0;
     bool log = false;
+    bool client = true;
 };
 
 // From the environment. A bad value is said in `problem` (naming the variable and the value) and

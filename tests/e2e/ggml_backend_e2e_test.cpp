@@ -6,13 +6,19 @@
 // byte. (Not llama.cpp's own CPU text: without the backend, llama.cpp repacks CPU experts into its
 // interleaved layout, whose kernels sum in another order; with -ot exps=CPU, as GPU users run it,
 // it does not, and the backend's CPU half is ggml-cpu's MUL_MAT_ID: tests/ggml/backend_test.cpp.)
+#include "daemon_fixture.h"
 #include "model_fixture.h"
 #include "run.h"
 #include "temp_dir.h"
 
+#include "moecache/daemon/daemon.h"
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
+#include <chrono>
 #include <filesystem>
 #include <regex>
 
@@ -97,6 +103,45 @@ TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
     EXPECT_EQ(bad.text, reference.text) << bad.err;
     EXPECT_NE(bad.err.find("MOECACHE_GGML_POOL=lots: not a size"), std::string::npos) << bad.err;
     EXPECT_NE(bad.err.find("0.0 % from the pool"), std::string::npos) << bad.err;
+}
+
+// The backend speaks to moecached as the hook does: the daemon hears which experts each layer's
+// router picked, and which experts the pool holds (one place: it keeps those out of RAM).
+TEST(GgmlBackendRuntime, ReportsRoutingAndWhatThePoolHoldsToMoecached) {
+    if (::geteuid() != 0) GTEST_SKIP() << "moecached locks memory: root";
+    if (!std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json"))
+        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
+                     << ": run scripts/setup/install-deps.sh";
+    test::TempDir dir;
+    auto spec = test::small_spec();
+    spec.expert_type = *ggml_type_info(ggml::Q4_K);
+    const auto model = test::write_model(spec, dir.file("model.gguf"), 1)[0];
+    auto c = test::daemon_config(model, dir.file("state"), 64u << 20);
+    auto d = daemon::Daemon::create(c);
+    ASSERT_TRUE(d) << d.error().what();
+
+    test::Background node({"/usr/bin/env", std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
+                           "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%", "MOECACHE_SOCKET=" + c.socket_path,
+                           "node", std::string(MOECACHE_NODE_DIR) + "/generate.mjs", "--model", model, "--tokens", "2000",
+                           "--threads", "1", "--seed", "5"});
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+    int rc = -1;
+    uint64_t uses = 0, held = 0;
+    while (std::chrono::steady_clock::now() < deadline) {
+        ASSERT_TRUE((*d)->step(20));
+        const auto s = (*d)->status();
+        uses = held = 0;
+        for (const auto& e : s.models.at(0).experts) {
+            uses += e.uses;
+            held += e.vram_holders > 0 ? 1 : 0;
+        }
+        rc = node.wait(0.01);
+        if (rc != -1 || (uses > 0 && held > 0)) break;
+    }
+    if (rc == -1) rc = node.wait(120);
+    ASSERT_EQ(rc, 0) << node.output();
+    EXPECT_GT(uses, 0u) << "no routing reached the daemon: " << node.output();
+    EXPECT_GT(held, 0u) << "no expert the pool holds was reported: " << node.output();
 }
 
 }  // namespace
