@@ -29,6 +29,17 @@ struct Generated {
     std::string text, err;
 };
 
+bool runtime_installed() {
+    return std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json");
+}
+
+// The tests' small model (4 layers of 16 experts, 2 a token), experts in q4_K.
+std::string small_model(test::TempDir& dir) {
+    auto spec = test::small_spec();
+    spec.expert_type = *ggml_type_info(ggml::Q4_K);
+    return test::write_model(spec, dir.file("model.gguf"), 1)[0];
+}
+
 // A prompt of 60-odd tokens: llama.cpp evaluates it as one batch, past the backend's large-batch mark.
 constexpr const char* kPrompt =
     "the river ran past the old mill and the children watched the water turn the wheel while the miller "
@@ -45,13 +56,11 @@ Generated generate(const std::string& model, const std::vector<std::string>& env
 }
 
 TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertOnTheCpu) {
-    if (!std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json"))
+    if (!runtime_installed())
         GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
                      << ": run scripts/setup/install-deps.sh";
     test::TempDir dir;
-    auto spec = test::small_spec();
-    spec.expert_type = *ggml_type_info(ggml::Q4_K);
-    const auto model = test::write_model(spec, dir.file("model.gguf"), 1)[0];
+    const auto model = small_model(dir);
     const std::string lib = std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO;
 
     const auto cpu = generate(model, {lib, "MOECACHE_GGML_DEVICE=none", "MOECACHE_GGML_LOG=1"});
@@ -61,7 +70,8 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertO
     const auto split = generate(model, {lib, "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%", "MOECACHE_GGML_LOG=1"});
     EXPECT_EQ(split.text, cpu.text) << split.err;
     // Every expert tensor reached the backend (3 a layer), and rows came from the pool and the CPU.
-    EXPECT_NE(split.err.find("(" + std::to_string(3 * spec.n_layers) + " tensors)"), std::string::npos) << split.err;
+    EXPECT_NE(split.err.find("(" + std::to_string(3 * test::small_spec().n_layers) + " tensors)"), std::string::npos)
+        << split.err;
     std::smatch m;
     ASSERT_TRUE(std::regex_search(split.err, m, std::regex(R"((\d+) expert rows computed: ([\d.]+) % from the pool)")))
         << split.err;
@@ -79,13 +89,11 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertO
 }
 
 TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
-    if (!std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json"))
+    if (!runtime_installed())
         GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
                      << ": run scripts/setup/install-deps.sh";
     test::TempDir dir;
-    auto spec = test::small_spec();
-    spec.expert_type = *ggml_type_info(ggml::Q4_K);
-    const auto model = test::write_model(spec, dir.file("model.gguf"), 1)[0];
+    const auto model = small_model(dir);
     const auto reference = generate(model, {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
                                             "MOECACHE_GGML_DEVICE=none"});
     ASSERT_FALSE(reference.text.empty());
@@ -109,13 +117,11 @@ TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
 // router picked, and which experts the pool holds (one place: it keeps those out of RAM).
 TEST(GgmlBackendRuntime, ReportsRoutingAndWhatThePoolHoldsToMoecached) {
     if (::geteuid() != 0) GTEST_SKIP() << "moecached locks memory: root";
-    if (!std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json"))
+    if (!runtime_installed())
         GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
                      << ": run scripts/setup/install-deps.sh";
     test::TempDir dir;
-    auto spec = test::small_spec();
-    spec.expert_type = *ggml_type_info(ggml::Q4_K);
-    const auto model = test::write_model(spec, dir.file("model.gguf"), 1)[0];
+    const auto model = small_model(dir);
     auto c = test::daemon_config(model, dir.file("state"), 64u << 20);
     auto d = daemon::Daemon::create(c);
     ASSERT_TRUE(d) << d.error().what();
