@@ -14,16 +14,21 @@ DaemonLink::~DaemonLink() {
 
 uint32_t DaemonLink::model_of(const void* data) {
     if (client_ == nullptr) return UINT32_MAX;
+    const auto at = reinterpret_cast<uintptr_t>(data);
+    for (const auto& r : known_)
+        if (at >= r.start && at < r.end) return r.handle;
     const auto text = read_proc_text("/proc/self/maps");
     if (!text) return UINT32_MAX;
-    const auto at = reinterpret_cast<uintptr_t>(data);
     for (const auto& e : parse_maps(*text)) {
         if (at < e.mapping.start || at >= e.mapping.end) continue;
-        if (const auto it = handles_.find(e.path); it != handles_.end()) return it->second;
-        uint32_t handle = UINT32_MAX;
-        if (moecache_client_register_model(client_, e.path.c_str(), &handle) != 0) handle = UINT32_MAX;
-        handles_.emplace(e.path, handle);
-        return handle;
+        auto it = handles_.find(e.path);
+        if (it == handles_.end()) {
+            uint32_t handle = UINT32_MAX;
+            if (moecache_client_register_model(client_, e.path.c_str(), &handle) != 0) handle = UINT32_MAX;
+            it = handles_.emplace(e.path, handle).first;
+        }
+        known_.push_back(Range{e.mapping.start, e.mapping.end, it->second});
+        return it->second;
     }
     return UINT32_MAX;  // not mapped from a file: the runtime read the model into its own memory
 }

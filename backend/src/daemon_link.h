@@ -37,6 +37,11 @@ public:
 private:
     moecache_client* client_ = nullptr;
     std::unordered_map<std::string, uint32_t> handles_;  // by path
+    struct Range {
+        uintptr_t start, end;
+        uint32_t handle;
+    };
+    std::vector<Range> known_;  // mappings already registered: no maps read for their other tensors
 };
 
 }  // namespace moecache::backend

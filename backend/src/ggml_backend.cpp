@@ -117,6 +117,7 @@ struct Backend {
     ggml_backend_buffer_t scratch = nullptr;  // on the pool's device: activations, ids, results
     std::vector<char> pool_out;
     std::vector<char> ctx_mem;
+    std::vector<char> ctx_mem_node;  // the one-node graph compute_unit is given in a split node by node
     bool said_split_error = false;
 };
 
@@ -162,8 +163,7 @@ bool acc_ready(Backend& be, ggml_backend_dev_t dev) {
 }
 
 // Places `tensors` one after another in the backend's scratch buffer on the pool's device.
-template <class List>
-bool place(Backend& be, const List& tensors) {
+bool place(Backend& be, const std::vector<ggml_tensor*>& tensors) {
     auto* buft = ggml_backend_get_default_buffer_type(be.acc);
     const size_t align = ggml_backend_buft_get_alignment(buft);
     size_t need = 0;
@@ -180,79 +180,6 @@ bool place(Backend& be, const List& tensors) {
     }
     return true;
 }
-
-// A MUL_MAT_ID over an expert tensor: the pooled rows on the pool's device, the rest on the CPU.
-ggml_status compute_experts(Backend& be, ggml_tensor* node) {
-    ggml_tensor* w = node->src[0];
-    ggml_tensor* b = node->src[1];
-    ggml_tensor* ids = node->src[2];
-    auto& pool = ExpertPool::get();
-    std::unique_lock lock(pool.mu);
-    const ExpertTensor* t = pool.find(w->data);
-    ggml_backend_dev_t dev = t != nullptr ? pool.device(be.settings) : nullptr;
-    const PoolArena* arena = dev != nullptr ? pool.arena_for(t->slice_bytes) : nullptr;
-    if (arena == nullptr || !ggml_is_contiguous(b) || ids->buffer == nullptr || !ggml_backend_buffer_is_host(ids->buffer) ||
-        !acc_ready(be, dev)) {
-        if (t != nullptr) pool.count_rows(0, static_cast<uint32_t>(ids->ne[0] * ids->ne[1]));
-        lock.unlock();
-        return compute_on_cpu(be, node);
-    }
-    auto split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
-                            w->ne[2], arena->slots, [&](int32_t e) { return pool.slot_of(*t, e); });
-    if (!split) {
-        if (!be.said_split_error) say("%s: %s (computed on the CPU)", node->name, split.error().what().c_str());
-        be.said_split_error = true;
-        lock.unlock();
-        return compute_on_cpu(be, node);
-    }
-    if (split->pool_rows == 0) {
-        const ggml_status st = compute_on_cpu(be, node);
-        pool.count_rows(0, split->cpu_rows);
-        pool.used(t->group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
-        return st;
-    }
-
-    // The pool's half, queued on its device.
-    ggml_tensor* pw = pool.view(*t);
-    Graph pg(be.ctx_mem, 4, 1);
-    ggml_tensor* pb = ggml_new_tensor(pg.ctx, b->type, GGML_MAX_DIMS, b->ne);
-    ggml_tensor* pids = ggml_new_tensor_2d(pg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
-    ggml_tensor* pout = pw != nullptr ? ggml_mul_mat_id(pg.ctx, pw, pb, pids) : nullptr;
-    if (pw == nullptr || !place(be, std::initializer_list<ggml_tensor*>{pb, pids, pout}) ||
-        !ggml_backend_supports_op(be.acc, pout)) {
-        lock.unlock();
-        return compute_on_cpu(be, node);
-    }
-    pout->flags |= GGML_TENSOR_FLAG_COMPUTE;  // ggml computes only the nodes marked so
-    ggml_graph_add_node(pg.graph, pout);
-    ggml_backend_tensor_set_async(be.acc, pb, b->data, 0, ggml_nbytes(pb));
-    ggml_backend_tensor_set_async(be.acc, pids, split->pool_ids.data(), 0, ggml_nbytes(pids));
-    ggml_status st = ggml_backend_graph_compute_async(be.acc, pg.graph);
-
-    // The CPU's half meanwhile, straight into the node's output.
-    if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
-        std::vector<char> mem;
-        Graph cg(mem, 4, 1);
-        ggml_tensor* cids = ggml_new_tensor_2d(cg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
-        cids->data = split->cpu_ids.data();
-        ggml_tensor* cout = ggml_mul_mat_id(cg.ctx, w, b, cids);
-        cout->data = node->data;
-        cout->buffer = node->buffer;
-        cout->flags |= GGML_TENSOR_FLAG_COMPUTE;
-        ggml_graph_add_node(cg.graph, cout);
-        st = ggml_backend_graph_compute(be.cpu, cg.graph);
-    }
-    be.pool_out.resize(ggml_nbytes(pout));
-    ggml_backend_tensor_get_async(be.acc, pout, be.pool_out.data(), 0, ggml_nbytes(pout));
-    ggml_backend_synchronize(be.acc);
-    if (st != GGML_STATUS_SUCCESS) return st;
-    join_rows(*split, Rows{static_cast<char*>(node->data), node->nb[1], node->nb[2]},
-              ConstRows{be.pool_out.data(), pout->nb[1], pout->nb[2]}, static_cast<size_t>(node->ne[0]) * sizeof(float));
-    pool.count_rows(split->pool_rows, split->cpu_rows);
-    pool.used(t->group, split->pool_experts, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
-    return GGML_STATUS_SUCCESS;
-}
-
 
 // From this many tokens a batch's misses are copied to the device rather than computed on the CPU:
 // llama.cpp's own offload threshold (GGML_OP_OFFLOAD_MIN_BATCH's default).
@@ -338,7 +265,11 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     const uint32_t group = unit->group;
     auto split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                             unit->weights[0]->n_expert, 1, [&](int32_t e) { return pool.pooled(group, e) ? 0 : -1; });
-    if (!split) return std::nullopt;  // the per-node path says what is wrong
+    if (!split) {  // ids the router could not have made: said once, computed on the CPU as given
+        if (!be.said_split_error) say("%s: %s (computed on the CPU)", unit->mmids[0]->name, split.error().what().c_str());
+        be.said_split_error = true;
+        return std::nullopt;
+    }
 
     // A large batch (a prompt) reads nearly every expert of the layer: the ones not pooled are
     // copied to the device's staging slots for it, and the whole chain runs there, as llama.cpp
@@ -382,7 +313,6 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         }
         lock.lock();
         pool.count_rows(0, split->cpu_rows);
-        pool.count_split(true);
         pool.used(group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
         return GGML_STATUS_SUCCESS;
     }
@@ -499,7 +429,6 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         at += ggml_nbytes(outs[i]);
     }
     pool.count_rows(split->pool_rows, split->cpu_rows);
-    pool.count_split(true);
     std::vector<int32_t> hits;
     for (const int32_t e : split->pool_experts)
         if (std::find(missed.begin(), missed.end(), e) == missed.end()) hits.push_back(e);
@@ -520,17 +449,35 @@ void backend_free(ggml_backend_t b) {
 }
 ggml_status backend_graph_compute(ggml_backend_t b, ggml_cgraph* graph) {
     auto& be = *backend_of(b);
-    if (const auto st = compute_unit(be, graph)) return *st;
-    {
-        std::lock_guard lock(ExpertPool::get().mu);
-        ExpertPool::get().count_split(false);
+    auto& pool = ExpertPool::get();
+    const auto count = [&](bool unit) {
+        std::lock_guard lock(pool.mu);
+        pool.count_split(unit);
+    };
+    if (const auto st = compute_unit(be, graph)) {
+        count(true);
+        return *st;
     }
+    count(false);
+    // Not a layer's chain: node by node, each MUL_MAT_ID over an expert tensor a chain of its own.
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; ++i) {
         ggml_tensor* node = ggml_graph_node(graph, i);
         if (is_noop(node) || (node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) continue;
-        const ggml_status st = node->op == GGML_OP_MUL_MAT_ID ? compute_experts(be, node) : compute_on_cpu(be, node);
-        if (st != GGML_STATUS_SUCCESS) return st;
+        std::optional<ggml_status> st;
+        if (node->op == GGML_OP_MUL_MAT_ID) {
+            Graph one(be.ctx_mem_node, 0, 1);
+            ggml_graph_add_node(one.graph, node);
+            st = compute_unit(be, one.graph);
+            if (!st) {
+                std::lock_guard lock(pool.mu);
+                if (pool.find(node->src[0]->data) != nullptr) {
+                    pool.count_rows(0, static_cast<uint32_t>(node->src[2]->ne[0] * node->src[2]->ne[1]));
+                }
+            }
+        }
+        if (!st) st = compute_on_cpu(be, node);
+        if (*st != GGML_STATUS_SUCCESS) return *st;
     }
     return GGML_STATUS_SUCCESS;
 }
