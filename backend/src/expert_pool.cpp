@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 
@@ -91,8 +92,9 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     }
     if (!make_arenas(dev, settings)) return nullptr;
     dev_ = dev;
-    filler_ = std::thread([this] {
-        register_for_dma();
+    const bool pin = settings.pin;
+    filler_ = std::thread([this, pin] {
+        if (pin) register_for_dma();
         fill_loop();
     });
     atexit(stop_filler);  // before the device's runtime is torn down (atexit runs in reverse)
@@ -290,6 +292,7 @@ bool ExpertPool::admit(uint32_t group, uint32_t expert) {
 // RAM: the CUDA runtime the process loaded (libggml-cuda's), registering read-only, portable. Else,
 // or on another device, copies are pageable.
 void ExpertPool::register_for_dma() {
+    const auto t0 = std::chrono::steady_clock::now();
     if (dev_ == nullptr || strncmp(ggml_backend_dev_name(dev_), "CUDA", 4) != 0) return;
     void* cudart = nullptr;
     for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
@@ -337,7 +340,12 @@ void ExpertPool::register_for_dma() {
     }
     std::lock_guard lock(mu);
     stats_.registered = pinned == total || pinned > 0;
-    if (log_) say("%.2f GiB of expert bytes pinned for DMA", static_cast<double>(pinned) / (1 << 30));
+    stats_.register_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - t0).count());
+    if (log_) {
+        say("%.2f GiB of expert bytes pinned for DMA in %.1f s", static_cast<double>(pinned) / (1 << 30),
+            static_cast<double>(stats_.register_ns) / 1e9);
+    }
 }
 
 void ExpertPool::fill_loop() {

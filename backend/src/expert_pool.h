@@ -56,6 +56,11 @@ struct PoolStats {
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
     bool registered = false;                // the expert tensors are pinned for DMA
+    // Where the computes' time went (MOECACHE_GGML_LOG's exit line), in nanoseconds: all of the
+    // backend's computes; a unit's issue on the device (staging, uploads, launch), its CPU half,
+    // the wait for the device's half after it, and the bookkeeping (join, heat, reports).
+    uint64_t compute_ns = 0, issue_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0, register_ns = 0;
+    uint64_t computes = 0;
 };
 
 class ExpertPool {
@@ -87,6 +92,7 @@ public:
 
     [[nodiscard]] PoolStats stats() const { return stats_; }
     void count_split(bool unit) { ++(unit ? stats_.units : stats_.nodes); }
+    PoolStats& timing() { return stats_; }  // under mu
     void count_rows(uint32_t pool, uint32_t cpu) {
         stats_.pool_rows += pool;
         stats_.cpu_rows += cpu;

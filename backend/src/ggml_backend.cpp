@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -181,6 +182,11 @@ bool place(Backend& be, const std::vector<ggml_tensor*>& tensors) {
     return true;
 }
 
+using Clock = std::chrono::steady_clock;
+uint64_t ns_since(Clock::time_point t0) {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+
 // From this many tokens a batch's misses are copied to the device rather than computed on the CPU:
 // llama.cpp's own offload threshold (GGML_OP_OFFLOAD_MIN_BATCH's default).
 constexpr int64_t kLargeBatch = 32;
@@ -271,6 +277,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         return std::nullopt;
     }
 
+    auto& timing = pool.timing();
+    auto t0 = Clock::now();
     // A large batch (a prompt) reads nearly every expert of the layer: the ones not pooled are
     // copied to the device's staging slots for it, and the whole chain runs there, as llama.cpp
     // offloads a large batch's CPU experts; its misses still count for the pool's admissions.
@@ -397,6 +405,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         }
     }
     ggml_status st = ggml_backend_graph_compute_async(be.acc, pg.graph);
+    timing.issue_ns += ns_since(t0);
+    t0 = Clock::now();
 
     // The CPU's half meanwhile: the chain itself, its MUL_MAT_IDs routed to the CPU's experts.
     if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
@@ -410,6 +420,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         st = ggml_backend_graph_compute(be.cpu, cg.graph);
         for (auto* m : unit->mmids) m->src[2] = ids;
     }
+    timing.cpu_ns += ns_since(t0);
+    t0 = Clock::now();
     size_t out_bytes = 0;
     for (auto* o : outs) out_bytes += ggml_nbytes(o);
     be.pool_out.resize(out_bytes);
@@ -419,6 +431,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         at += ggml_nbytes(o);
     }
     ggml_backend_synchronize(be.acc);
+    timing.wait_ns += ns_since(t0);
+    t0 = Clock::now();
     if (st != GGML_STATUS_SUCCESS) return st;
     at = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
@@ -433,6 +447,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     for (const int32_t e : split->pool_experts)
         if (std::find(missed.begin(), missed.end(), e) == missed.end()) hits.push_back(e);
     pool.used(group, hits, missed, static_cast<uint32_t>(ids->ne[1]));
+    timing.book_ns += ns_since(t0);
     return GGML_STATUS_SUCCESS;
 }
 
@@ -447,8 +462,19 @@ void backend_free(ggml_backend_t b) {
     delete be;
     delete b;
 }
+ggml_status compute_graph(Backend& be, ggml_cgraph* graph);
+
 ggml_status backend_graph_compute(ggml_backend_t b, ggml_cgraph* graph) {
-    auto& be = *backend_of(b);
+    const auto t0 = Clock::now();
+    const ggml_status st = compute_graph(*backend_of(b), graph);
+    auto& pool = ExpertPool::get();
+    std::lock_guard lock(pool.mu);
+    pool.timing().compute_ns += ns_since(t0);
+    ++pool.timing().computes;
+    return st;
+}
+
+ggml_status compute_graph(Backend& be, ggml_cgraph* graph) {
     auto& pool = ExpertPool::get();
     const auto count = [&](bool unit) {
         std::lock_guard lock(pool.mu);
@@ -608,6 +634,11 @@ void say_stats() {
         static_cast<unsigned long long>(s.declined), static_cast<unsigned long long>(s.units),
         static_cast<unsigned long long>(s.nodes), static_cast<unsigned long long>(s.staged),
         static_cast<double>(s.staged_bytes) / (1 << 30));
+    const auto ms = [](uint64_t ns) { return static_cast<double>(ns) / 1e6; };
+    say("%llu computes in %.0f ms: a chain's device half issued in %.0f ms, its CPU half %.0f ms, the wait for "
+        "the device %.0f ms, joins and bookkeeping %.0f ms; pinning took %.0f ms",
+        static_cast<unsigned long long>(s.computes), ms(s.compute_ns), ms(s.issue_ns), ms(s.cpu_ns), ms(s.wait_ns),
+        ms(s.book_ns), ms(s.register_ns));
 }
 
 ggml_backend_reg_t make_registry() {

@@ -14,6 +14,9 @@ Settings settings_from_env(std::string* problem) {
     if (const char* c = getenv("MOECACHE_GGML_CLIENT"); c != nullptr && (!strcmp(c, "off") || !strcmp(c, "0"))) {
         s.client = false;
     }
+    if (const char* c = getenv("MOECACHE_GGML_PIN"); c != nullptr && (!strcmp(c, "off") || !strcmp(c, "0"))) {
+        s.pin = false;
+    }
     const auto off = [&](std::string why) {
         *problem = std::move(why);
         s.device = "none";

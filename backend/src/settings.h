@@ -7,6 +7,8 @@
 //                         device has free when the pool is made, less a reserve for the runtime
 //   MOECACHE_GGML_LOG     1: a line per pool change and the pool's figures at exit
 //   MOECACHE_GGML_CLIENT  off: no link to moecached (no routing reports, no one place)
+//   MOECACHE_GGML_PIN     off: the expert bytes are not pinned for the device's DMA (copies to the
+//                         pool then go through the driver's pageable bounce)
 #pragma once
 
 #include "moecache/error.h"
@@ -22,6 +24,7 @@ struct Settings {
     double pool_value = 0;
     bool log = false;
     bool client = true;
+    bool pin = true;
 };
 
 // From the environment. A bad value is said in `problem` (naming the variable and the value) and
