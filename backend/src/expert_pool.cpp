@@ -256,7 +256,7 @@ void ExpertPool::follow(const moecache_directive& d) {
 
 // A slot for each slice of the expert, or none: what is admitted of it is given back when a slice
 // finds no room. An expert another slice displaced is dropped whole.
-bool ExpertPool::admit(uint32_t group, uint32_t expert) {
+bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
     const auto& tensors = groups_[group];
     std::vector<std::pair<const ExpertTensor*, uint64_t>> got;
     for (const auto* t : tensors) {
@@ -281,10 +281,44 @@ bool ExpertPool::admit(uint32_t group, uint32_t expert) {
     }
     for (const auto& [t, addr] : got) {
         const auto* a = arena_for(t->slice_bytes);
-        fills_.push_back(Fill{t, expert, a, static_cast<size_t>(addr - reinterpret_cast<uint64_t>(a->base))});
+        placed->push_back(Placed{t, a, static_cast<size_t>(addr - reinterpret_cast<uint64_t>(a->base))});
     }
-    if (!got.empty()) fill_cv_.notify_one();
     return true;
+}
+
+bool ExpertPool::admit(uint32_t group, uint32_t expert) {
+    std::vector<Placed> placed;
+    if (!admit_slots(group, expert, &placed)) return false;
+    for (const auto& p : placed) fills_.push_back(Fill{p.tensor, expert, p.arena, p.offset});
+    if (!placed.empty()) fill_cv_.notify_one();
+    return true;
+}
+
+bool ExpertPool::admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
+    if (dev_ == nullptr || group >= groups_.size()) return false;
+    return admit_slots(group, expert, placed);
+}
+
+void ExpertPool::settle(uint32_t expert, const std::vector<Placed>& placed, bool done) {
+    for (const auto& p : placed) {
+        const ExpertTensor& t = *p.tensor;
+        const uint32_t slice = t.index * static_cast<uint32_t>(t.n_expert) + expert;
+        if (done && slots_.commit(cuda::SliceRef{t.group, slice, expert}) != 0) {
+            committed(t, expert);
+        } else if (!done) {
+            slots_.drop(t.group, slice);
+        }
+    }
+}
+
+// Under mu: a slice's copy is in and its slot serves.
+void ExpertPool::committed(const ExpertTensor& t, uint32_t expert) {
+    ++stats_.fills;
+    stats_.fill_bytes += t.slice_bytes;
+    // The expert's last slice in: it is in VRAM now, and the daemon may let its RAM go.
+    if (link_ != nullptr && pooled(t.group, static_cast<int32_t>(expert))) {
+        link_->placement(model_of(t.group), t.block, expert, true);
+    }
 }
 
 // Pins the expert tensors' host bytes for the device's DMA engines (what large batches stage and
@@ -364,14 +398,7 @@ void ExpertPool::fill_loop() {
         lock.lock();
         --filling_;
         const uint32_t slice = t.index * static_cast<uint32_t>(t.n_expert) + f.expert;
-        if (slots_.commit(cuda::SliceRef{t.group, slice, f.expert}) != 0) {
-            ++stats_.fills;
-            stats_.fill_bytes += t.slice_bytes;
-            // The expert's last slice in: it is in VRAM now, and the daemon may let its RAM go.
-            if (link_ != nullptr && pooled(t.group, static_cast<int32_t>(f.expert))) {
-                link_->placement(model_of(t.group), t.block, f.expert, true);
-            }
-        }
+        if (slots_.commit(cuda::SliceRef{t.group, slice, f.expert}) != 0) committed(t, f.expert);
         if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
     }
 }

@@ -55,12 +55,16 @@ struct PoolStats {
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
+    uint64_t crossed = 0, crossed_admitted = 0;  // small batches' misses copied over for the compute (into the pool)
     bool registered = false;                // the expert tensors are pinned for DMA
-    // Where the computes' time went (MOECACHE_GGML_LOG's exit line), in nanoseconds: all of the
-    // backend's computes; a unit's issue on the device (staging, uploads, launch), its CPU half,
-    // the wait for the device's half after it, and the bookkeeping (join, heat, reports).
-    uint64_t compute_ns = 0, issue_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0, register_ns = 0;
-    uint64_t computes = 0;
+    // Where the computes' time went (MOECACHE_GGML_LOG's figures), in nanoseconds: all of the
+    // backend's computes and the pinning; and for a layer's chain, by batch (0: small ones, decode;
+    // 1: large ones, prompts), its finding and split (with the first's arenas), its issue on the device (staging, uploads, launch), its CPU half, the
+    // wait for the device's half after it, and the bookkeeping (join, heat, reports).
+    uint64_t compute_ns = 0, register_ns = 0, computes = 0;
+    struct Phases {
+        uint64_t units = 0, prep_ns = 0, issue_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0;
+    } phases[2];
 };
 
 class ExpertPool {
@@ -90,6 +94,23 @@ public:
     // `tokens`: the batch's. Reported to moecached with the experts, whose directives are followed.
     void used(uint32_t group, const std::vector<int32_t>& pooled, const std::vector<int32_t>& missed, uint32_t tokens);
 
+    // A slot, and where in its arena, for one slice of an expert being admitted.
+    struct Placed {
+        const ExpertTensor* tensor;
+        const PoolArena* arena;
+        size_t offset;
+    };
+    // Under mu: admits the expert (a slot for each of its slices, as used() would) for a copy the
+    // caller queues on its own stream, then commit()s once the copy is done; false: declined.
+    bool admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed);
+    // Under mu: the slices admit_here placed are in (done true: they serve from now on), or their
+    // copy failed (their slots are given back).
+    void settle(uint32_t expert, const std::vector<Placed>& placed, bool done);
+    // Under mu: how hot the expert is to the local policy (what admissions compare).
+    [[nodiscard]] uint32_t heat(uint32_t group, int32_t expert) const {
+        return heat_.heat(group, static_cast<uint32_t>(expert));
+    }
+
     [[nodiscard]] PoolStats stats() const { return stats_; }
     void count_split(bool unit) { ++(unit ? stats_.units : stats_.nodes); }
     PoolStats& timing() { return stats_; }  // under mu
@@ -101,6 +122,10 @@ public:
 
     // Waits for the fills queued so far (tests; before exit).
     void drain();
+    void count_crossed(bool into_pool) {
+        ++stats_.crossed;
+        stats_.crossed_admitted += into_pool ? 1 : 0;
+    }
     void count_staged(uint64_t bytes) {
         ++stats_.staged;
         stats_.staged_bytes += bytes;
@@ -119,6 +144,8 @@ private:
     static void stop_filler();
 
     bool admit(uint32_t group, uint32_t expert);
+    bool admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed);
+    void committed(const ExpertTensor& t, uint32_t expert);
     uint32_t model_of(uint32_t group);
     void follow(const moecache_directive& d);
 

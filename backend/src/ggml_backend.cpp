@@ -109,8 +109,41 @@ bool buft_is_host(ggml_backend_buffer_type_t) { return true; }
 
 // ---- the backend: one per runtime context ----
 
+// How many of a small batch's misses cross the link to be computed on the device: a share that
+// keeps the device's half (its hits, and the crossing misses' copies) level with the CPU's (the
+// rest of the misses), learnt from how long the device kept the CPU waiting; or a share the user
+// fixed (MOECACHE_GGML_CROSS). Each link to memory then carries its part at once: the CPU reads
+// the misses it computes from RAM while the link brings others to the device.
+class Crossing {
+public:
+    explicit Crossing(double fixed) : fixed_(fixed >= 0), share_(fixed >= 0 ? fixed : kStart) {}
+    size_t count(size_t misses) {
+        carry_ += share_ * static_cast<double>(misses);
+        const auto k = static_cast<size_t>(carry_);
+        carry_ -= static_cast<double>(k);
+        return std::min(k, misses);
+    }
+    // After a compute that had misses: the CPU's half took cpu_ns, then the device kept it wait_ns.
+    void learn(uint64_t cpu_ns, uint64_t wait_ns) {
+        if (fixed_) return;
+        if (wait_ns > kSlack + cpu_ns / 8) {
+            share_ = std::max(0.0, share_ - kDown);
+        } else {
+            share_ = std::min(1.0, share_ + kUp);
+        }
+    }
+    [[nodiscard]] double share() const { return share_; }
+
+private:
+    static constexpr double kStart = 0.25, kDown = 0.05, kUp = 0.02;
+    static constexpr uint64_t kSlack = 20'000;  // a device's wait that is only its copy back and sync
+    bool fixed_;
+    double share_, carry_ = 0;
+};
+
 struct Backend {
     Settings settings;
+    Crossing crossing{settings.cross};
     ggml_backend_t cpu = nullptr;
     void (*cpu_threads)(ggml_backend_t, int) = nullptr;
     int threads = 0;
@@ -259,6 +292,7 @@ std::optional<Unit> find_unit(ggml_cgraph* graph, ExpertPool& pool) {
 // The unit's pooled rows on the pool's device (a copy of its chain over the pool's slots), the
 // rest on the CPU (the chain itself, the MUL_MAT_IDs routed to the CPU's experts), at once.
 std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
+    const auto entered = Clock::now();
     auto& pool = ExpertPool::get();
     std::unique_lock lock(pool.mu);
     auto unit = find_unit(graph, pool);
@@ -277,7 +311,9 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         return std::nullopt;
     }
 
-    auto& timing = pool.timing();
+    auto& timing = pool.timing().phases[ids->ne[1] >= kLargeBatch ? 1 : 0];
+    ++timing.units;
+    timing.prep_ns += ns_since(entered);
     auto t0 = Clock::now();
     // A large batch (a prompt) reads nearly every expert of the layer: the ones not pooled are
     // copied to the device's staging slots for it, and the whole chain runs there, as llama.cpp
@@ -313,6 +349,66 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
             split->cpu_experts.clear();
         }
     }
+    // A small batch: the hottest of a share of its misses cross the link to the device, into
+    // the pool where the policy admits them (the admission's one copy), else into staging slots.
+    std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>>> admitted;
+    struct Unsettled {  // what a failed compute gives back
+        ExpertPool& pool;
+        std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>>>& admitted;
+        ~Unsettled() {
+            for (const auto& [e, placed] : admitted) pool.settle(e, placed, false);
+        }
+    } unsettled{pool, admitted};
+    if (ids->ne[1] < kLargeBatch && split->cpu_rows > 0) {
+        const size_t k = be.crossing.count(split->cpu_experts.size());
+        std::vector<int32_t> order = split->cpu_experts;
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int32_t a, int32_t b) { return pool.heat(group, a) > pool.heat(group, b); });
+        std::unordered_map<const PoolArena*, uint32_t> next;
+        std::unordered_set<int32_t> crossed;
+        for (size_t i = 0; i < order.size() && crossed.size() < k; ++i) {
+            const int32_t e = order[i];
+            std::vector<ExpertPool::Placed> placed;
+            std::vector<int32_t> slots(unit->mmids.size(), -1);
+            bool in_pool = pool.admit_here(group, static_cast<uint32_t>(e), &placed);
+            for (size_t m = 0; m < unit->mmids.size() && in_pool; ++m) {
+                const ExpertTensor* w = unit->weights[m];
+                const auto p = std::find_if(placed.begin(), placed.end(), [&](const auto& x) { return x.tensor == w; });
+                slots[m] = p != placed.end() ? static_cast<int32_t>(p->offset / p->arena->slot_bytes) : pool.slot_of(*w, e);
+                in_pool = slots[m] >= 0;  // a slice the pool's own thread is still copying: not yet
+            }
+            if (!in_pool) {
+                pool.settle(static_cast<uint32_t>(e), placed, false);
+                placed.clear();
+                auto taken = next;
+                bool room = true;
+                for (size_t m = 0; m < unit->mmids.size() && room; ++m) {
+                    const auto* a = pool.arena_for(unit->weights[m]->slice_bytes);
+                    room = a != nullptr && taken[a] < a->staging;
+                    if (room) slots[m] = static_cast<int32_t>(a->slots - a->staging + taken[a]++);
+                }
+                if (!room) continue;
+                next = std::move(taken);
+            }
+            for (size_t m = 0; m < unit->mmids.size(); ++m) {
+                const ExpertTensor& w = *unit->weights[m];
+                const auto* a = pool.arena_for(w.slice_bytes);
+                ggml_backend_tensor_set_async(be.acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
+                                              static_cast<size_t>(slots[m]) * a->slot_bytes, w.slice_bytes);
+                staged[m][e] = slots[m];
+            }
+            crossed.insert(e);
+            pool.count_crossed(in_pool);
+            if (in_pool) admitted.emplace_back(static_cast<uint32_t>(e), std::move(placed));
+        }
+        if (!crossed.empty()) {
+            split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
+                               unit->weights[0]->n_expert, 1,
+                               [&](int32_t e) { return crossed.count(e) != 0 || pool.pooled(group, e) ? 0 : -1; });
+            if (!split) return std::nullopt;
+        }
+    }
+
     if (split->pool_rows == 0) {
         lock.unlock();
         for (auto* node : unit->nodes) {
@@ -420,7 +516,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         st = ggml_backend_graph_compute(be.cpu, cg.graph);
         for (auto* m : unit->mmids) m->src[2] = ids;
     }
-    timing.cpu_ns += ns_since(t0);
+    const uint64_t cpu_ns = ns_since(t0);
+    timing.cpu_ns += cpu_ns;
     t0 = Clock::now();
     size_t out_bytes = 0;
     for (auto* o : outs) out_bytes += ggml_nbytes(o);
@@ -431,9 +528,13 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         at += ggml_nbytes(o);
     }
     ggml_backend_synchronize(be.acc);
-    timing.wait_ns += ns_since(t0);
+    const uint64_t waited = ns_since(t0);
+    timing.wait_ns += waited;
     t0 = Clock::now();
     if (st != GGML_STATUS_SUCCESS) return st;
+    for (const auto& [e, slices] : admitted) pool.settle(e, slices, true);
+    admitted.clear();
+    if (ids->ne[1] < kLargeBatch && !missed.empty()) be.crossing.learn(cpu_ns, waited);
     at = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
         ggml_tensor* o = unit->outputs[i];
@@ -463,14 +564,21 @@ void backend_free(ggml_backend_t b) {
     delete b;
 }
 ggml_status compute_graph(Backend& be, ggml_cgraph* graph);
+void say_stats(const PoolStats& s);
 
 ggml_status backend_graph_compute(ggml_backend_t b, ggml_cgraph* graph) {
     const auto t0 = Clock::now();
-    const ggml_status st = compute_graph(*backend_of(b), graph);
+    auto& be = *backend_of(b);
+    const ggml_status st = compute_graph(be, graph);
     auto& pool = ExpertPool::get();
     std::lock_guard lock(pool.mu);
     pool.timing().compute_ns += ns_since(t0);
     ++pool.timing().computes;
+    static Clock::time_point said = Clock::now();
+    if (be.settings.log_often && Clock::now() - said > std::chrono::seconds(10)) {
+        said = Clock::now();
+        say_stats(pool.stats());
+    }
     return st;
 }
 
@@ -559,6 +667,7 @@ void dev_props(ggml_backend_dev_t dev, ggml_backend_dev_props* props) {
 ggml_backend_t dev_init_backend(ggml_backend_dev_t dev, const char*) {
     auto* be = new Backend;
     be->settings = registry->settings;
+    be->crossing = Crossing(be->settings.cross);
     ggml_backend_dev_t cpu = cpu_device();
     be->cpu = cpu != nullptr ? ggml_backend_dev_init(cpu, nullptr) : nullptr;
     if (be->cpu == nullptr) {
@@ -624,8 +733,7 @@ void* reg_proc(ggml_backend_reg_t, const char* name) {
     return nullptr;
 }
 
-void say_stats() {
-    const auto s = ExpertPool::get().stats();
+void say_stats(const PoolStats& s) {
     const double rows = static_cast<double>(s.pool_rows + s.cpu_rows);
     say("%llu expert rows computed: %.1f %% from the pool, %llu fills (%.2f GiB), %llu declined; %llu splits as a "
         "layer's chain, %llu node by node; %llu slices staged for large batches (%.2f GiB)",
@@ -634,11 +742,19 @@ void say_stats() {
         static_cast<unsigned long long>(s.declined), static_cast<unsigned long long>(s.units),
         static_cast<unsigned long long>(s.nodes), static_cast<unsigned long long>(s.staged),
         static_cast<double>(s.staged_bytes) / (1 << 30));
+    say("%llu of small batches' misses crossed the link to the device, %llu of them into the pool",
+        static_cast<unsigned long long>(s.crossed), static_cast<unsigned long long>(s.crossed_admitted));
     const auto ms = [](uint64_t ns) { return static_cast<double>(ns) / 1e6; };
-    say("%llu computes in %.0f ms: a chain's device half issued in %.0f ms, its CPU half %.0f ms, the wait for "
-        "the device %.0f ms, joins and bookkeeping %.0f ms; pinning took %.0f ms",
-        static_cast<unsigned long long>(s.computes), ms(s.compute_ns), ms(s.issue_ns), ms(s.cpu_ns), ms(s.wait_ns),
-        ms(s.book_ns), ms(s.register_ns));
+    say("%llu computes in %.0f ms; pinning took %.0f ms", static_cast<unsigned long long>(s.computes), ms(s.compute_ns),
+        ms(s.register_ns));
+    for (int large = 0; large < 2; ++large) {
+        const auto& p = s.phases[large];
+        if (p.units == 0) continue;
+        say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms, the CPU's half %.0f ms, the wait for "
+            "the device %.0f ms, joins and bookkeeping %.0f ms",
+            static_cast<unsigned long long>(p.units), large ? "large" : "small", ms(p.prep_ns), ms(p.issue_ns), ms(p.cpu_ns),
+            ms(p.wait_ns), ms(p.book_ns));
+    }
 }
 
 ggml_backend_reg_t make_registry() {
@@ -652,7 +768,7 @@ ggml_backend_reg_t make_registry() {
     std::string problem;
     registry->settings = settings_from_env(&problem);
     if (!problem.empty()) say("%s: the pool is off, every expert is computed on the CPU", problem.c_str());
-    if (registry->settings.log) atexit(say_stats);
+    if (registry->settings.log) atexit([] { say_stats(ExpertPool::get().stats()); });
 
     ggml_backend_buffer_type_i bi{};
     bi.get_name = buft_name;

@@ -10,7 +10,10 @@ namespace moecache::backend {
 
 Settings settings_from_env(std::string* problem) {
     Settings s;
-    if (const char* l = getenv("MOECACHE_GGML_LOG"); l != nullptr && *l && strcmp(l, "0") != 0) s.log = true;
+    if (const char* l = getenv("MOECACHE_GGML_LOG"); l != nullptr && *l && strcmp(l, "0") != 0) {
+        s.log = true;
+        s.log_often = strcmp(l, "2") == 0;
+    }
     if (const char* c = getenv("MOECACHE_GGML_CLIENT"); c != nullptr && (!strcmp(c, "off") || !strcmp(c, "0"))) {
         s.client = false;
     }
@@ -36,6 +39,15 @@ Settings settings_from_env(std::string* problem) {
         }
         s.pool_kind = percent ? Settings::PoolKind::Percent : Settings::PoolKind::Bytes;
         s.pool_value = *n;
+    }
+    if (const char* c = getenv("MOECACHE_GGML_CROSS"); c != nullptr && *c && strcmp(c, "auto") != 0) {
+        std::string v = c;
+        char* end = nullptr;
+        const double share = v.back() == '%' ? strtod(v.c_str(), &end) : -1;
+        if (!(share >= 0 && share <= 100) || end != v.c_str() + v.size() - 1) {
+            return off(fmt::format("MOECACHE_GGML_CROSS={}: not auto or a share of the misses (30%)", c));
+        }
+        s.cross = share / 100;
     }
     return s;
 }

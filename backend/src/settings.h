@@ -5,8 +5,12 @@
 //   MOECACHE_GGML_POOL    bytes (12G), or a share of the expert tensors' bytes (60%, as
 //                         MOECACHE_CUDA_POOL means it); auto: all of them. Never more than the
 //                         device has free when the pool is made, less a reserve for the runtime
-//   MOECACHE_GGML_LOG     1: a line per pool change and the pool's figures at exit
+//   MOECACHE_GGML_LOG     1: a line per pool change and the pool's figures at exit; 2: the figures
+//                         every 10 s as well (a run that is killed still says where its time went)
 //   MOECACHE_GGML_CLIENT  off: no link to moecached (no routing reports, no one place)
+//   MOECACHE_GGML_CROSS   auto, or a share (30%) of a small batch's misses that cross the link to be
+//                         computed on the device (the rest on the CPU, at the same time); auto keeps
+//                         the two halves level
 //   MOECACHE_GGML_PIN     off: the expert bytes are not pinned for the device's DMA (copies to the
 //                         pool then go through the driver's pageable bounce)
 #pragma once
@@ -23,8 +27,10 @@ struct Settings {
     enum class PoolKind { Auto, Bytes, Percent } pool_kind = PoolKind::Auto;
     double pool_value = 0;
     bool log = false;
+    bool log_often = false;  // MOECACHE_GGML_LOG=2
     bool client = true;
     bool pin = true;
+    double cross = -1;  // MOECACHE_GGML_CROSS as a fraction; below 0: auto
 };
 
 // From the environment. A bad value is said in `problem` (naming the variable and the value) and

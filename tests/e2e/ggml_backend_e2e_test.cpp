@@ -86,6 +86,19 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertO
     // The prompt, one large batch, ran on the device whole: its misses were staged there.
     ASSERT_TRUE(std::regex_search(split.err, m, std::regex(R"((\d+) slices staged for large batches)"))) << split.err;
     EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
+    // Decode's misses: some crossed to the device (the CPU stand-in never keeps the CPU waiting,
+    // so the share only grows), some of them into the pool.
+    const std::regex crossed(R"((\d+) of small batches' misses crossed the link to the device, (\d+) of them)");
+    ASSERT_TRUE(std::regex_search(split.err, m, crossed)) << split.err;
+    EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
+    EXPECT_GT(std::stoul(m[2]), 0u) << split.err;
+
+    // None crossing: every miss on the CPU, the same text.
+    const auto kept = generate(model, {lib, "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%",
+                                       "MOECACHE_GGML_CROSS=0%", "MOECACHE_GGML_LOG=1"});
+    EXPECT_EQ(kept.text, cpu.text) << kept.err;
+    ASSERT_TRUE(std::regex_search(kept.err, m, crossed)) << kept.err;
+    EXPECT_EQ(std::stoul(m[1]), 0u) << kept.err;
 }
 
 TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
@@ -111,6 +124,10 @@ TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
     EXPECT_EQ(bad.text, reference.text) << bad.err;
     EXPECT_NE(bad.err.find("MOECACHE_GGML_POOL=lots: not a size"), std::string::npos) << bad.err;
     EXPECT_NE(bad.err.find("0.0 % from the pool"), std::string::npos) << bad.err;
+    const auto bad_cross = generate(model, {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
+                                            "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_CROSS=nan%", "MOECACHE_GGML_LOG=1"});
+    EXPECT_EQ(bad_cross.text, reference.text) << bad_cross.err;
+    EXPECT_NE(bad_cross.err.find("MOECACHE_GGML_CROSS=nan%: not auto or a share"), std::string::npos) << bad_cross.err;
 }
 
 // The backend speaks to moecached as the hook does: the daemon hears which experts each layer's
