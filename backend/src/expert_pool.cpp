@@ -24,6 +24,21 @@ constexpr size_t kMaxQueued = 32;
 
 }  // namespace
 
+ggml_backend_dev_t pool_device(const Settings& settings, bool tell) {
+    if (settings.device == "none") return nullptr;
+    if (settings.device == "auto") {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+        if (dev == nullptr && tell) say("no GPU among ggml's devices: every expert is computed on the CPU");
+        return dev;
+    }
+    ggml_backend_dev_t dev = ggml_backend_dev_by_name(settings.device.c_str());
+    if (dev == nullptr && tell) {
+        say("MOECACHE_GGML_DEVICE=%s: ggml has no such device: every expert is computed on the CPU",
+            settings.device.c_str());
+    }
+    return dev;
+}
+
 ExpertPool& ExpertPool::get() {
     static ExpertPool* pool = new ExpertPool;  // lives until exit: a runtime's backends outlive statics
     return *pool;
@@ -74,23 +89,8 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     log_ = settings.log;
     link_ = std::make_unique<DaemonLink>(settings.client);
     group_model_.assign(groups_.size(), UINT32_MAX - 1);  // UINT32_MAX - 1: not asked yet
-    if (settings.device == "none") return nullptr;
-    ggml_backend_dev_t dev = nullptr;
-    if (settings.device == "auto") {
-        dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        if (dev == nullptr) {
-            say("no GPU among ggml's devices: every expert is computed on the CPU");
-            return nullptr;
-        }
-    } else {
-        dev = ggml_backend_dev_by_name(settings.device.c_str());
-        if (dev == nullptr) {
-            say("MOECACHE_GGML_DEVICE=%s: ggml has no such device: every expert is computed on the CPU",
-                settings.device.c_str());
-            return nullptr;
-        }
-    }
-    if (!make_arenas(dev, settings)) return nullptr;
+    ggml_backend_dev_t dev = pool_device(settings, true);
+    if (dev == nullptr || !make_arenas(dev, settings)) return nullptr;
     dev_ = dev;
     const bool pin = settings.pin;
     filler_ = std::thread([this, pin] {

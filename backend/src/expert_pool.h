@@ -67,6 +67,9 @@ struct PoolStats {
     } phases[2];
 };
 
+// The device that `settings` names for the pool (MOECACHE_GGML_DEVICE), or null; `tell`: say why not.
+ggml_backend_dev_t pool_device(const Settings& settings, bool tell);
+
 class ExpertPool {
 public:
     static ExpertPool& get();

@@ -44,14 +44,32 @@ struct HostBuffer {
     char* base = nullptr;
     size_t size = 0;
     bool owned = false;
+    ggml_backend_buffer_t pinned = nullptr;  // owned memory from the pool device's host buffer type
 };
 
 HostBuffer* host(ggml_backend_buffer_t b) { return static_cast<HostBuffer*>(b->context); }
 
 void buffer_free(ggml_backend_buffer_t b) {
     auto* h = host(b);
-    if (h->owned) free(h->base);
+    if (h->pinned != nullptr) {
+        ggml_backend_buffer_free(h->pinned);
+    } else if (h->owned) {
+        free(h->base);
+    }
     delete h;
+}
+
+const Settings& registry_settings();
+
+// Host memory the pool's device copies to and from by DMA (CUDA's pinned host buffers), or null
+// where it has none (a CPU stand-in) or pinning is off.
+ggml_backend_buffer_t pinned_buffer(size_t size) {
+    const Settings& settings = registry_settings();
+    if (!settings.pin) return nullptr;
+    ggml_backend_dev_t dev = pool_device(settings, false);
+    if (dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) return nullptr;
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(dev);
+    return buft != nullptr ? ggml_backend_buft_alloc_buffer(buft, size) : nullptr;
 }
 void* buffer_base(ggml_backend_buffer_t b) { return host(b)->base; }
 ggml_status buffer_init_tensor(ggml_backend_buffer_t, ggml_tensor* t) {
@@ -94,7 +112,12 @@ ggml_backend_buffer_t buft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
     auto* h = new HostBuffer;
     h->size = size;
     h->owned = true;
-    if (size > 0) {
+    // Pinned where the pool's device can pin: what crosses the link from and to these buffers (a
+    // chain's activations and results, the experts' bytes with --load-mode none) goes by DMA, as
+    // llama.cpp's own CPU buffers do beside a GPU.
+    if (size > 0 && (h->pinned = pinned_buffer(size)) != nullptr) {
+        h->base = static_cast<char*>(ggml_backend_buffer_get_base(h->pinned));
+    } else if (size > 0) {
         h->base = static_cast<char*>(aligned_alloc(kAlignment, (size + kAlignment - 1) / kAlignment * kAlignment));
         if (h->base == nullptr) {
             say("out of memory for a buffer of %zu bytes", size);
@@ -149,7 +172,8 @@ struct Backend {
     int threads = 0;
     ggml_backend_t acc = nullptr;  // the pool's device, made at the first pooled compute
     ggml_backend_buffer_t scratch = nullptr;  // on the pool's device: activations, ids, results
-    std::vector<char> pool_out;
+    ggml_backend_buffer_t out_pinned = nullptr;  // the device half's results land here (pinned)
+    std::vector<char> out_plain;                  // where the device has no pinned memory
     std::vector<char> ctx_mem;
     std::vector<char> ctx_mem_node;  // the one-node graph compute_unit is given in a split node by node
     bool said_split_error = false;
@@ -287,6 +311,18 @@ std::optional<Unit> find_unit(ggml_cgraph* graph, ExpertPool& pool) {
         u.outputs.push_back(node);
     }
     return u;
+}
+
+// Host memory for the device half's results, pinned where the device can pin.
+char* out_space(Backend& be, size_t bytes) {
+    if (be.out_pinned != nullptr && ggml_backend_buffer_get_size(be.out_pinned) < bytes) {
+        ggml_backend_buffer_free(be.out_pinned);
+        be.out_pinned = nullptr;
+    }
+    if (be.out_pinned == nullptr && be.out_plain.size() < bytes) be.out_pinned = pinned_buffer(bytes + bytes / 2);
+    if (be.out_pinned != nullptr) return static_cast<char*>(ggml_backend_buffer_get_base(be.out_pinned));
+    be.out_plain.resize(bytes);
+    return be.out_plain.data();
 }
 
 // The unit's pooled rows on the pool's device (a copy of its chain over the pool's slots), the
@@ -519,13 +555,16 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     const uint64_t cpu_ns = ns_since(t0);
     timing.cpu_ns += cpu_ns;
     t0 = Clock::now();
+    // The device's results: straight into the outputs where every row is the device's (a large
+    // batch staged whole), else beside them, to be joined.
+    const bool whole = split->cpu_rows == 0;
     size_t out_bytes = 0;
     for (auto* o : outs) out_bytes += ggml_nbytes(o);
-    be.pool_out.resize(out_bytes);
+    char* out = whole ? nullptr : out_space(be, out_bytes);
     size_t at = 0;
-    for (auto* o : outs) {
-        ggml_backend_tensor_get_async(be.acc, o, be.pool_out.data() + at, 0, ggml_nbytes(o));
-        at += ggml_nbytes(o);
+    for (size_t i = 0; i < outs.size(); ++i) {
+        ggml_backend_tensor_get_async(be.acc, outs[i], whole ? unit->outputs[i]->data : out + at, 0, ggml_nbytes(outs[i]));
+        at += ggml_nbytes(outs[i]);
     }
     ggml_backend_synchronize(be.acc);
     const uint64_t waited = ns_since(t0);
@@ -536,11 +575,10 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     admitted.clear();
     if (ids->ne[1] < kLargeBatch && !missed.empty()) be.crossing.learn(cpu_ns, waited);
     at = 0;
-    for (size_t i = 0; i < outs.size(); ++i) {
+    for (size_t i = 0; i < outs.size() && !whole; ++i) {
         ggml_tensor* o = unit->outputs[i];
         join_rows(*split, Rows{static_cast<char*>(o->data), o->nb[1], o->nb[2]},
-                  ConstRows{be.pool_out.data() + at, outs[i]->nb[1], outs[i]->nb[2]},
-                  static_cast<size_t>(o->ne[0]) * sizeof(float));
+                  ConstRows{out + at, outs[i]->nb[1], outs[i]->nb[2]}, static_cast<size_t>(o->ne[0]) * sizeof(float));
         at += ggml_nbytes(outs[i]);
     }
     pool.count_rows(split->pool_rows, split->cpu_rows);
@@ -558,6 +596,7 @@ const char* backend_name(ggml_backend_t) { return kName; }
 void backend_free(ggml_backend_t b) {
     auto* be = backend_of(b);
     if (be->scratch != nullptr) ggml_backend_buffer_free(be->scratch);
+    if (be->out_pinned != nullptr) ggml_backend_buffer_free(be->out_pinned);
     if (be->acc != nullptr) ggml_backend_free(be->acc);
     if (be->cpu != nullptr) ggml_backend_free(be->cpu);
     delete be;
@@ -642,6 +681,7 @@ struct Registry {
     ggml_backend_buffer_type buft{};
 };
 Registry* registry = nullptr;
+const Settings& registry_settings() { return registry->settings; }
 
 ggml_backend_dev_t cpu_device() { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU); }
 
