@@ -55,7 +55,6 @@ struct PoolStats {
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
-    uint64_t cpu_alone = 0, cpu_fillers = 0;  // CPU halves computed as their rows alone, or with fillers
     uint64_t crossed = 0, crossed_admitted = 0;  // small batches' misses copied over for the compute (into the pool)
     bool registered = false;                // the expert tensors are pinned for DMA
     // Where the computes' time went (MOECACHE_GGML_LOG's figures), in nanoseconds: all of the
@@ -64,7 +63,7 @@ struct PoolStats {
     // wait for the device's half after it, and the bookkeeping (join, heat, reports).
     uint64_t compute_ns = 0, register_ns = 0, computes = 0;
     struct Phases {
-        uint64_t units = 0, prep_ns = 0, issue_ns = 0, build_ns = 0, upload_ns = 0, launch_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0;
+        uint64_t units = 0, prep_ns = 0, issue_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0;
     } phases[2];
 };
 
