@@ -295,8 +295,16 @@ bool ExpertPool::admit(uint32_t group, uint32_t expert) {
 }
 
 bool ExpertPool::admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
-    if (dev_ == nullptr || group >= groups_.size()) return false;
-    return admit_slots(group, expert, placed);
+    if (dev_ == nullptr || group >= groups_.size() || !admit_slots(group, expert, placed)) return false;
+    // A slot the pool's own thread is still copying a dropped slice into: not this one.
+    const bool busy = std::any_of(placed->begin(), placed->end(), [&](const Placed& p) {
+        return reinterpret_cast<uint64_t>(p.arena->base) + p.offset == copying_;
+    });
+    if (busy) {
+        settle(expert, *placed, false);
+        placed->clear();
+    }
+    return !busy;
 }
 
 void ExpertPool::settle(uint32_t expert, const std::vector<Placed>& placed, bool done) {
@@ -389,16 +397,26 @@ void ExpertPool::fill_loop() {
         if (stop_) return;
         const Fill f = fills_.front();
         fills_.pop_front();
-        ++filling_;
-        lock.unlock();
-        // The slot is nobody's until committed: no compute reads it meanwhile.
         const ExpertTensor& t = *f.tensor;
+        const cuda::SliceRef ref{t.group, t.index * static_cast<uint32_t>(t.n_expert) + f.expert, f.expert};
+        const uint64_t slot = reinterpret_cast<uint64_t>(f.arena->base) + f.offset;
+        // A fill whose slice lost that slot meanwhile (evicted, perhaps admitted anew elsewhere, its
+        // slot another's by now): copying it would overwrite what the slot holds now.
+        if (slots_.filling_address(ref) != slot) {
+            if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
+            continue;
+        }
+        ++filling_;
+        copying_ = slot;
+        lock.unlock();
+        // The slot is nobody's until committed: no compute reads it, and no crossing copies into it
+        // while copying_ names it (admit_here).
         ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
                                 t.slice_bytes);
         lock.lock();
         --filling_;
-        const uint32_t slice = t.index * static_cast<uint32_t>(t.n_expert) + f.expert;
-        if (slots_.commit(cuda::SliceRef{t.group, slice, f.expert}) != 0) committed(t, f.expert);
+        copying_ = 0;
+        if (slots_.filling_address(ref) == slot && slots_.commit(ref) != 0) committed(t, f.expert);
         if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
     }
 }

@@ -169,6 +169,7 @@ private:
     PoolStats stats_;
     std::deque<Fill> fills_;  // under mu
     size_t filling_ = 0;      // popped, not committed (under mu)
+    uint64_t copying_ = 0;    // the slot the pool's thread copies into now (under mu; 0: none)
     std::condition_variable fill_cv_, drained_cv_;
     std::thread filler_;
     bool stop_ = false;

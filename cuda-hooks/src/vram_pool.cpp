@@ -250,6 +250,12 @@ uint64_t VramPool::commit(const SliceRef& s, uint32_t tail) {
     return sl.address;
 }
 
+uint64_t VramPool::filling_address(const SliceRef& s) const {
+    if (s.model >= slot_of_.size() || s.slice >= slot_of_[s.model].size()) return 0;
+    const uint32_t id = slot_of_[s.model][s.slice];
+    return id != kNoSlot && slots_[id].filling ? slots_[id].address : 0;
+}
+
 void VramPool::drop(uint32_t model, uint32_t slice) {
     if (model >= slot_of_.size() || slice >= slot_of_[model].size()) return;
     const uint32_t id = slot_of_[model][slice];

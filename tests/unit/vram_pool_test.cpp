@@ -90,6 +90,28 @@ TEST_F(Pool, AFillReleasedMeanwhileIsNotCommitted) {
     EXPECT_EQ(pool.stats().used, 0u);
 }
 
+// A copy queued for a slice's slot must not land once the slice lost that slot: dropped, and the
+// slot given to another slice or the slice admitted anew elsewhere (the backend's pool thread
+// checks this before it copies and before it commits).
+TEST_F(Pool, AFillingAddressNamesTheSlotOnlyWhileTheSliceHoldsItUncommitted) {
+    const uint64_t a = pool.admit(ref(1), kSlice, 7, heat);
+    ASSERT_NE(a, 0u);
+    EXPECT_EQ(pool.filling_address(ref(1)), a);
+    EXPECT_EQ(pool.filling_address(ref(2)), 0u) << "never admitted";
+    pool.drop(0, ref(1).slice);
+    EXPECT_EQ(pool.filling_address(ref(1)), 0u) << "dropped: its old copy must not land";
+    // The freed slot goes to another slice; the first is admitted anew, into another slot.
+    const uint64_t b = pool.admit(ref(2), kSlice, 7, heat);
+    const uint64_t c = pool.admit(ref(1), kSlice, 7, heat);
+    EXPECT_EQ(b, a) << "the freed slot is taken first";
+    ASSERT_NE(c, 0u);
+    EXPECT_NE(c, a);
+    EXPECT_EQ(pool.filling_address(ref(2)), a) << "the slot is the other slice's now";
+    EXPECT_EQ(pool.filling_address(ref(1)), c) << "an old copy of slice 1 aimed at the other slot";
+    ASSERT_EQ(pool.commit(ref(1)), c);
+    EXPECT_EQ(pool.filling_address(ref(1)), 0u) << "committed: no copy is pending for it";
+}
+
 TEST_F(Pool, WithoutEvictionOnlyFreeSlotsAreTaken) {
     for (uint32_t e = 0; e < 4; ++e) ASSERT_NE(admit(ref(e), kSlice, 7), 0u);
     heat.touch(0, 10, 100);

@@ -103,6 +103,10 @@ public:
     // address, or 0 when the slot was taken away meanwhile (released, dropped): then copy nothing.
     // `tail`: bytes after the slice the fill also writes (at most the class's tail room).
     uint64_t commit(const SliceRef& s, uint32_t tail = 0);
+    // The address of the slot admitted for the slice and not yet committed, or 0: whether a copy
+    // queued for it earlier still has its slot (the slice may have been dropped and admitted anew,
+    // elsewhere, meanwhile).
+    [[nodiscard]] uint64_t filling_address(const SliceRef& s) const;
     // Bytes after each slot of this size for the next slice's head (add_arena's tail_room).
     [[nodiscard]] uint32_t tail_room(uint64_t slot_bytes) const;
     // Empties the slice's slot (an admission whose copy failed, or a demotion).
