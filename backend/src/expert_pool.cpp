@@ -78,6 +78,31 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     groups_[stored->group].push_back(stored);
 }
 
+void ExpertPool::forget(const char* base, size_t size) {
+    std::unique_lock lock(mu);
+    const auto inside = [&](const ExpertTensor* t) { return t->data >= base && t->data < base + size; };
+    std::vector<uint32_t> gone;
+    for (uint32_t g = 0; g < groups_.size(); ++g)
+        if (std::any_of(groups_[g].begin(), groups_[g].end(), inside)) gone.push_back(g);
+    if (gone.empty()) return;
+    const auto in_gone = [&](const ExpertTensor* t) { return std::find(gone.begin(), gone.end(), t->group) != gone.end(); };
+    const size_t queued = fills_.size();
+    fills_.erase(std::remove_if(fills_.begin(), fills_.end(), [&](const Fill& f) { return in_gone(f.tensor); }),
+                 fills_.end());
+    stats_.forgotten += queued - fills_.size();
+    drained_cv_.wait(lock, [&] { return copying_from_ == nullptr || !in_gone(copying_from_); });
+    for (const uint32_t g : gone) {
+        for (const auto* t : groups_[g]) {
+            for (uint32_t e = 0; e < static_cast<uint32_t>(t->n_expert); ++e) {
+                slots_.drop(g, t->index * static_cast<uint32_t>(t->n_expert) + e);
+            }
+        }
+        for (const auto* t : groups_[g]) tensors_.erase(t->data);
+        groups_[g].clear();
+    }
+    if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
+}
+
 const ExpertTensor* ExpertPool::find(const void* data) const {
     const auto it = tensors_.find(data);
     return it == tensors_.end() ? nullptr : &it->second;
@@ -199,20 +224,21 @@ int32_t ExpertPool::slot_of(const ExpertTensor& t, int32_t expert) {
 }
 
 bool ExpertPool::pooled(uint32_t group, int32_t expert) {
-    if (group >= groups_.size()) return false;
+    if (group >= groups_.size() || groups_[group].empty()) return false;
     for (const auto* t : groups_[group])
         if (slot_of(*t, expert) < 0) return false;
     return true;
 }
 
 uint32_t ExpertPool::model_of(uint32_t group) {
-    if (link_ == nullptr || group >= group_model_.size()) return UINT32_MAX;
+    if (link_ == nullptr || group >= group_model_.size() || groups_[group].empty()) return UINT32_MAX;
     if (group_model_[group] == UINT32_MAX - 1) group_model_[group] = link_->model_of(groups_[group].front()->data);
     return group_model_[group];
 }
 
 void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts, const std::vector<int32_t>& missed,
                       uint32_t tokens) {
+    if (group >= groups_.size() || groups_[group].empty()) return;  // its model was unloaded meanwhile
     if (link_ != nullptr) {
         std::vector<int32_t> all(pooled_experts);
         all.insert(all.end(), missed.begin(), missed.end());
@@ -233,7 +259,7 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
 // demoted ones leave the pool.
 void ExpertPool::follow(const moecache_directive& d) {
     for (uint32_t g = 0; g < groups_.size(); ++g) {
-        if (group_model_[g] != d.model || groups_[g].front()->block != d.block) continue;
+        if (groups_[g].empty() || group_model_[g] != d.model || groups_[g].front()->block != d.block) continue;
         if (d.expert >= static_cast<uint32_t>(groups_[g].front()->n_expert)) return;
         switch (d.action) {
             case MOECACHE_PROMOTE:
@@ -270,7 +296,10 @@ bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed
         if (evicted.model != cuda::kNoSlot && !(evicted.model == group && evicted.expert == expert)) {
             slots_.drop_expert(evicted.model, evicted.expert);
             if (link_ != nullptr) {
-                link_->placement(model_of(evicted.model), groups_[evicted.model].front()->block, evicted.expert, false);
+                if (!groups_[evicted.model].empty()) {
+                    link_->placement(model_of(evicted.model), groups_[evicted.model].front()->block, evicted.expert,
+                                     false);
+                }
             }
         }
         if (addr == 0) {
@@ -393,7 +422,7 @@ void ExpertPool::register_for_dma() {
 void ExpertPool::fill_loop() {
     std::unique_lock lock(mu);
     for (;;) {
-        fill_cv_.wait(lock, [&] { return stop_ || !fills_.empty(); });
+        fill_cv_.wait(lock, [&] { return stop_ || (!hold_ && !fills_.empty()); });
         if (stop_) return;
         const Fill f = fills_.front();
         fills_.pop_front();
@@ -408,6 +437,7 @@ void ExpertPool::fill_loop() {
         }
         ++filling_;
         copying_ = slot;
+        copying_from_ = &t;
         lock.unlock();
         // The slot is nobody's until committed: no compute reads it, and no crossing copies into it
         // while copying_ names it (admit_here).
@@ -416,9 +446,19 @@ void ExpertPool::fill_loop() {
         lock.lock();
         --filling_;
         copying_ = 0;
+        copying_from_ = nullptr;
+        drained_cv_.notify_all();  // forget() may be waiting for this copy
         if (slots_.filling_address(ref) == slot && slots_.commit(ref) != 0) committed(t, f.expert);
         if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
     }
+}
+
+void ExpertPool::hold_fills(bool hold) {
+    {
+        std::lock_guard lock(mu);
+        hold_ = hold;
+    }
+    fill_cv_.notify_all();
 }
 
 void ExpertPool::drain() {

@@ -51,8 +51,9 @@ struct PoolArena {
     std::vector<View> views;
 };
 
-struct PoolStats {
+struct PoolStats {  // the leading fields up to `forgotten` keep their places (moecache_ggml_pool_stats)
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
+    uint64_t forgotten = 0;  // queued fills dropped: the runtime freed their model's memory (forget)
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
     uint64_t crossed = 0, crossed_admitted = 0;  // small batches' misses copied over for the compute (into the pool)
@@ -76,6 +77,11 @@ public:
 
     // An expert tensor (3-D, op NONE) the runtime placed in one of the backend's buffers.
     void add_tensor(const ggml_tensor* t);
+    // The runtime frees the buffer [base, base + size) (a model it unloads, its mapping about to go):
+    // every group with a tensor there leaves the pool (queued fills dropped, slots given back), and
+    // a copy from there that the pool's thread is making is waited for. Nothing reads that memory
+    // afterwards, and a later model at the same addresses is not taken for it.
+    void forget(const char* base, size_t size);
     // The expert tensor whose data starts at `data`, or null.
     [[nodiscard]] const ExpertTensor* find(const void* data) const;
 
@@ -125,6 +131,8 @@ public:
 
     // Waits for the fills queued so far (tests; before exit).
     void drain();
+    // Tests: while held, the pool's thread starts no fill (they stay queued).
+    void hold_fills(bool hold);
     void count_crossed(bool into_pool) {
         ++stats_.crossed;
         stats_.crossed_admitted += into_pool ? 1 : 0;
@@ -170,9 +178,11 @@ private:
     std::deque<Fill> fills_;  // under mu
     size_t filling_ = 0;      // popped, not committed (under mu)
     uint64_t copying_ = 0;    // the slot the pool's thread copies into now (under mu; 0: none)
+    const ExpertTensor* copying_from_ = nullptr;  // and the tensor it copies from
     std::condition_variable fill_cv_, drained_cv_;
     std::thread filler_;
     bool stop_ = false;
+    bool hold_ = false;
 };
 
 }  // namespace moecache::backend

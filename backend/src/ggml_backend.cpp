@@ -51,6 +51,8 @@ HostBuffer* host(ggml_backend_buffer_t b) { return static_cast<HostBuffer*>(b->c
 
 void buffer_free(ggml_backend_buffer_t b) {
     auto* h = host(b);
+    // Its expert tensors leave the pool first: nothing copies from this memory once it is gone.
+    if (h->base != nullptr) ExpertPool::get().forget(h->base, h->size);
     if (h->pinned != nullptr) {
         ggml_backend_buffer_free(h->pinned);
     } else if (h->owned) {
@@ -760,16 +762,22 @@ const char* reg_name(ggml_backend_reg_t) { return kName; }
 size_t reg_device_count(ggml_backend_reg_t) { return 1; }
 ggml_backend_dev_t reg_device(ggml_backend_reg_t, size_t index) { return index == 0 ? &registry->dev : nullptr; }
 
-// For tests and tools: the pool's figures, once the fills queued so far are done.
-void pool_stats(PoolStats* out) {
+// For tests and tools: the pool's figures, once the fills queued so far are done; the first `size`
+// bytes of PoolStats (its leading fields keep their places: pool_rows ... forgotten).
+void pool_stats(void* out, size_t size) {
     ExpertPool::get().drain();
     std::lock_guard lock(ExpertPool::get().mu);
-    *out = ExpertPool::get().stats();
+    const PoolStats s = ExpertPool::get().stats();
+    memcpy(out, &s, std::min(size, sizeof s));  // the caller's copy may know fewer fields
 }
+
+// For tests: fills stay queued while held (what a runtime does meanwhile, e.g. free a model).
+void hold_fills(bool hold) { ExpertPool::get().hold_fills(hold); }
 
 void* reg_proc(ggml_backend_reg_t, const char* name) {
     if (strcmp(name, "ggml_backend_set_n_threads") == 0) return reinterpret_cast<void*>(set_n_threads);
     if (strcmp(name, "moecache_ggml_pool_stats") == 0) return reinterpret_cast<void*>(pool_stats);
+    if (strcmp(name, "moecache_ggml_hold_fills") == 0) return reinterpret_cast<void*>(hold_fills);
     return nullptr;
 }
 

@@ -16,8 +16,9 @@
 
 namespace {
 
-struct PoolStats {
+struct PoolStats {  // the leading fields of the library's (backend/src/expert_pool.h)
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
+    uint64_t forgotten = 0;
 };
 
 struct Ggml {
@@ -25,7 +26,8 @@ struct Ggml {
     ggml_backend_reg_t reg = nullptr;
     ggml_backend_dev_t dev = nullptr;
     ggml_backend_t mc = nullptr;
-    void (*stats)(PoolStats*) = nullptr;
+    void (*stats)(void*, size_t) = nullptr;  // the first bytes of the library's PoolStats
+    void (*hold_fills)(bool) = nullptr;
 };
 
 Ggml& ggml() {
@@ -40,7 +42,8 @@ Ggml& ggml() {
         if (r.reg != nullptr) {
             r.dev = ggml_backend_reg_dev_get(r.reg, 0);
             r.mc = ggml_backend_dev_init(r.dev, nullptr);
-            r.stats = reinterpret_cast<void (*)(PoolStats*)>(ggml_backend_reg_get_proc_address(r.reg, "moecache_ggml_pool_stats"));
+            r.stats = reinterpret_cast<void (*)(void*, size_t)>(ggml_backend_reg_get_proc_address(r.reg, "moecache_ggml_pool_stats"));
+            r.hold_fills = reinterpret_cast<void (*)(bool)>(ggml_backend_reg_get_proc_address(r.reg, "moecache_ggml_hold_fills"));
         }
         return r;
     }();
@@ -141,13 +144,13 @@ TEST(GgmlBackend, EveryTypesMulMatIdIsGgmlCpusByteForByteOnTheCpuAndSplitWithAPo
     std::mt19937 rng(11);
     std::normal_distribution<float> dist(0.0f, 1.0f);
     PoolStats before{};
-    g.stats(&before);
+    g.stats(&before, sizeof before);
     // Rounds: the first finds the pool empty (every row on the CPU); the misses it admits make
     // later rounds split. Routing skewed to the low experts, as routers are, so the pool (half
     // the bytes) holds some experts of every round and not others.
     for (int round = 0; round < 8; ++round) {
         PoolStats between{};
-        g.stats(&between);  // waits for the fills the last round queued: each round sees them
+        g.stats(&between, sizeof between);  // waits for the fills the last round queued: each round sees them
         for (size_t i = 0; i < std::size(kTypes); ++i) {
             const bool broadcast = (round + i) % 2 == 0;
             const int64_t used = 4, tokens = 1 + (round % 3) * 7;
@@ -171,10 +174,37 @@ TEST(GgmlBackend, EveryTypesMulMatIdIsGgmlCpusByteForByteOnTheCpuAndSplitWithAPo
         }
     }
     PoolStats after{};
-    g.stats(&after);
+    g.stats(&after, sizeof after);
     EXPECT_GT(after.fills, before.fills) << "no expert was admitted to the pool";
     EXPECT_GT(after.pool_rows, before.pool_rows) << "no row was computed from the pool";
     EXPECT_GT(after.cpu_rows, before.cpu_rows) << "no row was computed on the CPU beside the pool";
+}
+
+// A runtime that frees a model while the pool's thread still has fills queued from its memory
+// (llama-bench at exit, llama-server swapping models: the mapping is unmapped next): the pool
+// forgets the model's experts first. Its queued fills are dropped, never copied from that memory.
+TEST(GgmlBackend, AModelFreedWithFillsQueuedLeavesThePoolFirst) {
+    auto& g = ggml();
+    ASSERT_NE(g.mc, nullptr);
+    ASSERT_NE(g.hold_fills, nullptr);
+    auto& m = model();
+    PoolStats before{};
+    g.stats(&before, sizeof before);
+    g.hold_fills(true);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    const int64_t used = 4, tokens = 8;
+    std::vector<float> act(static_cast<size_t>(kK * tokens));
+    for (auto& x : act) x = dist(rng);
+    std::vector<int32_t> ids(static_cast<size_t>(kExperts * tokens));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % kExperts);
+    for (size_t i = 0; i < std::size(kTypes); ++i) (void)mul_mat_id(g.mc, m.mc[i], act, ids, used, tokens, true);
+    // Every model's buffer freed while its fills wait.
+    for (auto* t : m.mc) ggml_backend_buffer_free(t->buffer);
+    g.hold_fills(false);
+    PoolStats after{};
+    g.stats(&after, sizeof after);
+    EXPECT_GT(after.forgotten, before.forgotten) << "no queued fill was dropped";
 }
 
 }  // namespace

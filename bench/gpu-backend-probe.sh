@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# A quick look at the backend route on the GPU machine, one configuration after another in one
+# call, with the backend's own figures (where its computes' time went) beside llama-bench's:
+#   cpu            -ot exps=CPU (mmap), llama.cpp's default offload threshold: the anchor
+#   staticP-none   the last P % of the layers' experts on CUDA0, the rest as cpu, --load-mode none
+#   staticP        the same with mmap
+#   mcP            libmoecache-ggml.so (GGML_BACKEND_PATH, -ot exps=MOECACHE), a pool of P % of the
+#                  experts; suffixes: -none (--load-mode none), -nopin (MOECACHE_GGML_PIN=off),
+#                  -xN (MOECACHE_GGML_CROSS=N%), e.g. mc60-none-x0
+#   diag-mcP...    the same configuration through llama-completion, 24 greedy tokens with ggml's log
+#                  shown (llama-bench hides it) and CUDA_LAUNCH_BLOCKING=1: what a CUDA error says
+#                  and where
+# The model is generated once (moecache-mkmodel: q5_K, 128 experts top-8, embd 2048, ff 1792, the
+# deepseek-v4-flash routing preset, seed 29; LAYERS of them: 8 are 7.3 GiB, 32 are 29 GiB).
+#
+#   bench/gpu-backend-probe.sh LLAMA_BIN
+# LLAMA_BIN: a CUDA llama.cpp build (bench/build-llama-cuda.sh) with llama-bench and
+# llama-completion. Environment: CONFIGS ("cpu mc60 static60-none"), ARGS ("-p 512 -n 32": what
+# llama-bench runs), REPS (2), LAYERS (8), TIMEOUT (seconds a configuration, 120), BACKEND (the
+# library, built against LLAMA_BIN's source), MKMODEL, WORKDIR (/var/tmp/moecache-probe).
+set -uo pipefail
+bin=$(realpath "${1:?usage: bench/gpu-backend-probe.sh LLAMA_BIN}")
+build=${MOECACHE_BUILD:-build}
+backend=$(realpath "${BACKEND:-$build/backend/libmoecache-ggml.so}")
+mkmodel=${MKMODEL:-$build/tools/mkmodel/moecache-mkmodel}
+work=${WORKDIR:-/var/tmp/moecache-probe}
+layers=${LAYERS:-8}
+mkdir -p "$work"
+export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+model=$work/probe-$layers.gguf
+if [ ! -f "$model" ]; then
+  "$mkmodel" --output "$model" --layers "$layers" --experts 128 --experts-used 8 --embd 2048 --ff 1792 \
+    --preset deepseek-v4-flash --expert-type q5_K --seed 29 | tail -n 1
+fi
+cat "$model" >/dev/null  # every configuration starts from the same warm page cache
+
+# setup NAME: env_ (the environment), args_ (llama.cpp's arguments beyond the model's)
+setup() {
+  local c=${1#diag-} p
+  env_=(MOECACHE_UNUSED=1)
+  args_=(-ngl 99)
+  case $c in
+    cpu) args_+=(-ot exps=CPU) ;;
+    static*) p=${c#static}; p=${p%%-*}
+      local k=$(( (layers * p + 50) / 100 ))
+      args_+=(-ot "blk\.($(seq -s '|' $((layers - k)) $((layers - 1))))\.ffn_.*_exps=CUDA0;exps=CPU")
+      [[ $c == *-none* ]] && args_+=(--load-mode none) ;;
+    mc*) p=${c#mc}; p=${p%%-*}
+      env_=(GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="$p%" MOECACHE_GGML_LOG=2 MOECACHE_GGML_CLIENT=off)
+      [[ $c == *-nopin* ]] && env_+=(MOECACHE_GGML_PIN=off)
+      [[ $c == *-x[0-9]* ]] && env_+=(MOECACHE_GGML_CROSS="${c##*-x}%")
+      args_+=(-ot exps=MOECACHE)
+      [[ $c == *-none* ]] && args_+=(--load-mode none) ;;
+    *) echo "gpu-backend-probe: unknown configuration $1" >&2; return 1 ;;
+  esac
+  return 0
+}
+for c in ${CONFIGS:-cpu mc60 static60-none}; do
+  setup "$c" || continue
+  echo "== $c"
+  t0=$SECONDS
+  if [[ $c == diag-* ]]; then
+    # llama-completion takes one -ot whose overrides ',' joins.
+    args=("${args_[@]}")
+    for i in "${!args[@]}"; do args[$i]=${args[$i]//;/,}; done
+    timeout "${TIMEOUT:-120}" env "${env_[@]}" CUDA_LAUNCH_BLOCKING=1 "$bin/llama-completion" -m "$model" "${args[@]}" \
+      -fa off -p "the of and to in is was for on that" -n 24 --temp 0 --ignore-eos -no-cnv </dev/null 2>&1 |
+      grep -E -i "error|abort|in function|moecache|eval time" | head -n 40
+  else
+    # ';' joins overrides in llama-bench's -ot (',' would make another test).
+    timeout "${TIMEOUT:-120}" env "${env_[@]}" "$bin/llama-bench" -m "$model" "${args_[@]}" -fa 0 -r "${REPS:-2}" \
+      ${ARGS:--p 512 -n 32} 2>&1 | grep -E "^\| [a-z]|moecache-ggml|error|abort" | grep -v "^| model\|no daemon"
+  fi
+  echo "   ($((SECONDS - t0)) s)"
+done
