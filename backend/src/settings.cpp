@@ -29,34 +29,24 @@ Settings settings_from_env(std::string* problem) {
         if (strlen(d) > 64) return off(fmt::format("MOECACHE_GGML_DEVICE: a device name of {} characters", strlen(d)));
         s.device = d;
     }
-    if (const char* p = getenv("MOECACHE_GGML_POOL"); p != nullptr && *p && strcmp(p, "auto") != 0) {
-        std::string v = p;
-        const bool percent = v.back() == '%';
-        if (percent) v.pop_back();
-        const auto n = cuda::parse_size(v);
-        if (!n || (percent && (*n > 100 || v.find_first_not_of("0123456789.") != std::string::npos))) {
-            return off(fmt::format("MOECACHE_GGML_POOL={}: not a size (12G, 512M) or a share of the experts (60%)", p));
-        }
-        s.pool_kind = percent ? Settings::PoolKind::Percent : Settings::PoolKind::Bytes;
-        s.pool_value = *n;
+    if (const char* p = getenv("MOECACHE_GGML_POOL"); p != nullptr && *p) {
+        const auto size = cuda::parse_pool_size(p);
+        if (!size) return off(fmt::format("MOECACHE_GGML_POOL={}: not a size (12G, 512M) or a share of the experts (60%)", p));
+        s.pool = *size;
     }
     if (const char* c = getenv("MOECACHE_GGML_CROSS"); c != nullptr && *c && strcmp(c, "auto") != 0) {
-        std::string v = c;
-        char* end = nullptr;
-        const double share = v.back() == '%' ? strtod(v.c_str(), &end) : -1;
-        if (!(share >= 0 && share <= 100) || end != v.c_str() + v.size() - 1) {
-            return off(fmt::format("MOECACHE_GGML_CROSS={}: not auto or a share of the misses (30%)", c));
-        }
-        s.cross = share / 100;
+        const auto share = cuda::parse_percent(c);
+        if (!share) return off(fmt::format("MOECACHE_GGML_CROSS={}: not auto or a share of the misses (30%)", c));
+        s.cross = *share / 100;
     }
     return s;
 }
 
 uint64_t pool_bytes(const Settings& s, uint64_t free_bytes, uint64_t expert_bytes) {
     uint64_t want = expert_bytes;
-    if (s.pool_kind == Settings::PoolKind::Bytes) want = static_cast<uint64_t>(s.pool_value);
-    if (s.pool_kind == Settings::PoolKind::Percent) {
-        want = static_cast<uint64_t>(static_cast<double>(expert_bytes) * s.pool_value / 100.0);
+    if (s.pool.kind == cuda::PoolSize::Kind::Bytes) want = static_cast<uint64_t>(s.pool.value);
+    if (s.pool.kind == cuda::PoolSize::Kind::Percent) {
+        want = static_cast<uint64_t>(static_cast<double>(expert_bytes) * s.pool.value / 100.0);
     }
     const uint64_t reserve = (1ull << 30) + free_bytes / 20;
     const uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;

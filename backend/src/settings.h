@@ -15,6 +15,7 @@
 //                         pool then go through the driver's pageable bounce)
 #pragma once
 
+#include "moecache/cuda/hook_config.h"
 #include "moecache/error.h"
 
 #include <cstdint>
@@ -24,8 +25,7 @@ namespace moecache::backend {
 
 struct Settings {
     std::string device = "auto";
-    enum class PoolKind { Auto, Bytes, Percent } pool_kind = PoolKind::Auto;
-    double pool_value = 0;
+    cuda::PoolSize pool;  // MOECACHE_GGML_POOL, as MOECACHE_CUDA_POOL reads a size
     bool log = false;
     bool log_often = false;  // MOECACHE_GGML_LOG=2
     bool client = true;

@@ -13,19 +13,26 @@ bool off_value(const char* v) {
     return !strcmp(v, "off") || !strcmp(v, "0") || !strcmp(v, "no") || !strcmp(v, "false");
 }
 
+}  // namespace
+
+std::optional<double> parse_percent(const std::string& s) {
+    if (s.size() < 2 || s.back() != '%' || s.find_first_not_of("0123456789.") != s.size() - 1) return std::nullopt;
+    const auto v = parse_size(s.substr(0, s.size() - 1));
+    if (!v || *v > 100) return std::nullopt;
+    return *v;
+}
+
 std::optional<PoolSize> parse_pool_size(const std::string& s) {
     if (s == "auto") return PoolSize{};
     if (!s.empty() && s.back() == '%') {
-        const auto v = parse_size(s.substr(0, s.size() - 1));
-        if (!v || *v > 100 || s.find_first_not_of("0123456789.%") != std::string::npos) return std::nullopt;
+        const auto v = parse_percent(s);
+        if (!v) return std::nullopt;
         return PoolSize{PoolSize::Kind::Percent, *v};
     }
     const auto v = parse_size(s);
     if (!v) return std::nullopt;
     return PoolSize{PoolSize::Kind::Bytes, *v};
 }
-
-}  // namespace
 
 std::optional<double> parse_size(const std::string& text) {
     const char* s = text.c_str();

@@ -82,6 +82,10 @@ struct HookConfig {
 std::optional<PoolSizes> parse_pool_sizes(const std::string& text, std::string* error);
 // A size with an optional binary unit suffix ("8G", "512MiB", "1.5T", "4096").
 std::optional<double> parse_size(const std::string& text);
+// A share as "25%" or "12.5%" (0..100), the number alone; nullopt for anything else.
+std::optional<double> parse_percent(const std::string& text);
+// One pool size: "auto", a share of the expert bytes ("25%") or a size ("8G").
+std::optional<PoolSize> parse_pool_size(const std::string& text);
 // The settings from variables read through `get` (getenv in the hook; null: unset); each problem
 // goes to `warn` as one line.
 HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
