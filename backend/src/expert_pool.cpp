@@ -90,7 +90,7 @@ void ExpertPool::forget(const char* base, size_t size) {
     fills_.erase(std::remove_if(fills_.begin(), fills_.end(), [&](const Fill& f) { return in_gone(f.tensor); }),
                  fills_.end());
     stats_.forgotten += queued - fills_.size();
-    drained_cv_.wait(lock, [&] { return copying_from_ == nullptr || !in_gone(copying_from_); });
+    drained_cv_.wait(lock, [&] { return !copying_ || !in_gone(copying_->tensor); });
     for (const uint32_t g : gone) {
         for (const auto* t : groups_[g]) {
             for (uint32_t e = 0; e < static_cast<uint32_t>(t->n_expert); ++e) {
@@ -100,7 +100,7 @@ void ExpertPool::forget(const char* base, size_t size) {
         for (const auto* t : groups_[g]) tensors_.erase(t->data);
         groups_[g].clear();
     }
-    if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
+    if (fills_.empty() && !copying_) drained_cv_.notify_all();
 }
 
 const ExpertTensor* ExpertPool::find(const void* data) const {
@@ -224,21 +224,21 @@ int32_t ExpertPool::slot_of(const ExpertTensor& t, int32_t expert) {
 }
 
 bool ExpertPool::pooled(uint32_t group, int32_t expert) {
-    if (group >= groups_.size() || groups_[group].empty()) return false;
+    if (!live(group)) return false;
     for (const auto* t : groups_[group])
         if (slot_of(*t, expert) < 0) return false;
     return true;
 }
 
 uint32_t ExpertPool::model_of(uint32_t group) {
-    if (link_ == nullptr || group >= group_model_.size() || groups_[group].empty()) return UINT32_MAX;
+    if (link_ == nullptr || !live(group)) return UINT32_MAX;
     if (group_model_[group] == UINT32_MAX - 1) group_model_[group] = link_->model_of(groups_[group].front()->data);
     return group_model_[group];
 }
 
 void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts, const std::vector<int32_t>& missed,
                       uint32_t tokens) {
-    if (group >= groups_.size() || groups_[group].empty()) return;  // its model was unloaded meanwhile
+    if (!live(group)) return;  // its model was unloaded meanwhile
     if (link_ != nullptr) {
         std::vector<int32_t> all(pooled_experts);
         all.insert(all.end(), missed.begin(), missed.end());
@@ -259,7 +259,7 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
 // demoted ones leave the pool.
 void ExpertPool::follow(const moecache_directive& d) {
     for (uint32_t g = 0; g < groups_.size(); ++g) {
-        if (groups_[g].empty() || group_model_[g] != d.model || groups_[g].front()->block != d.block) continue;
+        if (!live(g) || group_model_[g] != d.model || groups_[g].front()->block != d.block) continue;
         if (d.expert >= static_cast<uint32_t>(groups_[g].front()->n_expert)) return;
         switch (d.action) {
             case MOECACHE_PROMOTE:
@@ -295,11 +295,8 @@ bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed
                                   : 0;
         if (evicted.model != cuda::kNoSlot && !(evicted.model == group && evicted.expert == expert)) {
             slots_.drop_expert(evicted.model, evicted.expert);
-            if (link_ != nullptr) {
-                if (!groups_[evicted.model].empty()) {
-                    link_->placement(model_of(evicted.model), groups_[evicted.model].front()->block, evicted.expert,
-                                     false);
-                }
+            if (link_ != nullptr && live(evicted.model)) {
+                link_->placement(model_of(evicted.model), groups_[evicted.model].front()->block, evicted.expert, false);
             }
         }
         if (addr == 0) {
@@ -327,7 +324,7 @@ bool ExpertPool::admit_here(uint32_t group, uint32_t expert, std::vector<Placed>
     if (dev_ == nullptr || group >= groups_.size() || !admit_slots(group, expert, placed)) return false;
     // A slot the pool's own thread is still copying a dropped slice into: not this one.
     const bool busy = std::any_of(placed->begin(), placed->end(), [&](const Placed& p) {
-        return reinterpret_cast<uint64_t>(p.arena->base) + p.offset == copying_;
+        return copying_ && reinterpret_cast<uint64_t>(p.arena->base) + p.offset == copying_->slot();
     });
     if (busy) {
         settle(expert, *placed, false);
@@ -340,10 +337,10 @@ void ExpertPool::settle(uint32_t expert, const std::vector<Placed>& placed, bool
     for (const auto& p : placed) {
         const ExpertTensor& t = *p.tensor;
         const uint32_t slice = t.index * static_cast<uint32_t>(t.n_expert) + expert;
-        if (done && slots_.commit(cuda::SliceRef{t.group, slice, expert}) != 0) {
-            committed(t, expert);
-        } else if (!done) {
+        if (!done) {
             slots_.drop(t.group, slice);
+        } else if (slots_.commit(cuda::SliceRef{t.group, slice, expert}) != 0) {
+            committed(t, expert);
         }
     }
 }
@@ -426,31 +423,29 @@ void ExpertPool::fill_loop() {
         if (stop_) return;
         const Fill f = fills_.front();
         fills_.pop_front();
-        const ExpertTensor& t = *f.tensor;
-        const cuda::SliceRef ref{t.group, t.index * static_cast<uint32_t>(t.n_expert) + f.expert, f.expert};
-        const uint64_t slot = reinterpret_cast<uint64_t>(f.arena->base) + f.offset;
         // A fill whose slice lost that slot meanwhile (evicted, perhaps admitted anew elsewhere, its
         // slot another's by now): copying it would overwrite what the slot holds now.
-        if (slots_.filling_address(ref) != slot) {
-            if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
-            continue;
+        if (slots_.filling_address(f.slice()) == f.slot()) {
+            copying_ = f;
+            lock.unlock();
+            // The slot is nobody's until committed: no compute reads it, and no crossing copies into
+            // it while copying_ names it (admit_here).
+            const ExpertTensor& t = *f.tensor;
+            ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
+                                    t.slice_bytes);
+            lock.lock();
+            copying_.reset();
+            if (slots_.filling_address(f.slice()) == f.slot() && slots_.commit(f.slice()) != 0) committed(t, f.expert);
         }
-        ++filling_;
-        copying_ = slot;
-        copying_from_ = &t;
-        lock.unlock();
-        // The slot is nobody's until committed: no compute reads it, and no crossing copies into it
-        // while copying_ names it (admit_here).
-        ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
-                                t.slice_bytes);
-        lock.lock();
-        --filling_;
-        copying_ = 0;
-        copying_from_ = nullptr;
-        drained_cv_.notify_all();  // forget() may be waiting for this copy
-        if (slots_.filling_address(ref) == slot && slots_.commit(ref) != 0) committed(t, f.expert);
-        if (fills_.empty() && filling_ == 0) drained_cv_.notify_all();
+        // drain() and forget() may be waiting for this copy, or for the queue to empty.
+        drained_cv_.notify_all();
     }
+}
+
+uint64_t ExpertPool::Fill::slot() const { return reinterpret_cast<uint64_t>(arena->base) + offset; }
+
+cuda::SliceRef ExpertPool::Fill::slice() const {
+    return cuda::SliceRef{tensor->group, tensor->index * static_cast<uint32_t>(tensor->n_expert) + expert, expert};
 }
 
 void ExpertPool::hold_fills(bool hold) {
@@ -463,7 +458,7 @@ void ExpertPool::hold_fills(bool hold) {
 
 void ExpertPool::drain() {
     std::unique_lock lock(mu);
-    drained_cv_.wait(lock, [&] { return stop_ || !filler_.joinable() || (fills_.empty() && filling_ == 0); });
+    drained_cv_.wait(lock, [&] { return stop_ || !filler_.joinable() || (fills_.empty() && !copying_); });
 }
 
 void ExpertPool::stop_filler() {

@@ -16,6 +16,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -148,12 +149,16 @@ private:
         uint32_t expert;
         const PoolArena* arena;
         size_t offset;
+        [[nodiscard]] uint64_t slot() const;  // the slot's device address
+        [[nodiscard]] cuda::SliceRef slice() const;
     };
     bool make_arenas(ggml_backend_dev_t dev, const Settings& settings);
     void register_for_dma();
     void fill_loop();
     static void stop_filler();
 
+    // A group whose tensors are still the runtime's (forget() empties it).
+    [[nodiscard]] bool live(uint32_t group) const { return group < groups_.size() && !groups_[group].empty(); }
     bool admit(uint32_t group, uint32_t expert);
     bool admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed);
     void committed(const ExpertTensor& t, uint32_t expert);
@@ -176,9 +181,7 @@ private:
     bool log_ = false;
     PoolStats stats_;
     std::deque<Fill> fills_;  // under mu
-    size_t filling_ = 0;      // popped, not committed (under mu)
-    uint64_t copying_ = 0;    // the slot the pool's thread copies into now (under mu; 0: none)
-    const ExpertTensor* copying_from_ = nullptr;  // and the tensor it copies from
+    std::optional<Fill> copying_;  // the fill the pool's thread copies now, popped and not committed (under mu)
     std::condition_variable fill_cv_, drained_cv_;
     std::thread filler_;
     bool stop_ = false;
