@@ -168,7 +168,7 @@ private:
 
 struct Backend {
     Settings settings;
-    Crossing crossing{settings.cross};
+    Crossing crossing{-1};  // set from settings when the backend is made
     ggml_backend_t cpu = nullptr;
     void (*cpu_threads)(ggml_backend_t, int) = nullptr;
     int threads = 0;
@@ -176,6 +176,7 @@ struct Backend {
     ggml_backend_buffer_t scratch = nullptr;  // on the pool's device: activations, ids, results
     ggml_backend_buffer_t out_pinned = nullptr;  // the device half's results land here (pinned)
     std::vector<char> out_plain;                  // where the device has no pinned memory
+    bool out_unpinnable = false;
     std::vector<char> ctx_mem;
     std::vector<char> ctx_mem_node;  // the one-node graph compute_unit is given in a split node by node
     bool said_split_error = false;
@@ -317,14 +318,67 @@ std::optional<Unit> find_unit(ggml_cgraph* graph, ExpertPool& pool) {
 
 // Host memory for the device half's results, pinned where the device can pin.
 char* out_space(Backend& be, size_t bytes) {
-    if (be.out_pinned != nullptr && ggml_backend_buffer_get_size(be.out_pinned) < bytes) {
-        ggml_backend_buffer_free(be.out_pinned);
-        be.out_pinned = nullptr;
+    if (be.out_pinned != nullptr && ggml_backend_buffer_get_size(be.out_pinned) >= bytes) {
+        return static_cast<char*>(ggml_backend_buffer_get_base(be.out_pinned));
     }
-    if (be.out_pinned == nullptr && be.out_plain.size() < bytes) be.out_pinned = pinned_buffer(bytes + bytes / 2);
+    if (be.out_pinned != nullptr) ggml_backend_buffer_free(be.out_pinned);
+    be.out_pinned = be.out_unpinnable ? nullptr : pinned_buffer(bytes + bytes / 2);
     if (be.out_pinned != nullptr) return static_cast<char*>(ggml_backend_buffer_get_base(be.out_pinned));
+    be.out_unpinnable = true;  // not asked again at every chain
     be.out_plain.resize(bytes);
     return be.out_plain.data();
+}
+
+using Admitted = std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>>>;
+
+// Under the pool's lock: the `k` hottest of a small batch's misses (decode's), copied to the device
+// on its stream to be computed there: into the pool where the policy admits them (the admission's
+// one copy; `admitted` holds them until the compute settles them), else into staging slots. Returns
+// the experts that crossed; `staged` learns their slots, by MUL_MAT_ID.
+std::unordered_set<int32_t> cross_misses(Backend& be, ExpertPool& pool, const Unit& unit, std::vector<int32_t> order,
+                                         size_t k, std::vector<std::unordered_map<int32_t, int32_t>>& staged,
+                                         Admitted& admitted) {
+    const uint32_t group = unit.group;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return pool.heat(group, a) > pool.heat(group, b); });
+    std::unordered_map<const PoolArena*, uint32_t> next;
+    std::unordered_set<int32_t> crossed;
+    for (size_t i = 0; i < order.size() && crossed.size() < k; ++i) {
+        const int32_t e = order[i];
+        std::vector<ExpertPool::Placed> placed;
+        std::vector<int32_t> slots(unit.mmids.size(), -1);
+        bool in_pool = pool.admit_here(group, static_cast<uint32_t>(e), &placed);
+        for (size_t m = 0; m < unit.mmids.size() && in_pool; ++m) {
+            const ExpertTensor* w = unit.weights[m];
+            const auto p = std::find_if(placed.begin(), placed.end(), [&](const auto& x) { return x.tensor == w; });
+            slots[m] = p != placed.end() ? static_cast<int32_t>(p->offset / p->arena->slot_bytes) : pool.slot_of(*w, e);
+            in_pool = slots[m] >= 0;  // a slice the pool's own thread is still copying: not yet
+        }
+        if (!in_pool) {
+            pool.settle(static_cast<uint32_t>(e), placed, false);
+            placed.clear();
+            auto taken = next;
+            bool room = true;
+            for (size_t m = 0; m < unit.mmids.size() && room; ++m) {
+                const auto* a = pool.arena_for(unit.weights[m]->slice_bytes);
+                room = a != nullptr && taken[a] < a->staging;
+                if (room) slots[m] = static_cast<int32_t>(a->slots - a->staging + taken[a]++);
+            }
+            if (!room) continue;
+            next = std::move(taken);
+        }
+        for (size_t m = 0; m < unit.mmids.size(); ++m) {
+            const ExpertTensor& w = *unit.weights[m];
+            const auto* a = pool.arena_for(w.slice_bytes);
+            ggml_backend_tensor_set_async(be.acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
+                                          static_cast<size_t>(slots[m]) * a->slot_bytes, w.slice_bytes);
+            staged[m][e] = slots[m];
+        }
+        crossed.insert(e);
+        pool.count_crossed(in_pool);
+        if (in_pool) admitted.emplace_back(static_cast<uint32_t>(e), std::move(placed));
+    }
+    return crossed;
 }
 
 // The unit's pooled rows on the pool's device (a copy of its chain over the pool's slots), the
@@ -387,58 +441,19 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
             split->cpu_experts.clear();
         }
     }
-    // A small batch: the hottest of a share of its misses cross the link to the device, into
-    // the pool where the policy admits them (the admission's one copy), else into staging slots.
-    std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>>> admitted;
+    // A small batch: a learnt share of its misses crosses the link (cross_misses) while the CPU
+    // computes the rest.
+    Admitted admitted;
     struct Unsettled {  // what a failed compute gives back
         ExpertPool& pool;
-        std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>>>& admitted;
+        Admitted& admitted;
         ~Unsettled() {
             for (const auto& [e, placed] : admitted) pool.settle(e, placed, false);
         }
     } unsettled{pool, admitted};
     if (ids->ne[1] < kLargeBatch && split->cpu_rows > 0) {
-        const size_t k = be.crossing.count(split->cpu_experts.size());
-        std::vector<int32_t> order = split->cpu_experts;
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int32_t a, int32_t b) { return pool.heat(group, a) > pool.heat(group, b); });
-        std::unordered_map<const PoolArena*, uint32_t> next;
-        std::unordered_set<int32_t> crossed;
-        for (size_t i = 0; i < order.size() && crossed.size() < k; ++i) {
-            const int32_t e = order[i];
-            std::vector<ExpertPool::Placed> placed;
-            std::vector<int32_t> slots(unit->mmids.size(), -1);
-            bool in_pool = pool.admit_here(group, static_cast<uint32_t>(e), &placed);
-            for (size_t m = 0; m < unit->mmids.size() && in_pool; ++m) {
-                const ExpertTensor* w = unit->weights[m];
-                const auto p = std::find_if(placed.begin(), placed.end(), [&](const auto& x) { return x.tensor == w; });
-                slots[m] = p != placed.end() ? static_cast<int32_t>(p->offset / p->arena->slot_bytes) : pool.slot_of(*w, e);
-                in_pool = slots[m] >= 0;  // a slice the pool's own thread is still copying: not yet
-            }
-            if (!in_pool) {
-                pool.settle(static_cast<uint32_t>(e), placed, false);
-                placed.clear();
-                auto taken = next;
-                bool room = true;
-                for (size_t m = 0; m < unit->mmids.size() && room; ++m) {
-                    const auto* a = pool.arena_for(unit->weights[m]->slice_bytes);
-                    room = a != nullptr && taken[a] < a->staging;
-                    if (room) slots[m] = static_cast<int32_t>(a->slots - a->staging + taken[a]++);
-                }
-                if (!room) continue;
-                next = std::move(taken);
-            }
-            for (size_t m = 0; m < unit->mmids.size(); ++m) {
-                const ExpertTensor& w = *unit->weights[m];
-                const auto* a = pool.arena_for(w.slice_bytes);
-                ggml_backend_tensor_set_async(be.acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
-                                              static_cast<size_t>(slots[m]) * a->slot_bytes, w.slice_bytes);
-                staged[m][e] = slots[m];
-            }
-            crossed.insert(e);
-            pool.count_crossed(in_pool);
-            if (in_pool) admitted.emplace_back(static_cast<uint32_t>(e), std::move(placed));
-        }
+        const auto crossed = cross_misses(be, pool, *unit, split->cpu_experts,
+                                          be.crossing.count(split->cpu_experts.size()), staged, admitted);
         if (!crossed.empty()) {
             split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                                unit->weights[0]->n_expert, 1,
