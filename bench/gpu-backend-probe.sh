@@ -9,7 +9,7 @@
 #                  -xN (MOECACHE_GGML_CROSS=N%), e.g. mc60-none-x0
 #   diag-mcP...    the same configuration through llama-completion, 24 greedy tokens with ggml's log
 #                  shown (llama-bench hides it) and CUDA_LAUNCH_BLOCKING=1: what a CUDA error says
-#                  and where
+#                  and where; PROMPT_WORDS (10) words of prompt: 32 or more make its batches large
 # The model is generated once (moecache-mkmodel: q5_K, 128 experts top-8, embd 2048, ff 1792, the
 # deepseek-v4-flash routing preset, seed 29; LAYERS of them: 8 are 7.3 GiB, 32 are 29 GiB).
 #
@@ -55,6 +55,9 @@ setup() {
   esac
   return 0
 }
+words=(the of and to in is was for on that)
+prompt=
+for ((i = 0; i < ${PROMPT_WORDS:-10}; ++i)); do prompt+="${words[i % 10]} "; done
 for c in ${CONFIGS:-cpu mc60 static60-none}; do
   setup "$c" || continue
   echo "== $c"
@@ -64,7 +67,7 @@ for c in ${CONFIGS:-cpu mc60 static60-none}; do
     args=("${args_[@]}")
     for i in "${!args[@]}"; do args[$i]=${args[$i]//;/,}; done
     timeout "${TIMEOUT:-120}" env "${env_[@]}" CUDA_LAUNCH_BLOCKING=1 "$bin/llama-completion" -m "$model" "${args[@]}" \
-      -fa off -p "the of and to in is was for on that" -n 24 --temp 0 --ignore-eos -no-cnv </dev/null 2>&1 |
+      -fa off -p "$prompt" -n 24 --temp 0 --ignore-eos -no-cnv </dev/null 2>&1 |
       grep -E -i "error|abort|in function|moecache|eval time" | head -n 40
   else
     # ';' joins overrides in llama-bench's -ot (',' would make another test).

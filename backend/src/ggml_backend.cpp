@@ -506,14 +506,19 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
                     c->src[2] = ggml_new_tensor_2d(pg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
                     placed.push_back(c->src[2]);
                     const ExpertTensor& w = *unit->weights[k];
-                    auto& v = slot_ids[k];
-                    v.resize(split->pool_ids.size());
                     const auto slot_for = [&](int32_t e) {
                         const auto st = staged[k].find(e);
                         return st != staged[k].end() ? st->second : pool.slot_of(w, e);
                     };
-                    const int32_t filler = slot_for(split->pool_experts.front());
-                    for (size_t r = 0; r < v.size(); ++r) v[r] = split->pooled[r] ? slot_for(split->experts[r]) : filler;
+                    const auto* a = pool.arena_for(w.slice_bytes);
+                    auto v = pool_slot_ids(*split, slot_for, a != nullptr ? a->slots : 0);
+                    if (!v) {
+                        if (!be.said_split_error) say("%s: %s (computed on the CPU)", t->name, v.error().what().c_str());
+                        be.said_split_error = true;
+                        ok = false;
+                        continue;
+                    }
+                    slot_ids[k] = std::move(*v);
                     uploads.emplace_back(c->src[2], nullptr);
                 } else {
                     c->src[i] = clone(t->src[i]);

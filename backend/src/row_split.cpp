@@ -1,5 +1,6 @@
 #include "moecache/backend/row_split.h"
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_set>
 
@@ -16,7 +17,6 @@ Result<RowSplit> split_rows(const char* ids, size_t nb0, size_t nb1, int64_t n_u
     s.n_tokens = n_tokens;
     const auto rows = static_cast<size_t>(n_used * n_tokens);
     s.experts.assign(rows, -1);
-    s.pool_ids.assign(rows, -1);
     s.cpu_ids.assign(rows, -1);
     s.pooled.assign(rows, 0);
     std::unordered_set<int32_t> seen_pool, seen_cpu;
@@ -34,7 +34,6 @@ Result<RowSplit> split_rows(const char* ids, size_t nb0, size_t nb1, int64_t n_u
             if (slot >= n_slots) return failf("expert {} is said to be in slot {} of a pool of {}", e, slot, n_slots);
             if (slot >= 0) {
                 s.pooled[r] = 1;
-                s.pool_ids[r] = slot;
                 ++s.pool_rows;
                 if (seen_pool.insert(e).second) s.pool_experts.push_back(e);
             } else {
@@ -44,18 +43,56 @@ Result<RowSplit> split_rows(const char* ids, size_t nb0, size_t nb1, int64_t n_u
             }
         }
     }
-    // Fillers: the first slot (expert) each half reads anyway; a half with no rows of its own is
-    // not computed at all, its ids are left as they are.
-    const int32_t pool_filler = s.pool_rows ? slot_of(s.pool_experts.front()) : -1;
+    // The CPU's fillers (the header's rule; the pool's are pool_slot_ids'); a half with no rows of
+    // its own is not computed at all, its ids are left as they are.
     const int32_t cpu_filler = s.cpu_rows ? s.cpu_experts.front() : -1;
-    for (size_t r = 0; r < rows; ++r) {
-        if (s.pooled[r]) {
-            s.cpu_ids[r] = cpu_filler;
-        } else {
-            s.pool_ids[r] = pool_filler;
+    for (size_t r = 0; r < rows; ++r)
+        if (s.pooled[r]) s.cpu_ids[r] = cpu_filler;
+    return s;
+}
+
+Result<std::vector<int32_t>> pool_slot_ids(const RowSplit& split, const std::function<int32_t(int32_t)>& slot_of,
+                                           int64_t n_slots) {
+    const int64_t used = split.n_used;
+    if (n_slots < used) return failf("a pool of {} slots cannot give {} distinct ones a token", n_slots, used);
+    std::vector<int32_t> v(split.experts.size(), -1);
+    std::vector<int32_t> read;  // the batch's pooled slots, in first-use order
+    std::unordered_set<int32_t> seen;
+    for (size_t r = 0; r < v.size(); ++r) {
+        if (!split.pooled[r]) continue;
+        const int32_t slot = slot_of(split.experts[r]);
+        if (slot < 0 || slot >= n_slots) {
+            return failf("pooled expert {} (row {} of token {}) is in slot {} of a pool of {}", split.experts[r],
+                         static_cast<int64_t>(r) % used, static_cast<int64_t>(r) / used, slot, n_slots);
+        }
+        v[r] = slot;
+        if (seen.insert(slot).second) read.push_back(slot);
+    }
+    std::vector<int32_t> taken;  // the token's slots so far
+    for (int64_t t = 0; t < split.n_tokens; ++t) {
+        const auto row0 = static_cast<size_t>(t * used);
+        taken.clear();
+        for (int64_t k = 0; k < used; ++k)
+            if (split.pooled[row0 + k]) taken.push_back(v[row0 + k]);
+        const auto free_slot = [&](int32_t c) { return std::find(taken.begin(), taken.end(), c) == taken.end(); };
+        size_t next_read = 0;
+        int32_t next_any = 0;
+        for (int64_t k = 0; k < used; ++k) {
+            if (split.pooled[row0 + k]) continue;
+            int32_t c = -1;
+            while (next_read < read.size() && c < 0) {
+                if (free_slot(read[next_read])) c = read[next_read];
+                ++next_read;
+            }
+            while (c < 0) {  // n_slots >= used: one is free
+                if (free_slot(next_any)) c = next_any;
+                ++next_any;
+            }
+            v[row0 + k] = c;
+            taken.push_back(c);
         }
     }
-    return s;
+    return v;
 }
 
 void join_rows(const RowSplit& split, Rows dst, ConstRows pool_out, size_t row_bytes) {
