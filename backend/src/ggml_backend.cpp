@@ -171,6 +171,13 @@ struct Backend {
     Crossing crossing{-1};  // set from settings when the backend is made
     ggml_backend_t cpu = nullptr;
     void (*cpu_threads)(ggml_backend_t, int) = nullptr;
+    // The CPU halves' own threads: without one, ggml's CPU backend starts and joins a thread per
+    // core at every compute (a disposable pool), about as long as a decode chain's CPU half itself.
+    ggml_threadpool_t pool_threads = nullptr;
+    int pool_threads_n = 0;
+    ggml_threadpool_t (*threadpool_new)(ggml_threadpool_params*) = nullptr;
+    void (*threadpool_free)(ggml_threadpool_t) = nullptr;
+    void (*set_threadpool)(ggml_backend_t, ggml_threadpool_t) = nullptr;
     int threads = 0;
     ggml_backend_t acc = nullptr;  // the pool's device, made at the first pooled compute
     ggml_backend_buffer_t scratch = nullptr;  // on the pool's device: activations, ids, results
@@ -621,6 +628,7 @@ void backend_free(ggml_backend_t b) {
     if (be->out_pinned != nullptr) ggml_backend_buffer_free(be->out_pinned);
     if (be->acc != nullptr) ggml_backend_free(be->acc);
     if (be->cpu != nullptr) ggml_backend_free(be->cpu);
+    if (be->pool_threads != nullptr) be->threadpool_free(be->pool_threads);
     delete be;
     delete b;
 }
@@ -686,6 +694,15 @@ void set_n_threads(ggml_backend_t b, int n) {
     if (b == nullptr || b->iface.get_name != backend_name) return;
     auto& be = *backend_of(b);
     be.threads = n;
+    if (n > 1 && n != be.pool_threads_n && be.threadpool_new != nullptr && be.threadpool_free != nullptr &&
+        be.set_threadpool != nullptr) {
+        be.set_threadpool(be.cpu, nullptr);
+        if (be.pool_threads != nullptr) be.threadpool_free(be.pool_threads);
+        ggml_threadpool_params params = ggml_threadpool_params_default(n);
+        be.pool_threads = be.threadpool_new(&params);
+        be.pool_threads_n = be.pool_threads != nullptr ? n : 0;
+        if (be.pool_threads != nullptr) be.set_threadpool(be.cpu, be.pool_threads);
+    }
     if (be.cpu_threads != nullptr) {
         be.cpu_threads(be.cpu, n);
         if (be.acc != nullptr && ggml_backend_dev_type(ggml_backend_get_device(be.acc)) == GGML_BACKEND_DEVICE_TYPE_CPU) {
@@ -737,8 +754,15 @@ ggml_backend_t dev_init_backend(ggml_backend_dev_t dev, const char*) {
         delete be;
         return nullptr;
     }
+    ggml_backend_reg_t cpu_reg = ggml_backend_dev_backend_reg(cpu);
     be->cpu_threads = reinterpret_cast<void (*)(ggml_backend_t, int)>(
-        ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu), "ggml_backend_set_n_threads"));
+        ggml_backend_reg_get_proc_address(cpu_reg, "ggml_backend_set_n_threads"));
+    be->threadpool_new = reinterpret_cast<ggml_threadpool_t (*)(ggml_threadpool_params*)>(
+        ggml_backend_reg_get_proc_address(cpu_reg, "ggml_threadpool_new"));
+    be->threadpool_free = reinterpret_cast<void (*)(ggml_threadpool_t)>(
+        ggml_backend_reg_get_proc_address(cpu_reg, "ggml_threadpool_free"));
+    be->set_threadpool = reinterpret_cast<void (*)(ggml_backend_t, ggml_threadpool_t)>(
+        ggml_backend_reg_get_proc_address(cpu_reg, "ggml_backend_cpu_set_threadpool"));
     ggml_backend_i iface{};
     iface.get_name = backend_name;
     iface.free = backend_free;
