@@ -57,6 +57,7 @@ struct PoolStats {  // the leading fields up to `forgotten` keep their places (m
     uint64_t forgotten = 0;  // queued fills dropped: the runtime freed their model's memory (forget)
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
+    uint64_t cpu_alone = 0, cpu_fillers = 0;  // CPU halves computed as their rows alone, or with fillers
     uint64_t crossed = 0, crossed_admitted = 0;  // small batches' misses copied over for the compute (into the pool)
     bool registered = false;                // the expert tensors are pinned for DMA
     // Where the computes' time went (MOECACHE_GGML_LOG's figures), in nanoseconds: all of the

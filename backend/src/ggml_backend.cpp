@@ -141,7 +141,7 @@ bool buft_is_host(ggml_backend_buffer_type_t) { return true; }
 // the misses it computes from RAM while the link brings others to the device.
 class Crossing {
 public:
-    explicit Crossing(double fixed) : fixed_(fixed >= 0), share_(fixed >= 0 ? fixed : kStart) {}
+    explicit Crossing(double fixed, double start = 0.25) : fixed_(fixed >= 0), share_(fixed >= 0 ? fixed : start) {}
     size_t count(size_t misses) {
         carry_ += share_ * static_cast<double>(misses);
         const auto k = static_cast<size_t>(carry_);
@@ -160,7 +160,7 @@ public:
     [[nodiscard]] double share() const { return share_; }
 
 private:
-    static constexpr double kStart = 0.25, kDown = 0.05, kUp = 0.02;
+    static constexpr double kDown = 0.05, kUp = 0.02;
     static constexpr uint64_t kSlack = 20'000;  // a device's wait that is only its copy back and sync
     bool fixed_;
     double share_, carry_ = 0;
@@ -169,6 +169,9 @@ private:
 struct Backend {
     Settings settings;
     Crossing crossing{-1};  // set from settings when the backend is made
+    // A large batch's misses: all of them cross at first (as llama.cpp offloads a prompt's CPU
+    // experts), fewer where the CPU, computing the rest, keeps the device level.
+    Crossing crossing_large{-1, 1.0};
     ggml_backend_t cpu = nullptr;
     void (*cpu_threads)(ggml_backend_t, int) = nullptr;
     // The CPU halves' own threads: without one, ggml's CPU backend starts and joins a thread per
@@ -185,7 +188,9 @@ struct Backend {
     std::vector<char> out_plain;                  // where the device has no pinned memory
     bool out_unpinnable = false;
     std::vector<char> ctx_mem;
-    std::vector<char> ctx_mem_node;  // the one-node graph compute_unit is given in a split node by node
+    std::vector<char> ctx_mem_node;
+    std::vector<char> ctx_mem_cpu, cpu_scratch;  // the CPU's rows alone: their graph and tensors
+    std::vector<int32_t> cpu_rows, cpu_ids;  // the one-node graph compute_unit is given in a split node by node
     bool said_split_error = false;
 };
 
@@ -323,6 +328,113 @@ std::optional<Unit> find_unit(ggml_cgraph* graph, ExpertPool& pool) {
     return u;
 }
 
+// The CPU's rows of the chain alone: each row (k, t) of its own a token with one expert, so that
+// the CPU computes no filler rows (a large batch's CPU half would otherwise compute every row of
+// the layer); the results are written back to their rows of the outputs. nullopt: the chain has a
+// shape this cannot gather (the caller computes it with fillers).
+std::optional<ggml_status> cpu_rows_alone(Backend& be, const Unit& u, const RowSplit& split) {
+    const int64_t used = u.ids->ne[0], tokens = u.ids->ne[1];
+    auto& rows = be.cpu_rows;
+    rows.clear();
+    for (int64_t r = 0; r < used * tokens; ++r)
+        if (!split.pooled[static_cast<size_t>(r)]) rows.push_back(static_cast<int32_t>(r));
+    const auto n = static_cast<int64_t>(rows.size());
+    if (n == 0) return GGML_STATUS_SUCCESS;
+    be.cpu_ids.resize(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) be.cpu_ids[i] = split.experts[static_cast<size_t>(rows[i])];
+
+    const size_t n_nodes = u.nodes.size();
+    Graph g(be.ctx_mem_cpu, static_cast<int>(4 * n_nodes + 8), static_cast<int>(n_nodes));
+    std::unordered_set<const ggml_tensor*> in_unit(u.nodes.begin(), u.nodes.end());
+    std::unordered_map<const ggml_tensor*, ggml_tensor*> copy;
+    std::vector<std::pair<ggml_tensor*, const ggml_tensor*>> made;  // in order; second: gathered from
+    ggml_tensor* ids = ggml_new_tensor_2d(g.ctx, GGML_TYPE_I32, 1, n);
+    ids->data = be.cpu_ids.data();
+    copy.emplace(u.ids, ids);
+    const auto rowwise = [&](const ggml_tensor* t) {  // [ne0, used or 1, tokens], rows contiguous
+        return t->ne[2] == tokens && (t->ne[1] == used || t->ne[1] == 1) && t->ne[3] == 1 &&
+               t->nb[0] == ggml_type_size(t->type) && ggml_blck_size(t->type) == 1;
+    };
+    bool ok = true;
+    std::function<ggml_tensor*(ggml_tensor*)> compact = [&](ggml_tensor* t) -> ggml_tensor* {
+        if (auto it = copy.find(t); it != copy.end()) return it->second;
+        ggml_tensor* c = nullptr;
+        if (in_unit.count(t) != 0 && is_noop(t) && t->view_src != nullptr && in_unit.count(t->view_src) != 0) {
+            // A view inside the chain that keeps its parent's rows (a half of a fused up-gate).
+            ggml_tensor* parent = compact(t->view_src);
+            if (parent == nullptr || t->ne[1] != t->view_src->ne[1] || t->ne[2] != t->view_src->ne[2] ||
+                t->nb[1] != t->view_src->nb[1] || t->nb[2] != t->view_src->nb[2] || t->ne[3] != 1 ||
+                t->view_offs >= t->view_src->nb[1]) {
+                return nullptr;
+            }
+            c = ggml_view_3d(g.ctx, parent, t->ne[0], 1, n, parent->nb[1], parent->nb[2], t->view_offs);
+            made.emplace_back(c, nullptr);
+        } else if (in_unit.count(t) != 0 && !is_noop(t)) {
+            if (!rowwise(t) || t->ne[1] != used) return nullptr;
+            c = ggml_new_tensor_3d(g.ctx, t->type, t->ne[0], 1, n);
+            c->op = t->op;
+            memcpy(c->op_params, t->op_params, sizeof c->op_params);
+            c->flags = t->flags;
+            for (int i = 0; i < GGML_MAX_SRC && ok; ++i) {
+                ggml_tensor* src = t->src[i];
+                if (src == nullptr) continue;
+                const bool weight = (t->op == GGML_OP_MUL_MAT_ID && i == 0) || (t->op == GGML_OP_ADD_ID && i == 1);
+                c->src[i] = weight ? src : compact(src);
+                if (c->src[i] == nullptr) ok = false;
+            }
+            made.emplace_back(c, nullptr);
+        } else {
+            // From outside the chain (or a view of such): its rows gathered, one a CPU row.
+            if (t->buffer == nullptr || t->data == nullptr || !ggml_backend_buffer_is_host(t->buffer) || !rowwise(t)) {
+                return nullptr;
+            }
+            c = ggml_new_tensor_3d(g.ctx, t->type, t->ne[0], 1, n);
+            made.emplace_back(c, t);
+        }
+        copy.emplace(t, c);
+        return c;
+    };
+    for (auto* node : u.nodes) {
+        if (is_noop(node)) continue;
+        ggml_tensor* c = compact(node);
+        if (c == nullptr || !ok) return std::nullopt;
+        ggml_graph_add_node(g.graph, c);
+    }
+    size_t bytes = 0;
+    for (const auto& [c, from] : made)
+        if (c->view_src == nullptr) bytes += (ggml_nbytes(c) + kAlignment - 1) / kAlignment * kAlignment;
+    if (be.cpu_scratch.size() < bytes + kAlignment) be.cpu_scratch.resize(bytes + kAlignment);
+    auto* at = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(be.cpu_scratch.data()) + kAlignment - 1) /
+                                       kAlignment * kAlignment);
+    for (const auto& [c, from] : made) {
+        if (c->view_src != nullptr) {
+            c->data = static_cast<char*>(c->view_src->data) + c->view_offs;
+            continue;
+        }
+        c->data = at;
+        at += (ggml_nbytes(c) + kAlignment - 1) / kAlignment * kAlignment;
+        if (from == nullptr) continue;
+        const size_t row = ggml_row_size(from->type, from->ne[0]);
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t r = rows[static_cast<size_t>(i)], k = r % used, t = r / used;
+            memcpy(static_cast<char*>(c->data) + i * c->nb[2],
+                   static_cast<const char*>(from->data) + (from->ne[1] == 1 ? 0 : k) * from->nb[1] + t * from->nb[2], row);
+        }
+    }
+    const ggml_status st = ggml_backend_graph_compute(be.cpu, g.graph);
+    if (st != GGML_STATUS_SUCCESS) return st;
+    for (auto* o : u.outputs) {
+        const ggml_tensor* c = copy.at(o);
+        const size_t row = ggml_row_size(o->type, o->ne[0]);
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t r = rows[static_cast<size_t>(i)], k = r % used, t = r / used;
+            memcpy(static_cast<char*>(o->data) + k * o->nb[1] + t * o->nb[2],
+                   static_cast<const char*>(c->data) + i * c->nb[2], row);
+        }
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
 // Host memory for the device half's results, pinned where the device can pin.
 char* out_space(Backend& be, size_t bytes) {
     if (be.out_pinned != nullptr && ggml_backend_buffer_get_size(be.out_pinned) >= bytes) {
@@ -342,19 +454,27 @@ using Admitted = std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>
 // on its stream to be computed there: into the pool where the policy admits them (the admission's
 // one copy; `admitted` holds them until the compute settles them), else into staging slots. Returns
 // the experts that crossed; `staged` learns their slots, by MUL_MAT_ID.
-std::unordered_set<int32_t> cross_misses(Backend& be, ExpertPool& pool, const Unit& unit, std::vector<int32_t> order,
-                                         size_t k, std::vector<std::unordered_map<int32_t, int32_t>>& staged,
+std::unordered_set<int32_t> cross_misses(Backend& be, ExpertPool& pool, const Unit& unit, const RowSplit& split,
+                                         bool large, size_t k, std::vector<std::unordered_map<int32_t, int32_t>>& staged,
                                          Admitted& admitted) {
     const uint32_t group = unit.group;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return pool.heat(group, a) > pool.heat(group, b); });
+    std::vector<int32_t> order = split.cpu_experts;
+    if (large) {  // those with the most rows first
+        std::unordered_map<int32_t, uint32_t> rows;
+        for (size_t r = 0; r < split.experts.size(); ++r)
+            if (!split.pooled[r]) ++rows[split.experts[r]];
+        std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return rows[x] > rows[y]; });
+    } else {  // the hottest first
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int32_t x, int32_t y) { return pool.heat(group, x) > pool.heat(group, y); });
+    }
     std::unordered_map<const PoolArena*, uint32_t> next;
     std::unordered_set<int32_t> crossed;
     for (size_t i = 0; i < order.size() && crossed.size() < k; ++i) {
         const int32_t e = order[i];
         std::vector<ExpertPool::Placed> placed;
         std::vector<int32_t> slots(unit.mmids.size(), -1);
-        bool in_pool = pool.admit_here(group, static_cast<uint32_t>(e), &placed);
+        bool in_pool = !large && pool.admit_here(group, static_cast<uint32_t>(e), &placed);
         for (size_t m = 0; m < unit.mmids.size() && in_pool; ++m) {
             const ExpertTensor* w = unit.weights[m];
             const auto p = std::find_if(placed.begin(), placed.end(), [&](const auto& x) { return x.tensor == w; });
@@ -380,9 +500,10 @@ std::unordered_set<int32_t> cross_misses(Backend& be, ExpertPool& pool, const Un
             ggml_backend_tensor_set_async(be.acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
                                           static_cast<size_t>(slots[m]) * a->slot_bytes, w.slice_bytes);
             staged[m][e] = slots[m];
+            if (large) pool.count_staged(w.slice_bytes);
         }
         crossed.insert(e);
-        pool.count_crossed(in_pool);
+        if (!large) pool.count_crossed(in_pool);
         if (in_pool) admitted.emplace_back(static_cast<uint32_t>(e), std::move(placed));
     }
     return crossed;
@@ -414,42 +535,14 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     ++timing.units;
     timing.prep_ns += ns_since(entered);
     auto t0 = Clock::now();
-    // A large batch (a prompt) reads nearly every expert of the layer: the ones not pooled are
-    // copied to the device's staging slots for it, and the whole chain runs there, as llama.cpp
-    // offloads a large batch's CPU experts; its misses still count for the pool's admissions.
+    // Misses cross the link to the device while the CPU computes the rest (Crossing): for a small
+    // batch (decode) the hottest, into the pool where the policy admits them (the admission's one
+    // copy), else into staging slots; for a large batch (a prompt, which reads nearly every expert
+    // of the layer, as llama.cpp offloads its CPU experts) those with the most rows, into staging
+    // slots, and the CPU takes the few-row ones. Misses still count for the pool's admissions.
     std::vector<std::unordered_map<int32_t, int32_t>> staged(unit->mmids.size());
     const std::vector<int32_t> missed = split->cpu_experts;
-    if (ids->ne[1] >= kLargeBatch && split->cpu_rows > 0) {
-        std::unordered_map<const PoolArena*, uint32_t> need;
-        for (const auto* w : unit->weights) {
-            const auto* a = pool.arena_for(w->slice_bytes);
-            need[a] += a != nullptr ? static_cast<uint32_t>(split->cpu_experts.size()) : UINT32_MAX / 2;
-        }
-        bool room = true;
-        for (const auto& [a, n] : need) room = room && a != nullptr && n <= a->staging;
-        if (room) {
-            std::unordered_map<const PoolArena*, uint32_t> next;
-            for (size_t k = 0; k < unit->mmids.size(); ++k) {
-                const ExpertTensor& w = *unit->weights[k];
-                const auto* a = pool.arena_for(w.slice_bytes);
-                for (const int32_t e : split->cpu_experts) {
-                    const uint32_t slot = a->slots - a->staging + next[a]++;
-                    ggml_backend_tensor_set_async(be.acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
-                                                  static_cast<size_t>(slot) * a->slot_bytes, w.slice_bytes);
-                    staged[k][e] = static_cast<int32_t>(slot);
-                    pool.count_staged(w.slice_bytes);
-                }
-            }
-            // Every row is the device's now.
-            std::fill(split->pooled.begin(), split->pooled.end(), 1);
-            split->pool_rows += split->cpu_rows;
-            split->cpu_rows = 0;
-            split->pool_experts.insert(split->pool_experts.end(), split->cpu_experts.begin(), split->cpu_experts.end());
-            split->cpu_experts.clear();
-        }
-    }
-    // A small batch: a learnt share of its misses crosses the link (cross_misses) while the CPU
-    // computes the rest.
+    const bool large = ids->ne[1] >= kLargeBatch;
     Admitted admitted;
     struct Unsettled {  // what a failed compute gives back
         ExpertPool& pool;
@@ -458,9 +551,9 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
             for (const auto& [e, placed] : admitted) pool.settle(e, placed, false);
         }
     } unsettled{pool, admitted};
-    if (ids->ne[1] < kLargeBatch && split->cpu_rows > 0) {
-        const auto crossed = cross_misses(be, pool, *unit, split->cpu_experts,
-                                          be.crossing.count(split->cpu_experts.size()), staged, admitted);
+    if (split->cpu_rows > 0) {
+        const size_t k = (large ? be.crossing_large : be.crossing).count(split->cpu_experts.size());
+        const auto crossed = cross_misses(be, pool, *unit, *split, large, k, staged, admitted);
         if (!crossed.empty()) {
             split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                                unit->weights[0]->n_expert, 1,
@@ -469,13 +562,17 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         }
     }
 
-    if (split->pool_rows == 0) {
+    Crossing& crossing = large ? be.crossing_large : be.crossing;
+    if (split->pool_rows == 0) {  // every row the CPU's: the chain as it is, on the CPU
         lock.unlock();
-        for (auto* node : unit->nodes) {
-            if (is_noop(node)) continue;
-            if (const ggml_status st = compute_on_cpu(be, node); st != GGML_STATUS_SUCCESS) return st;
-        }
+        Graph cg(be.ctx_mem_cpu, 0, static_cast<int>(unit->nodes.size()));
+        for (auto* node : unit->nodes)
+            if (!is_noop(node)) ggml_graph_add_node(cg.graph, node);
+        const ggml_status st = ggml_backend_graph_compute(be.cpu, cg.graph);
         lock.lock();
+        if (st != GGML_STATUS_SUCCESS) return st;
+        timing.cpu_ns += ns_since(t0);
+        crossing.learn(ns_since(t0), 0);
         pool.count_rows(0, split->cpu_rows);
         pool.used(group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
         return GGML_STATUS_SUCCESS;
@@ -569,17 +666,24 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     timing.issue_ns += ns_since(t0);
     t0 = Clock::now();
 
-    // The CPU's half meanwhile: the chain itself, its MUL_MAT_IDs routed to the CPU's experts.
+    // The CPU's half meanwhile: its rows alone where the chain allows (no filler arithmetic),
+    // else the chain itself, its MUL_MAT_IDs routed to the CPU's experts and fillers.
     if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
-        std::vector<char> mem;
-        Graph cg(mem, 1, static_cast<int>(n_nodes));
-        ggml_tensor* cids = ggml_new_tensor_2d(cg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
-        cids->data = split->cpu_ids.data();
-        for (auto* node : unit->nodes)
-            if (!is_noop(node)) ggml_graph_add_node(cg.graph, node);
-        for (auto* m : unit->mmids) m->src[2] = cids;
-        st = ggml_backend_graph_compute(be.cpu, cg.graph);
-        for (auto* m : unit->mmids) m->src[2] = ids;
+        const auto alone = cpu_rows_alone(be, *unit, *split);
+        ++(alone ? pool.timing().cpu_alone : pool.timing().cpu_fillers);
+        if (alone) {
+            st = *alone;
+        } else {
+            std::vector<char> mem;
+            Graph cg(mem, 1, static_cast<int>(n_nodes));
+            ggml_tensor* cids = ggml_new_tensor_2d(cg.ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1]);
+            cids->data = split->cpu_ids.data();
+            for (auto* node : unit->nodes)
+                if (!is_noop(node)) ggml_graph_add_node(cg.graph, node);
+            for (auto* m : unit->mmids) m->src[2] = cids;
+            st = ggml_backend_graph_compute(be.cpu, cg.graph);
+            for (auto* m : unit->mmids) m->src[2] = ids;
+        }
     }
     const uint64_t cpu_ns = ns_since(t0);
     timing.cpu_ns += cpu_ns;
@@ -602,7 +706,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     if (st != GGML_STATUS_SUCCESS) return st;
     for (const auto& [e, slices] : admitted) pool.settle(e, slices, true);
     admitted.clear();
-    if (ids->ne[1] < kLargeBatch && !missed.empty()) be.crossing.learn(cpu_ns, waited);
+    if (!missed.empty()) crossing.learn(cpu_ns, waited);
     at = 0;
     for (size_t i = 0; i < outs.size() && !whole; ++i) {
         ggml_tensor* o = unit->outputs[i];
@@ -834,8 +938,10 @@ void say_stats(const PoolStats& s) {
         static_cast<unsigned long long>(s.declined), static_cast<unsigned long long>(s.units),
         static_cast<unsigned long long>(s.nodes), static_cast<unsigned long long>(s.staged),
         static_cast<double>(s.staged_bytes) / (1 << 30));
-    say("%llu of small batches' misses crossed the link to the device, %llu of them into the pool",
-        static_cast<unsigned long long>(s.crossed), static_cast<unsigned long long>(s.crossed_admitted));
+    say("%llu of small batches' misses crossed the link to the device, %llu of them into the pool; CPU halves: %llu "
+        "as their rows alone, %llu with fillers",
+        static_cast<unsigned long long>(s.crossed), static_cast<unsigned long long>(s.crossed_admitted),
+        static_cast<unsigned long long>(s.cpu_alone), static_cast<unsigned long long>(s.cpu_fillers));
     const auto ms = [](uint64_t ns) { return static_cast<double>(ns) / 1e6; };
     say("%llu computes in %.0f ms; pinning took %.0f ms", static_cast<unsigned long long>(s.computes), ms(s.compute_ns),
         ms(s.register_ns));

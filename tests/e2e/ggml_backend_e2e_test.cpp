@@ -91,6 +91,11 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertO
     const std::regex crossed(R"((\d+) of small batches' misses crossed the link to the device)");
     ASSERT_TRUE(std::regex_search(split.err, m, crossed)) << split.err;
     EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
+    // The CPU computed its rows alone (no filler rows) in every chain of this model's shape.
+    ASSERT_TRUE(std::regex_search(split.err, m, std::regex(R"(CPU halves: (\d+) as their rows alone, (\d+) with fillers)")))
+        << split.err;
+    EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
+    EXPECT_EQ(std::stoul(m[2]), 0u) << split.err;
 
     // None crossing: every miss on the CPU, the same text.
     const auto kept = generate(model, {lib, "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%",
