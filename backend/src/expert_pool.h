@@ -66,7 +66,7 @@ struct PoolStats {  // the leading fields up to `forgotten` keep their places (m
     // wait for the device's half after it, and the bookkeeping (join, heat, reports).
     uint64_t compute_ns = 0, register_ns = 0, computes = 0;
     struct Phases {
-        uint64_t units = 0, prep_ns = 0, issue_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0;
+        uint64_t units = 0, prep_ns = 0, issue_ns = 0, build_ns = 0, upload_ns = 0, launch_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0;
     } phases[2];
 };
 
