@@ -534,6 +534,13 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     auto& timing = pool.timing().phases[ids->ne[1] >= kLargeBatch ? 1 : 0];
     ++timing.units;
     timing.prep_ns += ns_since(entered);
+    timing.hit_rows += split->pool_rows;
+    const uint32_t hit_rows = split->pool_rows;
+    const auto rows_at_end = [&] {
+        timing.crossed_rows += split->pool_rows - hit_rows;
+        timing.cpu_rows += split->cpu_rows;
+        timing.cpu_experts += split->cpu_experts.size();
+    };
     auto t0 = Clock::now();
     // Misses cross the link to the device while the CPU computes the rest (Crossing): for a small
     // batch (decode) the hottest, into the pool where the policy admits them (the admission's one
@@ -573,6 +580,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         if (st != GGML_STATUS_SUCCESS) return st;
         timing.cpu_ns += ns_since(t0);
         crossing.learn(ns_since(t0), 0);
+        rows_at_end();
         pool.count_rows(0, split->cpu_rows);
         pool.used(group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
         return GGML_STATUS_SUCCESS;
@@ -720,6 +728,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
                   ConstRows{out + at, outs[i]->nb[1], outs[i]->nb[2]}, static_cast<size_t>(o->ne[0]) * sizeof(float));
         at += ggml_nbytes(outs[i]);
     }
+    rows_at_end();
     pool.count_rows(split->pool_rows, split->cpu_rows);
     std::vector<int32_t> hits;
     for (const int32_t e : split->pool_experts)
@@ -960,6 +969,13 @@ void say_stats(const PoolStats& s) {
             static_cast<unsigned long long>(p.units), large ? "large" : "small", ms(p.prep_ns), ms(p.issue_ns),
             ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns),
             ms(p.wait_ns), ms(p.book_ns));
+        const double all = static_cast<double>(p.hit_rows + p.crossed_rows + p.cpu_rows);
+        if (all > 0) {
+            say("    their rows: %.1f %% pooled, %.1f %% crossed over, %.1f %% on the CPU (%.2f experts a chain there)",
+                100.0 * static_cast<double>(p.hit_rows) / all, 100.0 * static_cast<double>(p.crossed_rows) / all,
+                100.0 * static_cast<double>(p.cpu_rows) / all,
+                static_cast<double>(p.cpu_experts) / static_cast<double>(p.units));
+        }
     }
 }
 
