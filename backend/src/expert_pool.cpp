@@ -128,7 +128,9 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
 
 bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
     // Slices by size: an arena per size, its share of the pool that size's share of the experts.
-    // Each keeps room to stage one layer's experts of that size (a large batch misses most of them).
+    // Each has room besides to stage one layer's experts of that size (a large batch misses most of
+    // them), as llama.cpp's compute buffer holds the layer's weights it offloads beside a static
+    // split's VRAM share; where the device has no room for that, staging comes out of the pool.
     std::map<uint64_t, uint64_t> bytes_by_size, stage_by_size;
     uint64_t expert_bytes = 0;
     for (const auto& [data, t] : tensors_) {
@@ -147,16 +149,20 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
     size_t free_bytes = 0, total = 0;
     ggml_backend_dev_memory(dev, &free_bytes, &total);
     const uint64_t want = pool_bytes(settings, free_bytes, expert_bytes);
+    uint64_t staging_bytes = 0;
+    for (const auto& [size, n] : stage_by_size) staging_bytes += size * n;
+    const bool staging_besides = want + staging_bytes <= pool_room(free_bytes);
     auto* buft = ggml_backend_dev_buffer_type(dev);
     const size_t max_size = ggml_backend_buft_get_max_size(buft);
     ggml_init_params params{ggml_tensor_overhead() * (bytes_by_size.size() * (kMaxViews + 1) + 1), nullptr, true};
     ctx_ = ggml_init(params);
-    uint64_t made = 0;
+    uint64_t made = 0, staged = 0;
     for (const auto& [slot_bytes, bytes] : bytes_by_size) {
         const auto share = static_cast<uint64_t>(static_cast<double>(want) * static_cast<double>(bytes) /
                                                  static_cast<double>(expert_bytes));
-        uint64_t count = std::min<uint64_t>(share / slot_bytes, max_size / slot_bytes);
-        if (count == 0) continue;
+        const uint64_t besides = staging_besides ? stage_by_size[slot_bytes] : 0;
+        uint64_t count = std::min<uint64_t>(share / slot_bytes + besides, max_size / slot_bytes);
+        if (count <= besides) continue;
         ggml_backend_buffer_t buf = nullptr;
         for (; count > 0 && buf == nullptr; count = count * 3 / 4) {
             buf = ggml_backend_buft_alloc_buffer(buft, count * slot_bytes + kTailBytes);
@@ -169,16 +175,20 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
         a.base = static_cast<char*>(ggml_backend_buffer_get_base(buf));
         a.slot_bytes = slot_bytes;
         a.slots = static_cast<uint32_t>(count);
-        // Staging only where the pool keeps most of the arena (else large batches split as small ones).
-        a.staging = stage_by_size[slot_bytes] * 2 <= count ? static_cast<uint32_t>(stage_by_size[slot_bytes]) : 0;
+        // Staging out of the pool only where the pool keeps most of the arena (else large batches
+        // split as small ones).
+        a.staging = count > besides && (besides > 0 || stage_by_size[slot_bytes] * 2 <= count)
+                        ? static_cast<uint32_t>(stage_by_size[slot_bytes])
+                        : 0;
         a.whole = ggml_new_tensor_1d(ctx_, GGML_TYPE_I8, static_cast<int64_t>(count * slot_bytes));
         if (ggml_backend_tensor_alloc(buf, a.whole, a.base) != GGML_STATUS_SUCCESS) {
             ggml_backend_buffer_free(buf);
             continue;
         }
         slots_.add_arena(slot_bytes, reinterpret_cast<uint64_t>(a.base), a.slots - a.staging);
-        made += count * slot_bytes;
-        pool_bytes_ += count * slot_bytes;
+        made += (count - a.staging) * slot_bytes;
+        staged += a.staging * slot_bytes;
+        pool_bytes_ += (count - a.staging) * slot_bytes;
         arenas_.push_back(a);
     }
     if (arenas_.empty()) {
@@ -186,10 +196,10 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
             ggml_backend_dev_name(dev), static_cast<double>(free_bytes) / (1 << 30));
         return false;
     }
-    say("a pool of %.2f GiB on %s for %.2f GiB of experts (%zu tensors): pooled experts are computed there, "
-        "the rest on the CPU",
+    say("a pool of %.2f GiB on %s for %.2f GiB of experts (%zu tensors), and %.2f GiB of slots for the misses "
+        "of large batches: pooled experts are computed there, the rest on the CPU",
         static_cast<double>(made) / (1 << 30), ggml_backend_dev_name(dev),
-        static_cast<double>(expert_bytes) / (1 << 30), tensors_.size());
+        static_cast<double>(expert_bytes) / (1 << 30), tensors_.size(), static_cast<double>(staged) / (1 << 30));
     return true;
 }
 

@@ -42,15 +42,18 @@ Settings settings_from_env(std::string* problem) {
     return s;
 }
 
+uint64_t pool_room(uint64_t free_bytes) {
+    const uint64_t reserve = (1ull << 30) + free_bytes / 20;
+    return free_bytes > reserve ? free_bytes - reserve : 0;
+}
+
 uint64_t pool_bytes(const Settings& s, uint64_t free_bytes, uint64_t expert_bytes) {
     uint64_t want = expert_bytes;
     if (s.pool.kind == cuda::PoolSize::Kind::Bytes) want = static_cast<uint64_t>(s.pool.value);
     if (s.pool.kind == cuda::PoolSize::Kind::Percent) {
         want = static_cast<uint64_t>(static_cast<double>(expert_bytes) * s.pool.value / 100.0);
     }
-    const uint64_t reserve = (1ull << 30) + free_bytes / 20;
-    const uint64_t room = free_bytes > reserve ? free_bytes - reserve : 0;
-    return std::min({want, room, expert_bytes});
+    return std::min({want, pool_room(free_bytes), expert_bytes});
 }
 
 }  // namespace moecache::backend

@@ -41,5 +41,8 @@ Settings settings_from_env(std::string* problem);
 // what was asked for, within what is free less a reserve for the runtime's later allocations (a new
 // context's buffers): 1 GiB and 5 % of what was free.
 uint64_t pool_bytes(const Settings& s, uint64_t free_bytes, uint64_t expert_bytes);
+// What a device with `free_bytes` free can give the pool and its staging slots (a reserve kept for
+// the runtime's own buffers).
+uint64_t pool_room(uint64_t free_bytes);
 
 }  // namespace moecache::backend
