@@ -190,7 +190,14 @@ struct Backend {
     std::vector<char> ctx_mem;
     std::vector<char> ctx_mem_node;
     std::vector<char> ctx_mem_cpu, cpu_scratch;  // the CPU's rows alone: their graph and tensors
-    std::vector<int32_t> cpu_rows, cpu_ids;  // the one-node graph compute_unit is given in a split node by node
+    std::vector<int32_t> cpu_rows, cpu_ids;
+    struct CpuResult {  // an output's CPU rows: where they go, and where the CPU computed them
+        char* out;
+        size_t out_nb1, out_nb2;
+        const char* rows;
+        size_t rows_nb, row_bytes;
+    };
+    std::vector<CpuResult> cpu_results;  // the one-node graph compute_unit is given in a split node by node
     bool said_split_error = false;
 };
 
@@ -332,7 +339,8 @@ std::optional<Unit> find_unit(ggml_cgraph* graph, ExpertPool& pool) {
 // the CPU computes no filler rows (a large batch's CPU half would otherwise compute every row of
 // the layer); the results are written back to their rows of the outputs. nullopt: the chain has a
 // shape this cannot gather (the caller computes it with fillers).
-std::optional<ggml_status> cpu_rows_alone(Backend& be, const Unit& u, const RowSplit& split) {
+std::optional<ggml_status> cpu_rows_alone(Backend& be, const Unit& u, const RowSplit& split,
+                                          const std::function<void()>& gathered) {
     const int64_t used = u.ids->ne[0], tokens = u.ids->ne[1];
     auto& rows = be.cpu_rows;
     rows.clear();
@@ -421,18 +429,25 @@ std::optional<ggml_status> cpu_rows_alone(Backend& be, const Unit& u, const RowS
                    static_cast<const char*>(from->data) + (from->ne[1] == 1 ? 0 : k) * from->nb[1] + t * from->nb[2], row);
         }
     }
-    const ggml_status st = ggml_backend_graph_compute(be.cpu, g.graph);
-    if (st != GGML_STATUS_SUCCESS) return st;
+    be.cpu_results.clear();
     for (auto* o : u.outputs) {
         const ggml_tensor* c = copy.at(o);
-        const size_t row = ggml_row_size(o->type, o->ne[0]);
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t r = rows[static_cast<size_t>(i)], k = r % used, t = r / used;
-            memcpy(static_cast<char*>(o->data) + k * o->nb[1] + t * o->nb[2],
-                   static_cast<const char*>(c->data) + i * c->nb[2], row);
+        be.cpu_results.push_back(Backend::CpuResult{static_cast<char*>(o->data), o->nb[1], o->nb[2],
+                                           static_cast<const char*>(c->data), c->nb[2], ggml_row_size(o->type, o->ne[0])});
+    }
+    gathered();
+    return ggml_backend_graph_compute(be.cpu, g.graph);
+}
+
+// The CPU's rows, computed alone, written to their rows of the outputs: after the device's results
+// landed there (the CPU's rows of those are fillers).
+void scatter_cpu_rows(const Backend& be, int64_t used) {
+    for (const auto& o : be.cpu_results) {
+        for (size_t i = 0; i < be.cpu_rows.size(); ++i) {
+            const int64_t r = be.cpu_rows[i], k = r % used, t = r / used;
+            memcpy(o.out + k * o.out_nb1 + t * o.out_nb2, o.rows + i * o.rows_nb, o.row_bytes);
         }
     }
-    return GGML_STATUS_SUCCESS;
 }
 
 // Host memory for the device half's results, pinned where the device can pin.
@@ -680,13 +695,38 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     timing.issue_ns += ns_since(t0);
     t0 = Clock::now();
 
+    // The device's results: straight into the outputs where the CPU does not compute in them (every
+    // row the device's, or the CPU's rows computed alone and written over the device's fillers after),
+    // else beside them, to be joined.
+    bool direct = split->cpu_rows == 0;
+    char* out = nullptr;
+    const auto download = [&] {
+        size_t out_bytes = 0;
+        for (auto* o : outs) out_bytes += ggml_nbytes(o);
+        if (!direct) out = out_space(be, out_bytes);
+        size_t at = 0;
+        for (size_t i = 0; i < outs.size(); ++i) {
+            ggml_backend_tensor_get_async(be.acc, outs[i], direct ? unit->outputs[i]->data : out + at, 0,
+                                          ggml_nbytes(outs[i]));
+            at += ggml_nbytes(outs[i]);
+        }
+    };
+    bool downloading = false;
+    bool alone = false;
+    if (st == GGML_STATUS_SUCCESS && direct) {
+        download();
+        downloading = true;
+    }
     // The CPU's half meanwhile: its rows alone where the chain allows (no filler arithmetic),
     // else the chain itself, its MUL_MAT_IDs routed to the CPU's experts and fillers.
     if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
-        const auto alone = cpu_rows_alone(be, *unit, *split);
-        ++(alone ? pool.timing().cpu_alone : pool.timing().cpu_fillers);
-        if (alone) {
-            st = *alone;
+        const auto done = cpu_rows_alone(be, *unit, *split, [&] {
+            direct = alone = downloading = true;
+            download();
+        });
+        ++(done ? pool.timing().cpu_alone : pool.timing().cpu_fillers);
+        if (done) {
+            st = *done;
         } else {
             std::vector<char> mem;
             Graph cg(mem, 1, static_cast<int>(n_nodes));
@@ -702,17 +742,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     const uint64_t cpu_ns = ns_since(t0);
     timing.cpu_ns += cpu_ns;
     t0 = Clock::now();
-    // The device's results: straight into the outputs where every row is the device's (a large
-    // batch staged whole), else beside them, to be joined.
-    const bool whole = split->cpu_rows == 0;
-    size_t out_bytes = 0;
-    for (auto* o : outs) out_bytes += ggml_nbytes(o);
-    char* out = whole ? nullptr : out_space(be, out_bytes);
-    size_t at = 0;
-    for (size_t i = 0; i < outs.size(); ++i) {
-        ggml_backend_tensor_get_async(be.acc, outs[i], whole ? unit->outputs[i]->data : out + at, 0, ggml_nbytes(outs[i]));
-        at += ggml_nbytes(outs[i]);
-    }
+    if (!downloading) download();
     ggml_backend_synchronize(be.acc);
     const uint64_t waited = ns_since(t0);
     timing.wait_ns += waited;
@@ -721,12 +751,16 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     for (const auto& [e, slices] : admitted) pool.settle(e, slices, true);
     admitted.clear();
     if (!missed.empty()) crossing.learn(cpu_ns, waited);
-    at = 0;
-    for (size_t i = 0; i < outs.size() && !whole; ++i) {
-        ggml_tensor* o = unit->outputs[i];
-        join_rows(*split, Rows{static_cast<char*>(o->data), o->nb[1], o->nb[2]},
-                  ConstRows{out + at, outs[i]->nb[1], outs[i]->nb[2]}, static_cast<size_t>(o->ne[0]) * sizeof(float));
-        at += ggml_nbytes(outs[i]);
+    if (alone) {
+        scatter_cpu_rows(be, ids->ne[0]);
+    } else if (!direct) {
+        size_t at = 0;
+        for (size_t i = 0; i < outs.size(); ++i) {
+            ggml_tensor* o = unit->outputs[i];
+            join_rows(*split, Rows{static_cast<char*>(o->data), o->nb[1], o->nb[2]},
+                      ConstRows{out + at, outs[i]->nb[1], outs[i]->nb[2]}, static_cast<size_t>(o->ne[0]) * sizeof(float));
+            at += ggml_nbytes(outs[i]);
+        }
     }
     rows_at_end();
     pool.count_rows(split->pool_rows, split->cpu_rows);
