@@ -6,7 +6,6 @@
 #   staticP        the same with mmap
 #   mcP            libmoecache-ggml.so (GGML_BACKEND_PATH, -ot exps=MOECACHE), a pool of P % of the
 #                  experts; suffixes: -none (--load-mode none), -nopin (MOECACHE_GGML_PIN=off),
-#                  -noprefill (MOECACHE_GGML_PREFILL=off),
 #                  -xN (MOECACHE_GGML_CROSS=N%), e.g. mc60-none-x0
 #   diag-mcP...    the same configuration through llama-completion, 24 greedy tokens with ggml's log
 #                  shown (llama-bench hides it) and CUDA_LAUNCH_BLOCKING=1: what a CUDA error says
@@ -49,7 +48,6 @@ setup() {
     mc*) p=${c#mc}; p=${p%%-*}
       env_=(GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="$p%" MOECACHE_GGML_LOG=2 MOECACHE_GGML_CLIENT=off)
       [[ $c == *-nopin* ]] && env_+=(MOECACHE_GGML_PIN=off)
-      [[ $c == *-noprefill* ]] && env_+=(MOECACHE_GGML_PREFILL=off)
       [[ $c == *-x[0-9]* ]] && env_+=(MOECACHE_GGML_CROSS="${c##*-x}%")
       args_+=(-ot exps=MOECACHE)
       [[ $c == *-none* ]] && args_+=(--load-mode none) ;;

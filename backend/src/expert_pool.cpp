@@ -90,7 +90,6 @@ void ExpertPool::forget(const char* base, size_t size) {
     fills_.erase(std::remove_if(fills_.begin(), fills_.end(), [&](const Fill& f) { return in_gone(f.tensor); }),
                  fills_.end());
     stats_.forgotten += queued - fills_.size();
-    prefill_queued_ = static_cast<size_t>(std::count_if(fills_.begin(), fills_.end(), [](const Fill& f) { return f.prefill; }));
     drained_cv_.wait(lock, [&] { return !copying_ || !in_gone(copying_->tensor); });
     for (const uint32_t g : gone) {
         for (const auto* t : groups_[g]) {
@@ -118,7 +117,6 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     ggml_backend_dev_t dev = pool_device(settings, true);
     if (dev == nullptr || !make_arenas(dev, settings)) return nullptr;
     dev_ = dev;
-    if (settings.prefill) prefill();
     const bool pin = settings.pin;
     filler_ = std::thread([this, pin] {
         if (pin) register_for_dma();
@@ -261,8 +259,7 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
     for (const int32_t e : pooled_experts) heat_.touch(group, static_cast<uint32_t>(e));
     for (const int32_t e : missed) {
         heat_.touch(group, static_cast<uint32_t>(e));
-        if (fills_.size() - prefill_queued_ + groups_[group].size() > kMaxQueued ||
-            !admit(group, static_cast<uint32_t>(e))) {
+        if (fills_.size() + groups_[group].size() > kMaxQueued || !admit(group, static_cast<uint32_t>(e))) {
             ++stats_.declined;
         }
     }
@@ -295,7 +292,7 @@ void ExpertPool::follow(const moecache_directive& d) {
 
 // A slot for each slice of the expert, or none: what is admitted of it is given back when a slice
 // finds no room. An expert another slice displaced is dropped whole.
-bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed, bool evict) {
+bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
     const auto& tensors = groups_[group];
     std::vector<std::pair<const ExpertTensor*, uint64_t>> got;
     for (const auto* t : tensors) {
@@ -304,7 +301,7 @@ bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed
         if (slots_.holds(group, s.slice)) continue;  // pooled already (or being filled)
         cuda::SliceRef evicted{cuda::kNoSlot, 0, 0};
         const uint64_t addr = arena_for(t->slice_bytes) != nullptr
-                                  ? slots_.admit(s, t->slice_bytes, kStream, heat_, cuda::same_stream_only(), &evicted, evict)
+                                  ? slots_.admit(s, t->slice_bytes, kStream, heat_, cuda::same_stream_only(), &evicted)
                                   : 0;
         if (evicted.model != cuda::kNoSlot && !(evicted.model == group && evicted.expert == expert)) {
             slots_.drop_expert(evicted.model, evicted.expert);
@@ -325,48 +322,12 @@ bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed
     return true;
 }
 
-// A new pool starts no emptier than a static split of the same bytes: its free slots are filled at
-// once (by the pool's thread, off the computes' path) with the experts such a split would hold, the
-// last layers' first, as `-ot` of the last layers places them. Misses then replace them with hotter
-// ones as the heat learns (they have none of their own); nothing is evicted for them.
-void ExpertPool::prefill() {
-    std::vector<uint32_t> order;
-    for (uint32_t g = 0; g < groups_.size(); ++g)
-        if (live(g)) order.push_back(g);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](uint32_t a, uint32_t b) { return groups_[a].front()->block > groups_[b].front()->block; });
-    uint64_t experts = 0;
-    for (const uint32_t g : order) {
-        for (uint32_t e = 0; e < static_cast<uint32_t>(groups_[g].front()->n_expert); ++e) {
-            std::vector<Placed> placed;
-            if (!admit_slots(g, e, &placed, false)) {
-                if (log_) say("a new pool: %llu experts queued to fill it", static_cast<unsigned long long>(experts));
-                if (experts > 0) fill_cv_.notify_one();
-                return;
-            }
-            for (const auto& p : placed) fills_.push_back(Fill{p.tensor, e, p.arena, p.offset, true});
-            prefill_queued_ += placed.size();
-            ++experts;
-        }
-    }
-    if (log_) say("a new pool: %llu experts queued to fill it (every one)", static_cast<unsigned long long>(experts));
-    if (experts > 0) fill_cv_.notify_one();
-}
-
 bool ExpertPool::admit(uint32_t group, uint32_t expert) {
     std::vector<Placed> placed;
     if (!admit_slots(group, expert, &placed)) return false;
-    queue_fills(expert, placed);
+    for (const auto& p : placed) fills_.push_back(Fill{p.tensor, expert, p.arena, p.offset});
     if (!placed.empty()) fill_cv_.notify_one();
     return true;
-}
-
-// An admission's fills go before prefill()'s: a miss is worth more than a guess.
-void ExpertPool::queue_fills(uint32_t expert, const std::vector<Placed>& placed) {
-    const auto at = fills_.end() - static_cast<std::ptrdiff_t>(prefill_queued_);
-    std::vector<Fill> more;
-    for (const auto& p : placed) more.push_back(Fill{p.tensor, expert, p.arena, p.offset});
-    fills_.insert(at, more.begin(), more.end());
 }
 
 bool ExpertPool::admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
@@ -472,7 +433,6 @@ void ExpertPool::fill_loop() {
         if (stop_) return;
         const Fill f = fills_.front();
         fills_.pop_front();
-        if (f.prefill) --prefill_queued_;
         // A fill whose slice lost that slot meanwhile (evicted, perhaps admitted anew elsewhere, its
         // slot another's by now): copying it would overwrite what the slot holds now.
         if (slots_.filling_address(f.slice()) == f.slot()) {

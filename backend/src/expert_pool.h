@@ -153,7 +153,6 @@ private:
         uint32_t expert;
         const PoolArena* arena;
         size_t offset;
-        bool prefill = false;  // prefill()'s: after every admission's
         [[nodiscard]] uint64_t slot() const;  // the slot's device address
         [[nodiscard]] cuda::SliceRef slice() const;
     };
@@ -165,8 +164,7 @@ private:
     // A group whose tensors are still the runtime's (forget() empties it).
     [[nodiscard]] bool live(uint32_t group) const { return group < groups_.size() && !groups_[group].empty(); }
     bool admit(uint32_t group, uint32_t expert);
-    bool admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed, bool evict = true);
-    void prefill();
+    bool admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed);
     void committed(const ExpertTensor& t, uint32_t expert);
     uint32_t model_of(uint32_t group);
     void follow(const moecache_directive& d);
@@ -186,9 +184,7 @@ private:
     ggml_backend_dev_t dev_ = nullptr;
     bool log_ = false;
     PoolStats stats_;
-    std::deque<Fill> fills_;  // under mu; prefill()'s last (prefill_queued_ of them)
-    size_t prefill_queued_ = 0;
-    void queue_fills(uint32_t expert, const std::vector<Placed>& placed);
+    std::deque<Fill> fills_;  // under mu
     std::optional<Fill> copying_;  // the fill the pool's thread copies now, popped and not committed (under mu)
     std::condition_variable fill_cv_, drained_cv_;
     std::thread filler_;

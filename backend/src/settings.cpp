@@ -20,9 +20,6 @@ Settings settings_from_env(std::string* problem) {
     if (const char* c = getenv("MOECACHE_GGML_PIN"); c != nullptr && (!strcmp(c, "off") || !strcmp(c, "0"))) {
         s.pin = false;
     }
-    if (const char* c = getenv("MOECACHE_GGML_PREFILL"); c != nullptr && (!strcmp(c, "off") || !strcmp(c, "0"))) {
-        s.prefill = false;
-    }
     const auto off = [&](std::string why) {
         *problem = std::move(why);
         s.device = "none";

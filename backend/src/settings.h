@@ -30,7 +30,6 @@ struct Settings {
     bool log_often = false;  // MOECACHE_GGML_LOG=2
     bool client = true;
     bool pin = true;
-    bool prefill = true;  // MOECACHE_GGML_PREFILL: a new pool filled at once (ExpertPool::prefill)
     double cross = -1;  // MOECACHE_GGML_CROSS as a fraction; below 0: auto
 };
 
