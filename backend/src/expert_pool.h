@@ -52,7 +52,7 @@ struct PoolArena {
     std::vector<View> views;
 };
 
-struct PoolStats {  // the leading fields up to `forgotten` keep their places (moecache_ggml_pool_stats)
+struct PoolStats {  // the leading fields up to `staged` keep their places (moecache_ggml_pool_stats, the tests)
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
     uint64_t forgotten = 0;  // queued fills dropped: the runtime freed their model's memory (forget)
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node

@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
+
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -19,6 +21,7 @@ namespace {
 struct PoolStats {  // the leading fields of the library's (backend/src/expert_pool.h)
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
     uint64_t forgotten = 0;
+    uint64_t units = 0, nodes = 0, staged = 0;
 };
 
 struct Ggml {
@@ -153,7 +156,8 @@ TEST(GgmlBackend, EveryTypesMulMatIdIsGgmlCpusByteForByteOnTheCpuAndSplitWithAPo
         g.stats(&between, sizeof between);  // waits for the fills the last round queued: each round sees them
         for (size_t i = 0; i < std::size(kTypes); ++i) {
             const bool broadcast = (round + i) % 2 == 0;
-            const int64_t used = 4, tokens = 1 + (round % 3) * 7;
+            // Decode's one token, small batches, and a large one (a prompt's: its misses staged).
+            const int64_t used = 4, tokens = std::array<int64_t, 4>{1, 8, 15, 40}[static_cast<size_t>(round % 4)];
             std::vector<float> act(static_cast<size_t>(kK * (broadcast ? 1 : used) * tokens));
             for (auto& x : act) x = dist(rng);
             std::vector<int32_t> ids(static_cast<size_t>(kExperts * tokens));
@@ -178,6 +182,7 @@ TEST(GgmlBackend, EveryTypesMulMatIdIsGgmlCpusByteForByteOnTheCpuAndSplitWithAPo
     EXPECT_GT(after.fills, before.fills) << "no expert was admitted to the pool";
     EXPECT_GT(after.pool_rows, before.pool_rows) << "no row was computed from the pool";
     EXPECT_GT(after.cpu_rows, before.cpu_rows) << "no row was computed on the CPU beside the pool";
+    EXPECT_GT(after.staged, before.staged) << "no large batch's miss was staged on the device";
 }
 
 // A runtime that frees a model while the pool's thread still has fills queued from its memory
