@@ -174,8 +174,9 @@ struct Backend {
     Crossing crossing_large{-1, 1.0};
     ggml_backend_t cpu = nullptr;
     void (*cpu_threads)(ggml_backend_t, int) = nullptr;
-    // The CPU halves' own threads: without one, ggml's CPU backend starts and joins a thread per
-    // core at every compute (a disposable pool), about as long as a decode chain's CPU half itself.
+    // The CPU halves' own threads: without one, ggml's CPU backend built without OpenMP starts and
+    // joins a thread per core at every compute (a disposable pool), about as long as a decode
+    // chain's CPU half itself. (With OpenMP, as llama.cpp's CUDA builds are, its threads persist.)
     ggml_threadpool_t pool_threads = nullptr;
     int pool_threads_n = 0;
     ggml_threadpool_t (*threadpool_new)(ggml_threadpool_params*) = nullptr;
@@ -188,16 +189,16 @@ struct Backend {
     std::vector<char> out_plain;                  // where the device has no pinned memory
     bool out_unpinnable = false;
     std::vector<char> ctx_mem;
-    std::vector<char> ctx_mem_node;
+    std::vector<char> ctx_mem_node;  // the one-node graph compute_unit is given in a split node by node
     std::vector<char> ctx_mem_cpu, cpu_scratch;  // the CPU's rows alone: their graph and tensors
-    std::vector<int32_t> cpu_rows, cpu_ids;
+    std::vector<int32_t> cpu_rows, cpu_ids;      // their rows (k, t) of the chain, and experts
     struct CpuResult {  // an output's CPU rows: where they go, and where the CPU computed them
         char* out;
         size_t out_nb1, out_nb2;
         const char* rows;
         size_t rows_nb, row_bytes;
     };
-    std::vector<CpuResult> cpu_results;  // the one-node graph compute_unit is given in a split node by node
+    std::vector<CpuResult> cpu_results;
     bool said_split_error = false;
 };
 
@@ -337,8 +338,10 @@ std::optional<Unit> find_unit(ggml_cgraph* graph, ExpertPool& pool) {
 
 // The CPU's rows of the chain alone: each row (k, t) of its own a token with one expert, so that
 // the CPU computes no filler rows (a large batch's CPU half would otherwise compute every row of
-// the layer); the results are written back to their rows of the outputs. nullopt: the chain has a
-// shape this cannot gather (the caller computes it with fillers).
+// the layer). `gathered` runs once the chain is known to gather (the outputs are not written by
+// the CPU from then on: the caller may download the device's results into them); the results stay
+// in the backend's scratch for scatter_cpu_rows. nullopt: the chain has a shape this cannot gather
+// (the caller computes it with fillers, in place).
 std::optional<ggml_status> cpu_rows_alone(Backend& be, const Unit& u, const RowSplit& split,
                                           const std::function<void()>& gathered) {
     const int64_t used = u.ids->ne[0], tokens = u.ids->ne[1];
