@@ -1,5 +1,8 @@
 #include "expert_pool.h"
 
+#include "moecache/cuda/hot_profile.h"
+#include "moecache/process_maps.h"
+
 #include "say.h"
 
 #include <dlfcn.h>
@@ -85,6 +88,9 @@ void ExpertPool::forget(const char* base, size_t size) {
     for (uint32_t g = 0; g < groups_.size(); ++g)
         if (std::any_of(groups_[g].begin(), groups_[g].end(), inside)) gone.push_back(g);
     if (gone.empty()) return;
+    for (const uint32_t g : gone) {  // a freed model's heat is saved while its groups still say whose it is
+        if (g < profile_of_.size() && profile_of_[g] >= 0) save_profile(profiles_[static_cast<size_t>(profile_of_[g])], true);
+    }
     const auto in_gone = [&](const ExpertTensor* t) { return std::find(gone.begin(), gone.end(), t->group) != gone.end(); };
     const size_t queued = fills_.size();
     fills_.erase(std::remove_if(fills_.begin(), fills_.end(), [&](const Fill& f) { return in_gone(f.tensor); }),
@@ -117,6 +123,7 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     ggml_backend_dev_t dev = pool_device(settings, true);
     if (dev == nullptr || !make_arenas(dev, settings)) return nullptr;
     dev_ = dev;
+    if (!settings.profile_dir.empty()) read_profiles(settings.profile_dir);
     const bool pin = settings.pin;
     filler_ = std::thread([this, pin] {
         if (pin) register_for_dma();
@@ -256,6 +263,9 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
         if (dev_ != nullptr && since_report_++ % 64 == 0) link_->pool(stats_.pool_rows, stats_.cpu_rows, pool_bytes_);
         for (const auto& d : link_->directives()) follow(d);
     }
+    if (group < profile_of_.size() && profile_of_[group] >= 0) {
+        profiles_[static_cast<size_t>(profile_of_[group])].routed += pooled_experts.size() + missed.size();
+    }
     for (const int32_t e : pooled_experts) heat_.touch(group, static_cast<uint32_t>(e));
     for (const int32_t e : missed) {
         heat_.touch(group, static_cast<uint32_t>(e));
@@ -292,7 +302,7 @@ void ExpertPool::follow(const moecache_directive& d) {
 
 // A slot for each slice of the expert, or none: what is admitted of it is given back when a slice
 // finds no room. An expert another slice displaced is dropped whole.
-bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
+bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed, bool evict) {
     const auto& tensors = groups_[group];
     std::vector<std::pair<const ExpertTensor*, uint64_t>> got;
     for (const auto* t : tensors) {
@@ -301,7 +311,7 @@ bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed
         if (slots_.holds(group, s.slice)) continue;  // pooled already (or being filled)
         cuda::SliceRef evicted{cuda::kNoSlot, 0, 0};
         const uint64_t addr = arena_for(t->slice_bytes) != nullptr
-                                  ? slots_.admit(s, t->slice_bytes, kStream, heat_, cuda::same_stream_only(), &evicted)
+                                  ? slots_.admit(s, t->slice_bytes, kStream, heat_, cuda::same_stream_only(), &evicted, evict)
                                   : 0;
         if (evicted.model != cuda::kNoSlot && !(evicted.model == group && evicted.expert == expert)) {
             slots_.drop_expert(evicted.model, evicted.expert);
@@ -320,6 +330,99 @@ bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed
         placed->push_back(Placed{t, a, static_cast<size_t>(addr - reinterpret_cast<uint64_t>(a->base))});
     }
     return true;
+}
+
+// The hottest expert of a profile starts at this heat (the hook's kPriorTop): a few hundred tokens
+// of this run's own routing move the ranking where this run routes otherwise.
+constexpr uint32_t kPriorTop = 64;
+
+// Under mu, when the pool is made: each mapped model's profile seeds the heat, and its experts,
+// hottest first, are queued to fill the pool's free slots (a prompt then finds them there too).
+void ExpertPool::read_profiles(const std::string& dir) {
+    const auto text = read_proc_text("/proc/self/maps");
+    if (!text) return;
+    const auto maps = parse_maps(*text);
+    std::map<std::string, std::vector<uint32_t>> by_file;
+    for (uint32_t g = 0; g < groups_.size(); ++g) {
+        if (!live(g)) continue;
+        const auto at = reinterpret_cast<uintptr_t>(groups_[g].front()->data);
+        for (const auto& m : maps) {
+            if (at >= m.mapping.start && at < m.mapping.end && !m.path.empty() && m.path.front() == '/') {
+                by_file[m.path].push_back(g);
+                break;
+            }
+        }
+    }
+    profile_of_.assign(groups_.size(), -1);
+    for (auto& [file, gs] : by_file) {
+        std::stable_sort(gs.begin(), gs.end(),
+                         [&](uint32_t a, uint32_t b) { return groups_[a].front()->block < groups_[b].front()->block; });
+        const auto n = static_cast<uint32_t>(groups_[gs.front()].front()->n_expert);
+        if (std::any_of(gs.begin(), gs.end(), [&](uint32_t g) { return groups_[g].front()->n_expert != n; })) continue;
+        auto name = cuda::hot_profile_name(file);
+        if (!name) continue;
+        Profile prof{dir + "/" + *name, gs, n};
+        auto hp = cuda::load_hot_profile(prof.path, static_cast<uint32_t>(gs.size()), n);
+        if (!hp && hp.error().errnum != ENOENT) {
+            say("%s: the hot profile is not used (it is written again at exit): %s", file.c_str(), hp.error().what().c_str());
+        }
+        size_t queued = 0;
+        if (hp) {
+            prof.routings = hp->routings;
+            const auto prior = cuda::profile_heat(*hp, kPriorTop);
+            std::vector<std::pair<uint32_t, uint32_t>> order;  // (layer, expert)
+            for (uint32_t l = 0; l < gs.size(); ++l) {
+                for (uint32_t e = 0; e < n; ++e) {
+                    const uint32_t h = prior[size_t{l} * n + e];
+                    if (h == 0) continue;
+                    heat_.set(gs[l], e, h);
+                    order.emplace_back(l, e);
+                }
+            }
+            std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+                return prior[size_t{a.first} * n + a.second] > prior[size_t{b.first} * n + b.second];
+            });
+            for (const auto& [l, e] : order) {
+                std::vector<Placed> placed;
+                if (!admit_slots(gs[l], e, &placed, false)) break;  // the pool is full
+                for (const auto& p : placed) fills_.push_back(Fill{p.tensor, e, p.arena, p.offset});
+                ++queued;
+            }
+            if (queued > 0) fill_cv_.notify_one();
+            if (log_) {
+                say("%s: the pool starts from the hot set of earlier runs (%s, %llu routings): %zu experts queued",
+                    file.c_str(), prof.path.c_str(), static_cast<unsigned long long>(hp->routings), queued);
+            }
+        }
+        for (const uint32_t g : gs) profile_of_[g] = static_cast<int32_t>(profiles_.size());
+        profiles_.push_back(std::move(prof));
+    }
+}
+
+// Saved where this run routed 32 tokens' worth since the last save: the heat the pool kept (the
+// profile's it started from, decayed, and what this run added). Under mu.
+void ExpertPool::save_profile(Profile& p, bool final) {
+    if (p.path.empty() || p.routed - p.saved < 32 * p.groups.size()) {
+        if (final) p.path.clear();
+        return;
+    }
+    cuda::HotProfile hp;
+    hp.n_layers = static_cast<uint32_t>(p.groups.size());
+    hp.n_experts = p.n_experts;
+    hp.routings = p.routings + p.routed;
+    hp.counts.assign(size_t{hp.n_layers} * hp.n_experts, 0);
+    for (uint32_t l = 0; l < hp.n_layers; ++l) {
+        if (!live(p.groups[l])) return;
+        for (uint32_t e = 0; e < hp.n_experts; ++e) hp.counts[size_t{l} * hp.n_experts + e] = heat_.count(p.groups[l], e);
+    }
+    if (auto r = cuda::save_hot_profile(p.path, hp); !r) {
+        if (log_) say("the hot profile was not saved: %s", r.error().what().c_str());
+        p.path.clear();  // once: the folder is not ours to write
+        return;
+    }
+    p.saved = p.routed;
+    if (log_) say("hot profile saved (%s, %llu routings)", p.path.c_str(), static_cast<unsigned long long>(hp.routings));
+    if (final) p.path.clear();
 }
 
 bool ExpertPool::admit(uint32_t group, uint32_t expert) {
@@ -475,6 +578,7 @@ void ExpertPool::stop_filler() {
     auto& p = get();
     {
         std::lock_guard lock(p.mu);
+        for (auto& prof : p.profiles_) p.save_profile(prof, true);
         p.stop_ = true;
     }
     p.fill_cv_.notify_all();

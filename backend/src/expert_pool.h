@@ -160,11 +160,21 @@ private:
     void register_for_dma();
     void fill_loop();
     static void stop_filler();
+    // Hot profiles (moecache/cuda/hot_profile.h, the hook's format and folder): a mapped model's
+    // heat from earlier runs, read when its pool is made, saved when it is freed and at exit.
+    struct Profile {
+        std::string path;             // the profile's file; "" once saved for good (or unwritable)
+        std::vector<uint32_t> groups;  // its layers' groups, by block
+        uint32_t n_experts = 0;
+        uint64_t routings = 0, routed = 0, saved = 0;  // earlier runs'; this run's; at the last save
+    };
+    void read_profiles(const std::string& dir);
+    void save_profile(Profile& p, bool final);
 
     // A group whose tensors are still the runtime's (forget() empties it).
     [[nodiscard]] bool live(uint32_t group) const { return group < groups_.size() && !groups_[group].empty(); }
     bool admit(uint32_t group, uint32_t expert);
-    bool admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed);
+    bool admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed, bool evict = true);
     void committed(const ExpertTensor& t, uint32_t expert);
     uint32_t model_of(uint32_t group);
     void follow(const moecache_directive& d);
@@ -190,6 +200,8 @@ private:
     std::thread filler_;
     bool stop_ = false;
     bool hold_ = false;
+    std::vector<Profile> profiles_;
+    std::vector<int32_t> profile_of_;  // by group: its index in profiles_, or -1
 };
 
 }  // namespace moecache::backend

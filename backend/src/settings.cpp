@@ -1,6 +1,7 @@
 #include "settings.h"
 
 #include "moecache/cuda/hook_config.h"
+#include "moecache/cuda/hot_profile.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -20,6 +21,7 @@ Settings settings_from_env(std::string* problem) {
     if (const char* c = getenv("MOECACHE_GGML_PIN"); c != nullptr && (!strcmp(c, "off") || !strcmp(c, "0"))) {
         s.pin = false;
     }
+    s.profile_dir = cuda::hot_profile_dir(getenv("MOECACHE_GGML_PROFILE"), getenv("XDG_CACHE_HOME"), getenv("HOME"));
     const auto off = [&](std::string why) {
         *problem = std::move(why);
         s.device = "none";

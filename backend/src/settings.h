@@ -31,6 +31,8 @@ struct Settings {
     bool client = true;
     bool pin = true;
     double cross = -1;  // MOECACHE_GGML_CROSS as a fraction; below 0: auto
+    // MOECACHE_GGML_PROFILE: the folder of the models' hot profiles (the hook's, by default), "": off.
+    std::string profile_dir;
 };
 
 // From the environment. A bad value is said in `problem` (naming the variable and the value) and

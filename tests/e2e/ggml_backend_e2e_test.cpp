@@ -18,8 +18,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 
 namespace moecache {
@@ -45,7 +47,10 @@ constexpr const char* kPrompt =
     "the river ran past the old mill and the children watched the water turn the wheel while the miller "
     "counted sacks of grain and sang about the rain that would come in spring to fill the ponds again";
 
-Generated generate(const std::string& model, const std::vector<std::string>& env) {
+// No hot profile unless a test asks for one: none read from, or left in, the user's cache.
+Generated generate(const std::string& model, std::vector<std::string> env) {
+    if (std::none_of(env.begin(), env.end(), [](const std::string& e) { return e.rfind("MOECACHE_GGML_PROFILE=", 0) == 0; }))
+        env.emplace_back("MOECACHE_GGML_PROFILE=off");
     const auto r = test::run({"node", std::string(MOECACHE_NODE_DIR) + "/generate.mjs", "--model", model, "--tokens",
                               "40", "--threads", "1", "--seed", "5", "--prompt", kPrompt},
                              env, 240);
@@ -103,6 +108,46 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertO
     EXPECT_EQ(kept.text, cpu.text) << kept.err;
     ASSERT_TRUE(std::regex_search(kept.err, m, crossed)) << kept.err;
     EXPECT_EQ(std::stoul(m[1]), 0u) << kept.err;
+}
+
+// A restart keeps the hot set: the first run saves its heat as a hot profile (the hook's format,
+// named by the model's content) when llama.cpp frees the model; the next run's pool starts from it,
+// its hottest experts queued to fill the pool before any miss; the text is the same. A profile that
+// is not one is said and written anew, never a failure.
+TEST(GgmlBackendRuntime, TheNextRunsPoolStartsFromTheLastRunsHotSet) {
+    if (!runtime_installed())
+        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
+                     << ": run scripts/setup/install-deps.sh";
+    test::TempDir dir;
+    const auto model = small_model(dir);
+    const std::string profiles = dir.file("profiles");
+    const std::vector<std::string> env = {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
+                                          "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%", "MOECACHE_GGML_LOG=1",
+                                          "MOECACHE_GGML_PROFILE=" + profiles};
+    const auto first = generate(model, env);
+    ASSERT_FALSE(first.text.empty());
+    EXPECT_NE(first.err.find("hot profile saved (" + profiles + "/"), std::string::npos) << first.err;
+    EXPECT_EQ(first.err.find("starts from the hot set"), std::string::npos) << first.err;
+    std::vector<std::filesystem::path> files;
+    for (const auto& f : std::filesystem::directory_iterator(profiles)) files.push_back(f.path());
+    ASSERT_EQ(files.size(), 1u);
+
+    const auto second = generate(model, env);
+    EXPECT_EQ(second.text, first.text) << second.err;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(second.err, m, std::regex(R"(starts from the hot set of earlier runs \(.*, (\d+) routings\): (\d+) experts queued)")))
+        << second.err;
+    EXPECT_GT(std::stoul(m[1]), 0u) << second.err;
+    EXPECT_GT(std::stoul(m[2]), 0u) << second.err;
+
+    {  // a damaged profile: said, not used, written anew
+        std::ofstream out(files[0], std::ios::trunc);
+        out << "moecache-hot-profile 1 layers 9999999 experts 3 routings x\n";
+    }
+    const auto third = generate(model, env);
+    EXPECT_EQ(third.text, first.text) << third.err;
+    EXPECT_NE(third.err.find("the hot profile is not used"), std::string::npos) << third.err;
+    EXPECT_NE(third.err.find("hot profile saved"), std::string::npos) << third.err;
 }
 
 TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
