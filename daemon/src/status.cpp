@@ -21,6 +21,7 @@ namespace moecache::daemon {
 bool Daemon::idle() const {
     // Facts the next turn decides on, reads into the page cache under way.
     if (!missed_this_batch_.empty() || !predicted_.empty() || !one_place_due_.empty()) return false;
+    if (!glob_looking_.empty()) return false;  // a glob's new match: its header is being read (OffLoop)
     for (const auto& m : models_) {
         if (m->opening) return false;  // its header is being read (OffLoop)
         if (!m->res) continue;
