@@ -25,7 +25,7 @@ open(sys.argv[1], "w").write(" ".join(random.choice(words) for _ in range(int(sy
 PY
 common=(-m "$model" -f "$work/text.txt" -ngl 99 -fa 0 -c 512 -b 512 -ub "${UBATCH:-16}" -t "${THREADS:-$(nproc)}")
 "$bin/llama-perplexity" "${common[@]}" -ot exps=CPU --kl-divergence-base "$work/base.kld" >"$work/cpu.out" 2>"$work/cpu.err"
-GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="${POOL:-60%}" MOECACHE_GGML_LOG=1 \
+GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="${POOL:-60%}" MOECACHE_GGML_LOG=1 MOECACHE_GGML_PROFILE=off \
   "$bin/llama-perplexity" "${common[@]}" -ot exps=MOECACHE --kl-divergence-base "$work/base.kld" --kl-divergence \
   >"$work/mc.out" 2>"$work/mc.err"
 python3 - "$work" <<'PY'

@@ -6,7 +6,9 @@
 #   staticP        the same with mmap
 #   mcP            libmoecache-ggml.so (GGML_BACKEND_PATH, -ot exps=MOECACHE), a pool of P % of the
 #                  experts; suffixes: -none (--load-mode none), -nopin (MOECACHE_GGML_PIN=off),
-#                  -xN (MOECACHE_GGML_CROSS=N%), e.g. mc60-none-x0
+#                  -xN (MOECACHE_GGML_CROSS=N%), -warm (a hot profile of its own, kept between
+#                  calls on a warm machine: llama-bench's runs after the first start warm), e.g.
+#                  mc60-none-x0
 #   diag-mcP...    the same configuration through llama-completion, 24 greedy tokens with ggml's log
 #                  shown (llama-bench hides it) and CUDA_LAUNCH_BLOCKING=1: what a CUDA error says
 #                  and where; PROMPT_WORDS (10) words of prompt: 32 or more make its batches large
@@ -46,7 +48,11 @@ setup() {
       args_+=(-ot "blk\.($(seq -s '|' $((layers - k)) $((layers - 1))))\.ffn_.*_exps=CUDA0;exps=CPU")
       [[ $c == *-none* ]] && args_+=(--load-mode none) ;;
     mc*) p=${c#mc}; p=${p%%-*}
-      env_=(GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="$p%" MOECACHE_GGML_LOG=2 MOECACHE_GGML_CLIENT=off)
+      # No hot profile (one configuration's would warm the next's pool), unless -warm: one of its own
+      # that its first run leaves for the next.
+      env_=(GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="$p%" MOECACHE_GGML_LOG=2 MOECACHE_GGML_CLIENT=off
+            MOECACHE_GGML_PROFILE=off)
+      [[ $c == *-warm* ]] && env_+=(MOECACHE_GGML_PROFILE="$work/profiles-$c")
       [[ $c == *-nopin* ]] && env_+=(MOECACHE_GGML_PIN=off)
       [[ $c == *-x[0-9]* ]] && env_+=(MOECACHE_GGML_CROSS="${c##*-x}%")
       args_+=(-ot exps=MOECACHE)

@@ -106,7 +106,8 @@ setup() {
             MOECACHE_CUDA_PROFILE="$work/profiles/$1")
       [ "$mode" = default ] || env_+=(MOECACHE_CUDA_PIN="$mode") ;;
     mc[0-9]*) ot_=(exps=MOECACHE)
-      env_=(GGML_BACKEND_PATH="$(realpath "$backend")" MOECACHE_GGML_POOL="${c#mc}%" MOECACHE_GGML_LOG=1) ;;
+      env_=(GGML_BACKEND_PATH="$(realpath "$backend")" MOECACHE_GGML_POOL="${c#mc}%" MOECACHE_GGML_LOG=1
+            MOECACHE_GGML_PROFILE="$work/profiles/$1") ;;
     *) echo "gpu-serve: unknown configuration $1" >&2; exit 2 ;;
   esac
 }

@@ -193,7 +193,8 @@ TEST(GgmlBackendRuntime, ReportsRoutingAndWhatThePoolHoldsToMoecached) {
     ASSERT_TRUE(d) << d.error().what();
 
     test::Background node({"/usr/bin/env", std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
-                           "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%", "MOECACHE_SOCKET=" + c.socket_path,
+                           "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%", "MOECACHE_GGML_PROFILE=off",
+                           "MOECACHE_SOCKET=" + c.socket_path,
                            "node", std::string(MOECACHE_NODE_DIR) + "/generate.mjs", "--model", model, "--tokens", "2000",
                            "--threads", "1", "--seed", "5"});
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
