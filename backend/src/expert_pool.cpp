@@ -125,8 +125,14 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     dev_ = dev;
     if (!settings.profile_dir.empty()) read_profiles(settings.profile_dir);
     const bool pin = settings.pin;
+    registering_ = pin;
     filler_ = std::thread([this, pin] {
         if (pin) register_for_dma();
+        {
+            std::lock_guard lock(mu);
+            registering_ = false;
+        }
+        drained_cv_.notify_all();
         fill_loop();
     });
     atexit(stop_filler);  // before the device's runtime is torn down (atexit runs in reverse)
@@ -567,6 +573,10 @@ void ExpertPool::hold_fills(bool hold) {
         hold_ = hold;
     }
     fill_cv_.notify_all();
+}
+
+void ExpertPool::wait_registered(std::unique_lock<std::mutex>& lock) {
+    drained_cv_.wait(lock, [&] { return !registering_; });
 }
 
 void ExpertPool::drain() {

@@ -136,6 +136,12 @@ public:
 
     // Waits for the fills queued so far (tests; before exit).
     void drain();
+    // The pool's thread pins the experts' host memory (register_for_dma) before its first fill; a
+    // copy from a range while the driver registers it is a race (the CUDA call may fail), so no
+    // compute copies from the mapping until it is done: decode keeps its misses on the CPU
+    // meanwhile (registering()), a large batch waits for it (wait_registered, under mu).
+    [[nodiscard]] bool registering() const { return registering_; }
+    void wait_registered(std::unique_lock<std::mutex>& lock);
     // Tests: while held, the pool's thread starts no fill (they stay queued).
     void hold_fills(bool hold);
     void count_crossed(bool into_pool) {
@@ -200,6 +206,7 @@ private:
     std::thread filler_;
     bool stop_ = false;
     bool hold_ = false;
+    bool registering_ = false;  // under mu
     std::vector<Profile> profiles_;
     std::vector<int32_t> profile_of_;  // by group: its index in profiles_, or -1
 };

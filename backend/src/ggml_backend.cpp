@@ -576,7 +576,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
             for (const auto& [e, placed] : admitted) pool.settle(e, placed, false);
         }
     } unsettled{pool, admitted};
-    if (split->cpu_rows > 0) {
+    if (split->cpu_rows > 0 && large && pool.registering()) pool.wait_registered(lock);
+    if (split->cpu_rows > 0 && !pool.registering()) {
         const size_t k = (large ? be.crossing_large : be.crossing).count(split->cpu_experts.size());
         const auto crossed = cross_misses(be, pool, *unit, *split, large, k, staged, admitted);
         if (!crossed.empty()) {
