@@ -441,7 +441,10 @@ TEST_F(WholePool, AHitWithItsPaddingIsOneCopyFromOneSlot) {
     warm_up(s);
     pool_every_slice(s);
     const auto pooled = hook_.stats();
-    ASSERT_EQ(pooled.admitted, 4u * 3u * 32u) << "a pool of 100 % holds every slice";
+    ASSERT_EQ(pooled.admitted, 4u * 3u * 32u)
+        << "a pool of 100 % holds every slice (evicted " << pooled.evicted << ", declined " << pooled.declined
+        << ", fallbacks " << pooled.fallbacks << ", stream joins " << pooled.stream_joins << ", filled ahead "
+        << pooled.filled_ahead << ", yielded " << pooled.yielded_bytes << ", slice misses " << pooled.slice_misses << ")";
     if (!cu_.fake()) GTEST_SKIP() << "counts driver calls: the fake driver's counters";
     const auto calls = *cu_.knob<FakeCounts>("fake_cuda_counts");
     const int groups = copy_everywhere({3, 9, 17, 30}, s);
