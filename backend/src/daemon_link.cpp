@@ -19,18 +19,17 @@ uint32_t DaemonLink::model_of(const void* data) {
         if (at >= r.start && at < r.end) return r.handle;
     const auto text = read_proc_text("/proc/self/maps");
     if (!text) return UINT32_MAX;
-    for (const auto& e : parse_maps(*text)) {
-        if (at < e.mapping.start || at >= e.mapping.end) continue;
-        auto it = handles_.find(e.path);
-        if (it == handles_.end()) {
-            uint32_t handle = UINT32_MAX;
-            if (moecache_client_register_model(client_, e.path.c_str(), &handle) != 0) handle = UINT32_MAX;
-            it = handles_.emplace(e.path, handle).first;
-        }
-        known_.push_back(Range{e.mapping.start, e.mapping.end, it->second});
-        return it->second;
+    const auto maps = parse_maps(*text);
+    const MapsEntry* e = entry_at(maps, at);
+    if (e == nullptr) return UINT32_MAX;  // not mapped from a file: the runtime read the model into its own memory
+    auto it = handles_.find(e->path);
+    if (it == handles_.end()) {
+        uint32_t handle = UINT32_MAX;
+        if (moecache_client_register_model(client_, e->path.c_str(), &handle) != 0) handle = UINT32_MAX;
+        it = handles_.emplace(e->path, handle).first;
     }
-    return UINT32_MAX;  // not mapped from a file: the runtime read the model into its own memory
+    known_.push_back(Range{e->mapping.start, e->mapping.end, it->second});
+    return it->second;
 }
 
 void DaemonLink::report(uint32_t model, uint32_t block, const std::vector<int32_t>& experts, uint32_t tokens) {

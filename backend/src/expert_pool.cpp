@@ -270,7 +270,9 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
         for (const auto& d : link_->directives()) follow(d);
     }
     if (group < profile_of_.size() && profile_of_[group] >= 0) {
-        profiles_[static_cast<size_t>(profile_of_[group])].routed += pooled_experts.size() + missed.size();
+        auto& prof = profiles_[static_cast<size_t>(profile_of_[group])];
+        prof.routed += pooled_experts.size() + missed.size();
+        prof.tokens += tokens;
     }
     for (const int32_t e : pooled_experts) heat_.touch(group, static_cast<uint32_t>(e));
     for (const int32_t e : missed) {
@@ -338,10 +340,6 @@ bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed
     return true;
 }
 
-// The hottest expert of a profile starts at this heat (the hook's kPriorTop): a few hundred tokens
-// of this run's own routing move the ranking where this run routes otherwise.
-constexpr uint32_t kPriorTop = 64;
-
 // Under mu, when the pool is made: each mapped model's profile seeds the heat, and its experts,
 // hottest first, are queued to fill the pool's free slots (a prompt then finds them there too).
 void ExpertPool::read_profiles(const std::string& dir) {
@@ -351,12 +349,8 @@ void ExpertPool::read_profiles(const std::string& dir) {
     std::map<std::string, std::vector<uint32_t>> by_file;
     for (uint32_t g = 0; g < groups_.size(); ++g) {
         if (!live(g)) continue;
-        const auto at = reinterpret_cast<uintptr_t>(groups_[g].front()->data);
-        for (const auto& m : maps) {
-            if (at >= m.mapping.start && at < m.mapping.end && !m.path.empty() && m.path.front() == '/') {
-                by_file[m.path].push_back(g);
-                break;
-            }
+        if (const MapsEntry* m = entry_at(maps, reinterpret_cast<uintptr_t>(groups_[g].front()->data))) {
+            by_file[m->path].push_back(g);
         }
     }
     profile_of_.assign(groups_.size(), -1);
@@ -375,7 +369,7 @@ void ExpertPool::read_profiles(const std::string& dir) {
         size_t queued = 0;
         if (hp) {
             prof.routings = hp->routings;
-            const auto prior = cuda::profile_heat(*hp, kPriorTop);
+            const auto prior = cuda::profile_heat(*hp, cuda::kProfilePriorTop);
             std::vector<std::pair<uint32_t, uint32_t>> order;  // (layer, expert)
             for (uint32_t l = 0; l < gs.size(); ++l) {
                 for (uint32_t e = 0; e < n; ++e) {
@@ -405,10 +399,10 @@ void ExpertPool::read_profiles(const std::string& dir) {
     }
 }
 
-// Saved where this run routed 32 tokens' worth since the last save: the heat the pool kept (the
-// profile's it started from, decayed, and what this run added). Under mu.
+// Saved where this run routed cuda::kProfileTokens tokens' worth since the last save: the heat the
+// pool kept (the profile's it started from, decayed, and what this run added). Under mu.
 void ExpertPool::save_profile(Profile& p, bool final) {
-    if (p.path.empty() || p.routed - p.saved < 32 * p.groups.size()) {
+    if (p.path.empty() || p.tokens - p.saved < cuda::kProfileTokens * p.groups.size()) {
         if (final) p.path.clear();
         return;
     }
@@ -426,7 +420,7 @@ void ExpertPool::save_profile(Profile& p, bool final) {
         p.path.clear();  // once: the folder is not ours to write
         return;
     }
-    p.saved = p.routed;
+    p.saved = p.tokens;
     if (log_) say("hot profile saved (%s, %llu routings)", p.path.c_str(), static_cast<unsigned long long>(hp.routings));
     if (final) p.path.clear();
 }

@@ -172,7 +172,8 @@ private:
         std::string path;             // the profile's file; "" once saved for good (or unwritable)
         std::vector<uint32_t> groups;  // its layers' groups, by block
         uint32_t n_experts = 0;
-        uint64_t routings = 0, routed = 0, saved = 0;  // earlier runs'; this run's; at the last save
+        uint64_t routings = 0, routed = 0;  // earlier runs'; this run's
+        uint64_t tokens = 0, saved = 0;     // this run's tokens a layer saw (summed over layers); at the last save
     };
     void read_profiles(const std::string& dir);
     void save_profile(Profile& p, bool final);

@@ -31,9 +31,15 @@ struct Generated {
     std::string text, err;
 };
 
-bool runtime_installed() {
-    return std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json");
-}
+// Every test runs node-llama-cpp's llama.cpp: skipped, saying so, where it is not installed.
+class GgmlBackendRuntime : public ::testing::Test {
+protected:
+    void SetUp() override {
+        if (!std::filesystem::exists(std::string(MOECACHE_NODE_DIR) + "/node_modules/node-llama-cpp/package.json"))
+            GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
+                         << ": run scripts/setup/install-deps.sh";
+    }
+};
 
 // The tests' small model (4 layers of 16 experts, 2 a token), experts in q4_K.
 std::string small_model(test::TempDir& dir) {
@@ -60,10 +66,7 @@ Generated generate(const std::string& model, std::vector<std::string> env) {
     return {j["text"].get<std::string>(), r.err};
 }
 
-TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertOnTheCpu) {
-    if (!runtime_installed())
-        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
-                     << ": run scripts/setup/install-deps.sh";
+TEST_F(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertOnTheCpu) {
     test::TempDir dir;
     const auto model = small_model(dir);
     const std::string lib = std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO;
@@ -114,10 +117,7 @@ TEST(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExpertO
 // named by the model's content) when llama.cpp frees the model; the next run's pool starts from it,
 // its hottest experts queued to fill the pool before any miss; the text is the same. A profile that
 // is not one is said and written anew, never a failure.
-TEST(GgmlBackendRuntime, TheNextRunsPoolStartsFromTheLastRunsHotSet) {
-    if (!runtime_installed())
-        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
-                     << ": run scripts/setup/install-deps.sh";
+TEST_F(GgmlBackendRuntime, TheNextRunsPoolStartsFromTheLastRunsHotSet) {
     test::TempDir dir;
     const auto model = small_model(dir);
     const std::string profiles = dir.file("profiles");
@@ -150,10 +150,7 @@ TEST(GgmlBackendRuntime, TheNextRunsPoolStartsFromTheLastRunsHotSet) {
     EXPECT_NE(third.err.find("hot profile saved"), std::string::npos) << third.err;
 }
 
-TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
-    if (!runtime_installed())
-        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
-                     << ": run scripts/setup/install-deps.sh";
+TEST_F(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
     test::TempDir dir;
     const auto model = small_model(dir);
     const auto reference = generate(model, {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
@@ -181,11 +178,8 @@ TEST(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy) {
 
 // The backend speaks to moecached as the hook does: the daemon hears which experts each layer's
 // router picked, and which experts the pool holds (one place: it keeps those out of RAM).
-TEST(GgmlBackendRuntime, ReportsRoutingAndWhatThePoolHoldsToMoecached) {
+TEST_F(GgmlBackendRuntime, ReportsRoutingAndWhatThePoolHoldsToMoecached) {
     if (::geteuid() != 0) GTEST_SKIP() << "moecached locks memory: root";
-    if (!runtime_installed())
-        GTEST_SKIP() << "node-llama-cpp is not installed in " << MOECACHE_NODE_DIR
-                     << ": run scripts/setup/install-deps.sh";
     test::TempDir dir;
     const auto model = small_model(dir);
     auto c = test::daemon_config(model, dir.file("state"), 64u << 20);

@@ -46,6 +46,9 @@ struct MapsEntry {
 // do not parse are skipped.
 std::vector<MapsEntry> parse_maps(std::string_view maps_text);
 
+// The entry whose mapping holds `address`, or null (memory no file backs).
+const MapsEntry* entry_at(const std::vector<MapsEntry>& entries, uintptr_t address);
+
 Result<InodeId> identify_file(const std::string& path);
 
 // Every mapping of the file in the text of a /proc/PID/maps. Lines that do not parse are skipped.

@@ -66,6 +66,12 @@ std::vector<MapsEntry> parse_maps(std::string_view text) {
     return out;
 }
 
+const MapsEntry* entry_at(const std::vector<MapsEntry>& entries, uintptr_t address) {
+    for (const auto& e : entries)
+        if (address >= e.mapping.start && address < e.mapping.end) return &e;
+    return nullptr;
+}
+
 std::vector<FileMapping> find_mappings(std::string_view text, const InodeId& file) {
     std::vector<FileMapping> out;
     for (auto& e : parse_maps(text))

@@ -131,10 +131,6 @@ Engine::Model* Engine::open_model(const MapsEntry& e) {
     return m;
 }
 
-// The hottest expert of a profile starts at this heat: a few hundred tokens of this run's own
-// routing move the ranking where this run routes otherwise (each routing adds one a tensor).
-constexpr uint32_t kPriorTop = 64;
-
 void Engine::read_profile(Model& m) {
     if (cfg_.profile_dir.empty()) return;
     auto name = hot_profile_name(m.map.files.empty() ? m.path : m.map.files.front().path);
@@ -149,7 +145,7 @@ void Engine::read_profile(Model& m) {
             say("%s: the hot profile is not used (it is written again at exit): %s", m.path.c_str(), p.error().what().c_str());
         return;
     }
-    m.prior = profile_heat(*p, kPriorTop);
+    m.prior = profile_heat(*p, kProfilePriorTop);
     m.profile_routings = p->routings;
     if (cfg_.log)
         say("%s: the pool starts from the hot set of earlier runs (%s, %" PRIu64 " routings)", m.path.c_str(),
@@ -175,7 +171,6 @@ void Engine::queue_prior(Model& m) {
 // Saved where this run routed at least kProfileTokens tokens' worth since the last save: the counts
 // the pools kept (the profile's heat they started from, decayed, and what this run added).
 void Engine::save_profiles(bool final) {
-    constexpr uint64_t kProfileTokens = 32;
     std::lock_guard plock(profile_mu_);
     const Snapshot* snap = snapshot_.load(std::memory_order_acquire);
     if (snap == nullptr || cfg_.profile_dir.empty()) return;

@@ -24,6 +24,11 @@ struct HotProfile {
 };
 
 inline constexpr uint32_t kMaxProfileLayers = 1024, kMaxProfileExperts = 8192;
+// The heat a profile's hottest expert starts a run at (profile_heat's `top`): a few hundred tokens
+// of the run's own routing move the ranking where it routes otherwise.
+inline constexpr uint32_t kProfilePriorTop = 64;
+// A profile is saved again once a run has routed this many tokens' worth since the last save.
+inline constexpr uint64_t kProfileTokens = 32;
 inline constexpr uint64_t kMaxProfileBytes = 8ull << 20;
 
 // The file name of a model's profile: what identifies its content. Reads the first MiB of the file.
