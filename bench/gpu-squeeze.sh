@@ -35,6 +35,14 @@
 #                 hook's pool POOL % directed by the daemon; against unsq-cpu
 #   mcFb-cold/-warm mcF with the bundle's lib/libmoecache-cuda-b.so instead of the hook (an A/B:
 #                 another build of the hook, put there by hand)
+#   bk-cold/-warm the ggml backend route (BACKEND, libmoecache-ggml.so built against LLAMA_BIN's
+#                 source) in the cgroup with moecached and lazy load: -ot exps=MOECACHE, a pool of
+#                 POOL % on the GPU computing its experts while the CPU computes the rest; bk-warm
+#                 restarts the daemon with bk-cold's heat and the backend with its hot profile
+#   bkS-cold/-warm the same with a pool of SMALL_POOL % (RAM + VRAM < model)
+#   sq-static-none sq-static with --load-mode none (llama.cpp's pinned host buffers: the CPU's
+#                 share must fit the cgroup); sq-staticF/-none the first layers' experts on the GPU;
+#                 sqS-static/-none the last layers' experts, as many bytes as a pool of SMALL_POOL %
 #   swap-family   moecached fresh; the prompt model processes a long prompt, then the decode model
 #                 starts and decodes: its family's heat locks, reads and pools before its first token
 #   swap-alone    the same with the two models in families of their own (no shared heat)
@@ -96,6 +104,7 @@ bundle=$(realpath "$bundle")
 daemon=$bundle/bin/moecached
 ctl=$bundle/bin/moecachectl
 mkmodel=$bundle/bin/moecache-mkmodel
+backend=$(realpath "${BACKEND:-$bundle/lib/libmoecache-ggml.so}" 2>/dev/null || echo "${BACKEND:-}")
 hook=$bundle/lib/libmoecache-cuda.so
 rearm=$bundle/lib/libmoecache-rearm.so
 for f in "$daemon" "$ctl" "$mkmodel" "$hook" "$rearm"; do [ -e "$f" ] || { echo "gpu-squeeze: $f is missing" >&2; exit 2; }; done
@@ -252,10 +261,11 @@ print(both, sum(1 for x in e if x["vram_pools"]), sum(1 for x in e if x["tier"] 
   done
 }
 
-static_ot() {  # the last layers' experts on the GPU, as many bytes as a pool of $pool %
+static_ot() {  # [first]: the last (or first) layers' experts on the GPU, as many bytes as a pool of $pool %
   local n=$(( layers * pool / 100 )) first
   first=$(( layers - n ))
-  echo "blk\.($(seq -s '|' "$first" $(( layers - 1 ))))\.ffn_.*_exps\.=CUDA0"
+  [ "${1:-}" = first ] && first=0
+  echo "blk\.($(seq -s '|' "$first" $(( first + n - 1 ))))\.ffn_.*_exps\.=CUDA0"
 }
 
 # wait_settled MODEL: until moecached has placed MODEL (reads done, pools filled: `moecachectl wait`,
@@ -284,7 +294,12 @@ serve() {
   local name=$1 m=$2 in_cg=$3 prompts=$4 n=$5
   shift 5
   local ot=(-ot exps=CPU) lm=()
-  case $name in sq-static*|unsq-static*) ot=(-ot "$(static_ot),exps=CPU") ;; esac
+  case $name in
+    sq-staticF*) ot=(-ot "$(static_ot first),exps=CPU") ;;
+    sqS-static*) ot=(-ot "$(pool=$small_pool static_ot),exps=CPU") ;;
+    sq-static*|unsq-static*) ot=(-ot "$(static_ot),exps=CPU") ;;
+    bk*) ot=(-ot exps=MOECACHE) ;;
+  esac
   case $name in *-none.*) lm=(--load-mode none) ;; esac
   local args=(-m "$m" -ngl 99 "${ot[@]}" "${lm[@]}" -fa off -c 8192 -np 1 --port 18080 --no-webui --seed 1)
   [ -n "${THREADS:-}" ] && args+=(-t "$THREADS")
@@ -333,6 +348,11 @@ hook_env() {  # hook_env POOL_PERCENT [b]: the environment of config/'s llama-se
   echo MOECACHE_CUDA_POOL="$1%" MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_PROFILE="${HOOK_PROFILE:-off}"
 }
 
+bk_env() {  # bk_env POOL_PERCENT: the backend route beside moecached, with lazy load
+  echo LD_PRELOAD="$rearm" MOECACHE_SOCKET="$work/moecached.sock" MOECACHE_REARM_MS=0 \
+    GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="$1%" MOECACHE_GGML_LOG=1 MOECACHE_GGML_PROFILE="$work/bk-profiles"
+}
+
 trace_env() {  # trace_env CONFIG RUN: MOECACHE_TRACE for the configurations TRACE_CONFIGS names
   [[ " ${TRACE_CONFIGS:-} " == *" $1 "* ]] && echo MOECACHE_TRACE="$work/$2.trace.jsonl"
   return 0
@@ -354,7 +374,26 @@ run() {
     sq-cpu) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
     sq-recipe) drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" GGML_OP_OFFLOAD_MIN_BATCH=1 ;;
     # The CPU's share of its experts fits the cgroup when the pool is large: the full requests.
-    sq-static) drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
+    sq-static|sq-static-none|sq-staticF|sq-staticF-none)
+      drop_caches; serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" MOECACHE_UNUSED=1 ;;
+    # Most of the model on the CPU in a cgroup that cannot hold it: the squeezed CPU runs' requests.
+    sqS-static|sqS-static-none)
+      drop_caches; serve "$out" "$model" 1 "$work/prompts-sq.json" "$sq_n_predict" MOECACHE_UNUSED=1 ;;
+    bk-cold|bk-warm|bkS-cold|bkS-warm)
+      [ -f "$backend" ] || { echo "gpu-squeeze: $c: BACKEND ($backend) is missing" >&2; return 0; }
+      local p=$pool
+      [[ $c == bkS-* ]] && p=$small_pool
+      daemon_config
+      [[ $c == *-cold ]] && rm -rf "$work/state/profiles" "$work/bk-profiles"
+      drop_caches
+      start_daemon
+      sample_one_place "$work/$out.oneplace" & sampler=$!
+      # shellcheck disable=SC2046
+      serve "$out" "$model" 1 "$work/prompts.json" "$n_predict" $(bk_env "$p")
+      kill "$sampler" 2>/dev/null || true; wait "$sampler" 2>/dev/null || true; sampler=
+      http_get "http://127.0.0.1:$port/metrics" > "$work/$out.metrics" || true
+      cat "$cg/memory.stat" > "$work/$out.memstat" 2>/dev/null
+      stop_daemon "$out" ;;
     mc-cold|mcS-cold|mc-warm|mcS-warm|mcP-cold|mcP-warm|mcF-cold|mcF-warm|mcFb-cold|mcFb-warm)
       # mcF*: the model fits RAM: no cgroup around the runtime or the daemon (cg= its argument).
       local p=$pool ab='' in_cg=1 where=''
@@ -457,6 +496,8 @@ for c in configs:
             log = open(base + ".server.log", errors="replace").read()
             h = re.findall(r"slices (\d+) hit / (\d+) missed", log)
             if h: row["hit"].append(100.0 * sum(int(a) for a, _ in h) / max(sum(int(a) + int(b) for a, b in h), 1))
+            bk = re.findall(r"expert rows computed: ([\d.]+) % from the pool", log)  # the backend's
+            if bk: row["hit"].append(float(bk[-1]))
             fl = re.findall(r"slices filled ahead (\d+)", log)
             if fl: row["filled"].append(sum(int(x) for x in fl))
         except OSError: pass
@@ -492,7 +533,7 @@ for c in configs:
 ref = texts.get("text", [None])[0]
 if ref:
     for c in configs:
-        if (c.startswith("mc") or c == "unsq-hook") and c in texts:
+        if (c.startswith("mc") or c == "unsq-hook") and c in texts:  # the backend computes on the CPU too: bench/gpu-backend-ppl.sh
             same = all(t == ref for t in texts[c])
             print(f"greedy text of {c} = the recipe's: {'yes' if same else 'NO'}")
 EOF

@@ -1,6 +1,7 @@
 #include "expert_pool.h"
 
 #include "moecache/cuda/hot_profile.h"
+#include "moecache/memory_cgroup.h"
 #include "moecache/process_maps.h"
 
 #include "say.h"
@@ -27,19 +28,34 @@ constexpr size_t kMaxQueued = 32;
 
 }  // namespace
 
-ggml_backend_dev_t pool_device(const Settings& settings, bool tell) {
-    if (settings.device == "none") return nullptr;
+std::vector<ggml_backend_dev_t> pool_devices(const Settings& settings, bool tell) {
+    std::vector<ggml_backend_dev_t> devs;
+    if (settings.device == "none") return devs;
     if (settings.device == "auto") {
-        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        if (dev == nullptr && tell) say("no GPU among ggml's devices: every expert is computed on the CPU");
-        return dev;
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+            if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU) devs.push_back(dev);
+        }
+        if (devs.empty() && tell) say("no GPU among ggml's devices: every expert is computed on the CPU");
+        return devs;
     }
-    ggml_backend_dev_t dev = ggml_backend_dev_by_name(settings.device.c_str());
-    if (dev == nullptr && tell) {
-        say("MOECACHE_GGML_DEVICE=%s: ggml has no such device: every expert is computed on the CPU",
-            settings.device.c_str());
+    // Names, comma-separated (CUDA0,CUDA1); a name twice is another pool on that device (a CPU
+    // standing in for two GPUs, tests).
+    size_t at = 0;
+    while (at <= settings.device.size()) {
+        const size_t comma = std::min(settings.device.find(',', at), settings.device.size());
+        const std::string name = settings.device.substr(at, comma - at);
+        at = comma + 1;
+        if (name.empty()) continue;
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(name.c_str());
+        if (dev != nullptr) {
+            devs.push_back(dev);
+        } else if (tell) {
+            say("MOECACHE_GGML_DEVICE=%s: ggml has no device %s: no pool there", settings.device.c_str(), name.c_str());
+        }
     }
-    return dev;
+    if (devs.empty() && tell) say("MOECACHE_GGML_DEVICE=%s: no pool: every expert is computed on the CPU", settings.device.c_str());
+    return devs;
 }
 
 ExpertPool& ExpertPool::get() {
@@ -53,7 +69,7 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     if (t->nb[2] != static_cast<size_t>(t->ne[1]) * t->nb[1]) return;  // not one slice after another
     std::lock_guard lock(mu);
     if (tensors_.count(t->data) != 0) return;
-    if (dev_ != nullptr) return;  // the arenas are made: a later model computes on the CPU (for now)
+    if (!devs_.empty()) return;  // the arenas are made: a later model computes on the CPU (for now)
     // Its group: the tensors of its layer ("blk.N."), of as many experts; else a group of its own.
     std::string key = t->name;
     if (key.rfind("blk.", 0) == 0 && key.find('.', 4) != std::string::npos) {
@@ -74,9 +90,7 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     e.index = static_cast<uint32_t>(groups_[e.group].size());
     if (strncmp(t->name, "blk.", 4) == 0) e.block = static_cast<uint32_t>(strtoul(t->name + 4, nullptr, 10));
     e.name = t->name;
-    const auto n = static_cast<uint32_t>(e.n_expert);
-    slots_.add_model(e.group, (e.index + 1) * n, n);
-    heat_.add_model(e.group, n);
+    heat_.add_model(e.group, static_cast<uint32_t>(e.n_expert));
     const auto* stored = &tensors_.emplace(t->data, std::move(e)).first->second;
     groups_[stored->group].push_back(stored);
 }
@@ -99,8 +113,8 @@ void ExpertPool::forget(const char* base, size_t size) {
     drained_cv_.wait(lock, [&] { return !copying_ || !in_gone(copying_->tensor); });
     for (const uint32_t g : gone) {
         for (const auto* t : groups_[g]) {
-            for (uint32_t e = 0; e < static_cast<uint32_t>(t->n_expert); ++e) {
-                slots_.drop(g, t->index * static_cast<uint32_t>(t->n_expert) + e);
+            for (uint32_t e = 0; e < static_cast<uint32_t>(t->n_expert) && !devs_.empty(); ++e) {
+                slots(g).drop(g, t->index * static_cast<uint32_t>(t->n_expert) + e);
             }
         }
         for (const auto* t : groups_[g]) tensors_.erase(t->data);
@@ -115,14 +129,25 @@ const ExpertTensor* ExpertPool::find(const void* data) const {
 }
 
 ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
-    if (tried_) return dev_;
+    if (tried_) return devs_.empty() ? nullptr : devs_.front().dev;
     tried_ = true;
     log_ = settings.log;
     link_ = std::make_unique<DaemonLink>(settings.client);
     group_model_.assign(groups_.size(), UINT32_MAX - 1);  // UINT32_MAX - 1: not asked yet
-    ggml_backend_dev_t dev = pool_device(settings, true);
-    if (dev == nullptr || !make_arenas(dev, settings)) return nullptr;
-    dev_ = dev;
+    const auto devs = pool_devices(settings, true);
+    if (devs.empty()) return nullptr;
+    bool any = false;
+    for (size_t i = 0; i < devs.size(); ++i) {
+        devs_.emplace_back();
+        devs_.back().dev = devs[i];
+    }
+    deal_groups(devs);
+    for (size_t i = 0; i < devs_.size(); ++i) any = make_arenas(devs_[i], i, settings) || any;
+    if (!any) {
+        devs_.clear();
+        device_of_.clear();
+        return nullptr;
+    }
     if (!settings.profile_dir.empty()) read_profiles(settings.profile_dir);
     const bool pin = settings.pin;
     registering_ = pin;
@@ -136,27 +161,80 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
         fill_loop();
     });
     atexit(stop_filler);  // before the device's runtime is torn down (atexit runs in reverse)
-    return dev_;
+    return devs_.front().dev;
 }
 
-bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
+// The layers dealt among the devices: each to the device whose pool would then serve the fewest
+// expert bytes for its room (free memory), so that two GPUs alike take turns and a larger one
+// takes more. A layer's experts all live on one device: its chain is computed there, one upload
+// and one download, and no expert is held twice.
+void ExpertPool::deal_groups(const std::vector<ggml_backend_dev_t>& devs) {
+    std::vector<double> room(devs.size()), dealt(devs.size(), 0.0);
+    for (size_t i = 0; i < devs.size(); ++i) {
+        size_t free_bytes = 0, total = 0;
+        ggml_backend_dev_memory(devs[i], &free_bytes, &total);
+        room[i] = std::max(1.0, static_cast<double>(free_bytes));
+    }
+    // A device named twice (a stand-in) shares its room.
+    for (size_t i = 0; i < devs.size(); ++i) {
+        const auto same = static_cast<double>(std::count(devs.begin(), devs.end(), devs[i]));
+        room[i] /= same;
+    }
+    device_of_.assign(groups_.size(), 0);
+    for (uint32_t g = 0; g < groups_.size(); ++g) {
+        uint64_t bytes = 0;
+        for (const auto* t : groups_[g]) bytes += t->slice_bytes * static_cast<uint64_t>(t->n_expert);
+        size_t best = 0;
+        for (size_t i = 1; i < devs.size(); ++i) {
+            if ((dealt[i] + static_cast<double>(bytes)) / room[i] < (dealt[best] + static_cast<double>(bytes)) / room[best]) {
+                best = i;
+            }
+        }
+        dealt[best] += static_cast<double>(bytes);
+        device_of_[g] = static_cast<uint32_t>(best);
+        for (const auto* t : groups_[g]) {
+            const auto n = static_cast<uint32_t>(t->n_expert);
+            devs_[best].slots.add_model(g, (t->index + 1) * n, n);
+        }
+    }
+}
+
+size_t ExpertPool::device_stats(DeviceStats* out, size_t max) {
+    for (size_t i = 0; i < devs_.size() && i < max; ++i) {
+        DeviceStats d;
+        d.rows = devs_[i].rows;
+        for (uint32_t g = 0; g < groups_.size(); ++g) {
+            if (!live(g) || device_of_[g] != i) continue;
+            ++d.groups;
+            for (int32_t e = 0; e < groups_[g].front()->n_expert; ++e) d.pooled_experts += pooled(g, e) ? 1 : 0;
+        }
+        out[i] = d;
+    }
+    return devs_.size();
+}
+
+bool ExpertPool::make_arenas(Device& d, size_t index, const Settings& settings) {
+    ggml_backend_dev_t dev = d.dev;
     // Slices by size: an arena per size, its share of the pool that size's share of the experts.
     // Each has room besides to stage one layer's experts of that size (a large batch misses most of
     // them), as llama.cpp's compute buffer holds the layer's weights it offloads beside a static
     // split's VRAM share; where the device has no room for that, staging comes out of the pool.
     std::map<uint64_t, uint64_t> bytes_by_size, stage_by_size;
     uint64_t expert_bytes = 0;
-    for (const auto& [data, t] : tensors_) {
-        bytes_by_size[t.slice_bytes] += t.slice_bytes * static_cast<uint64_t>(t.n_expert);
-        expert_bytes += t.slice_bytes * static_cast<uint64_t>(t.n_expert);
-    }
-    for (const auto& g : groups_) {
+    size_t n_tensors = 0;
+    for (uint32_t g = 0; g < groups_.size(); ++g) {  // the layers this device serves
+        if (device_of_[g] != index) continue;
         std::map<uint64_t, uint64_t> in_group;
-        for (const auto* t : g) in_group[t->slice_bytes] += static_cast<uint64_t>(t->n_expert);
+        for (const auto* t : groups_[g]) {
+            bytes_by_size[t->slice_bytes] += t->slice_bytes * static_cast<uint64_t>(t->n_expert);
+            expert_bytes += t->slice_bytes * static_cast<uint64_t>(t->n_expert);
+            in_group[t->slice_bytes] += static_cast<uint64_t>(t->n_expert);
+            ++n_tensors;
+        }
         for (const auto& [size, n] : in_group) stage_by_size[size] = std::max(stage_by_size[size], n);
     }
     if (expert_bytes == 0) {
-        say("no expert tensors in the backend's buffers (-ot exps=MOECACHE?): nothing to pool");
+        if (tensors_.empty()) say("no expert tensors in the backend's buffers (-ot exps=MOECACHE?): nothing to pool");
         return false;
     }
     size_t free_bytes = 0, total = 0;
@@ -168,7 +246,7 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
     auto* buft = ggml_backend_dev_buffer_type(dev);
     const size_t max_size = ggml_backend_buft_get_max_size(buft);
     ggml_init_params params{ggml_tensor_overhead() * (bytes_by_size.size() * (kMaxViews + 1) + 1), nullptr, true};
-    ctx_ = ggml_init(params);
+    d.ctx = ggml_init(params);
     uint64_t made = 0, staged = 0;
     for (const auto& [slot_bytes, bytes] : bytes_by_size) {
         const auto share = static_cast<uint64_t>(static_cast<double>(want) * static_cast<double>(bytes) /
@@ -193,18 +271,19 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
         a.staging = count > besides && (besides > 0 || stage_by_size[slot_bytes] * 2 <= count)
                         ? static_cast<uint32_t>(stage_by_size[slot_bytes])
                         : 0;
-        a.whole = ggml_new_tensor_1d(ctx_, GGML_TYPE_I8, static_cast<int64_t>(count * slot_bytes));
+        a.whole = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I8, static_cast<int64_t>(count * slot_bytes));
         if (ggml_backend_tensor_alloc(buf, a.whole, a.base) != GGML_STATUS_SUCCESS) {
             ggml_backend_buffer_free(buf);
             continue;
         }
-        slots_.add_arena(slot_bytes, reinterpret_cast<uint64_t>(a.base), a.slots - a.staging);
+        d.slots.add_arena(slot_bytes, reinterpret_cast<uint64_t>(a.base), a.slots - a.staging);
         made += (count - a.staging) * slot_bytes;
         staged += a.staging * slot_bytes;
+        d.pool_bytes += (count - a.staging) * slot_bytes;
         pool_bytes_ += (count - a.staging) * slot_bytes;
-        arenas_.push_back(a);
+        d.arenas.push_back(a);
     }
-    if (arenas_.empty()) {
+    if (d.arenas.empty()) {
         say("no room for a pool on %s (%.1f GiB free): every expert is computed on the CPU",
             ggml_backend_dev_name(dev), static_cast<double>(free_bytes) / (1 << 30));
         return false;
@@ -212,23 +291,24 @@ bool ExpertPool::make_arenas(ggml_backend_dev_t dev, const Settings& settings) {
     say("a pool of %.2f GiB on %s for %.2f GiB of experts (%zu tensors), and %.2f GiB of slots for the misses "
         "of large batches: pooled experts are computed there, the rest on the CPU",
         static_cast<double>(made) / (1 << 30), ggml_backend_dev_name(dev),
-        static_cast<double>(expert_bytes) / (1 << 30), tensors_.size(), static_cast<double>(staged) / (1 << 30));
+        static_cast<double>(expert_bytes) / (1 << 30), n_tensors, static_cast<double>(staged) / (1 << 30));
     return true;
 }
 
-const PoolArena* ExpertPool::arena_for(uint64_t slice_bytes) const {
-    for (const auto& a : arenas_)
-        if (a.slot_bytes == slice_bytes) return &a;
+const PoolArena* ExpertPool::arena_for(const ExpertTensor& t) const {
+    if (devs_.empty()) return nullptr;
+    for (const auto& a : devs_[device_index(t.group)].arenas)
+        if (a.slot_bytes == t.slice_bytes) return &a;
     return nullptr;
 }
 
 ggml_tensor* ExpertPool::view(const ExpertTensor& t) {
-    auto* a = const_cast<PoolArena*>(arena_for(t.slice_bytes));
+    auto* a = const_cast<PoolArena*>(arena_for(t));
     if (a == nullptr) return nullptr;
     for (const auto& v : a->views)
         if (v.type == t.type && v.ne0 == t.ne0 && v.ne1 == t.ne1) return v.tensor;
     if (a->views.size() >= kMaxViews) return nullptr;
-    ggml_tensor* w = ggml_new_tensor_3d(ctx_, t.type, t.ne0, t.ne1, a->slots);
+    ggml_tensor* w = ggml_new_tensor_3d(devs_[device_index(t.group)].ctx, t.type, t.ne0, t.ne1, a->slots);
     if (ggml_nbytes(w) != a->slots * a->slot_bytes ||
         ggml_backend_tensor_alloc(a->buffer, w, a->base) != GGML_STATUS_SUCCESS) {
         w = nullptr;
@@ -238,10 +318,10 @@ ggml_tensor* ExpertPool::view(const ExpertTensor& t) {
 }
 
 int32_t ExpertPool::slot_of(const ExpertTensor& t, int32_t expert) {
-    const auto* a = arena_for(t.slice_bytes);
+    const auto* a = arena_for(t);
     if (a == nullptr) return -1;
     const auto e = static_cast<uint32_t>(expert);
-    const uint64_t addr = slots_.lookup(cuda::SliceRef{t.group, t.index * static_cast<uint32_t>(t.n_expert) + e, e}, kStream);
+    const uint64_t addr = slots(t.group).lookup(cuda::SliceRef{t.group, t.index * static_cast<uint32_t>(t.n_expert) + e, e}, kStream);
     if (addr == 0) return -1;
     return static_cast<int32_t>((addr - reinterpret_cast<uint64_t>(a->base)) / a->slot_bytes);
 }
@@ -266,7 +346,7 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
         std::vector<int32_t> all(pooled_experts);
         all.insert(all.end(), missed.begin(), missed.end());
         link_->report(model_of(group), groups_[group].front()->block, all, tokens);
-        if (dev_ != nullptr && since_report_++ % 64 == 0) link_->pool(stats_.pool_rows, stats_.cpu_rows, pool_bytes_);
+        if (!devs_.empty() && since_report_++ % 64 == 0) link_->pool(stats_.pool_rows, stats_.cpu_rows, pool_bytes_);
         for (const auto& d : link_->directives()) follow(d);
     }
     if (group < profile_of_.size() && profile_of_[group] >= 0) {
@@ -292,11 +372,11 @@ void ExpertPool::follow(const moecache_directive& d) {
         switch (d.action) {
             case MOECACHE_PROMOTE:
                 heat_.set_promoted(g, d.expert, true);
-                if (dev_ != nullptr && !pooled(g, static_cast<int32_t>(d.expert))) (void)admit(g, d.expert);
+                if (!devs_.empty() && !pooled(g, static_cast<int32_t>(d.expert))) (void)admit(g, d.expert);
                 break;
             case MOECACHE_DEMOTE:
                 heat_.set_promoted(g, d.expert, false);
-                if (slots_.drop_expert(g, d.expert) > 0) link_->placement(d.model, d.block, d.expert, false);
+                if (!devs_.empty() && slots(g).drop_expert(g, d.expert) > 0) link_->placement(d.model, d.block, d.expert, false);
                 break;
             case MOECACHE_UNPROMOTE:
                 heat_.set_promoted(g, d.expert, false);
@@ -312,29 +392,31 @@ void ExpertPool::follow(const moecache_directive& d) {
 // finds no room. An expert another slice displaced is dropped whole.
 bool ExpertPool::admit_slots(uint32_t group, uint32_t expert, std::vector<Placed>* placed, bool evict) {
     const auto& tensors = groups_[group];
+    if (devs_.empty()) return false;
+    cuda::VramPool& vram = slots(group);  // the pool of the device that serves the layer
     std::vector<std::pair<const ExpertTensor*, uint64_t>> got;
     for (const auto* t : tensors) {
         const auto n = static_cast<uint32_t>(t->n_expert);
         const cuda::SliceRef s{group, t->index * n + expert, expert};
-        if (slots_.holds(group, s.slice)) continue;  // pooled already (or being filled)
+        if (vram.holds(group, s.slice)) continue;  // pooled already (or being filled)
         cuda::SliceRef evicted{cuda::kNoSlot, 0, 0};
-        const uint64_t addr = arena_for(t->slice_bytes) != nullptr
-                                  ? slots_.admit(s, t->slice_bytes, kStream, heat_, cuda::same_stream_only(), &evicted, evict)
+        const uint64_t addr = arena_for(*t) != nullptr
+                                  ? vram.admit(s, t->slice_bytes, kStream, heat_, cuda::same_stream_only(), &evicted, evict)
                                   : 0;
         if (evicted.model != cuda::kNoSlot && !(evicted.model == group && evicted.expert == expert)) {
-            slots_.drop_expert(evicted.model, evicted.expert);
+            vram.drop_expert(evicted.model, evicted.expert);
             if (link_ != nullptr && live(evicted.model)) {
                 link_->placement(model_of(evicted.model), groups_[evicted.model].front()->block, evicted.expert, false);
             }
         }
         if (addr == 0) {
-            for (const auto& [gt, a] : got) slots_.drop(group, gt->index * static_cast<uint32_t>(gt->n_expert) + expert);
+            for (const auto& [gt, a] : got) vram.drop(group, gt->index * static_cast<uint32_t>(gt->n_expert) + expert);
             return false;
         }
         got.emplace_back(t, addr);
     }
     for (const auto& [t, addr] : got) {
-        const auto* a = arena_for(t->slice_bytes);
+        const auto* a = arena_for(*t);
         placed->push_back(Placed{t, a, static_cast<size_t>(addr - reinterpret_cast<uint64_t>(a->base))});
     }
     return true;
@@ -434,7 +516,7 @@ bool ExpertPool::admit(uint32_t group, uint32_t expert) {
 }
 
 bool ExpertPool::admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
-    if (dev_ == nullptr || group >= groups_.size() || !admit_slots(group, expert, placed)) return false;
+    if (devs_.empty() || group >= groups_.size() || !admit_slots(group, expert, placed)) return false;
     // A slot the pool's own thread is still copying a dropped slice into: not this one.
     const bool busy = std::any_of(placed->begin(), placed->end(), [&](const Placed& p) {
         return copying_ && reinterpret_cast<uint64_t>(p.arena->base) + p.offset == copying_->slot();
@@ -451,8 +533,8 @@ void ExpertPool::settle(uint32_t expert, const std::vector<Placed>& placed, bool
         const ExpertTensor& t = *p.tensor;
         const uint32_t slice = t.index * static_cast<uint32_t>(t.n_expert) + expert;
         if (!done) {
-            slots_.drop(t.group, slice);
-        } else if (slots_.commit(cuda::SliceRef{t.group, slice, expert}) != 0) {
+            slots(t.group).drop(t.group, slice);
+        } else if (slots(t.group).commit(cuda::SliceRef{t.group, slice, expert}) != 0) {
             committed(t, expert);
         }
     }
@@ -470,11 +552,11 @@ void ExpertPool::committed(const ExpertTensor& t, uint32_t expert) {
 
 // Pins the expert tensors' host bytes for the device's DMA engines (what large batches stage and
 // fills copy come at link speed, not through the driver's pageable bounce), where they fit in half of
-// RAM: the CUDA runtime the process loaded (libggml-cuda's), registering read-only, portable. Else,
+// the RAM the process may hold (the machine's, or its memory cgroup's limit): the CUDA runtime the process loaded (libggml-cuda's), registering read-only, portable. Else,
 // or on another device, copies are pageable.
 void ExpertPool::register_for_dma() {
     const auto t0 = std::chrono::steady_clock::now();
-    if (dev_ == nullptr || strncmp(ggml_backend_dev_name(dev_), "CUDA", 4) != 0) return;
+    if (devs_.empty() || strncmp(ggml_backend_dev_name(devs_.front().dev), "CUDA", 4) != 0) return;
     void* cudart = nullptr;
     for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
         if ((cudart = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) != nullptr) break;
@@ -495,11 +577,14 @@ void ExpertPool::register_for_dma() {
         }
     }
     const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    const auto ram = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page;
+    // The RAM this process may hold: a memory cgroup's limit binds before the machine's RAM (pinning
+    // a model larger than the cgroup would fault it all in and set the OOM killer on the runtime).
+    auto ram = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page;
+    if (const auto cg = own_memory_cgroup_limit()) ram = std::min(ram, cg->limit);
     uint64_t total = 0;
     for (const auto& [b, e] : ranges) total += e - b;
     if (reg == nullptr || total > ram / 2) {
-        say("%.1f GiB of experts, %.1f GiB of RAM: not pinned; large batches stage experts through pageable copies",
+        say("%.1f GiB of experts, %.1f GiB of RAM (or memory cgroup limit): not pinned; large batches stage experts through pageable copies",
             static_cast<double>(total) / (1 << 30), static_cast<double>(ram) / (1 << 30));
         return;
     }
@@ -538,7 +623,8 @@ void ExpertPool::fill_loop() {
         fills_.pop_front();
         // A fill whose slice lost that slot meanwhile (evicted, perhaps admitted anew elsewhere, its
         // slot another's by now): copying it would overwrite what the slot holds now.
-        if (slots_.filling_address(f.slice()) == f.slot()) {
+        cuda::VramPool& vram = slots(f.tensor->group);
+        if (vram.filling_address(f.slice()) == f.slot()) {
             copying_ = f;
             lock.unlock();
             // The slot is nobody's until committed: no compute reads it, and no crossing copies into
@@ -548,7 +634,7 @@ void ExpertPool::fill_loop() {
                                     t.slice_bytes);
             lock.lock();
             copying_.reset();
-            if (slots_.filling_address(f.slice()) == f.slot() && slots_.commit(f.slice()) != 0) committed(t, f.expert);
+            if (vram.filling_address(f.slice()) == f.slot() && vram.commit(f.slice()) != 0) committed(t, f.expert);
         }
         // drain() and forget() may be waiting for this copy, or for the queue to empty.
         drained_cv_.notify_all();

@@ -1,8 +1,9 @@
-// The experts one device holds for the backend: an arena per slice size (one buffer of the
-// device's own ggml backend, a slot per expert slice), the slots' bookkeeping and the local heat
-// (the hook's VramPool and ExpertHeat: one policy for both routes), and the expert tensors the
-// runtime put in the backend's buffers. One per process: every context's backend shares it, under
-// its lock.
+// The experts the devices hold for the backend: on each device an arena per slice size (one buffer
+// of the device's own ggml backend, a slot per expert slice) and its slots' bookkeeping (the hook's
+// VramPool), the local heat (the hook's ExpertHeat: one policy for both routes), and the expert
+// tensors the runtime put in the backend's buffers. With several devices each serves layers of its
+// own (disjoint pools: no expert held twice). One per process: every context's backend shares it,
+// under its lock.
 #pragma once
 
 #include "daemon_link.h"
@@ -73,8 +74,16 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
     } phases[2];
 };
 
-// The device that `settings` names for the pool (MOECACHE_GGML_DEVICE), or null; `tell`: say why not.
-ggml_backend_dev_t pool_device(const Settings& settings, bool tell);
+// The devices that `settings` names for the pools (MOECACHE_GGML_DEVICE: auto is every GPU ggml
+// has), none where there are none; `tell`: say why not (a name ggml does not know, once each).
+std::vector<ggml_backend_dev_t> pool_devices(const Settings& settings, bool tell);
+
+// A device's pool, as moecache_ggml_device_stats gives it (tests, tools).
+struct DeviceStats {
+    uint64_t rows = 0;            // rows its pool computed
+    uint32_t groups = 0;          // layers it serves
+    uint32_t pooled_experts = 0;  // experts its pool holds now
+};
 
 class ExpertPool {
 public:
@@ -90,16 +99,26 @@ public:
     // The expert tensor whose data starts at `data`, or null.
     [[nodiscard]] const ExpertTensor* find(const void* data) const;
 
-    // Makes the arenas on the device that `settings` names (once; the first compute does it, after
-    // the runtime allocated its own buffers). Null when there is no such device or no room: every
-    // expert is then computed on the CPU, and the reason said once.
+    // Makes the arenas on the devices that `settings` names (once; the first compute does it, after
+    // the runtime allocated its own buffers), the layers dealt among them by their room. Null when
+    // there is no such device or no room: every expert is then computed on the CPU, and the reason
+    // said once. Else the first device.
     ggml_backend_dev_t device(const Settings& settings);
+    // Under mu, once device() made them: the device that serves the group's layer (its index, and it).
+    [[nodiscard]] size_t device_index(uint32_t group) const {
+        return group < device_of_.size() ? device_of_[group] : 0;
+    }
+    [[nodiscard]] ggml_backend_dev_t device_at(size_t index) const { return devs_[index].dev; }
+    // Under mu: each device's pool (at most `max`); how many there are.
+    size_t device_stats(DeviceStats* out, size_t max);
+    void count_device_rows(size_t index, uint32_t rows) { devs_[index].rows += rows; }
 
-    // Under mu: the slot that holds the expert's slice, or -1; the arena of its size.
+    // Under mu: the slot that holds the expert's slice, or -1; the arena of its size on the device
+    // that serves its layer.
     int32_t slot_of(const ExpertTensor& t, int32_t expert);
     // Under mu: whether every slice of the expert in its group is in a slot (and filled).
     bool pooled(uint32_t group, int32_t expert);
-    [[nodiscard]] const PoolArena* arena_for(uint64_t slice_bytes) const;
+    [[nodiscard]] const PoolArena* arena_for(const ExpertTensor& t) const;
     // Under mu: the arena of the tensor's slice size as a tensor of its type and shape, whose
     // expert i is slot i (made once; null when the device cannot place it).
     ggml_tensor* view(const ExpertTensor& t);
@@ -162,7 +181,18 @@ private:
         [[nodiscard]] uint64_t slot() const;  // the slot's device address
         [[nodiscard]] cuda::SliceRef slice() const;
     };
-    bool make_arenas(ggml_backend_dev_t dev, const Settings& settings);
+    // A device's pool: its arenas (and the context of their tensors) and its slots.
+    struct Device {
+        ggml_backend_dev_t dev = nullptr;
+        std::vector<PoolArena> arenas;
+        ggml_context* ctx = nullptr;
+        cuda::VramPool slots;
+        uint64_t pool_bytes = 0;
+        uint64_t rows = 0;
+    };
+    void deal_groups(const std::vector<ggml_backend_dev_t>& devs);
+    bool make_arenas(Device& d, size_t index, const Settings& settings);
+    [[nodiscard]] cuda::VramPool& slots(uint32_t group) { return devs_[device_index(group)].slots; }
     void register_for_dma();
     void fill_loop();
     static void stop_filler();
@@ -191,14 +221,12 @@ private:
     std::unordered_map<std::string, uint32_t> group_of_;     // "blk.N." -> group
     std::unique_ptr<DaemonLink> link_;
     std::vector<uint32_t> group_model_;  // by group: the daemon link's model handle (UINT32_MAX: none)
-    uint64_t pool_bytes_ = 0;
+    uint64_t pool_bytes_ = 0;  // every device's
     uint32_t since_report_ = 0;
-    std::vector<PoolArena> arenas_;
-    ggml_context* ctx_ = nullptr;  // the arenas' whole-slot tensors
-    cuda::VramPool slots_;
+    std::deque<Device> devs_;            // made once (device()); a deque: a VramPool does not move
+    std::vector<uint32_t> device_of_;    // by group: the index of the device that serves it
     cuda::ExpertHeat heat_;
     bool tried_ = false;
-    ggml_backend_dev_t dev_ = nullptr;
     bool log_ = false;
     PoolStats stats_;
     std::deque<Fill> fills_;  // under mu

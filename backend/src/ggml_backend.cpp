@@ -68,7 +68,8 @@ const Settings& registry_settings();
 ggml_backend_buffer_t pinned_buffer(size_t size) {
     const Settings& settings = registry_settings();
     if (!settings.pin) return nullptr;
-    ggml_backend_dev_t dev = pool_device(settings, false);
+    const auto devs = pool_devices(settings, false);
+    ggml_backend_dev_t dev = devs.empty() ? nullptr : devs.front();  // CUDA's pinned memory is every GPU's
     if (dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) return nullptr;
     ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(dev);
     return buft != nullptr ? ggml_backend_buft_alloc_buffer(buft, size) : nullptr;
@@ -183,8 +184,11 @@ struct Backend {
     void (*threadpool_free)(ggml_threadpool_t) = nullptr;
     void (*set_threadpool)(ggml_backend_t, ggml_threadpool_t) = nullptr;
     int threads = 0;
-    ggml_backend_t acc = nullptr;  // the pool's device, made at the first pooled compute
-    ggml_backend_buffer_t scratch = nullptr;  // on the pool's device: activations, ids, results
+    struct Acc {  // a pool's device, made at its first pooled compute
+        ggml_backend_t backend = nullptr;
+        ggml_backend_buffer_t scratch = nullptr;  // on that device: activations, ids, results
+    };
+    std::vector<Acc> accs;  // by the pool's device index
     ggml_backend_buffer_t out_pinned = nullptr;  // the device half's results land here (pinned)
     std::vector<char> out_plain;                  // where the device has no pinned memory
     bool out_unpinnable = false;
@@ -233,30 +237,33 @@ ggml_status compute_on_cpu(Backend& be, ggml_tensor* node) {
     return ggml_backend_graph_compute(be.cpu, g.graph);
 }
 
-bool acc_ready(Backend& be, ggml_backend_dev_t dev) {
-    if (be.acc != nullptr) return true;
-    be.acc = ggml_backend_dev_init(dev, nullptr);
-    if (be.acc == nullptr) return false;
+// The backend of the pool's device `index` (made once), or null.
+Backend::Acc* acc_ready(Backend& be, size_t index, ggml_backend_dev_t dev) {
+    if (be.accs.size() <= index) be.accs.resize(index + 1);
+    auto& a = be.accs[index];
+    if (a.backend != nullptr) return &a;
+    a.backend = ggml_backend_dev_init(dev, nullptr);
+    if (a.backend == nullptr) return nullptr;
     if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && be.cpu_threads != nullptr && be.threads > 0) {
-        be.cpu_threads(be.acc, be.threads);
+        be.cpu_threads(a.backend, be.threads);
     }
-    return true;
+    return &a;
 }
 
-// Places `tensors` one after another in the backend's scratch buffer on the pool's device.
-bool place(Backend& be, const std::vector<ggml_tensor*>& tensors) {
-    auto* buft = ggml_backend_get_default_buffer_type(be.acc);
+// Places `tensors` one after another in the scratch buffer on a pool's device.
+bool place(Backend::Acc& acc, const std::vector<ggml_tensor*>& tensors) {
+    auto* buft = ggml_backend_get_default_buffer_type(acc.backend);
     const size_t align = ggml_backend_buft_get_alignment(buft);
     size_t need = 0;
     for (auto* t : tensors) need += (ggml_backend_buft_get_alloc_size(buft, t) + align - 1) / align * align;
-    if (be.scratch == nullptr || ggml_backend_buffer_get_size(be.scratch) < need) {
-        if (be.scratch != nullptr) ggml_backend_buffer_free(be.scratch);
-        be.scratch = ggml_backend_buft_alloc_buffer(buft, need + need / 2);
-        if (be.scratch == nullptr) return false;
+    if (acc.scratch == nullptr || ggml_backend_buffer_get_size(acc.scratch) < need) {
+        if (acc.scratch != nullptr) ggml_backend_buffer_free(acc.scratch);
+        acc.scratch = ggml_backend_buft_alloc_buffer(buft, need + need / 2);
+        if (acc.scratch == nullptr) return false;
     }
-    auto* at = static_cast<char*>(ggml_backend_buffer_get_base(be.scratch));
+    auto* at = static_cast<char*>(ggml_backend_buffer_get_base(acc.scratch));
     for (auto* t : tensors) {
-        if (ggml_backend_tensor_alloc(be.scratch, t, at) != GGML_STATUS_SUCCESS) return false;
+        if (ggml_backend_tensor_alloc(acc.scratch, t, at) != GGML_STATUS_SUCCESS) return false;
         at += (ggml_backend_buft_get_alloc_size(buft, t) + align - 1) / align * align;
     }
     return true;
@@ -472,7 +479,7 @@ using Admitted = std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>
 // on its stream to be computed there: into the pool where the policy admits them (the admission's
 // one copy; `admitted` holds them until the compute settles them), else into staging slots. Returns
 // the experts that crossed; `staged` learns their slots, by MUL_MAT_ID.
-std::unordered_set<int32_t> cross_misses(Backend& be, ExpertPool& pool, const Unit& unit, const RowSplit& split,
+std::unordered_set<int32_t> cross_misses(ggml_backend_t acc, ExpertPool& pool, const Unit& unit, const RowSplit& split,
                                          bool large, size_t k, std::vector<std::unordered_map<int32_t, int32_t>>& staged,
                                          Admitted& admitted) {
     const uint32_t group = unit.group;
@@ -505,7 +512,7 @@ std::unordered_set<int32_t> cross_misses(Backend& be, ExpertPool& pool, const Un
             auto taken = next;
             bool room = true;
             for (size_t m = 0; m < unit.mmids.size() && room; ++m) {
-                const auto* a = pool.arena_for(unit.weights[m]->slice_bytes);
+                const auto* a = pool.arena_for(*unit.weights[m]);
                 room = a != nullptr && taken[a] < a->staging;
                 if (room) slots[m] = static_cast<int32_t>(a->slots - a->staging + taken[a]++);
             }
@@ -514,8 +521,8 @@ std::unordered_set<int32_t> cross_misses(Backend& be, ExpertPool& pool, const Un
         }
         for (size_t m = 0; m < unit.mmids.size(); ++m) {
             const ExpertTensor& w = *unit.weights[m];
-            const auto* a = pool.arena_for(w.slice_bytes);
-            ggml_backend_tensor_set_async(be.acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
+            const auto* a = pool.arena_for(w);
+            ggml_backend_tensor_set_async(acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
                                           static_cast<size_t>(slots[m]) * a->slot_bytes, w.slice_bytes);
             staged[m][e] = slots[m];
             if (large) pool.count_staged(w.slice_bytes);
@@ -535,12 +542,14 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     std::unique_lock lock(pool.mu);
     auto unit = find_unit(graph, pool);
     if (!unit) return std::nullopt;
-    ggml_backend_dev_t dev = pool.device(be.settings);
     ggml_tensor* ids = unit->ids;
-    if (dev == nullptr || ids->buffer == nullptr || !ggml_backend_buffer_is_host(ids->buffer) || !acc_ready(be, dev)) {
+    if (pool.device(be.settings) == nullptr || ids->buffer == nullptr || !ggml_backend_buffer_is_host(ids->buffer)) {
         return std::nullopt;
     }
     const uint32_t group = unit->group;
+    const size_t device = pool.device_index(group);  // the device whose pool serves this layer
+    Backend::Acc* acc = acc_ready(be, device, pool.device_at(device));
+    if (acc == nullptr) return std::nullopt;
     auto split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                             unit->weights[0]->n_expert, 1, [&](int32_t e) { return pool.pooled(group, e) ? 0 : -1; });
     if (!split) {  // ids the router could not have made: said once, computed on the CPU as given
@@ -579,7 +588,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     if (split->cpu_rows > 0 && large && pool.registering()) pool.wait_registered(lock);
     if (split->cpu_rows > 0 && !pool.registering()) {
         const size_t k = (large ? be.crossing_large : be.crossing).count(split->cpu_experts.size());
-        const auto crossed = cross_misses(be, pool, *unit, *split, large, k, staged, admitted);
+        const auto crossed = cross_misses(acc->backend, pool, *unit, *split, large, k, staged, admitted);
         if (!crossed.empty()) {
             split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                                unit->weights[0]->n_expert, 1,
@@ -642,7 +651,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
                         const auto st = staged[k].find(e);
                         return st != staged[k].end() ? st->second : pool.slot_of(w, e);
                     };
-                    const auto* a = pool.arena_for(w.slice_bytes);
+                    const auto* a = pool.arena_for(w);
                     auto v = pool_slot_ids(*split, slot_for, a != nullptr ? a->slots : 0);
                     if (!v) {
                         if (!be.said_split_error) say("%s: %s (computed on the CPU)", t->name, v.error().what().c_str());
@@ -675,26 +684,26 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         ggml_graph_add_node(pg.graph, c);
     }
     for (auto* o : unit->outputs) outs.push_back(copy.at(o));
-    if (!place(be, placed)) return std::nullopt;
+    if (!place(*acc, placed)) return std::nullopt;
     for (auto* v : views)
         if (ggml_backend_view_init(v) != GGML_STATUS_SUCCESS) return std::nullopt;
     for (int i = 0; i < ggml_graph_n_nodes(pg.graph); ++i)
-        if (!ggml_backend_supports_op(be.acc, ggml_graph_node(pg.graph, i))) return std::nullopt;
+        if (!ggml_backend_supports_op(acc->backend, ggml_graph_node(pg.graph, i))) return std::nullopt;
     timing.build_ns += ns_since(t1);
     t1 = Clock::now();
     size_t k_ids = 0;
     for (const auto& [dst, src] : uploads) {
         if (src != nullptr) {
-            ggml_backend_tensor_set_async(be.acc, dst, src->data, 0, ggml_nbytes(dst));
+            ggml_backend_tensor_set_async(acc->backend, dst, src->data, 0, ggml_nbytes(dst));
         } else {
             while (slot_ids[k_ids].empty()) ++k_ids;
-            ggml_backend_tensor_set_async(be.acc, dst, slot_ids[k_ids].data(), 0, ggml_nbytes(dst));
+            ggml_backend_tensor_set_async(acc->backend, dst, slot_ids[k_ids].data(), 0, ggml_nbytes(dst));
             ++k_ids;
         }
     }
     timing.upload_ns += ns_since(t1);
     t1 = Clock::now();
-    ggml_status st = ggml_backend_graph_compute_async(be.acc, pg.graph);
+    ggml_status st = ggml_backend_graph_compute_async(acc->backend, pg.graph);
     timing.launch_ns += ns_since(t1);
     timing.issue_ns += ns_since(t0);
     t0 = Clock::now();
@@ -710,7 +719,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         if (!direct) out = out_space(be, out_bytes);
         size_t at = 0;
         for (size_t i = 0; i < outs.size(); ++i) {
-            ggml_backend_tensor_get_async(be.acc, outs[i], direct ? unit->outputs[i]->data : out + at, 0,
+            ggml_backend_tensor_get_async(acc->backend, outs[i], direct ? unit->outputs[i]->data : out + at, 0,
                                           ggml_nbytes(outs[i]));
             at += ggml_nbytes(outs[i]);
         }
@@ -747,7 +756,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     timing.cpu_ns += cpu_ns;
     t0 = Clock::now();
     if (!downloading) download();
-    ggml_backend_synchronize(be.acc);
+    ggml_backend_synchronize(acc->backend);
     const uint64_t waited = ns_since(t0);
     timing.wait_ns += waited;
     t0 = Clock::now();
@@ -768,6 +777,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     }
     rows_at_end();
     pool.count_rows(split->pool_rows, split->cpu_rows);
+    pool.count_device_rows(device, split->pool_rows);
     std::vector<int32_t> hits;
     for (const int32_t e : split->pool_experts)
         if (std::find(missed.begin(), missed.end(), e) == missed.end()) hits.push_back(e);
@@ -781,9 +791,11 @@ Backend* backend_of(ggml_backend_t b) { return static_cast<Backend*>(b->context)
 const char* backend_name(ggml_backend_t) { return kName; }
 void backend_free(ggml_backend_t b) {
     auto* be = backend_of(b);
-    if (be->scratch != nullptr) ggml_backend_buffer_free(be->scratch);
+    for (auto& a : be->accs) {
+        if (a.scratch != nullptr) ggml_backend_buffer_free(a.scratch);
+        if (a.backend != nullptr) ggml_backend_free(a.backend);
+    }
     if (be->out_pinned != nullptr) ggml_backend_buffer_free(be->out_pinned);
-    if (be->acc != nullptr) ggml_backend_free(be->acc);
     if (be->cpu != nullptr) ggml_backend_free(be->cpu);
     if (be->pool_threads != nullptr) be->threadpool_free(be->pool_threads);
     delete be;
@@ -862,8 +874,10 @@ void set_n_threads(ggml_backend_t b, int n) {
     }
     if (be.cpu_threads != nullptr) {
         be.cpu_threads(be.cpu, n);
-        if (be.acc != nullptr && ggml_backend_dev_type(ggml_backend_get_device(be.acc)) == GGML_BACKEND_DEVICE_TYPE_CPU) {
-            be.cpu_threads(be.acc, n);
+        for (auto& a : be.accs) {
+            if (a.backend != nullptr && ggml_backend_dev_type(ggml_backend_get_device(a.backend)) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+                be.cpu_threads(a.backend, n);
+            }
         }
     }
 }
@@ -972,6 +986,13 @@ void pool_stats(void* out, size_t size) {
     memcpy(out, &s, std::min(size, sizeof s));  // the caller's copy may know fewer fields
 }
 
+// For tests and tools: each device's pool (at most `max`); how many pools there are.
+size_t device_stats(DeviceStats* out, size_t max) {
+    ExpertPool::get().drain();
+    std::lock_guard lock(ExpertPool::get().mu);
+    return ExpertPool::get().device_stats(out, max);
+}
+
 // For tests: fills stay queued while held (what a runtime does meanwhile, e.g. free a model).
 void hold_fills(bool hold) { ExpertPool::get().hold_fills(hold); }
 
@@ -979,6 +1000,7 @@ void* reg_proc(ggml_backend_reg_t, const char* name) {
     if (strcmp(name, "ggml_backend_set_n_threads") == 0) return reinterpret_cast<void*>(set_n_threads);
     if (strcmp(name, "moecache_ggml_pool_stats") == 0) return reinterpret_cast<void*>(pool_stats);
     if (strcmp(name, "moecache_ggml_hold_fills") == 0) return reinterpret_cast<void*>(hold_fills);
+    if (strcmp(name, "moecache_ggml_device_stats") == 0) return reinterpret_cast<void*>(device_stats);
     return nullptr;
 }
 

@@ -1,10 +1,12 @@
 // What a user sets for the ggml backend, from the environment (the runtime's command line is the
 // runtime's): which device computes the pooled experts, and how large the pool is.
-//   MOECACHE_GGML_DEVICE  auto (the first GPU that ggml has), none (every expert on the CPU), or a
-//                         ggml device name (CUDA0, CUDA1, CPU: the CPU stands in for a GPU, tests)
-//   MOECACHE_GGML_POOL    bytes (12G), or a share of the expert tensors' bytes (60%, as
-//                         MOECACHE_CUDA_POOL means it); auto: all of them. Never more than the
-//                         device has free when the pool is made, less a reserve for the runtime
+//   MOECACHE_GGML_DEVICE  auto (every GPU that ggml has, a pool on each), none (every expert on the
+//                         CPU), or ggml device names, comma-separated (CUDA0; CUDA0,CUDA1; CPU: the
+//                         CPU stands in for a GPU, tests; CPU,CPU for two)
+//   MOECACHE_GGML_POOL    bytes (12G: on each device), or a share of the expert tensors' bytes (60%,
+//                         as MOECACHE_CUDA_POOL means it: of the layers each device serves); auto:
+//                         all of them. Never more than a device has free when the pool is made,
+//                         less a reserve for the runtime
 //   MOECACHE_GGML_LOG     1: a line per pool change and the pool's figures at exit; 2: the figures
 //                         every 10 s as well (a run that is killed still says where its time went)
 //   MOECACHE_GGML_CLIENT  off: no link to moecached (no routing reports, no one place)

@@ -1,13 +1,15 @@
 // libmoecache-ggml.so loaded into a real ggml (the llama.cpp release node-llama-cpp ships, built
 // from the same source the library was built against), its MUL_MAT_ID against ggml-cpu's byte for
 // byte: every expert on the CPU first, then with a pool that a CPU device stands in for (the GPU's
-// half, over ggml's own CPU kernels), its rows joined with the CPU's.
+// half, over ggml's own CPU kernels), its rows joined with the CPU's. Built twice: with one device,
+// and with two (MOECACHE_TEST_GGML_DEVICES "CPU,CPU": two pools, as on a machine with two GPUs).
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 
 #include <cstdlib>
@@ -24,6 +26,16 @@ struct PoolStats {  // the leading fields of the library's (backend/src/expert_p
     uint64_t units = 0, nodes = 0, staged = 0;
 };
 
+#ifndef MOECACHE_TEST_GGML_DEVICES
+#define MOECACHE_TEST_GGML_DEVICES "CPU"
+#endif
+
+struct DeviceStats {  // the library's moecache_ggml_device_stats (backend/src/expert_pool.h)
+    uint64_t rows = 0;            // rows its pool computed
+    uint32_t groups = 0;          // layers it serves
+    uint32_t pooled_experts = 0;  // experts its pool holds now
+};
+
 struct Ggml {
     ggml_backend_t cpu = nullptr;
     ggml_backend_reg_t reg = nullptr;
@@ -31,13 +43,14 @@ struct Ggml {
     ggml_backend_t mc = nullptr;
     void (*stats)(void*, size_t) = nullptr;  // the first bytes of the library's PoolStats
     void (*hold_fills)(bool) = nullptr;
+    size_t (*devices)(DeviceStats*, size_t) = nullptr;  // each pool's figures; how many pools
 };
 
 Ggml& ggml() {
     static Ggml g = [] {
         Ggml r;
         // The pool on a CPU device (the stand-in for a GPU), half the experts' bytes.
-        setenv("MOECACHE_GGML_DEVICE", "CPU", 1);
+        setenv("MOECACHE_GGML_DEVICE", MOECACHE_TEST_GGML_DEVICES, 1);
         setenv("MOECACHE_GGML_POOL", "50%", 1);
         ggml_backend_load_all_from_path(MOECACHE_GGML_LIBDIR);
         r.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
@@ -47,6 +60,8 @@ Ggml& ggml() {
             r.mc = ggml_backend_dev_init(r.dev, nullptr);
             r.stats = reinterpret_cast<void (*)(void*, size_t)>(ggml_backend_reg_get_proc_address(r.reg, "moecache_ggml_pool_stats"));
             r.hold_fills = reinterpret_cast<void (*)(bool)>(ggml_backend_reg_get_proc_address(r.reg, "moecache_ggml_hold_fills"));
+            r.devices = reinterpret_cast<size_t (*)(DeviceStats*, size_t)>(
+                ggml_backend_reg_get_proc_address(r.reg, "moecache_ggml_device_stats"));
         }
         return r;
     }();
@@ -183,6 +198,50 @@ TEST(GgmlBackend, EveryTypesMulMatIdIsGgmlCpusByteForByteOnTheCpuAndSplitWithAPo
     EXPECT_GT(after.pool_rows, before.pool_rows) << "no row was computed from the pool";
     EXPECT_GT(after.cpu_rows, before.cpu_rows) << "no row was computed on the CPU beside the pool";
     EXPECT_GT(after.staged, before.staged) << "no large batch's miss was staged on the device";
+}
+
+// Several devices: each pool holds the experts of layers of its own (no expert in two pools: a
+// replicated cache made two GPUs slower than one), every layer is some device's, and each device
+// computes its layers' pooled rows. With one device, that one serves every layer.
+TEST(GgmlBackend, EachDevicesPoolHoldsTheExpertsOfItsOwnLayers) {
+    auto& g = ggml();
+    ASSERT_NE(g.mc, nullptr);
+    ASSERT_NE(g.devices, nullptr);
+    auto& m = model();
+    std::mt19937 rng(3);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    const int64_t used = 4, tokens = 4;
+    for (int round = 0; round < 6; ++round) {
+        PoolStats between{};
+        g.stats(&between, sizeof between);  // the last round's fills are in
+        std::vector<float> act(static_cast<size_t>(kK * tokens));
+        for (auto& x : act) x = dist(rng);
+        std::vector<int32_t> ids(static_cast<size_t>(kExperts * tokens));
+        for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i + static_cast<size_t>(round)) % 6);
+        for (size_t i = 0; i < std::size(kTypes); ++i) {
+            const auto want = mul_mat_id(g.cpu, m.cpu[i], act, ids, used, tokens, true);
+            const auto got = mul_mat_id(g.mc, m.mc[i], act, ids, used, tokens, true);
+            ASSERT_EQ(0, memcmp(want.data(), got.data(), want.size() * sizeof(float))) << ggml_type_name(kTypes[i]);
+        }
+    }
+    PoolStats s{};
+    g.stats(&s, sizeof s);
+    const std::string names = MOECACHE_TEST_GGML_DEVICES;
+    const size_t expected = static_cast<size_t>(std::count(names.begin(), names.end(), ',')) + 1;
+    std::array<DeviceStats, 8> d{};
+    const size_t n = g.devices(d.data(), d.size());
+    ASSERT_EQ(n, expected) << "pools made for MOECACHE_GGML_DEVICE=" << names;
+    uint32_t groups = 0;
+    uint64_t rows = 0;
+    for (size_t i = 0; i < n; ++i) {
+        EXPECT_GT(d[i].groups, 0u) << "device " << i << " serves no layer";
+        EXPECT_GT(d[i].rows, 0u) << "device " << i << " computed no row from its pool";
+        EXPECT_GT(d[i].pooled_experts, 0u) << "device " << i << "'s pool holds nothing";
+        groups += d[i].groups;
+        rows += d[i].rows;
+    }
+    EXPECT_EQ(groups, std::size(kTypes)) << "every layer is one device's";
+    EXPECT_EQ(rows, s.pool_rows) << "the devices' rows are the pool's";
 }
 
 // A runtime that frees a model while the pool's thread still has fills queued from its memory
