@@ -6,7 +6,8 @@
 # the GPU machine has none) and llama.tar.xz (bench/build-llama-cuda.sh with PORTABLE=1 PACK=...),
 # or instead llama-src.tar.xz (a llama.cpp source subset, llama-src/ inside): then llama-server,
 # llama-bench and llama-completion are built there first (~4 min on 16 cores) and packed into
-# $OUT/llama.tar.xz.part-* (15 MiB pieces: `cat` them into CARRIED/llama.tar.xz for the next calls).
+# $OUT/llama.tar.xz.part-* (15 MiB pieces: `cat` them into CARRIED/llama.tar.xz for the next calls);
+# LLAMA_TARGETS names others (llama-server llama-bench llama-completion llama-perplexity).
 # A machine kept warm between calls keeps the build and the models (/var/tmp).
 # Environment: STEPS (squeeze): what to run, in order, each a benchmark of bench/ with its own
 # environment: squeeze (gpu-squeeze.sh), serve (gpu-serve.sh), soak (gpu-soak.sh), each also with a
@@ -26,7 +27,8 @@ llama=/var/tmp/llama
 if [ ! -x "$llama/bin/llama-bench" ] && [ ! -f "$g/llama.tar.xz" ] && [ -f "$g/llama-src.tar.xz" ]; then
   t=$SECONDS
   [ -d /var/tmp/llama-src ] || xz -dc "$g/llama-src.tar.xz" | tar -x -C /var/tmp
-  PACK=/var/tmp/llama.tar.xz bench/build-llama-cuda.sh /var/tmp/llama-src /var/tmp/llama-build || exit 2
+  # shellcheck disable=SC2086
+  PACK=/var/tmp/llama.tar.xz bench/build-llama-cuda.sh /var/tmp/llama-src /var/tmp/llama-build ${LLAMA_TARGETS:-} || exit 2
   split -b 15M /var/tmp/llama.tar.xz "$OUT/llama.tar.xz.part-"
   echo "== llama.cpp built in $((SECONDS - t)) s"
   mkdir -p "$llama" && xz -dc /var/tmp/llama.tar.xz | tar -x -C "$llama"

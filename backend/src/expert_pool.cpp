@@ -1,6 +1,7 @@
 #include "expert_pool.h"
 
 #include "moecache/cuda/hot_profile.h"
+#include "moecache/backend/read_ahead.h"
 #include "moecache/memory_cgroup.h"
 #include "moecache/process_maps.h"
 
@@ -90,9 +91,27 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     e.index = static_cast<uint32_t>(groups_[e.group].size());
     if (strncmp(t->name, "blk.", 4) == 0) e.block = static_cast<uint32_t>(strtoul(t->name + 4, nullptr, 10));
     e.name = t->name;
+    // Whether its mapping reads at random: smaps once per mapping (a model's tensors share one).
+    const auto at = reinterpret_cast<uintptr_t>(t->data);
+    if (!reads_ || at < reads_->start || at >= reads_->end) reads_ = own_mapping_reads(t->data);
+    e.random_reads = reads_ && reads_->random;
     heat_.add_model(e.group, static_cast<uint32_t>(e.n_expert));
     const auto* stored = &tensors_.emplace(t->data, std::move(e)).first->second;
     groups_[stored->group].push_back(stored);
+}
+
+void ExpertPool::read_ahead(uint32_t group, const std::vector<int32_t>& experts) {
+    if (group >= groups_.size()) return;
+    for (const ExpertTensor* t : groups_[group]) {
+        if (!t->random_reads) continue;
+        for (const int32_t e : experts) {
+            if (e < 0 || e >= t->n_expert) continue;
+            if (backend::read_ahead(t->data + static_cast<size_t>(e) * t->slice_bytes, t->slice_bytes)) {
+                ++stats_.read_ahead;
+                stats_.read_ahead_bytes += t->slice_bytes;
+            }
+        }
+    }
 }
 
 void ExpertPool::forget(const char* base, size_t size) {
@@ -630,6 +649,7 @@ void ExpertPool::fill_loop() {
             // The slot is nobody's until committed: no compute reads it, and no crossing copies into
             // it while copying_ names it (admit_here).
             const ExpertTensor& t = *f.tensor;
+            if (t.random_reads) (void)backend::read_ahead(t.data + static_cast<size_t>(f.expert) * t.slice_bytes, t.slice_bytes);
             ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
                                     t.slice_bytes);
             lock.lock();

@@ -9,6 +9,7 @@
 #include "daemon_link.h"
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "moecache/backend/read_ahead.h"
 #include "moecache/cuda/vram_pool.h"
 #include "settings.h"
 
@@ -34,6 +35,9 @@ struct ExpertTensor {
     // group's slices is, and is admitted and evicted whole. Slice index: index * n_expert + expert.
     uint32_t group = 0, index = 0;
     uint32_t block = 0;  // the layer: N of blk.N (what the daemon's expert map numbers)
+    // Its mapping reads at random (a lazily loaded model): what is read of it from the mapping is
+    // read ahead first (read_ahead.h), not faulted in a page at a time.
+    bool random_reads = false;
     std::string name;
 };
 
@@ -60,6 +64,7 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
     uint64_t cpu_alone = 0, cpu_fillers = 0;  // CPU halves computed as their rows alone, or with fillers
     uint64_t crossed = 0, crossed_admitted = 0;  // small batches' misses copied over for the compute (into the pool)
+    uint64_t read_ahead = 0, read_ahead_bytes = 0;  // slices not in the page cache, read ahead of their use
     bool registered = false;                // the expert tensors are pinned for DMA
     // Where the computes' time went (MOECACHE_GGML_LOG's figures), in nanoseconds: all of the
     // backend's computes and the pinning; and for a layer's chain, by batch (0: small ones, decode;
@@ -139,6 +144,10 @@ public:
     // Under mu: the slices admit_here placed are in (done true: they serve from now on), or their
     // copy failed (their slots are given back).
     void settle(uint32_t expert, const std::vector<Placed>& placed, bool done);
+    // Under mu: the experts' slices in the group that are about to be read from the host (computed
+    // on the CPU, copied to a device) and that a lazily loaded mapping would fault in a page at a
+    // time: read ahead now, in large requests (read_ahead.h).
+    void read_ahead(uint32_t group, const std::vector<int32_t>& experts);
     // Under mu: how hot the expert is to the local policy (what admissions compare).
     [[nodiscard]] uint32_t heat(uint32_t group, int32_t expert) const {
         return heat_.heat(group, static_cast<uint32_t>(expert));
@@ -218,6 +227,7 @@ private:
 
     std::unordered_map<const void*, ExpertTensor> tensors_;
     std::vector<std::vector<const ExpertTensor*>> groups_;  // by group: its tensors, by index
+    std::optional<MappingReads> reads_;  // the mapping add_tensor looked up last (smaps)
     std::unordered_map<std::string, uint32_t> group_of_;     // "blk.N." -> group
     std::unique_ptr<DaemonLink> link_;
     std::vector<uint32_t> group_model_;  // by group: the daemon link's model handle (UINT32_MAX: none)

@@ -577,6 +577,9 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     std::vector<std::unordered_map<int32_t, int32_t>> staged(unit->mmids.size());
     const std::vector<int32_t> missed = split->cpu_experts;
     const bool large = ids->ne[1] >= kLargeBatch;
+    // What of the misses a lazily loaded mapping does not hold is read now, in large requests, before
+    // the CPU or a copy faults it in a page at a time.
+    pool.read_ahead(group, missed);
     Admitted admitted;
     struct Unsettled {  // what a failed compute gives back
         ExpertPool& pool;
@@ -1020,6 +1023,11 @@ void say_stats(const PoolStats& s) {
     const auto ms = [](uint64_t ns) { return static_cast<double>(ns) / 1e6; };
     say("%llu computes in %.0f ms; pinning took %.0f ms", static_cast<unsigned long long>(s.computes), ms(s.compute_ns),
         ms(s.register_ns));
+    if (s.read_ahead > 0) {
+        say("%llu slices of misses read ahead of their use (%.2f GiB): the mapping reads at random (lazy load) and "
+            "the page cache did not hold them", static_cast<unsigned long long>(s.read_ahead),
+            static_cast<double>(s.read_ahead_bytes) / (1 << 30));
+    }
     for (int large = 0; large < 2; ++large) {
         const auto& p = s.phases[large];
         if (p.units == 0) continue;

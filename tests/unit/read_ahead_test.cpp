@@ -1,0 +1,98 @@
+// Reading a lazily loaded mapping's experts ahead of their use: which mappings read at random, and
+// that a range the page cache does not hold is read in without being touched.
+#include "moecache/backend/read_ahead.h"
+
+#include "temp_dir.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace moecache::backend {
+namespace {
+
+TEST(ReadAhead, FindsTheMappingThatHoldsAnAddressAndWhetherItReadsAtRandom) {
+    const std::string smaps =
+        "7f0000000000-7f0000100000 r--s 00000000 fe:01 1234 /models/m.gguf\n"
+        "Size:               1024 kB\n"
+        "VmFlags: rd sh mr mw me ms rr sd\n"
+        "7f0000200000-7f0000300000 r--p 00000000 fe:01 99 /usr/lib/libc.so.6\n"
+        "Size:               1024 kB\n"
+        "VmFlags: rd mr mw me sd\n"
+        "7ffff000-7ffff100 rw-p 00000000 00:00 0\n"
+        "Size:                  4 kB\n";
+    const auto m = mapping_reads(smaps, 0x7f0000080000);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->start, 0x7f0000000000u);
+    EXPECT_EQ(m->end, 0x7f0000100000u);
+    EXPECT_TRUE(m->random);
+    const auto lib = mapping_reads(smaps, 0x7f0000200000);
+    ASSERT_TRUE(lib);
+    EXPECT_FALSE(lib->random) << "rd mr mw me sd has no rr";
+    const auto anon = mapping_reads(smaps, 0x7ffff010);
+    ASSERT_TRUE(anon) << "a mapping without a VmFlags line is still found";
+    EXPECT_FALSE(anon->random);
+    EXPECT_FALSE(mapping_reads(smaps, 0x7f0000100000)) << "one past a mapping's end is not in it";
+    EXPECT_FALSE(mapping_reads("garbage\n-\n12-zz rw\nVmFlags: rr\n", 0x12));
+}
+
+bool all_cached(const void* p, size_t n) {
+    const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    std::vector<unsigned char> in(n / page);
+    if (mincore(const_cast<void*>(p), n, in.data()) != 0) return false;
+    for (const unsigned char c : in)
+        if ((c & 1) == 0) return false;
+    return true;
+}
+
+TEST(ReadAhead, ReadsARangeTheCacheDoesNotHoldWithoutTouchingIt) {
+    test::TempDir dir;
+    const std::string path = dir.file("experts.bin");
+    constexpr size_t kBytes = 8u << 20;
+    test::write_file(path, std::string(kBytes, 'x'));
+    test::drop_page_cache(path);
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    void* map = mmap(nullptr, kBytes, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    ASSERT_NE(map, MAP_FAILED);
+    ASSERT_EQ(madvise(map, kBytes, MADV_RANDOM), 0);  // as lazy load maps a model
+    auto* base = static_cast<char*>(map);
+
+    const auto reads = own_mapping_reads(base + kBytes / 2);
+    ASSERT_TRUE(reads);
+    EXPECT_TRUE(reads->random);
+    EXPECT_LE(reads->start, reinterpret_cast<uintptr_t>(base));
+    EXPECT_GE(reads->end, reinterpret_cast<uintptr_t>(base + kBytes));
+
+    // The second quarter: asked for, read in with nothing touching it; the rest stays out.
+    char* part = base + kBytes / 4;
+    if (all_cached(part, kBytes / 4)) GTEST_SKIP() << "the page cache kept the file after it was dropped";
+    EXPECT_TRUE(read_ahead(part, kBytes / 4));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!all_cached(part, kBytes / 4) && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_TRUE(all_cached(part, kBytes / 4)) << "the range was not read within 10 s";
+    EXPECT_FALSE(all_cached(base + kBytes * 3 / 4, kBytes / 4)) << "more than the range was read";
+    EXPECT_FALSE(read_ahead(part, kBytes / 4)) << "a cached range is not asked for again";
+    EXPECT_FALSE(read_ahead(part, 0));
+
+    // A mapping without MADV_RANDOM is not taken for a lazily loaded one.
+    void* plain = mmap(nullptr, 1 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(plain, MAP_FAILED);
+    const auto plain_reads = own_mapping_reads(plain);
+    ASSERT_TRUE(plain_reads);
+    EXPECT_FALSE(plain_reads->random);
+    munmap(plain, 1 << 20);
+    munmap(map, kBytes);
+}
+
+}  // namespace
+}  // namespace moecache::backend
