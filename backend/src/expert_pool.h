@@ -72,7 +72,7 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
     // wait for the device's half after it, and the bookkeeping (join, heat, reports).
     uint64_t compute_ns = 0, register_ns = 0, computes = 0;
     struct Phases {
-        uint64_t units = 0, prep_ns = 0, issue_ns = 0, build_ns = 0, upload_ns = 0, launch_ns = 0, cpu_ns = 0, wait_ns = 0, book_ns = 0;
+        uint64_t units = 0, prep_ns = 0, issue_ns = 0, build_ns = 0, upload_ns = 0, launch_ns = 0, cpu_ns = 0, cpu_graph_ns = 0, wait_ns = 0, book_ns = 0;
         // The chains' rows: pooled when they came, crossed over for the compute, computed on the
         // CPU; and the distinct experts the CPU computed (its weight bytes).
         uint64_t hit_rows = 0, crossed_rows = 0, cpu_rows = 0, cpu_experts = 0;

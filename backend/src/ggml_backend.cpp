@@ -473,6 +473,14 @@ char* out_space(Backend& be, size_t bytes) {
     return be.out_plain.data();
 }
 
+// Whether the device half's results (`outs`) come back into pinned memory, made ready for them.
+bool out_pinned(Backend& be, const std::vector<ggml_tensor*>& outs) {
+    size_t bytes = 0;
+    for (const auto* o : outs) bytes += ggml_nbytes(o);
+    (void)out_space(be, bytes);
+    return be.out_pinned != nullptr;
+}
+
 using Admitted = std::vector<std::pair<uint32_t, std::vector<ExpertPool::Placed>>>;
 
 // Under the pool's lock: the `k` hottest of a small batch's misses (decode's), copied to the device
@@ -729,16 +737,21 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     };
     bool downloading = false;
     bool alone = false;
-    if (st == GGML_STATUS_SUCCESS && direct) {
+    // The device's results come back while the CPU computes, into pinned memory: a copy into
+    // pageable memory would return only once the device's half is done, and the CPU's half would
+    // start after it (its time then the device's, which Crossing would read as a slow CPU and
+    // cross more misses). Where nothing can be pinned, they come back after the CPU's half.
+    if (st == GGML_STATUS_SUCCESS && (direct || out_pinned(be, outs))) {
         download();
         downloading = true;
     }
     // The CPU's half meanwhile: its rows alone where the chain allows (no filler arithmetic),
     // else the chain itself, its MUL_MAT_IDs routed to the CPU's experts and fillers.
+    auto t_graph = Clock::now();
     if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
         const auto done = cpu_rows_alone(be, *unit, *split, [&] {
-            direct = alone = downloading = true;
-            download();
+            alone = true;
+            t_graph = Clock::now();
         });
         ++(done ? pool.timing().cpu_alone : pool.timing().cpu_fillers);
         if (done) {
@@ -751,12 +764,14 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
             for (auto* node : unit->nodes)
                 if (!is_noop(node)) ggml_graph_add_node(cg.graph, node);
             for (auto* m : unit->mmids) m->src[2] = cids;
+            t_graph = Clock::now();
             st = ggml_backend_graph_compute(be.cpu, cg.graph);
             for (auto* m : unit->mmids) m->src[2] = ids;
         }
     }
     const uint64_t cpu_ns = ns_since(t0);
     timing.cpu_ns += cpu_ns;
+    if (split->cpu_rows > 0) timing.cpu_graph_ns += ns_since(t_graph);
     t0 = Clock::now();
     if (!downloading) download();
     ggml_backend_synchronize(acc->backend);
@@ -767,9 +782,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     for (const auto& [e, slices] : admitted) pool.settle(e, slices, true);
     admitted.clear();
     if (!missed.empty()) crossing.learn(cpu_ns, waited);
-    if (alone) {
-        scatter_cpu_rows(be, ids->ne[0]);
-    } else if (!direct) {
+    if (!direct) {
         size_t at = 0;
         for (size_t i = 0; i < outs.size(); ++i) {
             ggml_tensor* o = unit->outputs[i];
@@ -778,6 +791,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
             at += ggml_nbytes(outs[i]);
         }
     }
+    if (alone) scatter_cpu_rows(be, ids->ne[0]);
     rows_at_end();
     pool.count_rows(split->pool_rows, split->cpu_rows);
     pool.count_device_rows(device, split->pool_rows);
@@ -805,6 +819,8 @@ void backend_free(ggml_backend_t b) {
     delete b;
 }
 ggml_status compute_graph(Backend& be, ggml_cgraph* graph);
+// The CPU halves' thread count, as the runtime last set it (for the stats).
+std::atomic<int> cpu_threads_seen{0};
 void say_stats(const PoolStats& s);
 
 ggml_status backend_graph_compute(ggml_backend_t b, ggml_cgraph* graph) {
@@ -866,6 +882,7 @@ void set_n_threads(ggml_backend_t b, int n) {
     if (b == nullptr || b->iface.get_name != backend_name) return;
     auto& be = *backend_of(b);
     be.threads = n;
+    cpu_threads_seen = n;
     if (n > 1 && n != be.pool_threads_n && be.threadpool_new != nullptr && be.threadpool_free != nullptr &&
         be.set_threadpool != nullptr) {
         be.set_threadpool(be.cpu, nullptr);
@@ -1032,10 +1049,10 @@ void say_stats(const PoolStats& s) {
         const auto& p = s.phases[large];
         if (p.units == 0) continue;
         say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms (its "
-            "graph built in %.0f ms, inputs uploaded in %.0f ms, launched in %.0f ms), the CPU's half %.0f ms, the wait for "
-            "the device %.0f ms, joins and bookkeeping %.0f ms",
+            "graph built in %.0f ms, inputs uploaded in %.0f ms, launched in %.0f ms), the CPU's half %.0f ms (its graphs "
+            "computing %.0f ms, on %d threads), the wait for the device %.0f ms, joins and bookkeeping %.0f ms",
             static_cast<unsigned long long>(p.units), large ? "large" : "small", ms(p.prep_ns), ms(p.issue_ns),
-            ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns),
+            ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns), ms(p.cpu_graph_ns), cpu_threads_seen.load(),
             ms(p.wait_ns), ms(p.book_ns));
         const double all = static_cast<double>(p.hit_rows + p.crossed_rows + p.cpu_rows);
         if (all > 0) {
