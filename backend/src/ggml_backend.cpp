@@ -12,6 +12,7 @@
 #include "ggml-backend-impl.h"
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "moecache/backend/cpu_threads.h"
 #include "moecache/backend/row_split.h"
 #include "say.h"
 #include "settings.h"
@@ -184,6 +185,7 @@ struct Backend {
     void (*threadpool_free)(ggml_threadpool_t) = nullptr;
     void (*set_threadpool)(ggml_backend_t, ggml_threadpool_t) = nullptr;
     int threads = 0;
+    int requested_threads = 0, usable_cpus = 1;  // the runtime's count, and the CPUs it was cut to
     struct Acc {  // a pool's device, made at its first pooled compute
         ggml_backend_t backend = nullptr;
         ggml_backend_buffer_t scratch = nullptr;  // on that device: activations, ids, results
@@ -820,7 +822,7 @@ void backend_free(ggml_backend_t b) {
 }
 ggml_status compute_graph(Backend& be, ggml_cgraph* graph);
 // The CPU halves' thread count, as the runtime last set it (for the stats).
-std::atomic<int> cpu_threads_seen{0};
+std::atomic<int> cpu_threads_seen{0}, cpu_threads_asked{0};
 void say_stats(const PoolStats& s);
 
 ggml_status backend_graph_compute(ggml_backend_t b, ggml_cgraph* graph) {
@@ -878,11 +880,17 @@ ggml_guid_t backend_guid() {
     return &guid;
 }
 
-void set_n_threads(ggml_backend_t b, int n) {
+void set_n_threads(ggml_backend_t b, int requested) {
     if (b == nullptr || b->iface.get_name != backend_name) return;
     auto& be = *backend_of(b);
+    if (requested != be.requested_threads) {  // the runtime sets it before every compute
+        be.requested_threads = requested;
+        be.usable_cpus = usable_cpus();
+    }
+    const int n = cpu_half_threads(requested, be.usable_cpus);
     be.threads = n;
     cpu_threads_seen = n;
+    cpu_threads_asked = requested;
     if (n > 1 && n != be.pool_threads_n && be.threadpool_new != nullptr && be.threadpool_free != nullptr &&
         be.set_threadpool != nullptr) {
         be.set_threadpool(be.cpu, nullptr);
@@ -1050,9 +1058,9 @@ void say_stats(const PoolStats& s) {
         if (p.units == 0) continue;
         say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms (its "
             "graph built in %.0f ms, inputs uploaded in %.0f ms, launched in %.0f ms), the CPU's half %.0f ms (its graphs "
-            "computing %.0f ms, on %d threads), the wait for the device %.0f ms, joins and bookkeeping %.0f ms",
+            "computing %.0f ms, on %d threads of the runtime's %d), the wait for the device %.0f ms, joins and bookkeeping %.0f ms",
             static_cast<unsigned long long>(p.units), large ? "large" : "small", ms(p.prep_ns), ms(p.issue_ns),
-            ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns), ms(p.cpu_graph_ns), cpu_threads_seen.load(),
+            ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns), ms(p.cpu_graph_ns), cpu_threads_seen.load(), cpu_threads_asked.load(),
             ms(p.wait_ns), ms(p.book_ns));
         const double all = static_cast<double>(p.hit_rows + p.crossed_rows + p.cpu_rows);
         if (all > 0) {
