@@ -150,7 +150,9 @@ public:
         carry_ -= static_cast<double>(k);
         return std::min(k, misses);
     }
-    // After a compute that had misses: the CPU's half took cpu_ns, then the device kept it wait_ns.
+    // After a compute that had misses: the CPU's half took cpu_ns; the device's cost it did not hide
+    // was wait_ns: the wait for it after the CPU's half, and the crossings' copies as far as they
+    // held the CPU before it (a pageable copy returns only when done; a pinned one at once).
     void learn(uint64_t cpu_ns, uint64_t wait_ns) {
         if (fixed_) return;
         if (wait_ns > kSlack + cpu_ns / 8) {
@@ -590,6 +592,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     // What of the misses a lazily loaded mapping does not hold is read now, in large requests, before
     // the CPU or a copy faults it in a page at a time.
     pool.read_ahead(group, missed);
+    uint64_t cross_ns = 0;  // the crossings' copies, as far as they held the CPU (pageable ones do)
     Admitted admitted;
     struct Unsettled {  // what a failed compute gives back
         ExpertPool& pool;
@@ -601,7 +604,9 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     if (split->cpu_rows > 0 && large && pool.registering()) pool.wait_registered(lock);
     if (split->cpu_rows > 0 && !pool.registering()) {
         const size_t k = (large ? be.crossing_large : be.crossing).count(split->cpu_experts.size());
+        const auto t_cross = Clock::now();
         const auto crossed = cross_misses(acc->backend, pool, *unit, *split, large, k, staged, admitted);
+        cross_ns = ns_since(t_cross);
         if (!crossed.empty()) {
             split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                                unit->weights[0]->n_expert, 1,
@@ -783,7 +788,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     if (st != GGML_STATUS_SUCCESS) return st;
     for (const auto& [e, slices] : admitted) pool.settle(e, slices, true);
     admitted.clear();
-    if (!missed.empty()) crossing.learn(cpu_ns, waited);
+    if (!missed.empty()) crossing.learn(cpu_ns, waited + cross_ns);
     if (!direct) {
         size_t at = 0;
         for (size_t i = 0; i < outs.size(); ++i) {
