@@ -7,6 +7,8 @@
 # it, what llama.cpp's own GPU kernels change against its CPU ones on the same model (REFS):
 #   static  the same VRAM bytes as the pool, statically: the last layers' experts on CUDA0
 #   gpu     every expert on the GPU
+#   vs-gpu  the backend again, compared with every expert on the GPU instead of the CPU (its logits
+#           the base): how far the backend moves llama.cpp's own GPU result
 # (a generated model's logits are near uniform: how far a GPU's rounding moves its top-1 tokens is
 # the model's, and these rows say how far).
 # The micro-batch (UBATCH, 16) stays under the large-batch mark (32) on both sides: no offload in
@@ -15,7 +17,7 @@
 #   bench/gpu-backend-ppl.sh LLAMA_BIN MODEL [WORKDIR]
 # LLAMA_BIN: a CUDA llama.cpp build with llama-perplexity. Environment: BACKEND (the library,
 # built against LLAMA_BIN's source), POOL (60%), UBATCH (16), TOKENS (4096), THREADS (all cores),
-# REFS ("static gpu"), LAYERS (the model's: 8).
+# REFS ("static gpu vs-gpu"), LAYERS (the model's: 8).
 set -euo pipefail
 bin=$(realpath "${1:?usage: bench/gpu-backend-ppl.sh LLAMA_BIN MODEL [WORKDIR]}")
 model=$(realpath "${2:?the model}")
@@ -36,17 +38,24 @@ GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="${POOL:-60%}" MOECACHE_GGML_LOG
   >"$work/mc.out" 2>"$work/mc.err"
 pool=${POOL:-60%}
 layers=${LAYERS:-8}
-for ref in ${REFS:-static gpu}; do
+for ref in ${REFS:-static gpu vs-gpu}; do
   case $ref in
     static) k=$(( (layers * ${pool%\%} + 50) / 100 ))
       ot=(-ot "blk\.($(seq -s '|' $((layers - k)) $((layers - 1))))\.ffn_.*_exps=CUDA0,exps=CPU") ;;
     gpu) ot=() ;;
+    vs-gpu)  # the backend against llama.cpp's own GPU kernels: every expert on the GPU saves the base
+      "$bin/llama-perplexity" "${common[@]}" --kl-divergence-base "$work/gpu.kld" >"$work/gpu-base.out" 2>"$work/gpu-base.err" ||
+        { echo "gpu-backend-ppl: the GPU base failed" >&2; continue; }
+      GGML_BACKEND_PATH="$backend" MOECACHE_GGML_POOL="$pool" MOECACHE_GGML_PROFILE=off \
+        "$bin/llama-perplexity" "${common[@]}" -ot exps=MOECACHE --kl-divergence-base "$work/gpu.kld" --kl-divergence \
+        >"$work/ref-$ref.out" 2>"$work/ref-$ref.err" || echo "gpu-backend-ppl: $ref failed" >&2
+      continue ;;
     *) echo "gpu-backend-ppl: unknown reference $ref" >&2; continue ;;
   esac
   "$bin/llama-perplexity" "${common[@]}" "${ot[@]}" --kl-divergence-base "$work/base.kld" --kl-divergence \
     >"$work/ref-$ref.out" 2>"$work/ref-$ref.err" || echo "gpu-backend-ppl: $ref failed" >&2
 done
-python3 - "$work" "${REFS:-static gpu}" <<'PY'
+python3 - "$work" "${REFS:-static gpu vs-gpu}" <<'PY'
 import re, sys
 work = sys.argv[1]
 def read(p): return open(f"{work}/{p}", errors="replace").read()
@@ -65,7 +74,8 @@ for ref in sys.argv[2].split():
     p = re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)", r)
     t = re.search(r"Same top p\s*:\s*([\d.]+)", r)
     k = re.search(r"Mean\s+KLD:\s*([\d.e+-]+)", r)
-    name = {"static": "static split (the pool's bytes, last layers on CUDA0)", "gpu": "every expert on the GPU"}.get(ref, ref)
+    name = {"static": "static split (the pool's bytes, last layers on CUDA0)", "gpu": "every expert on the GPU",
+            "vs-gpu": "-ot exps=MOECACHE against every expert on the GPU (its base)"}.get(ref, ref)
     print(f"| {name} | {p.group(1) if p else '?'} | {t.group(1) if t else '?'} | {k.group(1) if k else '?'} | - |")
 if p_cpu and p_mc:
     print(f"PPL ratio {float(p_mc.group(1)) / float(p_cpu.group(1)):.5f}")
