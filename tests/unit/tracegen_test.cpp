@@ -363,5 +363,72 @@ TEST(TraceBound, RoutingWithHiddenStateAndBadSharesAreRefusedByName) {
     EXPECT_FALSE(bound_hit_rates(s, std::vector<double>{0.25})) << "the generator's own checks";
 }
 
+// A routing of one expert a token in each of `layers` layers, token t of layer l `seq[t]`.
+Routing one_wide(uint32_t layers, uint32_t experts, const std::vector<uint16_t>& seq) {
+    Routing r;
+    r.n_layers = layers;
+    r.n_experts = experts;
+    r.n_used = 1;
+    r.tokens = seq.size();
+    for (const uint16_t e : seq)
+        for (uint32_t l = 0; l < layers; ++l) r.experts.push_back(e);
+    return r;
+}
+
+TEST(TraceStats, ReuseByChanceStaticCoverAndLruAreWhatTheirDefinitionsGive) {
+    // Uniform routing: reuse by chance k / experts; a static set learnt on one half covers its
+    // share of the experts of the other.
+    Spec s = small(4000);
+    const Stats u = measure(*generate(s), MeasureOptions{16, {16}});
+    EXPECT_NEAR(u.reuse_chance, 8.0 / 64, 0.01);
+    EXPECT_NEAR(u.reuse, u.reuse_chance, 0.02);
+    EXPECT_EQ(u.static_top, 16u);
+    EXPECT_DOUBLE_EQ(u.static_chance, 0.25);
+    EXPECT_NEAR(u.static_cover, 0.25, 0.03);
+    // Skewed routing: the learnt set covers far more than chance, and reuse by chance rises with it.
+    s.skew = {2.0, 0.5};
+    const Stats k = measure(*generate(s), MeasureOptions{16, {16}});
+    EXPECT_GT(k.static_cover, k.static_chance + 0.2);
+    EXPECT_GT(k.reuse_chance, u.reuse_chance + 0.05);
+    // LRU by hand: cycling over three experts thrashes two slots and never misses in three after
+    // the first three; the defaults are twice the active experts and an eighth of the experts.
+    const Routing cycle = one_wide(2, 8, {0, 1, 2, 0, 1, 2, 0, 1, 2});
+    const Stats c = measure(cycle, MeasureOptions{0, {2, 3}});
+    ASSERT_EQ(c.lru_hits.size(), 2u);
+    EXPECT_DOUBLE_EQ(c.lru_hits[0], 0.0);
+    EXPECT_DOUBLE_EQ(c.lru_hits[1], 6.0 / 9);
+    EXPECT_DOUBLE_EQ(c.reuse, 0.0);
+    EXPECT_EQ(measure(*generate(small(50))).lru_slots, (std::vector<uint32_t>{16, 8}));  // 2 x 8, 64 / 8
+    Spec wide = small(50);
+    wide.n_experts = 128;
+    EXPECT_EQ(measure(*generate(wide)).lru_slots, (std::vector<uint32_t>{16}));  // 2 x 8 and 128 / 8: once
+    // A static set learnt on a first half that the second half never uses covers none of it.
+    const Stats moved = measure(one_wide(1, 8, {0, 0, 1, 1, 5, 6, 5, 6}), MeasureOptions{2, {}});
+    EXPECT_DOUBLE_EQ(moved.static_cover, 0.0);
+}
+
+TEST(TraceStats, ARecordedTracesDecodeStepsBecomeARoutingAndBadStepsAreNamed) {
+    const std::vector<uint32_t> a{3, 1}, b{2, 0}, c{1, 2}, batch{0, 1, 2, 3}, odd{5};
+    // Layer 0 then 1 for each token; a prompt batch and a step of another width are left out.
+    const std::vector<RecordedStep> steps{{0, 7, batch}, {0, 1, a}, {1, 1, b}, {0, 1, odd}, {0, 1, c}, {1, 1, a}, {0, 1, b}};
+    auto r = routing_from_steps(2, 6, steps);
+    ASSERT_TRUE(r) << r.error().what();
+    EXPECT_EQ(r->n_used, 2u);
+    EXPECT_EQ(r->tokens, 2u) << "layer 1 has two decode steps: as many tokens as every layer has";
+    EXPECT_EQ(std::vector<uint16_t>(r->at(0, 0).begin(), r->at(0, 0).end()), (std::vector<uint16_t>{1, 3}));
+    EXPECT_EQ(std::vector<uint16_t>(r->at(0, 1).begin(), r->at(0, 1).end()), (std::vector<uint16_t>{0, 2}));
+    EXPECT_EQ(std::vector<uint16_t>(r->at(1, 0).begin(), r->at(1, 0).end()), (std::vector<uint16_t>{1, 2}));
+    const std::vector<uint32_t> far{9, 1};
+    const std::vector<RecordedStep> bad{{0, 1, far}};
+    auto e = routing_from_steps(2, 6, bad);
+    ASSERT_FALSE(e);
+    EXPECT_NE(std::string(e.error().what()).find("expert 9"), std::string::npos) << e.error().what();
+    const std::vector<RecordedStep> deep{{4, 1, a}};
+    auto l = routing_from_steps(2, 6, deep);
+    ASSERT_FALSE(l);
+    EXPECT_NE(std::string(l.error().what()).find("layer 4"), std::string::npos) << l.error().what();
+    EXPECT_FALSE(routing_from_steps(2, 6, std::span<const RecordedStep>{})) << "nothing to measure";
+}
+
 }  // namespace
 }  // namespace moecache::tracegen

@@ -1,5 +1,6 @@
 // moecache-tracegen: synthetic router traces (docs/trace.md) for replaying placement policies.
 #include "moecache/mkmodel/cli.h"
+#include "moecache/sim/trace.h"
 #include "moecache/tracegen/tracegen.h"
 
 #include <fmt/format.h>
@@ -9,6 +10,7 @@
 namespace {
 
 constexpr const char* kUsage = R"(usage: moecache-tracegen -o FILE [options]
+       moecache-tracegen --stats TRACE [--key KEY] [--static-top N] [--lru N,N...]
 Writes a synthetic router trace (docs/trace.md): per token, the experts of every MoE layer, from
 mkmodel's router (popularity skew) with temporal locality and layer-to-layer correlation.
   -o, --output FILE     the trace (JSON lines)
@@ -35,9 +37,53 @@ mkmodel's router (popularity skew) with temporal locality and layer-to-layer cor
   --token-us U          microseconds between tokens, for timestamps (25000)
   --key KEY             the model's key in the trace (synthetic)
 It prints the trace's statistics: the share of routings to the hottest 12.5 % and 25 % of a
-layer's experts, the share of a token's experts the previous token used too, and how well the
-next layer's experts are predicted from this layer's.
+layer's experts, the share of a token's experts the previous token used too (and by chance), how
+well the next layer's experts are predicted from this layer's, how much of the second half a static
+hot set learnt on the first half takes, and the hits of per-layer LRU caches.
+  --stats TRACE         the same statistics of a recorded trace (moecachectl trace, the CUDA hook's
+                        MOECACHE_TRACE, the backend's): its decode steps, of the model KEY (the
+                        first model if not given); nothing is written
+  --static-top N        the static hot set's experts per layer (experts / 16)
+  --lru N,N...          LRU slots per layer (2 x experts used, and experts / 8)
 )";
+
+// Prints st, one statistic a line, as the issue's tables give them.
+void print_stats(const moecache::tracegen::Stats& st, uint32_t n_experts) {
+    fmt::print("  hottest 12.5 % of a layer's experts take {:.1f} % of routings, 25 % take {:.1f} %\n"
+               "  {:.1f} % of a token's experts were used by the previous token ({:.1f} % by chance)\n"
+               "  next layer {:.1f} % predictable from this layer's experts\n"
+               "  a static top-{} a layer learnt on the first half takes {:.1f} % of the second ({:.1f} % by chance)\n",
+               100 * st.top_eighth, 100 * st.top_quarter, 100 * st.reuse, 100 * st.reuse_chance, 100 * st.next_layer,
+               st.static_top, 100 * st.static_cover, 100 * st.static_chance);
+    for (size_t i = 0; i < st.lru_slots.size(); ++i)
+        fmt::print("  an LRU of {} experts a layer ({:.1f} %) hits {:.1f} %\n", st.lru_slots[i],
+                   100.0 * st.lru_slots[i] / n_experts, 100 * st.lru_hits[i]);
+}
+
+// --stats: a recorded trace's statistics.
+int recorded_stats(const std::string& path, const std::string& key, const moecache::tracegen::MeasureOptions& options) {
+    using namespace moecache;
+    auto die = [](const std::string& m) { return mkmodel::usage_error("moecache-tracegen", m); };
+    auto trace = sim::read_trace(path);
+    if (!trace) return die(trace.error().what());
+    const sim::TraceModel* model = nullptr;
+    for (const auto& m : trace->models)
+        if (key.empty() || m.key == key) {
+            model = &m;
+            break;
+        }
+    if (model == nullptr)
+        return die(key.empty() ? fmt::format("{}: no model line", path) : fmt::format("{}: no model of key {}", path, key));
+    std::vector<tracegen::RecordedStep> steps;
+    for (const auto& d : trace->decisions)
+        if (d.model == model->id) steps.push_back({d.layer, d.tokens, d.experts});
+    auto routing = tracegen::routing_from_steps(static_cast<uint32_t>(model->blocks.size()), model->n_experts, steps);
+    if (!routing) return die(fmt::format("{}: {}", path, routing.error().what()));
+    fmt::print("{} (model {}): {} decode tokens x {} layers, top-{} of {} experts\n", path, model->key, routing->tokens,
+               routing->n_layers, routing->n_used, routing->n_experts);
+    print_stats(tracegen::measure(*routing, options), routing->n_experts);
+    return 0;
+}
 
 }  // namespace
 
@@ -45,7 +91,8 @@ int main(int argc, char** argv) {
     using namespace moecache::tracegen;
     namespace mkmodel = moecache::mkmodel;
     Spec spec;
-    std::string output, preset, key = "synthetic";
+    std::string output, preset, key = "synthetic", stats_of;
+    MeasureOptions measure_options;
     uint64_t expert_bytes = 1671168, token_us = 25000;
     bool skew_given = false, follow_given = false, experts_given = false;
     auto die = [](const std::string& m) { return mkmodel::usage_error("moecache-tracegen", m); };
@@ -73,6 +120,19 @@ int main(int argc, char** argv) {
         else if (a == "--expert-bytes") ok = mkmodel::parse_number(v, expert_bytes);
         else if (a == "--token-us") ok = mkmodel::parse_number(v, token_us);
         else if (a == "--key") key = v;
+        else if (a == "--stats") stats_of = v;
+        else if (a == "--static-top") ok = mkmodel::parse_number(v, measure_options.static_top);
+        else if (a == "--lru") {
+            measure_options.lru_slots.clear();
+            size_t at = 0;
+            while (ok && at <= v.size()) {
+                const size_t comma = std::min(v.find(',', at), v.size());
+                uint32_t n = 0;
+                ok = mkmodel::parse_number(v.substr(at, comma - at), n) && n > 0;
+                measure_options.lru_slots.push_back(n);
+                at = comma + 1;
+            }
+        }
         else return false;
         if (!ok) return mkmodel::bad_value(a, v);
         return true;
@@ -80,6 +140,7 @@ int main(int argc, char** argv) {
     if (auto done = mkmodel::parse_options(argc, argv, "moecache-tracegen", kUsage, [](const std::string&) { return false; },
                                            option))
         return *done;
+    if (!stats_of.empty()) return recorded_stats(stats_of, key == "synthetic" ? std::string() : key, measure_options);
     if (output.empty()) return die("-o FILE is required (see --help)");
     if (!preset.empty()) {
         if (skew_given) return die("--preset and --skew exclude each other");
@@ -99,11 +160,9 @@ int main(int argc, char** argv) {
     auto routing = generate(spec);
     if (!routing) return die(routing.error().what());
     if (auto w = write_trace(*routing, output, key, expert_bytes, token_us); !w) return die(w.error().what());
-    const Stats st = measure(*routing);
-    fmt::print("{}: {} tokens x {} layers, top-{} of {} experts; skew S={:.3f} P={:.2f}, follow {:.3f}, reuse {:.3f}\n"
-               "  hottest 12.5 % of experts take {:.1f} % of routings, 25 % take {:.1f} %; {:.1f} % of a token's "
-               "experts reused from the previous token; next layer {:.1f} % predictable\n",
+    fmt::print("{}: {} tokens x {} layers, top-{} of {} experts; skew S={:.3f} P={:.2f}, follow {:.3f}, reuse {:.3f}\n",
                output, spec.tokens, spec.n_layers, spec.n_used, spec.n_experts, spec.skew.scale, spec.skew.shape,
-               spec.follow, spec.reuse, 100 * st.top_eighth, 100 * st.top_quarter, 100 * st.reuse, 100 * st.next_layer);
+               spec.follow, spec.reuse);
+    print_stats(measure(*routing, measure_options), spec.n_experts);
     return 0;
 }

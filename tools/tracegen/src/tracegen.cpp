@@ -396,7 +396,7 @@ Result<std::vector<double>> learner_hit_rates(const Spec& s, std::span<const dou
     return placement_hit_rates(s, shares, 1, true);
 }
 
-Stats measure(const Routing& r) {
+Stats measure(const Routing& r, const MeasureOptions& options) {
     Stats st;
     const uint32_t L = r.n_layers, E = r.n_experts, K = r.n_used;
     if (L == 0 || E == 0 || K == 0 || r.tokens == 0) return st;
@@ -404,9 +404,65 @@ Stats measure(const Routing& r) {
         std::vector<double> counts(E, 0.0);
         for (uint64_t t = 0; t < r.tokens; ++t)
             for (uint16_t e : r.at(t, l)) counts[e] += 1.0;
+        double sq = 0;
+        for (const double c : counts) sq += (c / static_cast<double>(r.tokens)) * (c / static_cast<double>(r.tokens));
+        st.reuse_chance += sq / K / L;
         const auto curve = mkmodel::coverage_curve(counts);
         st.top_eighth += mkmodel::coverage_at(curve, 0.125) / L;
         st.top_quarter += mkmodel::coverage_at(curve, 0.25) / L;
+    }
+    st.static_top = std::min(E, options.static_top != 0 ? options.static_top : std::max(K, E / 16));
+    st.static_chance = static_cast<double>(st.static_top) / E;
+    if (r.tokens >= 2) {
+        const uint64_t half = r.tokens / 2;
+        uint64_t hit = 0, all = 0;
+        std::vector<std::pair<uint64_t, uint32_t>> used(E);
+        std::vector<char> hot(E);
+        for (uint32_t l = 0; l < L; ++l) {
+            for (uint32_t e = 0; e < E; ++e) used[e] = {0, e};
+            for (uint64_t t = 0; t < half; ++t)
+                for (uint16_t e : r.at(t, l)) ++used[e].first;
+            std::sort(used.begin(), used.end(), [](const auto& x, const auto& y) {
+                return x.first != y.first ? x.first > y.first : x.second < y.second;
+            });
+            std::fill(hot.begin(), hot.end(), 0);
+            for (uint32_t i = 0; i < st.static_top; ++i) hot[used[i].second] = 1;
+            for (uint64_t t = half; t < r.tokens; ++t)
+                for (uint16_t e : r.at(t, l)) {
+                    hit += hot[e];
+                    ++all;
+                }
+        }
+        st.static_cover = all ? static_cast<double>(hit) / static_cast<double>(all) : 0.0;
+    }
+    st.lru_slots = options.lru_slots;
+    if (st.lru_slots.empty()) {
+        st.lru_slots = {std::min(E, 2 * K)};
+        if (std::max(K, E / 8) != st.lru_slots[0]) st.lru_slots.push_back(std::max(K, E / 8));
+    }
+    for (const uint32_t slots : st.lru_slots) {
+        uint64_t hit = 0;
+        std::vector<uint64_t> last(E);  // the step an expert was last used at, + 1; 0: not held
+        for (uint32_t l = 0; l < L; ++l) {
+            std::fill(last.begin(), last.end(), 0);
+            uint32_t held = 0;
+            for (uint64_t t = 0; t < r.tokens; ++t) {
+                for (uint16_t e : r.at(t, l)) {
+                    if (last[e] != 0) {
+                        ++hit;
+                    } else if (held < slots) {
+                        ++held;
+                    } else {  // the least recently used goes (ties: the lowest id)
+                        uint32_t victim = E;
+                        for (uint32_t x = 0; x < E; ++x)
+                            if (last[x] != 0 && (victim == E || last[x] < last[victim])) victim = x;
+                        last[victim] = 0;
+                    }
+                    last[e] = t + 1;
+                }
+            }
+        }
+        st.lru_hits.push_back(static_cast<double>(hit) / (static_cast<double>(r.tokens) * L * K));
     }
     if (r.tokens > 1) {
         uint64_t kept = 0;
@@ -464,6 +520,43 @@ Stats measure(const Routing& r) {
         st.next_layer = guessed ? static_cast<double>(hit) / static_cast<double>(guessed) : 0.0;
     }
     return st;
+}
+
+Result<Routing> routing_from_steps(uint32_t n_layers, uint32_t n_experts, std::span<const RecordedStep> steps) {
+    if (n_layers == 0 || n_experts == 0) return failf("trace: {} layers of {} experts: nothing to measure", n_layers, n_experts);
+    if (n_experts > 65536) return failf("trace: {} experts: more than a routing holds (65536)", n_experts);
+    std::vector<uint64_t> widths;
+    for (const auto& s : steps) {
+        if (s.layer >= n_layers) return failf("trace: a decision of layer {}, past the model's {} layers", s.layer, n_layers);
+        for (const uint32_t e : s.experts)
+            if (e >= n_experts) return failf("trace: expert {} in layer {}, past the model's {} experts", e, s.layer, n_experts);
+        if (s.tokens != 1 || s.experts.empty()) continue;
+        if (widths.size() <= s.experts.size()) widths.resize(s.experts.size() + 1, 0);
+        ++widths[s.experts.size()];
+    }
+    if (widths.empty()) return failf("trace: no decode step (a decision of one token) to measure");
+    const auto k = static_cast<uint32_t>(std::max_element(widths.begin(), widths.end()) - widths.begin());
+    std::vector<std::vector<uint16_t>> by_layer(n_layers);
+    for (const auto& s : steps) {
+        if (s.tokens != 1 || s.experts.size() != k) continue;
+        std::vector<uint16_t> sorted(s.experts.begin(), s.experts.end());
+        std::sort(sorted.begin(), sorted.end());
+        by_layer[s.layer].insert(by_layer[s.layer].end(), sorted.begin(), sorted.end());
+    }
+    uint64_t tokens = UINT64_MAX;
+    for (const auto& l : by_layer) tokens = std::min<uint64_t>(tokens, l.size() / k);
+    if (tokens == 0) return failf("trace: a layer without a decode step of {} experts", k);
+    Routing r;
+    r.n_layers = n_layers;
+    r.n_experts = n_experts;
+    r.n_used = k;
+    r.tokens = tokens;
+    r.experts.resize(tokens * n_layers * k);
+    for (uint64_t t = 0; t < tokens; ++t)
+        for (uint32_t l = 0; l < n_layers; ++l)
+            std::copy_n(by_layer[l].begin() + static_cast<std::ptrdiff_t>(t * k), k,
+                        r.experts.begin() + static_cast<std::ptrdiff_t>((t * n_layers + l) * k));
+    return r;
 }
 
 const std::vector<Preset>& presets() {

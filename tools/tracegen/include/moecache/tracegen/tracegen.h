@@ -74,8 +74,33 @@ struct Stats {
     // likely given this token's experts of l (popularity times the lift of each co-occurrence,
     // learnt on the first half of the trace), scored on the second half.
     double next_layer = 0;
+    // What reuse would be by chance: each token drawn independently from the layer's popularity
+    // (the sum over experts of the squared share of tokens that use it, over k).
+    double reuse_chance = 0;
+    // A static hot set learnt on the first half: each layer's `static_top` most used experts there,
+    // and the share of the second half's routings they take (chance: static_top / experts).
+    uint32_t static_top = 0;
+    double static_cover = 0, static_chance = 0;
+    // Per-layer LRU caches of lru_slots[i] experts each, from empty: the share of routings that hit.
+    std::vector<uint32_t> lru_slots;
+    std::vector<double> lru_hits;
 };
-[[nodiscard]] Stats measure(const Routing& routing);
+struct MeasureOptions {
+    uint32_t static_top = 0;           // 0: experts / 16 (at least k)
+    std::vector<uint32_t> lru_slots;   // empty: 2 k per layer (twice the active experts) and experts / 8
+};
+[[nodiscard]] Stats measure(const Routing& routing, const MeasureOptions& options = {});
+
+// A recorded trace's decode steps as a Routing: one decision a layer and token (`tokens` 1; batches
+// and their rankings are left out), token t of layer l the t-th such decision of l, as many tokens
+// as every layer has; the width k the most common list length (other lengths left out). Fails on
+// no layer, an expert past `n_experts` or a layer past `n_layers`.
+struct RecordedStep {
+    uint32_t layer = 0;
+    uint32_t tokens = 0;
+    std::span<const uint32_t> experts;
+};
+Result<Routing> routing_from_steps(uint32_t n_layers, uint32_t n_experts, std::span<const RecordedStep> steps);
 
 struct Preset {
     std::string name;
