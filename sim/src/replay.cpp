@@ -352,8 +352,11 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
                 ledger.ahead_to_ram(bytes_of(r.slot));
                 waiting.push_back(r.slot);
             }
+            // A cached slot that waited a turn is in `waiting` and again in the plan's locks, so a
+            // turn may name it twice; the daemon's lock of a locked slot is a no-op
+            // (ModelResidency::lock), and so is this one, or locked_bytes counts it twice.
             for (const auto& r : a.lock) {
-                if (r.slot == daemon::kDenseSlot) continue;
+                if (r.slot == daemon::kDenseSlot || view.locked[r.slot]) continue;
                 reading[r.slot] = 0;
                 cache.remove(r.slot, bytes_of(r.slot));
                 view.locked[r.slot] = 1;
