@@ -129,6 +129,49 @@ TEST(MkModel, PresetsMeetTheirPublishedCoverage) {
     EXPECT_NEAR(mkmodel::coverage_at(uniform, 0.25), 0.25, 0.02);
 }
 
+TEST(MkModel, RealRoutingPresetsBringTheirShapeAndReuseUnlessTheOptionsSay) {
+    test::TempDir dir;
+    const auto r = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("q.gguf"), "--preset", "qwen3-next-like", "--layers", "1",
+                              "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["n_experts"].get<uint32_t>(), 512u);
+    EXPECT_EQ(j["n_experts_used"].get<uint32_t>(), 10u);
+    EXPECT_GT(j["context"]["weight"].get<double>(), 0.0);
+    // The options win over the preset's shape and reuse.
+    const auto o = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("m.gguf"), "--preset", "mixtral-like", "--layers", "1",
+                              "--experts", "16", "--context-weight", "0", "--json"});
+    ASSERT_EQ(o.exit_code, 0) << o.err;
+    const auto k = nlohmann::json::parse(o.out);
+    EXPECT_EQ(k["n_experts"].get<uint32_t>(), 16u);
+    EXPECT_EQ(k["n_experts_used"].get<uint32_t>(), 2u);
+    EXPECT_EQ(k["context"]["weight"].get<double>(), 0.0);
+    // Out-of-range settings are refused by name.
+    for (const auto& [flag, value] : {std::pair{"--context-window", "0"}, std::pair{"--router-follow", "1"},
+                                      std::pair{"--context-weight", "-1"}}) {
+        const auto bad = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("bad.gguf"), "--layers", "1", flag, value});
+        EXPECT_NE(bad.exit_code, 0) << flag;
+        EXPECT_NE(bad.err.find(flag), std::string::npos) << bad.err;
+    }
+}
+
+TEST(MkModel, ContextAndFollowAreOffByDefaultAndChangeTheModelWhenOn) {
+    // The reuse and the layers' pairing are off by default (the routers' rows and attention are
+    // drawn as before them, so older benchmarks' models route as they did): the same seed writes
+    // the same bytes as a model that names them off, and other bytes with them on.
+    test::TempDir dir;
+    const auto a = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("a.gguf"), "--layers", "2", "--seed", "7"});
+    const auto b = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("b.gguf"), "--layers", "2", "--seed", "7",
+                              "--context-weight", "0", "--router-follow", "0"});
+    ASSERT_EQ(a.exit_code, 0) << a.err;
+    ASSERT_EQ(b.exit_code, 0) << b.err;
+    EXPECT_EQ(test::read_file(dir.file("a.gguf")), test::read_file(dir.file("b.gguf")));
+    const auto c = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("c.gguf"), "--layers", "2", "--seed", "7",
+                              "--router-follow", "0.5"});
+    ASSERT_EQ(c.exit_code, 0) << c.err;
+    EXPECT_NE(test::read_file(dir.file("a.gguf")), test::read_file(dir.file("c.gguf")));
+}
+
 TEST(MkModel, StreamsLargeModelsInBoundedMemory) {
     test::TempDir dir;
     // 24 layers x 64 experts x 816 KiB: 1.2 GiB of experts, written by the real command.

@@ -30,9 +30,17 @@ Types:
   --dense-type T      attention weights, same choices (q8_0)
 Routing:
   --preset NAME       uniform | deepseek-v4-flash | low-skew: fits the router skew to the
-                      preset's published coverage for this expert count
+                      preset's published coverage for this expert count; mixtral-like |
+                      qwen3-next-like | deepseek-like: routing as real models' router logs show
+                      it (docs/routing.md), with their expert counts unless given, and reuse
   --skew S            router bias -S*ln(rank)^P; 0 routes uniformly (0)
   --skew-shape P      (1)
+  --context-weight W  reuse between neighbouring tokens, made by the model: layer 0's attention
+                      mixes the last N tokens into what every router reads, W times the
+                      token's own spread (0: off)
+  --context-window N  (16)
+  --router-follow F   in [0, 1): each layer's router rows share F of their variance with the
+                      previous layer's (same popularity rank), so layers predict each other (0)
 Files:
   --splits N          write NAME-0000i-of-0000N.gguf parts, as llama.cpp splits models (1)
   --alignment N       data alignment, a power of two (32)
@@ -88,7 +96,7 @@ int run_cli(int argc, char** argv) {
     ModelSpec spec;
     WriteOptions opt;
     std::string output;
-    bool json = false, skew_given = false;
+    bool json = false, skew_given = false, context_given = false, experts_given = false, used_given = false;
     auto die = [](const std::string& m) { return usage_error("moecache-mkmodel", m); };
     auto flag = [&](const std::string& a) {
         if (a == "--json") return json = true;
@@ -100,8 +108,8 @@ int run_cli(int argc, char** argv) {
         bool ok = true;
         if (a == "--output" || a == "-o") output = v;
         else if (a == "--layers") ok = u32(spec.n_layers);
-        else if (a == "--experts") ok = u32(spec.n_experts);
-        else if (a == "--experts-used") ok = u32(spec.n_experts_used);
+        else if (a == "--experts") { ok = u32(spec.n_experts); experts_given = true; }
+        else if (a == "--experts-used") { ok = u32(spec.n_experts_used); used_given = true; }
         else if (a == "--embd") ok = u32(spec.n_embd);
         else if (a == "--ff") ok = u32(spec.n_ff_exp);
         else if (a == "--heads") ok = u32(spec.n_head);
@@ -115,6 +123,9 @@ int run_cli(int argc, char** argv) {
         else if (a == "--name") spec.name = v;
         else if (a == "--skew") { ok = parse_double(v, spec.skew.scale) && spec.skew.scale >= 0; skew_given = true; }
         else if (a == "--skew-shape") ok = parse_double(v, spec.skew.shape) && spec.skew.shape > 0;
+        else if (a == "--context-weight") { ok = parse_double(v, spec.context.weight); context_given = true; }
+        else if (a == "--context-window") { ok = parse_double(v, spec.context.window); context_given = true; }
+        else if (a == "--router-follow") { ok = parse_double(v, spec.context.follow); context_given = true; }
         else if (a == "--preset") {
             if (!find_preset(v)) {
                 std::string names;
@@ -133,6 +144,12 @@ int run_cli(int argc, char** argv) {
     if (auto done = parse_options(argc, argv, "moecache-mkmodel", kUsage, flag, option)) return *done;
     if (output.empty()) return die("--output FILE.gguf is required");
     if (!spec.preset.empty() && skew_given) return die("--preset and --skew exclude each other");
+    if (!spec.preset.empty()) {  // the preset's shape and reuse where the options do not say
+        const Preset& p = *find_preset(spec.preset);
+        if (p.experts != 0 && !experts_given) spec.n_experts = p.experts;
+        if (p.used != 0 && !used_given) spec.n_experts_used = p.used;
+        if (!context_given) spec.context = p.context;
+    }
     if (auto r = validate(spec); !r) return die(r.error().what());
     if (!spec.preset.empty()) spec.skew = fit_skew(*find_preset(spec.preset), spec.n_experts, spec.n_experts_used);
 
@@ -168,6 +185,7 @@ int run_cli(int argc, char** argv) {
         j["seed"] = spec.seed;
         j["preset"] = spec.preset;
         j["skew"] = {{"scale", spec.skew.scale}, {"shape", spec.skew.shape}};
+        j["context"] = {{"weight", spec.context.weight}, {"window", spec.context.window}, {"follow", spec.context.follow}};
         j["predicted_coverage"] = {{"0.125", coverage_at(curve, 0.125)},
                                    {"0.25", coverage_at(curve, 0.25)},
                                    {"0.5", coverage_at(curve, 0.5)}};

@@ -68,15 +68,29 @@ std::vector<double> simulate_popularity(uint32_t n_experts, uint32_t n_used, Rou
 
 const std::vector<Preset>& presets() {
     static const std::vector<Preset> kPresets = {
-        {"uniform", "every expert equally likely", {}},
+        {"uniform", "every expert equally likely", {}, {}, 0, 0},
         {"deepseek-v4-flash",
          "published DeepSeek-V4-Flash routing: the hottest 12.5 % of a layer's experts take ~58 % "
          "of routings, the hottest 25 % ~71 %",
-         {{0.125, 0.58}, {0.25, 0.71}}},
+         {{0.125, 0.58}, {0.25, 0.71}}, {}, 0, 0},
         {"low-skew",
          "close to uniform, as reported for OLMoE: the hottest 12.5 % take ~18 %, the hottest "
          "25 % ~33 %",
-         {{0.125, 0.18}, {0.25, 0.33}}},
+         {{0.125, 0.18}, {0.25, 0.33}}, {}, 0, 0},
+        // Routing as real models' router logs show it (docs/routing.md): weak static skew, reuse
+        // between neighbouring tokens and layers that the model itself makes (ContextRouting).
+        {"mixtral-like",
+         "Mixtral-8x7B's decode (8 experts, top-2): the hottest 1/8 take ~20 %, 2/8 ~36 %; ~36 % of a "
+         "token's experts used by the previous token (25 % by chance); ~44 % predictable from the layer before",
+         {{0.125, 0.20}, {0.25, 0.36}}, {0.6, 16, 0.3}, 8, 2},
+        {"qwen3-next-like",
+         "a 512-expert model (Qwen3-Next-like, top-10): weak static skew (a static top-32 learnt on half a "
+         "run takes ~10 % of the other half), strong reuse (a per-layer LRU of 64 hits ~67 %)",
+         {{0.125, 0.19}, {0.25, 0.33}}, {3.0, 16, 0.3}, 512, 10},
+        {"deepseek-like",
+         "a 256-expert model (DeepSeek-like, top-8): DeepSeek-V4-Flash's skew (the hottest 12.5 % take "
+         "~58 %), reuse between tokens, layers that predict each other",
+         {{0.125, 0.58}, {0.25, 0.71}}, {1.5, 16, 0.8}, 256, 8},
     };
     return kPresets;
 }

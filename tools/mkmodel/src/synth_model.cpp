@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <unordered_set>
 
@@ -160,6 +161,50 @@ Vocab make_vocab(uint32_t n, uint64_t seed) {
 }
 
 constexpr double kWeightSigma = 0.02;
+constexpr double kRopeBase = 1000000.0;  // rope.freq_base
+// The context attention's softmax sharpness: tokens outside its window weigh about e^-10 each
+// against those inside, so a thousand of them weigh less than one inside.
+constexpr double kContextSharpness = 10.0;
+
+// The RoPE pairs the context attention's query and key use (NEOX: pair i rotates dims i and
+// i + head_dim / 2 by position x theta_i, theta_i = base^(-2i / head_dim)): those of theta in
+// [1 / (8 window), 1 / window]. Their cosines are all near 1 within about `window` tokens and
+// spread out beyond, so the softmax weighs the last `window` tokens about alike and the rest
+// near exp(-sharpness): a window that moves with the token, no token (itself included) ruling it.
+// At least two pairs, the nearest to that band.
+std::vector<uint32_t> context_pairs(uint32_t head_dim, double window) {
+    const uint32_t pairs = head_dim / 2;
+    std::vector<std::pair<double, uint32_t>> by_distance;
+    std::vector<uint32_t> in;
+    for (uint32_t i = 0; i < pairs; ++i) {
+        const double theta = std::pow(kRopeBase, -2.0 * i / head_dim);
+        if (theta <= 1.0 / window && theta >= 1.0 / (8 * window)) in.push_back(i);
+        by_distance.emplace_back(std::abs(std::log(theta * window * std::sqrt(8.0))), i);
+    }
+    if (in.size() >= 2) return in;
+    std::sort(by_distance.begin(), by_distance.end());
+    return {std::min(by_distance[0].second, by_distance[1].second), std::max(by_distance[0].second, by_distance[1].second)};
+}
+
+// The context attention's weights by distance d = 0 .. n-1: exp(s (K(d) - 1)), K(d) the mean
+// over its pairs of cos(d theta_i).
+std::vector<double> context_kernel(double s, uint32_t head_dim, const std::vector<uint32_t>& pairs, uint32_t n) {
+    std::vector<double> w(n);
+    for (uint32_t d = 0; d < n; ++d) {
+        double k = 0;
+        for (const uint32_t i : pairs) k += std::cos(static_cast<double>(d) * std::pow(kRopeBase, -2.0 * i / head_dim));
+        w[d] = std::exp(s * (k / static_cast<double>(pairs.size()) - 1.0));
+    }
+    return w;
+}
+
+// Rows of f16 from a function of (row, column).
+RowFiller half_rows(uint64_t row_elems, std::function<float(uint64_t, uint64_t)> value) {
+    return [=](uint64_t first, uint64_t n, uint8_t* out) {
+        for (uint64_t r = 0; r < n; ++r)
+            for (uint64_t i = 0; i < row_elems; ++i) put_half(out + (r * row_elems + i) * 2, value(first + r, i));
+    };
+}
 
 }  // namespace
 
@@ -183,6 +228,11 @@ Result<void> validate(const ModelSpec& s) {
         return failf("--heads {} is not a multiple of --heads-kv {}", s.n_head, s.n_head_kv);
     if (s.head_dim % 2 != 0 || s.head_dim == 0) return failf("--head-dim {} must be even", s.head_dim);
     if (s.n_vocab < 400) return failf("--vocab {} is too small: the tokenizer alone needs 400", s.n_vocab);
+    if (!(s.context.weight >= 0 && s.context.weight <= 100))
+        return failf("--context-weight {} is not in [0, 100]", s.context.weight);
+    if (!(s.context.window >= 1 && s.context.window <= 4096))
+        return failf("--context-window {} is not in [1, 4096] tokens", s.context.window);
+    if (!(s.context.follow >= 0 && s.context.follow < 1)) return failf("--router-follow {} is not in [0, 1)", s.context.follow);
     for (const auto& [what, t] : {std::pair{"--expert-type", s.expert_type}, std::pair{"--dense-type", s.dense_type}})
         if (!supported_type(t.id))
             return failf("{} {}: not one this generator writes (f32, f16, q4_0, q4_1, q5_0, q5_1, "
@@ -238,7 +288,7 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
     w.add(a + ".attention.head_count_kv", s.n_head_kv);
     w.add(a + ".attention.key_length", s.head_dim);
     w.add(a + ".attention.value_length", s.head_dim);
-    w.add(a + ".rope.freq_base", 1000000.0f);
+    w.add(a + ".rope.freq_base", static_cast<float>(kRopeBase));
     w.add(a + ".attention.layer_norm_rms_epsilon", 1e-6f);
     w.add(a + ".expert_count", s.n_experts);
     w.add(a + ".expert_used_count", s.n_experts_used);
@@ -256,6 +306,9 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
     w.add("moecache.mkmodel.preset", s.preset);
     w.add("moecache.mkmodel.router_skew_scale", static_cast<float>(s.skew.scale));
     w.add("moecache.mkmodel.router_skew_shape", static_cast<float>(s.skew.shape));
+    w.add("moecache.mkmodel.context_weight", static_cast<float>(s.context.weight));
+    w.add("moecache.mkmodel.context_window", static_cast<float>(s.context.window));
+    w.add("moecache.mkmodel.router_follow", static_cast<float>(s.context.follow));
     w.add("moecache.mkmodel.expert_rank", U32Array{expert_ranks(s)});
 
     uint64_t tid = 0;
@@ -301,34 +354,94 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
         // Attention does not see axis 0: otherwise attn_v carries the common component into every
         // token's hidden state as a fixed vector, a fixed per-expert offset at the next routers
         // that blurs the intended ranking (seen as skew in the uniform preset).
+        const bool context = s.context.weight > 0 && l == 0;
         tensor(p + "attn_norm.weight", f32, {n_embd}, [=](uint64_t, uint64_t, uint8_t* out) {
             auto* f = reinterpret_cast<float*>(out);
             std::fill(f, f + n_embd, 1.0f);
-            f[0] = 0.0f;
+            f[0] = context ? 1.0f : 0.0f;
         });
-        random_tensor(p + "attn_q.weight", s.dense_type, {n_embd, n_q}, kWeightSigma);
-        random_tensor(p + "attn_k.weight", s.dense_type, {n_embd, n_kv}, kWeightSigma);
-        random_tensor(p + "attn_v.weight", s.dense_type, {n_embd, n_kv}, kWeightSigma);
-        random_tensor(p + "attn_output.weight", s.dense_type, {n_q, n_embd}, kWeightSigma);
-        tensor(p + "attn_q_norm.weight", f32, {s.head_dim}, constant_rows(s.head_dim, 1.0f));
-        tensor(p + "attn_k_norm.weight", f32, {s.head_dim}, constant_rows(s.head_dim, 1.0f));
+        if (context) {
+            // The query and key read axis 0 alone (the first half of each RoPE pair), the values
+            // every axis but 0 (unit spread), and the output adds the mix back off axis 0 with
+            // `weight` times the token's own spread at a typical position (256).
+            const uint32_t hd = s.head_dim;
+            const double sharp = kContextSharpness;
+            const auto pairs = context_pairs(hd, s.context.window);
+            const auto kernel = context_kernel(sharp, hd, pairs, 256);
+            double sum = 0, sq = 0;
+            for (const double x : kernel) {
+                sum += x;
+                sq += x * x;
+            }
+            const double eta = sq / (sum * sum);
+            const double v_sigma = std::sqrt(2.0 / static_cast<double>(n_embd - 1));
+            const double o_sigma = s.context.weight / std::sqrt(static_cast<double>(n_q) * eta);
+            std::vector<char> used_dim(hd, 0);
+            for (const uint32_t i : pairs) used_dim[i] = 1;
+            const auto axis0 = [hd, used_dim](uint64_t r, uint64_t i) { return i == 0 && used_dim[r % hd] ? 1.0f : 0.0f; };
+            tensor(p + "attn_q.weight", f16, {n_embd, n_q}, half_rows(static_cast<uint64_t>(n_embd), axis0));
+            tensor(p + "attn_k.weight", f16, {n_embd, n_kv}, half_rows(static_cast<uint64_t>(n_embd), axis0));
+            const uint64_t v_seed = seed_of(s.seed, 0x76616c7565ull, l), o_seed = seed_of(s.seed, 0x6f7574707574ull, l);
+            tensor(p + "attn_v.weight", f16, {n_embd, n_kv}, half_rows(static_cast<uint64_t>(n_embd), [=](uint64_t r, uint64_t i) {
+                if (i == 0) return 0.0f;
+                Rng rng(seed_of(v_seed, r * static_cast<uint64_t>(n_embd) + i));
+                return static_cast<float>(rng.normal() * v_sigma);
+            }));
+            tensor(p + "attn_output.weight", f16, {n_q, n_embd}, half_rows(static_cast<uint64_t>(n_q), [=](uint64_t r, uint64_t i) {
+                if (r == 0) return 0.0f;
+                Rng rng(seed_of(o_seed, r * static_cast<uint64_t>(n_q) + i));
+                return static_cast<float>(rng.normal() * o_sigma);
+            }));
+            // Norm weights c on both: the score at distance 0 is c^2 sqrt(head_dim) = sharp.
+            const auto c = static_cast<float>(std::sqrt(sharp / std::sqrt(static_cast<double>(hd))));
+            tensor(p + "attn_q_norm.weight", f32, {s.head_dim}, constant_rows(s.head_dim, c));
+            tensor(p + "attn_k_norm.weight", f32, {s.head_dim}, constant_rows(s.head_dim, c));
+        } else {
+            random_tensor(p + "attn_q.weight", s.dense_type, {n_embd, n_q}, kWeightSigma);
+            random_tensor(p + "attn_k.weight", s.dense_type, {n_embd, n_kv}, kWeightSigma);
+            random_tensor(p + "attn_v.weight", s.dense_type, {n_embd, n_kv}, kWeightSigma);
+            random_tensor(p + "attn_output.weight", s.dense_type, {n_q, n_embd}, kWeightSigma);
+            tensor(p + "attn_q_norm.weight", f32, {s.head_dim}, constant_rows(s.head_dim, 1.0f));
+            tensor(p + "attn_k_norm.weight", f32, {s.head_dim}, constant_rows(s.head_dim, 1.0f));
+        }
         tensor(p + "ffn_norm.weight", f32, {n_embd}, constant_rows(static_cast<uint64_t>(n_embd), 1.0f));
         // Router row e: bias_e / A on axis 0 (the embedding carries A there), noise of variance
         // 1 / (n_embd - 1) per other axis, so g_e . r ~ N(0, 1) for embeddings r ~ N(0, I).
+        // The context adds its spread to the token's in every router's noise: the bias grows with it,
+        // so that the popularity stays the skew's.
+        const double noise = std::sqrt(1.0 + s.context.weight * s.context.weight);
         std::vector<float> bias(static_cast<size_t>(n_exp));
         for (int64_t e = 0; e < n_exp; ++e) {
             const double rank = ranks[size_t{l} * s.n_experts + static_cast<size_t>(e)];
             bias[static_cast<size_t>(e)] = static_cast<float>(
-                -s.skew.scale * std::pow(std::log(rank + 1.0), s.skew.shape) / A);
+                -s.skew.scale * noise * std::pow(std::log(rank + 1.0), s.skew.shape) / A);
         }
-        const uint64_t router_seed = seed_of(s.seed, 0x726f757465ull, l);
         const double g = 1.0 / std::sqrt(static_cast<double>(n_embd - 1));
+        // Row e of layer l: its own noise, or with follow f, sqrt(1 - f) of its own and sqrt(f) of
+        // row pi(e) of layer l-1 (the expert of the same popularity rank there), recursively.
+        const double follow = s.context.follow;
+        const uint64_t base_seed = s.seed;
+        const uint32_t n_experts = s.n_experts, layer = l;
+        std::vector<uint32_t> by_rank(size_t{s.n_layers} * s.n_experts);  // [layer][rank] = expert
+        for (uint32_t ll = 0; ll < s.n_layers; ++ll)
+            for (uint32_t e = 0; e < s.n_experts; ++e) by_rank[size_t{ll} * s.n_experts + ranks[size_t{ll} * s.n_experts + e]] = e;
         tensor(p + "ffn_gate_inp.weight", f32, {n_embd, n_exp}, [=](uint64_t first, uint64_t n, uint8_t* out) {
+            std::vector<double> acc(static_cast<size_t>(n_embd));
             for (uint64_t r = 0; r < n; ++r) {
-                Rng rng(seed_of(router_seed, first + r));
                 auto* row = reinterpret_cast<float*>(out) + r * static_cast<uint64_t>(n_embd);
+                std::fill(acc.begin(), acc.end(), 0.0);
+                uint32_t e = static_cast<uint32_t>(first + r);
+                double share = 1.0;
+                for (uint32_t ll = layer;; --ll) {
+                    const double own = ll == 0 || follow == 0 ? share : share * std::sqrt(1 - follow);
+                    Rng rng(seed_of(seed_of(base_seed, 0x726f757465ull, ll), e));
+                    for (int64_t i = 1; i < n_embd; ++i) acc[static_cast<size_t>(i)] += own * rng.normal();
+                    if (ll == 0 || follow == 0) break;
+                    share *= std::sqrt(follow);
+                    e = by_rank[size_t{ll - 1} * n_experts + ranks[size_t{ll} * n_experts + e]];
+                }
                 row[0] = bias[first + r];
-                for (int64_t i = 1; i < n_embd; ++i) row[i] = static_cast<float>(rng.normal() * g);
+                for (int64_t i = 1; i < n_embd; ++i) row[i] = static_cast<float>(acc[static_cast<size_t>(i)] * g);
             }
         });
         random_tensor(p + "ffn_gate_exps.weight", s.expert_type, {n_embd, n_ff, n_exp}, kWeightSigma);

@@ -30,6 +30,8 @@ struct Preset {
     std::string name;
     std::string description;
     std::vector<CoveragePoint> targets;  // empty: uniform routing
+    ContextRouting context;              // reuse between tokens and layers, made by the model
+    uint32_t experts = 0, used = 0;      // the shape it describes (0: as asked)
 };
 const std::vector<Preset>& presets();
 const Preset* find_preset(const std::string& name);

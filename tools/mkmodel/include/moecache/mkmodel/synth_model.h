@@ -28,6 +28,20 @@ struct RouterSkew {
     double shape = 1.0;  // P
 };
 
+// Routing that real models show beside popularity (docs/routing.md): reuse between neighbouring
+// tokens and layers that predict each other. Made by the model itself, not replayed: layer 0's
+// attention reads a constant query and key (the embeddings' common axis) on RoPE pairs whose
+// cosines stay near 1 for about `window` tokens, so position alone weighs the past: the last
+// `window` tokens about alike, the rest near nothing. Its output, a mix of those tokens' values,
+// drifts as the window moves; it joins the residual with `weight` times the token's own spread,
+// and every router reads it. `follow` correlates router row e of layer l+1 with row pi(e) of
+// layer l (pi: the expert of the same popularity rank), so layer l's experts predict l+1's.
+struct ContextRouting {
+    double weight = 0;   // 0: off (attention as before: no axis 0, random weights)
+    double window = 16;  // tokens, [1, 4096]
+    double follow = 0;   // [0, 1)
+};
+
 struct ModelSpec {
     std::string name = "moecache-synthetic";
     uint32_t n_layers = 8;
@@ -44,6 +58,7 @@ struct ModelSpec {
     GgmlTypeInfo dense_type = *ggml_type_info(ggml::Q8_0);
     uint64_t seed = 1;
     RouterSkew skew;
+    ContextRouting context;
     std::string preset;  // for the record: the preset that chose the skew, if any
 };
 
