@@ -156,9 +156,10 @@ TEST(MkModel, RealRoutingPresetsBringTheirShapeAndReuseUnlessTheOptionsSay) {
 }
 
 TEST(MkModel, ContextAndFollowAreOffByDefaultAndChangeTheModelWhenOn) {
-    // The reuse and the layers' pairing are off by default (the routers' rows and attention are
-    // drawn as before them, so older benchmarks' models route as they did): the same seed writes
-    // the same bytes as a model that names them off, and other bytes with them on.
+    // The reuse and the layers' pairing are off by default (the routers' rows, attention and
+    // metadata as before them, so older benchmarks' models and their layout stay as they were):
+    // the same seed writes the same bytes as a model that names them off, and other bytes with
+    // them on.
     test::TempDir dir;
     const auto a = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("a.gguf"), "--layers", "2", "--seed", "7"});
     const auto b = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file("b.gguf"), "--layers", "2", "--seed", "7",

@@ -306,9 +306,12 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
     w.add("moecache.mkmodel.preset", s.preset);
     w.add("moecache.mkmodel.router_skew_scale", static_cast<float>(s.skew.scale));
     w.add("moecache.mkmodel.router_skew_shape", static_cast<float>(s.skew.shape));
-    w.add("moecache.mkmodel.context_weight", static_cast<float>(s.context.weight));
-    w.add("moecache.mkmodel.context_window", static_cast<float>(s.context.window));
-    w.add("moecache.mkmodel.router_follow", static_cast<float>(s.context.follow));
+    // Only where they are on: a model without them keeps the layout (and offsets) of before.
+    if (s.context.weight > 0) {
+        w.add("moecache.mkmodel.context_weight", static_cast<float>(s.context.weight));
+        w.add("moecache.mkmodel.context_window", static_cast<float>(s.context.window));
+    }
+    if (s.context.follow > 0) w.add("moecache.mkmodel.router_follow", static_cast<float>(s.context.follow));
     w.add("moecache.mkmodel.expert_rank", U32Array{expert_ranks(s)});
 
     uint64_t tid = 0;
