@@ -80,9 +80,11 @@ void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) 
     if (split_rank_.size() != cells_.size()) {
         split_rank_.assign(cells_.size(), 0);
         split_rank_at_.assign(n_layers_, UINT64_MAX);
+        routed_layers_ = 0;
     }
     uint32_t* rank = &split_rank_[index(layer, 0)];
     if (split_rank_at_[layer] == UINT64_MAX || clock_ - split_rank_at_[layer] >= kSplitRankTokens) {
+        if (split_rank_at_[layer] == UINT64_MAX) ++routed_layers_;
         split_rank_at_[layer] = clock_;
         std::vector<uint32_t> order(n);
         std::vector<double> h(n);
@@ -115,7 +117,9 @@ void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t>
     size_t room[kSplits];
     for (unsigned k = 0; k < kSplits; ++k) {
         by_heat[k] = static_cast<uint32_t>(std::lround((1.0 - kSplitShares[k]) * cap));
-        room[k] = static_cast<size_t>(std::max(0.0, (cap - by_heat[k]) * n_layers_));
+        // The tier holds `cap` of each layer that routes: a model routing some of its layers (a
+        // runtime that offloads the rest) gives the LRU part no room of the others.
+        room[k] = static_cast<size_t>(std::max(0.0, (cap - by_heat[k]) * std::max<uint32_t>(routed_layers_, 1)));
     }
     uint32_t held[kSplits] = {}, seen = 0;
     for (uint32_t e : experts) {
@@ -156,8 +160,9 @@ void HeatTable::score_split(Split& sp, uint32_t layer, std::span<const uint32_t>
     // share cut for nothing costs more than the scores show: what leaves RAM's locks is read
     // again, and a pool's LRU part admits every miss it sees, a copy each).
     if (best != 0 && sp.score[best] < sp.score[0] + sp.recency_margin) best = 0;
-    if (sp.events >= kSplitFirstEvents && clock_ - sp.first_clock >= kSplitFirstTokens && best != sp.k &&
-        std::abs(sp.score[best] - sp.score[sp.k]) > 0.002) {
+    const bool decisive = sp.events >= kSplitDecisiveEvents && sp.score[best] > sp.score[0] + kSplitDecisiveLead;
+    const bool first_due = sp.events >= kSplitFirstEvents && clock_ - sp.first_clock >= kSplitFirstTokens;
+    if ((decisive || first_due) && best != sp.k && std::abs(sp.score[best] - sp.score[sp.k]) > 0.002) {
         sp.k = best;
     }
 }

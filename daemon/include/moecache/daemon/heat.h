@@ -120,8 +120,16 @@ private:
     // direction to a quarter.
     static constexpr uint64_t kSplitFirstEvents = 2048;
     static constexpr uint64_t kSplitFirstTokens = 64;
+    // Unless the lead is decisive: a split that holds this much more than heat alone, after
+    // this many events scored, moves at once. Routing whose hot set moves every few tokens (the
+    // qwen3-next-like model's, docs/routing.md) gives recency a 55-point lead by its 100th token,
+    // and waiting for the 2048th event (~290 tokens of 8 layers) held the locks to an LFU-like set
+    // for a fifth of the run: 9.6 points below LRU at 10 % of RAM.
+    static constexpr uint64_t kSplitDecisiveEvents = 64;
+    static constexpr double kSplitDecisiveLead = 0.2;
     std::vector<uint32_t> split_rank_;     // per cell: its heat rank in its layer, as last taken
     std::vector<uint64_t> split_rank_at_;  // per layer: the clock then
+    uint32_t routed_layers_ = 0;          // layers routed at least once: the ghosts' LRU room is theirs
     struct Lru {  // cells, most lately used first
         std::list<uint32_t> order;
         std::vector<std::list<uint32_t>::iterator> at;
