@@ -1,5 +1,7 @@
 #include "moecache/backend/read_ahead.h"
 
+#include "moecache/text.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -14,32 +16,28 @@ std::optional<MappingReads> mapping_reads(std::string_view text, uintptr_t addre
     // Each mapping: a header "start-end perms offset dev inode [path]", then "Key: value" lines,
     // VmFlags among them.
     std::optional<MappingReads> found;
-    size_t pos = 0;
-    while (pos < text.size()) {
-        size_t eol = text.find('\n', pos);
-        if (eol == std::string_view::npos) eol = text.size();
-        const std::string_view line = text.substr(pos, eol - pos);
-        pos = eol + 1;
+    for_each_line(text, [&](std::string_view line) {
         const size_t dash = line.find('-');
         const size_t space = line.find(' ');
         const bool header = dash != std::string_view::npos && space != std::string_view::npos && dash < space &&
                             line.substr(0, dash).find_first_not_of("0123456789abcdef") == std::string_view::npos;
         if (header) {
-            if (found) return found;  // the mapping had no VmFlags line: not random
+            if (found) return false;  // the mapping had no VmFlags line: not random
             const std::string a(line.substr(0, dash)), b(line.substr(dash + 1, space - dash - 1));
             char* end_a = nullptr;
             char* end_b = nullptr;
             const auto start = static_cast<uintptr_t>(strtoull(a.c_str(), &end_a, 16));
             const auto end = static_cast<uintptr_t>(strtoull(b.c_str(), &end_b, 16));
             if (*end_a == '\0' && *end_b == '\0' && address >= start && address < end) found = MappingReads{start, end, false};
-            continue;
+            return true;
         }
         if (found && line.rfind("VmFlags:", 0) == 0) {
             const std::string flags = " " + std::string(line.substr(8)) + " ";
             found->random = flags.find(" rr ") != std::string::npos;
-            return found;
+            return false;
         }
-    }
+        return true;
+    });
     return found;
 }
 

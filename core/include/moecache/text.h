@@ -27,4 +27,17 @@ inline constexpr size_t kMaxShownName = 256;
 uint64_t name_hash(std::string_view s);
 std::string shown_name(std::string_view s);
 
+// Calls f(line) for each line of text, without its newline (a last line without one too), until f
+// returns false. For /proc files and other line-oriented text read whole.
+template <class F>
+void for_each_line(std::string_view text, F&& f) {
+    size_t pos = 0;
+    while (pos < text.size()) {
+        size_t eol = text.find('\n', pos);
+        if (eol == std::string_view::npos) eol = text.size();
+        if (!f(text.substr(pos, eol - pos))) return;
+        pos = eol + 1;
+    }
+}
+
 }  // namespace moecache
