@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
     uint32_t model_id = UINT32_MAX;
     tracegen::Spec shape;
     shape.tokens = 4000;
-    bool experts_given = false;
+    bool experts_given = false, used_given = false;
     auto flag = [&](const std::string& a) {
         if (a == "--table") return table = true;
         if (a == "--pinned") return pinned = true;
@@ -113,7 +113,7 @@ int main(int argc, char** argv) {
         else if (a == "--tick") ok = mkmodel::parse_double(v, base.tick_seconds) && base.tick_seconds > 0 && base.tick_seconds < 1e6;
         else if (a == "--layers") ok = mkmodel::parse_number(v, shape.n_layers);
         else if (a == "--experts") ok = mkmodel::parse_number(v, shape.n_experts), experts_given = true;
-        else if (a == "--experts-used") ok = mkmodel::parse_number(v, shape.n_used);
+        else if (a == "--experts-used") ok = mkmodel::parse_number(v, shape.n_used), used_given = true;
         else if (a == "--tokens") ok = mkmodel::parse_number(v, shape.tokens);
         else if (a == "--seed") ok = mkmodel::parse_number(v, shape.seed);
         else if (a == "--storage-gbs") link(base.links.storage);
@@ -148,6 +148,7 @@ int main(int argc, char** argv) {
             // A family of other structure has its own expert count (issue 22's), as moecache-tracegen gives it.
             tracegen::Spec own = shape;
             if (p->family.experts != 0 && !experts_given) own.n_experts = p->family.experts;
+            if (p->family.used != 0 && !used_given) own.n_used = p->family.used;
             auto spec = tracegen::fit(*p, own);
             if (!spec) return die(spec.error().what());
             auto routing = tracegen::generate(*spec);
@@ -156,10 +157,15 @@ int main(int argc, char** argv) {
             const sim::Trace trace = sim::trace_of(*routing, name, 1671168, 25000);
             sim::TraceSummary summary;
             auto r = sim::table_rows(name, trace, trace.models[0], opt, &summary);
-            auto bound = tracegen::bound_hit_rates(*spec, opt.budgets);
-            if (!bound) return die(bound.error().what());
-            std::vector<double> learner(opt.budgets.size(), -1.0);
-            if (spec->keep == 0) {
+            // Routing with noise carried over (the real-like presets) hides its state from the
+            // routing: no bound, and no learner of a fixed popularity (as for a recorded trace).
+            std::vector<double> bound(opt.budgets.size(), -1.0), learner(opt.budgets.size(), -1.0);
+            if (spec->reuse == 0) {
+                auto b = tracegen::bound_hit_rates(*spec, opt.budgets);
+                if (!b) return die(b.error().what());
+                bound = *b;
+            }
+            if (spec->keep == 0 && spec->reuse == 0) {
                 auto l = tracegen::learner_hit_rates(*spec, opt.budgets);
                 if (!l) return die(l.error().what());
                 learner = *l;
@@ -167,7 +173,7 @@ int main(int argc, char** argv) {
             for (auto& row : r)
                 for (size_t i = 0; i < opt.budgets.size(); ++i)
                     if (row.budget == opt.budgets[i]) {
-                        row.bound = (*bound)[i];
+                        row.bound = bound[i];
                         row.learner = learner[i];
                     }
             summary.stats = fmt::format(

@@ -17,7 +17,9 @@ mkmodel's router (popularity skew) with temporal locality and layer-to-layer cor
   --preset NAME         deepseek-v4-flash | low-skew | uniform: fits the skew and the layer
                         correlation to the preset's published statistics for these counts;
                         zipf-256 | topic-shift | bursty | prompts: routing of other structure
-                        (their own expert count unless --experts says otherwise)
+                        (their own expert count unless --experts says otherwise);
+                        mixtral-like | qwen3-next-like | deepseek-like: as real models' router
+                        logs show (docs/routing.md), their own shape and reuse unless given
   --skew S, --skew-shape P   the router skew by hand (excludes --preset)
   --follow B            layer-to-layer correlation: a logit boost in [0, 100] for the experts paired
                         with this token's experts of the previous layer (by hand; else the preset's)
@@ -94,7 +96,7 @@ int main(int argc, char** argv) {
     std::string output, preset, key = "synthetic", stats_of;
     MeasureOptions measure_options;
     uint64_t expert_bytes = 1671168, token_us = 25000;
-    bool skew_given = false, follow_given = false, experts_given = false;
+    bool skew_given = false, follow_given = false, experts_given = false, used_given = false, reuse_given = false;
     auto die = [](const std::string& m) { return mkmodel::usage_error("moecache-tracegen", m); };
     auto option = [&](const std::string& a, const std::string& v) -> moecache::Result<bool> {
         bool ok = true;
@@ -103,7 +105,7 @@ int main(int argc, char** argv) {
         else if (a == "--skew") { ok = mkmodel::parse_double(v, spec.skew.scale); skew_given = true; }
         else if (a == "--skew-shape") ok = mkmodel::parse_double(v, spec.skew.shape);
         else if (a == "--follow") { ok = mkmodel::parse_double(v, spec.follow); follow_given = true; }
-        else if (a == "--reuse") ok = mkmodel::parse_double(v, spec.reuse);
+        else if (a == "--reuse") { ok = mkmodel::parse_double(v, spec.reuse); reuse_given = true; }
         else if (a == "--layers") ok = mkmodel::parse_number(v, spec.n_layers);
         else if (a == "--experts") { ok = mkmodel::parse_number(v, spec.n_experts); experts_given = true; }
         else if (a == "--zipf") ok = mkmodel::parse_double(v, spec.zipf);
@@ -114,7 +116,7 @@ int main(int argc, char** argv) {
             ok = colon != std::string::npos && mkmodel::parse_number(v.substr(0, colon), spec.prompt_tokens) &&
                  mkmodel::parse_number(v.substr(colon + 1), spec.prompt_every);
         }
-        else if (a == "--experts-used") ok = mkmodel::parse_number(v, spec.n_used);
+        else if (a == "--experts-used") { ok = mkmodel::parse_number(v, spec.n_used); used_given = true; }
         else if (a == "--tokens") ok = mkmodel::parse_number(v, spec.tokens);
         else if (a == "--seed") ok = mkmodel::parse_number(v, spec.seed);
         else if (a == "--expert-bytes") ok = mkmodel::parse_number(v, expert_bytes);
@@ -152,10 +154,13 @@ int main(int argc, char** argv) {
         }
         const double follow = spec.follow;
         if (p->family.experts != 0 && !experts_given) spec.n_experts = p->family.experts;
+        if (p->family.used != 0 && !used_given) spec.n_used = p->family.used;
+        const double reuse = spec.reuse;
         auto fitted = fit(*p, spec);
         if (!fitted) return die(fitted.error().what());
         spec = *fitted;
         if (follow_given) spec.follow = follow;
+        if (reuse_given) spec.reuse = reuse;
     }
     auto routing = generate(spec);
     if (!routing) return die(routing.error().what());

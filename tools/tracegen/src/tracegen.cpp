@@ -577,6 +577,16 @@ const std::vector<Preset>& presets() {
          "deepseek-v4-flash", -1, {128, 0, 0, 0.6, 0, 0}},
         {"prompts", "128 experts, DeepSeek-like skew, a 512-token prompt batch every 400 decoded tokens",
          "deepseek-v4-flash", -1, {128, 0, 0, 0, 512, 400}},
+        // As real models' router logs show (docs/routing.md), matching mkmodel's presets of the same
+        // names as measured from llama.cpp: their skew, and reuse as noise carried over.
+        {"mixtral-like", "Mixtral-8x7B's decode: 8 experts, top-2, weak skew, ~36 % of a token's experts "
+         "reused from the previous token, ~44 % predictable from the layer before", "mixtral-like", 0.44,
+         {8, 0, 0, 0, 0, 0, 2, 0.3}},
+        {"qwen3-next-like", "512 experts, top-10: weak static skew (a static top-32 learnt on half a run takes "
+         "~10 % of the rest), strong reuse (a per-layer LRU of 64 hits ~67 %)", "qwen3-next-like", -1,
+         {512, 0, 0, 0, 0, 0, 10, 0.85}},
+        {"deepseek-like", "256 experts, top-8, DeepSeek-V4-Flash's skew, reuse between tokens", "deepseek-like", -1,
+         {256, 0, 0, 0, 0, 0, 8, 0.6}},
     };
     return kPresets;
 }
@@ -589,6 +599,7 @@ const Preset* find_preset(const std::string& name) {
 
 Result<Spec> fit(const Preset& preset, Spec shape) {
     shape.zipf = preset.family.zipf;
+    if (preset.family.reuse > 0) shape.reuse = preset.family.reuse;
     shape.keep = preset.family.keep;
     shape.prompt_tokens = preset.family.prompt_tokens;
     shape.prompt_every = preset.family.prompt_every;

@@ -113,6 +113,8 @@ struct Preset {
         double shift_fraction = 0;    // the popularity drawn anew this far into the trace
         double keep = 0;
         uint32_t prompt_tokens = 0, prompt_every = 0;
+        uint32_t used = 0;   // the family's own experts per token (0: as asked)
+        double reuse = 0;    // token-to-token noise correlation (the real-like presets' reuse)
     } family;
 };
 const std::vector<Preset>& presets();
