@@ -61,7 +61,7 @@
 #
 #   bench/gpu-squeeze.sh LLAMA_BIN [WORKDIR]
 # LLAMA_BIN: a folder with llama-server of a CUDA build and its libraries.
-# Environment: SEED (11: the models' seed), BUNDLE (a scripts/bundle.sh directory; made from MOECACHE_BUILD, default build,
+# Environment: SEED (11: the models' seed), PRESET (mkmodel's routing: deepseek-v4-flash), BUNDLE (a scripts/bundle.sh directory; made from MOECACHE_BUILD, default build,
 #   when not given), CONFIGS, ROUNDS (2), POOL (50), SMALL_POOL (10), RAM_SHARE (0.66),
 #   RESERVE (2GiB), REQUESTS (3), PROMPT_WORDS (1200), N_PREDICT (128), SQ_N_PREDICT (32: the
 #   squeezed CPU runs decode this many), SQ_REQUESTS (REQUESTS: how many requests they send), LAYERS EXPERTS USED EMBD FF (the shape: 32 128 8 2048
@@ -110,10 +110,20 @@ rearm=$bundle/lib/libmoecache-rearm.so
 for f in "$daemon" "$ctl" "$mkmodel" "$hook" "$rearm"; do [ -e "$f" ] || { echo "gpu-squeeze: $f is missing" >&2; exit 2; }; done
 
 # The models: one family, two quantizations, the same routing (seed and preset).
-shape=(--layers "$layers" --experts "${EXPERTS:-128}" --experts-used "${USED:-8}" --embd "${EMBD:-2048}"
-       --ff "${FF:-1792}" --preset deepseek-v4-flash --seed "${SEED:-11}")
+# PRESET: mkmodel's routing preset (deepseek-v4-flash); the real-like ones (mixtral-like,
+# qwen3-next-like, deepseek-like: docs/routing.md) bring their own expert counts unless EXPERTS
+# and USED are given.
+preset=${PRESET:-deepseek-v4-flash}
+shape=(--layers "$layers" --embd "${EMBD:-2048}" --ff "${FF:-1792}" --preset "$preset" --seed "${SEED:-11}")
+case $preset in
+  mixtral-like|qwen3-next-like|deepseek-like)
+    [ -n "${EXPERTS:-}" ] && shape+=(--experts "$EXPERTS")
+    [ -n "${USED:-}" ] && shape+=(--experts-used "$USED") ;;
+  *) shape+=(--experts "${EXPERTS:-128}" --experts-used "${USED:-8}") ;;
+esac
 seed_tag=
 [ "${SEED:-11}" = 11 ] || seed_tag=-s$SEED
+[ "$preset" = deepseek-v4-flash ] || seed_tag=$seed_tag-$preset
 model=$work/decode-${TYPE:-q5_K}$seed_tag.gguf
 pmodel=$work/prompt-${PROMPT_TYPE:-q3_K}$seed_tag.gguf
 [ -f "$model" ] || "$mkmodel" --output "$model" "${shape[@]}" --expert-type "${TYPE:-q5_K}" >/dev/null
