@@ -43,7 +43,7 @@ if [ "${MOECACHE_SKIP_SANITIZE:-0}" != 1 ]; then
   # all; the gcc build above runs them): their code paths run here in the short sim, tracegen and
   # mkmodel tests.
   long='SimReplay\.(RamFollowsRecency|ThePolicyKeepsUp|PredictionIsPrecise|BurstyRouting|APoolFollowsRecency|ARecordedGpuServer)'
-  long+='|TraceGen\.PresetsLand|MkModel\.PresetsMeet|Baselines\.OnTheDeepSeekPreset'
+  long+='|TraceGen\.PresetsLand|TraceGen\.RealLike|MkModel\.PresetsMeet|MkModel\.RealRouting|Baselines\.OnTheDeepSeekPreset'
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-sanitize --output-on-failure -L 'unit|fuzz' -E "$long" -j "$jobs" || status=1
 fi

@@ -430,5 +430,41 @@ TEST(TraceStats, ARecordedTracesDecodeStepsBecomeARoutingAndBadStepsAreNamed) {
     EXPECT_FALSE(routing_from_steps(2, 6, std::span<const RecordedStep>{})) << "nothing to measure";
 }
 
+TEST(TraceGen, RealLikePresetsLandWithinAFifthOfTheirFigures) {
+    // docs/routing.md's figures, as moecache-tracegen --preset P --layers 8 --tokens 1500 gives them.
+    const auto spec_of = [](const char* name) {
+        const Preset* p = find_preset(name);
+        EXPECT_NE(p, nullptr) << name;
+        Spec s;
+        s.n_layers = 8;
+        s.tokens = 1500;
+        s.n_experts = p->family.experts;
+        s.n_used = p->family.used;
+        auto fitted = fit(*p, s);
+        EXPECT_TRUE(fitted) << fitted.error().what();
+        return *fitted;
+    };
+    const auto near = [](double measured, double figure, const char* what) {
+        EXPECT_NEAR(measured, figure, 0.2 * figure) << what;
+    };
+    const Stats m = measure(*generate(spec_of("mixtral-like")));
+    near(m.top_eighth, 0.20, "mixtral-like: the hottest 1/8");
+    near(m.top_quarter, 0.36, "mixtral-like: the hottest 2/8");
+    near(m.reuse, 0.36, "mixtral-like: reuse from the previous token");
+    near(m.reuse_chance, 0.25, "mixtral-like: the same by chance");
+    near(m.next_layer, 0.44, "mixtral-like: next layer");
+    const Spec q = spec_of("qwen3-next-like");
+    EXPECT_EQ(q.n_experts, 512u);
+    EXPECT_EQ(q.n_used, 10u);
+    const Stats w = measure(*generate(q), MeasureOptions{32, {64}});
+    near(w.static_cover, 0.10, "qwen3-next-like: a static top-32 on the second half");
+    near(w.lru_hits.at(0), 0.67, "qwen3-next-like: a per-layer LRU of 64");
+    const Stats d = measure(*generate(spec_of("deepseek-like")));
+    near(d.top_eighth, 0.58, "deepseek-like: the hottest 12.5 %");
+    near(d.top_quarter, 0.71, "deepseek-like: the hottest 25 %");
+    // Their noise carries over: no bound to hold the policy to.
+    EXPECT_FALSE(bound_hit_rates(q, std::vector<double>{0.25}));
+}
+
 }  // namespace
 }  // namespace moecache::tracegen
