@@ -22,4 +22,11 @@ Trace trace_of(const tracegen::Routing& r, const std::string& key, uint64_t expe
     return t;
 }
 
+Result<tracegen::Routing> routing_of(const Trace& trace, const TraceModel& model) {
+    std::vector<tracegen::RecordedStep> steps;
+    for (const auto& d : trace.decisions)
+        if (d.model == model.id) steps.push_back({d.layer, d.tokens, d.experts});
+    return tracegen::routing_from_steps(static_cast<uint32_t>(model.blocks.size()), model.n_experts, steps);
+}
+
 }  // namespace moecache::sim

@@ -1,6 +1,7 @@
 // The routing skew a generated model asks for is the skew a real llama.cpp routes with: measured
 // inside node-llama-cpp by libmoecache-routeprobe.so (per-decode sentinel pages, see
 // tools/routeprobe/include/moecache/routeprobe/route_probe.h), per layer and expert.
+#include "moecache/sim/synthetic.h"
 #include "moecache/sim/trace.h"
 #include "moecache/tracegen/tracegen.h"
 #include "run.h"
@@ -102,9 +103,7 @@ tracegen::Stats measure_trace(const test::TempDir& dir, const std::string& prese
         ADD_FAILURE() << "no model line in " << trace;
         return {};
     }
-    std::vector<tracegen::RecordedStep> steps;
-    for (const auto& d : t->decisions) steps.push_back({d.layer, d.tokens, d.experts});
-    auto routing = tracegen::routing_from_steps(static_cast<uint32_t>(t->models[0].blocks.size()), t->models[0].n_experts, steps);
+    auto routing = sim::routing_of(*t, t->models[0]);
     if (!routing) {
         ADD_FAILURE() << routing.error().what();
         return {};

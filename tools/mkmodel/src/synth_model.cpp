@@ -352,6 +352,9 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
     });
 
     const auto ranks = expert_ranks(s);
+    std::vector<uint32_t> by_rank(ranks.size());  // [layer * n_experts + rank] = expert: the follow's pairing
+    for (uint32_t l = 0; l < s.n_layers; ++l)
+        for (uint32_t e = 0; e < s.n_experts; ++e) by_rank[size_t{l} * s.n_experts + ranks[size_t{l} * s.n_experts + e]] = e;
     for (uint32_t l = 0; l < s.n_layers; ++l) {
         const std::string p = fmt::format("blk.{}.", l);
         // Attention does not see axis 0: otherwise attn_v carries the common component into every
@@ -425,9 +428,6 @@ Result<void> build_model(const ModelSpec& s, GgufWriter& w) {
         const double follow = s.context.follow;
         const uint64_t base_seed = s.seed;
         const uint32_t n_experts = s.n_experts, layer = l;
-        std::vector<uint32_t> by_rank(size_t{s.n_layers} * s.n_experts);  // [layer][rank] = expert
-        for (uint32_t ll = 0; ll < s.n_layers; ++ll)
-            for (uint32_t e = 0; e < s.n_experts; ++e) by_rank[size_t{ll} * s.n_experts + ranks[size_t{ll} * s.n_experts + e]] = e;
         tensor(p + "ffn_gate_inp.weight", f32, {n_embd, n_exp}, [=](uint64_t first, uint64_t n, uint8_t* out) {
             std::vector<double> acc(static_cast<size_t>(n_embd));
             for (uint64_t r = 0; r < n; ++r) {

@@ -1,5 +1,6 @@
 // moecache-tracegen: synthetic router traces (docs/trace.md) for replaying placement policies.
 #include "moecache/mkmodel/cli.h"
+#include "moecache/sim/synthetic.h"
 #include "moecache/sim/trace.h"
 #include "moecache/tracegen/tracegen.h"
 
@@ -76,10 +77,7 @@ int recorded_stats(const std::string& path, const std::string& key, const moecac
         }
     if (model == nullptr)
         return die(key.empty() ? fmt::format("{}: no model line", path) : fmt::format("{}: no model of key {}", path, key));
-    std::vector<tracegen::RecordedStep> steps;
-    for (const auto& d : trace->decisions)
-        if (d.model == model->id) steps.push_back({d.layer, d.tokens, d.experts});
-    auto routing = tracegen::routing_from_steps(static_cast<uint32_t>(model->blocks.size()), model->n_experts, steps);
+    auto routing = sim::routing_of(*trace, *model);
     if (!routing) return die(fmt::format("{}: {}", path, routing.error().what()));
     fmt::print("{} (model {}): {} decode tokens x {} layers, top-{} of {} experts\n", path, model->key, routing->tokens,
                routing->n_layers, routing->n_used, routing->n_experts);

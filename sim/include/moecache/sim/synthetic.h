@@ -10,4 +10,8 @@ namespace moecache::sim {
 
 Trace trace_of(const tracegen::Routing& routing, const std::string& key, uint64_t expert_bytes, uint64_t token_us);
 
+// The other way: the decode steps of `model` in a recorded trace as a Routing, for
+// tracegen::measure (tracegen::routing_from_steps says which steps count).
+Result<tracegen::Routing> routing_of(const Trace& trace, const TraceModel& model);
+
 }  // namespace moecache::sim
