@@ -6,9 +6,9 @@
 #   staticP        the same with mmap
 #   mcP            libmoecache-ggml.so (GGML_BACKEND_PATH, -ot exps=MOECACHE), a pool of P % of the
 #                  experts; suffixes: -none (--load-mode none), -nopin (MOECACHE_GGML_PIN=off),
-#                  -xN (MOECACHE_GGML_CROSS=N%), -warm (a hot profile of its own, kept between
-#                  calls on a warm machine: llama-bench's runs after the first start warm), e.g.
-#                  mc60-none-x0
+#                  -xN (MOECACHE_GGML_CROSS=N%), -thrN (MOECACHE_GGML_THREADS=N), -warm (a hot
+#                  profile of its own, kept between calls on a warm machine: llama-bench's runs
+#                  after the first start warm), e.g. mc60-none-x0, mc60-thr8
 #   diag-mcP...    the same configuration through llama-completion, 24 greedy tokens with ggml's log
 #                  shown (llama-bench hides it) and CUDA_LAUNCH_BLOCKING=1: what a CUDA error says
 #                  and where; PROMPT_WORDS (10) words of prompt: 32 or more make its batches large
@@ -54,7 +54,8 @@ setup() {
             MOECACHE_GGML_PROFILE=off)
       [[ $c == *-warm* ]] && env_+=(MOECACHE_GGML_PROFILE="$work/profiles-$c")
       [[ $c == *-nopin* ]] && env_+=(MOECACHE_GGML_PIN=off)
-      [[ $c == *-x[0-9]* ]] && env_+=(MOECACHE_GGML_CROSS="${c##*-x}%")
+      [[ $c =~ -x([0-9]+) ]] && env_+=(MOECACHE_GGML_CROSS="${BASH_REMATCH[1]}%")
+      [[ $c =~ -thr([0-9]+) ]] && env_+=(MOECACHE_GGML_THREADS="${BASH_REMATCH[1]}")
       args_+=(-ot exps=MOECACHE)
       [[ $c == *-none* ]] && args_+=(--load-mode none) ;;
     *) echo "gpu-backend-probe: unknown configuration $1" >&2; return 1 ;;

@@ -892,7 +892,7 @@ void set_n_threads(ggml_backend_t b, int requested) {
         be.requested_threads = requested;
         be.usable_cpus = usable_cpus();
     }
-    const int n = cpu_half_threads(requested, be.usable_cpus);
+    const int n = be.settings.threads > 0 ? be.settings.threads : cpu_half_threads(requested, be.usable_cpus);
     be.threads = n;
     cpu_threads_seen = n;
     cpu_threads_asked = requested;

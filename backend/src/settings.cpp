@@ -1,5 +1,6 @@
 #include "settings.h"
 
+#include "moecache/backend/cpu_threads.h"
 #include "moecache/cuda/hook_config.h"
 #include "moecache/cuda/hot_profile.h"
 
@@ -40,6 +41,11 @@ Settings settings_from_env(std::string* problem) {
         const auto share = cuda::parse_percent(c);
         if (!share) return off(fmt::format("MOECACHE_GGML_CROSS={}: not auto or a share of the misses (30%)", c));
         s.cross = *share / 100;
+    }
+    if (const char* t = getenv("MOECACHE_GGML_THREADS"); t != nullptr) {
+        const auto n = parse_thread_count(t);
+        if (!n) return off(fmt::format("MOECACHE_GGML_THREADS={}: not auto or a thread count from 1 to 1024", t));
+        s.threads = *n;
     }
     return s;
 }

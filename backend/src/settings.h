@@ -15,6 +15,8 @@
 //                         the two halves level
 //   MOECACHE_GGML_PIN     off: the expert bytes are not pinned for the device's DMA (copies to the
 //                         pool then go through the driver's pageable bounce)
+//   MOECACHE_GGML_THREADS auto, or how many threads compute the CPU's half (1-1024); auto: the
+//                         runtime's count, less one where that is every CPU (cpu_threads.h)
 #pragma once
 
 #include "moecache/cuda/hook_config.h"
@@ -33,6 +35,7 @@ struct Settings {
     bool client = true;
     bool pin = true;
     double cross = -1;  // MOECACHE_GGML_CROSS as a fraction; below 0: auto
+    int threads = 0;     // MOECACHE_GGML_THREADS; 0: auto
     // MOECACHE_GGML_PROFILE: the folder of the models' hot profiles (the hook's, by default), "": off.
     std::string profile_dir;
 };

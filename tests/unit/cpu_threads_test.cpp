@@ -18,5 +18,15 @@ TEST(CpuHalfThreads, LeavesOneCpuWhereTheRuntimeAsksForEveryOne) {
     EXPECT_GE(usable_cpus(), 1);
 }
 
+TEST(CpuHalfThreads, ASetCountIsReadStrictly) {
+    EXPECT_EQ(parse_thread_count("auto"), 0);
+    EXPECT_EQ(parse_thread_count(""), 0);
+    EXPECT_EQ(parse_thread_count("8"), 8);
+    EXPECT_EQ(parse_thread_count("1024"), 1024);
+    for (const char* bad : {"0", "1025", "-4", "+4", " 4", "4 ", "4t", "x", "99999999999999999999"}) {
+        EXPECT_FALSE(parse_thread_count(bad).has_value()) << bad;
+    }
+}
+
 }  // namespace
 }  // namespace moecache::backend

@@ -7,11 +7,17 @@
 // milliseconds then took 20-30 ms (GPU machine, 16 CPUs, 16 threads). One CPU is left to them.
 #pragma once
 
+#include <optional>
+
 namespace moecache::backend {
 
 // The CPU half's threads for a runtime's `requested` count on `cpus` usable CPUs (this process's
 // affinity): the request, less one where it would use every CPU; at least one.
 int cpu_half_threads(int requested, int cpus);
+
+// MOECACHE_GGML_THREADS: "auto" (or empty) is 0, a count from 1 to 1024 is itself; anything else
+// (a sign, a suffix, 0, a count past 1024) is nullopt.
+std::optional<int> parse_thread_count(const char* text);
 
 // The usable CPUs of this process (its affinity mask), at least one.
 int usable_cpus();
