@@ -68,31 +68,26 @@ std::vector<TableRow> table_rows(const std::string& name, const Trace& trace, co
     return rows;
 }
 
-namespace {
-
-// Why a gap target is beyond reach, where it is: " (beyond reach: ...)", else "".
-std::string beyond_reach(const TableRow& row, const TableOptions& opt) {
-    if (!row.gap_beyond_reach(opt.min_gap_closed)) return {};
-    if (row.bound >= 0 && row.bound_gap_closed() < opt.min_gap_closed)
-        return fmt::format(" (beyond reach: the bound, {:.1f} %, closes {:.0f} %)", 100 * row.bound, 100 * row.bound_gap_closed());
-    return fmt::format(" (beyond reach: the learner, {:.1f} %, closes {:.0f} %)", 100 * row.learner,
-                       100 * row.learner_gap_closed());
-}
-
-}  // namespace
-
 std::vector<std::string> missed_targets(const TableRow& row, const TableOptions& opt) {
     std::vector<std::string> out;
     const auto where = fmt::format("{} {} {:.0f} %", row.trace, row.tier, 100 * row.budget);
+    const double mine = 100 * row.tier_rate(row.policy());
     if (row.vs_best_points() < -opt.max_points_below_best)
-        out.push_back(fmt::format("{}: moecache {:.1f} % is {:.1f} points below the better of LRU and LFU", where,
-                                  100 * row.tier_rate(row.policy()), -row.vs_best_points()));
-    const double gap = row.tier_rate(row.baseline(Baseline::Belady)) - row.tier_rate(row.baseline(Baseline::Lru));
-    if ((opt.gap_trace.empty() || row.trace == opt.gap_trace) && gap >= opt.min_gap_points &&
-        row.gap_closed() < opt.min_gap_closed)
-        out.push_back(fmt::format("{}: moecache closes {:.0f} % of the LRU-to-Belady gap, under {:.0f} %{}", where,
-                                  100 * row.gap_closed(), 100 * opt.min_gap_closed,
-                                  beyond_reach(row, opt)));
+        out.push_back(fmt::format("{}: moecache {:.1f} % is {:.1f} points below the better of LRU and LFU", where, mine,
+                                  -row.vs_best_points()));
+    if (row.bound >= 0) {
+        const double bound = 100 * row.bound, best = mine - row.vs_best_points(), room = bound - best;
+        const bool near = mine >= bound - opt.max_points_below_bound;
+        const bool most_of_room = room > opt.room_points && mine - best >= opt.min_room_closed * room;
+        if (!near && !most_of_room)
+            out.push_back(fmt::format("{}: moecache {:.1f} % is {:.1f} points below the bound {:.1f} %{}", where, mine,
+                                      bound - mine, bound,
+                                      room > opt.room_points
+                                          ? fmt::format(" and goes {:.0f} % of the way to it from the better of LRU and LFU "
+                                                        "({:.1f} %), under {:.0f} %",
+                                                        100 * (mine - best) / room, best, 100 * opt.min_room_closed)
+                                          : std::string()));
+    }
     return out;
 }
 
