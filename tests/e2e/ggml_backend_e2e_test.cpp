@@ -105,12 +105,13 @@ TEST_F(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExper
     EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
     EXPECT_EQ(std::stoul(m[2]), 0u) << split.err;
 
-    // None crossing: every miss on the CPU, the same text.
+    // None crossing: every miss on the CPU, the same text; the CPU half on the threads asked for.
     const auto kept = generate(model, {lib, "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%",
-                                       "MOECACHE_GGML_CROSS=0%", "MOECACHE_GGML_LOG=1"});
+                                       "MOECACHE_GGML_CROSS=0%", "MOECACHE_GGML_THREADS=1", "MOECACHE_GGML_LOG=1"});
     EXPECT_EQ(kept.text, cpu.text) << kept.err;
     ASSERT_TRUE(std::regex_search(kept.err, m, crossed)) << kept.err;
     EXPECT_EQ(std::stoul(m[1]), 0u) << kept.err;
+    EXPECT_TRUE(std::regex_search(kept.err, std::regex(R"(on 1 threads of the runtime's \d+)"))) << kept.err;
 }
 
 // A restart keeps the hot set: the first run saves its heat as a hot profile (the hook's format,
@@ -174,6 +175,11 @@ TEST_F(GgmlBackendRuntime, ARuntimeOfAnotherGgmlOrABadSettingRunsOnAndIsToldWhy)
                                             "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_CROSS=nan%", "MOECACHE_GGML_LOG=1"});
     EXPECT_EQ(bad_cross.text, reference.text) << bad_cross.err;
     EXPECT_NE(bad_cross.err.find("MOECACHE_GGML_CROSS=nan%: not auto or a share"), std::string::npos) << bad_cross.err;
+    const auto bad_threads = generate(model, {std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO,
+                                              "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_THREADS=-2", "MOECACHE_GGML_LOG=1"});
+    EXPECT_EQ(bad_threads.text, reference.text) << bad_threads.err;
+    EXPECT_NE(bad_threads.err.find("MOECACHE_GGML_THREADS=-2: not auto or a thread count"), std::string::npos)
+        << bad_threads.err;
 }
 
 // The backend speaks to moecached as the hook does: the daemon hears which experts each layer's
