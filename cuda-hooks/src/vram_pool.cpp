@@ -202,8 +202,10 @@ uint64_t VramPool::admit(const SliceRef& s, uint64_t slice_bytes, StreamId strea
         // among those (up to kDraws tries; a part of 1/32 of the pool is missed 3 times in 10 000),
         // so that a small recency part of a pool the daemon directs is an LRU and not a lottery
         // (bursty routing at 25 % of VRAM, an eighth of the pool to recency: 8 slots drawn from the
-        // whole pool held 80.7 % of the routings, 8 of the part not promoted 85.8 %).
-        constexpr int kSample = 8, kDraws = 256;
+        // whole pool held 80.7 % of the routings, 8 of the part not promoted 85.8 %). 32 drawn, not
+        // 8: an LRU part of half the pool then evicts nearer its oldest (bursty routing at 10 % of
+        // VRAM: 73.4 % held against 72.2; 32 reads of slots an admission, ~0.2 us).
+        constexpr int kSample = 32, kDraws = 1024;
         const uint32_t mine = heat.heat(s.model, s.expert);
         uint32_t best = kNoSlot, best_heat = mine;
         for (int k = 0, drawn = 0; k < kSample && drawn < kDraws; ++drawn) {
