@@ -14,10 +14,73 @@ void ExpertHeat::add_model(uint32_t model, uint32_t n_experts) {
     promoted_[model].resize(n_experts, 0);
     if (last_.size() <= model) last_.resize(model + 1);
     last_[model].resize(n_experts, 0);
+    if (window_.size() <= model) window_.resize(model + 1, 0);
+    for (auto& g : ghosts_) {
+        if (g.at.size() <= model) g.at.resize(model + 1);
+        g.at[model].resize(n_experts, 0);
+    }
+}
+
+void ExpertHeat::set_recent_window(uint32_t model, uint32_t touches) {
+    if (model < window_.size()) window_[model] = std::min(touches, kPromoted / 4);
+}
+
+bool ExpertHeat::recent(uint32_t model, uint32_t expert) const {
+    const uint32_t w = window_[model], last = last_[model][expert];
+    return w > 0 && last != 0 && stamp_ - last <= w;
+}
+
+// One touch of an expert not promoted, before it is stamped: a hit in each ghost that holds it,
+// else it enters, in place of the one its ranking puts last among kDrawn drawn (as the pool draws).
+void ExpertHeat::ghost_touch(uint32_t model, uint32_t expert) {
+    const uint32_t room = capacity_ > promoted_count_ ? capacity_ - promoted_count_ : 0;
+    if (room == 0) return;
+    constexpr int kDrawn = 32;
+    constexpr uint64_t kWindow = 4096;  // the scores' running mean, in touches
+    ++ghost_events_;
+    const double w = 1.0 / static_cast<double>(std::min(ghost_events_, kWindow));
+    for (unsigned r = 0; r < 2; ++r) {
+        Ghost& g = ghosts_[r];
+        const bool hit = g.at[model][expert] != 0;
+        g.score += ((hit ? 1.0 : 0.0) - g.score) * w;
+        if (hit) continue;
+        while (g.members.size() >= room) {
+            size_t victim = 0;
+            uint64_t worst = UINT64_MAX;
+            for (int k = 0; k < kDrawn; ++k) {
+                ghost_rng_ ^= ghost_rng_ << 13, ghost_rng_ ^= ghost_rng_ >> 7, ghost_rng_ ^= ghost_rng_ << 17;
+                const size_t i = ghost_rng_ % g.members.size();
+                const auto [m, e] = g.members[i];
+                // Lower is evicted first: an LRU by last touch; the other by count, below every
+                // expert of the last token's, those by last touch.
+                const uint64_t key = r == 0 || recent(m, e) ? (uint64_t{1} << 32) + last_[m][e] : heat_[m][e];
+                if (key < worst) {
+                    worst = key;
+                    victim = i;
+                }
+            }
+            const auto [vm, ve] = g.members[victim];
+            g.at[vm][ve] = 0;
+            if (victim + 1 != g.members.size()) {
+                g.members[victim] = g.members.back();
+                g.at[g.members[victim].first][g.members[victim].second] = static_cast<uint32_t>(victim + 1);
+            }
+            g.members.pop_back();
+        }
+        g.members.emplace_back(model, expert);
+        g.at[model][expert] = static_cast<uint32_t>(g.members.size());
+    }
+    // After a run of touches; then only on a clear lead either way.
+    constexpr double kLead = 0.01;
+    if (ghost_events_ >= 2048) {
+        if (!window_on_ && ghosts_[1].score > ghosts_[0].score + kLead) window_on_ = true;
+        else if (window_on_ && ghosts_[0].score > ghosts_[1].score + kLead) window_on_ = false;
+    }
 }
 
 void ExpertHeat::touch(uint32_t model, uint32_t expert, uint32_t amount) {
     if (model >= heat_.size() || expert >= heat_[model].size()) return;
+    if (recency_ && !promoted_[model][expert] && window_[model] > 0) ghost_touch(model, expert);
     auto& h = heat_[model][expert];
     h = h >= kPromoted - 1 - amount ? kPromoted - 1 : h + amount;
     touches_ += amount;
@@ -39,13 +102,22 @@ void ExpertHeat::set(uint32_t model, uint32_t expert, uint32_t value) {
 }
 
 void ExpertHeat::set_promoted(uint32_t model, uint32_t expert, bool promoted) {
-    if (model < promoted_.size() && expert < promoted_[model].size()) promoted_[model][expert] = promoted ? 1 : 0;
+    if (model >= promoted_.size() || expert >= promoted_[model].size()) return;
+    auto& p = promoted_[model][expert];
+    if ((p != 0) != promoted) promoted ? ++promoted_count_ : --promoted_count_;
+    p = promoted ? 1 : 0;
 }
 
 uint32_t ExpertHeat::heat(uint32_t model, uint32_t expert) const {
     if (model >= heat_.size() || expert >= heat_[model].size()) return 0;
     if (promoted_[model][expert]) return heat_[model][expert] + kPromoted;
-    return recency_ ? last_[model][expert] : heat_[model][expert];
+    if (!recency_) return heat_[model][expert];
+    if (!window_on_) return last_[model][expert];
+    // The last token's experts just under the promoted, the most lately touched highest; the rest
+    // by count, under every one of those.
+    const uint32_t w = window_[model];
+    if (recent(model, expert)) return kPromoted - 1 - (stamp_ - last_[model][expert]);
+    return std::min(heat_[model][expert], kPromoted - 2 - w);
 }
 
 uint32_t ExpertHeat::count(uint32_t model, uint32_t expert) const {

@@ -270,6 +270,12 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         }
         pool.add_model(0, n_slots, n_slots);
         hook_heat.add_model(0, n_slots);
+        // As the hook sets them: the pool's room in experts, and a token's touches of the model
+        // (experts used x layers).
+        uint32_t used = 0;
+        for (const auto& d : trace.decisions)
+            if (d.model == model.id && d.tokens == 1) used = std::max(used, static_cast<uint32_t>(d.experts.size()));
+        hook_heat.set_recent_window(0, used * n_layers);
 
         view.in_vram.assign(n_slots, 0);
     }
@@ -307,6 +313,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         for (uint32_t s = 0; s < n_slots; ++s) all += bytes_of(s);
         const double mean = static_cast<double>(all) / std::max<uint32_t>(n_slots, 1);
         pool_experts = static_cast<double>(setup.vram_bytes) / std::max(mean, 1.0);
+        hook_heat.set_capacity(static_cast<uint32_t>(pool_experts));
         if (setup.pool_directed > 0)
             heat.set_split_capacity(pool_experts / std::max<uint32_t>(n_layers, 1), daemon::HeatTable::SplitFor::Pool);
     }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 #include <vector>
 
 namespace moecache::cuda {
@@ -331,6 +332,85 @@ TEST(ExpertHeat, WithRecencyTheLastTouchedRanksFirstAndAPromotionAboveAll) {
     EXPECT_GE(h.heat(0, 2), ExpertHeat::kPromoted) << "a promotion ranks above any stamp";
     h.set_recency(false);
     EXPECT_EQ(h.heat(0, 0), 100u);
+}
+
+// The recency part's ranking is learnt from the routing: where a token reuses only what the token
+// before it used (bursty), the last token's experts first and the rest by count; where reuse lasts
+// many tokens (a hot set that drifts), an LRU. Both replayed as ghosts of the part's room.
+namespace recency_ranking {
+constexpr uint32_t kLayers = 4, kExperts = 64, kUsed = 4;
+
+// Feeds `tokens` tokens of `next(layer, previous experts)` to a heat with a recency part of
+// `room` experts; returns the heat.
+template <typename Next>
+ExpertHeat fed(uint32_t room, uint32_t tokens, Next next) {
+    ExpertHeat h;
+    h.add_model(0, kLayers * kExperts);
+    h.set_recency(true);
+    h.set_capacity(room);
+    h.set_recent_window(0, kUsed * kLayers);
+    std::vector<std::vector<uint32_t>> prev(kLayers);
+    for (uint32_t t = 0; t < tokens; ++t)
+        for (uint32_t l = 0; l < kLayers; ++l) {
+            prev[l] = next(l, prev[l]);
+            for (uint32_t e : prev[l]) h.touch(0, l * kExperts + e);
+        }
+    return h;
+}
+
+// Four distinct experts, drawn by `draw` (an expert in [0, kExperts)), those in `keep` first.
+template <typename Draw>
+std::vector<uint32_t> fill(std::vector<uint32_t> keep, Draw draw) {
+    while (keep.size() < kUsed) {
+        const uint32_t e = draw();
+        if (std::find(keep.begin(), keep.end(), e) == keep.end()) keep.push_back(e);
+    }
+    return keep;
+}
+}  // namespace recency_ranking
+
+TEST(ExpertHeat, TheRecencyPartRanksTheLastTokensFirstWhereReuseLastsOneToken) {
+    using namespace recency_ranking;
+    std::mt19937 rng(7);
+    // A skewed popularity (expert e drawn ~ 1/(e+1)); 60 % of tokens keep the last token's experts
+    // but one, the others draw afresh.
+    std::vector<double> weights(kExperts);
+    for (uint32_t e = 0; e < kExperts; ++e) weights[e] = 1.0 / (e + 1);
+    std::discrete_distribution<uint32_t> popular(weights.begin(), weights.end());
+    ExpertHeat h = fed(kLayers * kExperts / 8, 4000, [&](uint32_t, const std::vector<uint32_t>& before) {
+        std::vector<uint32_t> keep;
+        if (!before.empty() && std::uniform_real_distribution<>(0, 1)(rng) < 0.6) keep.assign(before.begin(), before.end() - 1);
+        return fill(keep, [&] { return popular(rng); });
+    });
+    EXPECT_TRUE(h.window_ranking()) << "LRU " << h.ghost_score(0) << ", the last token's first " << h.ghost_score(1);
+    EXPECT_GT(h.ghost_score(1), h.ghost_score(0) + 0.01);
+    // In that ranking: an expert of the last token ranks above any other, the others by count.
+    h.touch(0, 5, 1000);  // hot, and touched now: recent
+    h.touch(0, 7);
+    EXPECT_GT(h.heat(0, 7), h.heat(0, 5)) << "the later touch first among the last token's";
+    for (uint32_t t = 0; t < 2 * kUsed * kLayers; ++t) h.touch(0, 3 * kExperts + kExperts - 1);  // a token's touches and more
+    EXPECT_LT(h.heat(0, 7), h.heat(0, 3 * kExperts + kExperts - 1)) << "no longer the last token's";
+    EXPECT_GT(h.heat(0, 5), h.heat(0, 7)) << "out of the window, by count";
+    h.set_promoted(0, 7, true);
+    EXPECT_GE(h.heat(0, 7), ExpertHeat::kPromoted);
+}
+
+TEST(ExpertHeat, TheRecencyPartStaysAnLruWhereReuseLastsManyTokens) {
+    using namespace recency_ranking;
+    std::mt19937 rng(11);
+    // A hot set of 12 experts a layer that moves on by one every other token, each expert alike:
+    // what was used a few tokens ago is likely again, however often it was used before.
+    uint32_t t = 0;
+    ExpertHeat h = fed(kLayers * kExperts / 8, 4000, [&](uint32_t l, const std::vector<uint32_t>&) {
+        if (l == 0) ++t;
+        const uint32_t start = t / 2;
+        return fill({}, [&] { return (start + std::uniform_int_distribution<uint32_t>(0, 11)(rng)) % kExperts; });
+    });
+    EXPECT_FALSE(h.window_ranking()) << "LRU " << h.ghost_score(0) << ", the last token's first " << h.ghost_score(1);
+    EXPECT_GT(h.ghost_score(0), h.ghost_score(1));
+    h.touch(0, 1, 1000);
+    h.touch(0, 2);
+    EXPECT_GT(h.heat(0, 2), h.heat(0, 1)) << "an LRU: the later touch first, whatever the counts";
 }
 
 TEST(CopyPlan, MergesHostRunsAndServesHits) {

@@ -127,6 +127,7 @@ void Engine::see_every_tensor(DevicePool& dp, const Model& m) {
 void Engine::add_model_to(DevicePool& dp, const Model& m) {
     dp.pool.add_model(m.id, m.n_slices, m.n_experts);
     dp.heat.add_model(m.id, m.n_experts);
+    dp.heat.set_recent_window(m.id, m.map.n_experts_used * static_cast<uint32_t>(m.map.layers.size()));
     if (m.prior.size() == m.n_experts)  // the last run's hot set ranks first until this run's routing moves it
         for (uint32_t e = 0; e < m.n_experts; ++e)
             if (m.prior[e] > 0) dp.heat.set(m.id, e, m.prior[e]);
@@ -240,14 +241,17 @@ void Engine::resize_pool(DevicePool& dp) {
     if (!ctx.ok()) return;
     // Slot bytes, and the room experts of that size take (each slice with its slot's tail room).
     std::vector<std::pair<uint64_t, uint64_t>> classes;
-    uint64_t expert_bytes = 0, expert_room = 0;
+    uint64_t expert_bytes = 0, expert_room = 0, experts = 0;  // experts: of the layers it copies
     {
         std::lock_guard lock(dp.mu);
         for (const auto* m : models_)
-            for (size_t ls = 0; ls < m->map.layers.size(); ++ls)
+            for (size_t ls = 0; ls < m->map.layers.size(); ++ls) {
+                bool counted = false;
                 for (size_t ti = 0; ti < m->map.layers[ls].tensors.size(); ++ti) {
                     const uint32_t id = m->slice(static_cast<int32_t>(ls), static_cast<uint32_t>(ti), 0) / m->map.n_experts;
                     if (m->id >= dp.seen.size() || id >= dp.seen[m->id].size() || !dp.seen[m->id][id]) continue;
+                    if (!counted) experts += m->map.n_experts;
+                    counted = true;
                     const auto& t = m->map.layers[ls].tensors[ti];
                     const uint64_t b = (t.bytes_per_expert + kSlotTail) * m->map.n_experts;
                     expert_bytes += t.bytes_per_expert * m->map.n_experts;
@@ -257,6 +261,7 @@ void Engine::resize_pool(DevicePool& dp) {
                     if (it == classes.end()) classes.emplace_back(t.bytes_per_expert, b);
                     else it->second += b;
                 }
+            }
     }
     dp.sized_for.store(expert_bytes);
     const uint64_t target = pool_target(dp, expert_room);
@@ -304,6 +309,12 @@ void Engine::resize_pool(DevicePool& dp) {
                 slots -= n;
             }
         }
+    }
+    {
+        // The pool's room in experts, for the heat's ranking of its recency part (vram_pool.h).
+        std::lock_guard lock(dp.mu);
+        dp.heat.set_capacity(static_cast<uint32_t>(std::min<uint64_t>(
+            experts, expert_room > 0 ? dp.bytes * experts / expert_room : 0)));
     }
     if (cfg_.log && dp.bytes != before)
         say("device %d: pool of %.2f GiB for %.2f GiB of experts in the layers it copies (%.0f%%), %.2f GiB free before",
