@@ -170,6 +170,7 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     if (!settings.profile_dir.empty()) read_profiles(settings.profile_dir);
     const bool pin = settings.pin;
     registering_ = pin;
+    pageable_ = strncmp(ggml_backend_dev_name(devs_.front().dev), "CUDA", 4) == 0;  // until pinned
     filler_ = std::thread([this, pin] {
         if (pin) register_for_dma();
         {
@@ -625,6 +626,7 @@ void ExpertPool::register_for_dma() {
     }
     std::lock_guard lock(mu);
     stats_.registered = pinned == total || pinned > 0;
+    pageable_ = !stats_.registered;
     stats_.register_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::steady_clock::now() - t0).count());
     if (log_) {

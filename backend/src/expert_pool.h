@@ -73,6 +73,7 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
     uint64_t compute_ns = 0, register_ns = 0, computes = 0;
     struct Phases {
         uint64_t units = 0, prep_ns = 0, issue_ns = 0, build_ns = 0, upload_ns = 0, launch_ns = 0, cpu_ns = 0, cpu_graph_ns = 0, wait_ns = 0, book_ns = 0;
+        uint64_t read_ahead_ns = 0, cross_ns = 0;  // of issue_ns: the misses' reads ahead, their crossings
         // The chains' rows: pooled when they came, crossed over for the compute, computed on the
         // CPU; and the distinct experts the CPU computed (its weight bytes).
         uint64_t hit_rows = 0, crossed_rows = 0, cpu_rows = 0, cpu_experts = 0;
@@ -169,6 +170,9 @@ public:
     // compute copies from the mapping until it is done: decode keeps its misses on the CPU
     // meanwhile (registering()), a large batch waits for it (wait_registered, under mu).
     [[nodiscard]] bool registering() const { return registering_; }
+    // Copies from the experts' memory to the pool's device go through the driver's bounce buffer:
+    // a CUDA device, the expert tensors not (or not yet) pinned. Under mu.
+    [[nodiscard]] bool pageable() const { return pageable_; }
     void wait_registered(std::unique_lock<std::mutex>& lock);
     // Tests: while held, the pool's thread starts no fill (they stay queued).
     void hold_fills(bool hold);
@@ -246,6 +250,7 @@ private:
     bool stop_ = false;
     bool hold_ = false;
     bool registering_ = false;  // under mu
+    bool pageable_ = false;     // under mu
     std::vector<Profile> profiles_;
     std::vector<int32_t> profile_of_;  // by group: its index in profiles_, or -1
 };

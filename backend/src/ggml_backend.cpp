@@ -591,7 +591,9 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     const bool large = ids->ne[1] >= kLargeBatch;
     // What of the misses a lazily loaded mapping does not hold is read now, in large requests, before
     // the CPU or a copy faults it in a page at a time.
+    const auto t_read = Clock::now();
     pool.read_ahead(group, missed);
+    timing.read_ahead_ns += ns_since(t_read);
     uint64_t cross_ns = 0;  // the crossings' copies, as far as they held the CPU (pageable ones do)
     Admitted admitted;
     struct Unsettled {  // what a failed compute gives back
@@ -603,10 +605,18 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     } unsettled{pool, admitted};
     if (split->cpu_rows > 0 && large && pool.registering()) pool.wait_registered(lock);
     if (split->cpu_rows > 0 && !pool.registering()) {
-        const size_t k = (large ? be.crossing_large : be.crossing).count(split->cpu_experts.size());
+        // A small batch's misses do not cross from pageable memory: such a copy is this thread's
+        // own memcpy into the driver's bounce buffer, done before the CPU's half starts, reading the
+        // same bytes the CPU's threads would compute from, and more slowly (the whole stack on the
+        // GPU machine, its experts too large to pin: 3 % of decode's rows crossed, and the device's
+        // half took 1.2 ms a chain to issue, 0.05 of it the graph's own build, upload and launch).
+        const size_t k = large           ? be.crossing_large.count(split->cpu_experts.size())
+                         : pool.pageable() ? 0
+                                           : be.crossing.count(split->cpu_experts.size());
         const auto t_cross = Clock::now();
         const auto crossed = cross_misses(acc->backend, pool, *unit, *split, large, k, staged, admitted);
         cross_ns = ns_since(t_cross);
+        timing.cross_ns += cross_ns;
         if (!crossed.empty()) {
             split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                                unit->weights[0]->n_expert, 1,
@@ -1061,12 +1071,13 @@ void say_stats(const PoolStats& s) {
     for (int large = 0; large < 2; ++large) {
         const auto& p = s.phases[large];
         if (p.units == 0) continue;
-        say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms (its "
-            "graph built in %.0f ms, inputs uploaded in %.0f ms, launched in %.0f ms), the CPU's half %.0f ms (its graphs "
-            "computing %.0f ms, on %d threads of the runtime's %d), the wait for the device %.0f ms, joins and bookkeeping %.0f ms",
+        say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms (the misses "
+            "read ahead in %.0f ms, crossed in %.0f ms; its graph built in %.0f ms, inputs uploaded in %.0f ms, launched in "
+            "%.0f ms), the CPU's half %.0f ms (its graphs computing %.0f ms, on %d threads of the runtime's %d), the wait for "
+            "the device %.0f ms, joins and bookkeeping %.0f ms",
             static_cast<unsigned long long>(p.units), large ? "large" : "small", ms(p.prep_ns), ms(p.issue_ns),
-            ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns), ms(p.cpu_graph_ns), cpu_threads_seen.load(), cpu_threads_asked.load(),
-            ms(p.wait_ns), ms(p.book_ns));
+            ms(p.read_ahead_ns), ms(p.cross_ns), ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns),
+            ms(p.cpu_graph_ns), cpu_threads_seen.load(), cpu_threads_asked.load(), ms(p.wait_ns), ms(p.book_ns));
         const double all = static_cast<double>(p.hit_rows + p.crossed_rows + p.cpu_rows);
         if (all > 0) {
             say("    their rows: %.1f %% pooled, %.1f %% crossed over, %.1f %% on the CPU (%.2f experts a chain there)",
