@@ -69,9 +69,10 @@ void HeatTable::add(uint32_t layer, std::span<const uint32_t> experts, double we
     }
 }
 
-// For split k (of kSplits): F = (1 - k/8) C experts of each layer held by heat, and an LRU of the
-// (C - F) x layers experts' room over the accesses to the others. A routed expert is held if its
-// heat ranks under F, or if that LRU holds it; then it is the LRU's most lately used.
+// For split k (of kSplits): F = (1 - kSplitShares[k]) C experts of each layer held by heat, and an
+// LRU of the (C - F) x layers experts' room over the accesses to the others. A routed expert is
+// held if its heat ranks under F, or if that LRU holds it; then it is the LRU's most lately used.
+// (In a pool the hook may rank that part otherwise: cuda-hooks ExpertHeat learns it.)
 void HeatTable::score_splits(uint32_t layer, std::span<const uint32_t> experts) {
     const uint32_t n = n_experts_;
     // The heat ranks as the tier's locks last followed them: a placement runs about once a second
