@@ -6,6 +6,16 @@
 
 namespace moecache::cuda {
 
+namespace {
+// The draws of the pool's sampled evictions and of the heat's ghosts (xorshift64).
+uint64_t next_draw(uint64_t& state) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+}
+}  // namespace
+
 void ExpertHeat::add_model(uint32_t model, uint32_t n_experts) {
     if (heat_.size() <= model) heat_.resize(model + 1);
     if (promoted_.size() <= model) promoted_.resize(model + 1);
@@ -30,12 +40,42 @@ bool ExpertHeat::recent(uint32_t model, uint32_t expert) const {
     return w > 0 && last != 0 && stamp_ - last <= w;
 }
 
+// An expert not promoted, in the recency part: by its last touch (an LRU); or, with the window,
+// the last token's experts just under the promoted, the most lately touched highest, and the rest
+// by count, under every one of those.
+uint32_t ExpertHeat::recency_rank(uint32_t model, uint32_t expert, bool window) const {
+    if (!window) return last_[model][expert];
+    if (recent(model, expert)) return kPromoted - 1 - (stamp_ - last_[model][expert]);
+    return std::min(heat_[model][expert], kPromoted - 2 - window_[model]);
+}
+
+// The member of a ghost its ranking puts last among kDrawn drawn (as the pool draws), let go.
+void ExpertHeat::ghost_evict(Ghost& g, bool window) {
+    constexpr int kDrawn = 32;
+    size_t victim = 0;
+    uint32_t worst = UINT32_MAX;
+    for (int k = 0; k < kDrawn; ++k) {
+        const size_t i = next_draw(ghost_rng_) % g.members.size();
+        const auto [m, e] = g.members[i];
+        if (const uint32_t r = recency_rank(m, e, window); r < worst) {
+            worst = r;
+            victim = i;
+        }
+    }
+    const auto [vm, ve] = g.members[victim];
+    g.at[vm][ve] = 0;
+    if (victim + 1 != g.members.size()) {
+        g.members[victim] = g.members.back();
+        g.at[g.members[victim].first][g.members[victim].second] = static_cast<uint32_t>(victim + 1);
+    }
+    g.members.pop_back();
+}
+
 // One touch of an expert not promoted, before it is stamped: a hit in each ghost that holds it,
-// else it enters, in place of the one its ranking puts last among kDrawn drawn (as the pool draws).
+// else it enters, in place of the one that ghost's ranking puts last.
 void ExpertHeat::ghost_touch(uint32_t model, uint32_t expert) {
     const uint32_t room = capacity_ > promoted_count_ ? capacity_ - promoted_count_ : 0;
     if (room == 0) return;
-    constexpr int kDrawn = 32;
     constexpr uint64_t kWindow = 4096;  // the scores' running mean, in touches
     ++ghost_events_;
     const double w = 1.0 / static_cast<double>(std::min(ghost_events_, kWindow));
@@ -44,29 +84,7 @@ void ExpertHeat::ghost_touch(uint32_t model, uint32_t expert) {
         const bool hit = g.at[model][expert] != 0;
         g.score += ((hit ? 1.0 : 0.0) - g.score) * w;
         if (hit) continue;
-        while (g.members.size() >= room) {
-            size_t victim = 0;
-            uint64_t worst = UINT64_MAX;
-            for (int k = 0; k < kDrawn; ++k) {
-                ghost_rng_ ^= ghost_rng_ << 13, ghost_rng_ ^= ghost_rng_ >> 7, ghost_rng_ ^= ghost_rng_ << 17;
-                const size_t i = ghost_rng_ % g.members.size();
-                const auto [m, e] = g.members[i];
-                // Lower is evicted first: an LRU by last touch; the other by count, below every
-                // expert of the last token's, those by last touch.
-                const uint64_t key = r == 0 || recent(m, e) ? (uint64_t{1} << 32) + last_[m][e] : heat_[m][e];
-                if (key < worst) {
-                    worst = key;
-                    victim = i;
-                }
-            }
-            const auto [vm, ve] = g.members[victim];
-            g.at[vm][ve] = 0;
-            if (victim + 1 != g.members.size()) {
-                g.members[victim] = g.members.back();
-                g.at[g.members[victim].first][g.members[victim].second] = static_cast<uint32_t>(victim + 1);
-            }
-            g.members.pop_back();
-        }
+        while (g.members.size() >= room) ghost_evict(g, r == 1);
         g.members.emplace_back(model, expert);
         g.at[model][expert] = static_cast<uint32_t>(g.members.size());
     }
@@ -111,13 +129,7 @@ void ExpertHeat::set_promoted(uint32_t model, uint32_t expert, bool promoted) {
 uint32_t ExpertHeat::heat(uint32_t model, uint32_t expert) const {
     if (model >= heat_.size() || expert >= heat_[model].size()) return 0;
     if (promoted_[model][expert]) return heat_[model][expert] + kPromoted;
-    if (!recency_) return heat_[model][expert];
-    if (!window_on_) return last_[model][expert];
-    // The last token's experts just under the promoted, the most lately touched highest; the rest
-    // by count, under every one of those.
-    const uint32_t w = window_[model];
-    if (recent(model, expert)) return kPromoted - 1 - (stamp_ - last_[model][expert]);
-    return std::min(heat_[model][expert], kPromoted - 2 - w);
+    return recency_ ? recency_rank(model, expert, window_on_) : heat_[model][expert];
 }
 
 uint32_t ExpertHeat::count(uint32_t model, uint32_t expert) const {
@@ -219,12 +231,7 @@ uint64_t VramPool::class_bytes(uint64_t slot_bytes) const {
     return 0;
 }
 
-uint64_t VramPool::next_random() {
-    rng_ ^= rng_ << 13;
-    rng_ ^= rng_ >> 7;
-    rng_ ^= rng_ << 17;
-    return rng_;
-}
+uint64_t VramPool::next_random() { return next_draw(rng_); }
 
 void VramPool::empty_slot(uint32_t id) {
     auto& sl = slots_[id];

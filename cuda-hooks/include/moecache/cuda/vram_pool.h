@@ -69,6 +69,8 @@ private:
     uint64_t ghost_events_ = 0, ghost_rng_ = 0x9e3779b97f4a7c15ull;
     bool window_on_ = false;
     [[nodiscard]] bool recent(uint32_t model, uint32_t expert) const;
+    [[nodiscard]] uint32_t recency_rank(uint32_t model, uint32_t expert, bool window) const;
+    void ghost_evict(Ghost& g, bool window);
     void ghost_touch(uint32_t model, uint32_t expert);
     uint64_t experts_ = 0, touches_ = 0;
     uint32_t stamp_ = 0;  // below kPromoted: halved with every last_ when it would reach it
