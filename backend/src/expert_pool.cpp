@@ -170,7 +170,7 @@ ggml_backend_dev_t ExpertPool::device(const Settings& settings) {
     if (!settings.profile_dir.empty()) read_profiles(settings.profile_dir);
     const bool pin = settings.pin;
     registering_ = pin;
-    pageable_ = strncmp(ggml_backend_dev_name(devs_.front().dev), "CUDA", 4) == 0;  // until pinned
+    cuda_ = strncmp(ggml_backend_dev_name(devs_.front().dev), "CUDA", 4) == 0;
     filler_ = std::thread([this, pin] {
         if (pin) register_for_dma();
         {
@@ -576,7 +576,7 @@ void ExpertPool::committed(const ExpertTensor& t, uint32_t expert) {
 // or on another device, copies are pageable.
 void ExpertPool::register_for_dma() {
     const auto t0 = std::chrono::steady_clock::now();
-    if (devs_.empty() || strncmp(ggml_backend_dev_name(devs_.front().dev), "CUDA", 4) != 0) return;
+    if (devs_.empty() || !cuda_) return;
     void* cudart = nullptr;
     for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
         if ((cudart = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) != nullptr) break;
@@ -626,7 +626,6 @@ void ExpertPool::register_for_dma() {
     }
     std::lock_guard lock(mu);
     stats_.registered = pinned == total || pinned > 0;
-    pageable_ = !stats_.registered;
     stats_.register_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::steady_clock::now() - t0).count());
     if (log_) {

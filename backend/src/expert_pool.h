@@ -172,7 +172,7 @@ public:
     [[nodiscard]] bool registering() const { return registering_; }
     // Copies from the experts' memory to the pool's device go through the driver's bounce buffer:
     // a CUDA device, the expert tensors not (or not yet) pinned. Under mu.
-    [[nodiscard]] bool pageable() const { return pageable_; }
+    [[nodiscard]] bool pageable() const { return cuda_ && !stats_.registered; }
     void wait_registered(std::unique_lock<std::mutex>& lock);
     // Tests: while held, the pool's thread starts no fill (they stay queued).
     void hold_fills(bool hold);
@@ -250,7 +250,7 @@ private:
     bool stop_ = false;
     bool hold_ = false;
     bool registering_ = false;  // under mu
-    bool pageable_ = false;     // under mu
+    bool cuda_ = false;         // the pools are on CUDA devices (set with them)
     std::vector<Profile> profiles_;
     std::vector<int32_t> profile_of_;  // by group: its index in profiles_, or -1
 };
