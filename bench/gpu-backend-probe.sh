@@ -13,13 +13,16 @@
 #                  shown (llama-bench hides it) and CUDA_LAUNCH_BLOCKING=1: what a CUDA error says
 #                  and where; PROMPT_WORDS (10) words of prompt: 32 or more make its batches large
 # The model is generated once (moecache-mkmodel: q5_K, 128 experts top-8, embd 2048, ff 1792, the
-# deepseek-v4-flash routing preset, seed 29; LAYERS of them: 8 are 7.3 GiB, 32 are 29 GiB).
+# deepseek-v4-flash routing preset, seed 29; LAYERS of them: 8 are 7.3 GiB, 32 are 29 GiB). PRESET,
+# EXPERTS, USED, EMBD, FF and SEED change it; the real-like presets (mixtral-like, qwen3-next-like,
+# deepseek-like: docs/routing.md) bring their own expert counts unless EXPERTS and USED are given.
 #
 #   bench/gpu-backend-probe.sh LLAMA_BIN
 # LLAMA_BIN: a CUDA llama.cpp build (bench/build-llama-cuda.sh) with llama-bench and
 # llama-completion. Environment: CONFIGS ("cpu mc60 static60-none"), ARGS ("-p 512 -n 32": what
-# llama-bench runs), REPS (2), LAYERS (8), TIMEOUT (seconds a configuration, 120), BACKEND (the
-# library, built against LLAMA_BIN's source), MKMODEL, WORKDIR (/var/tmp/moecache-probe).
+# llama-bench runs), REPS (2), LAYERS (8), PRESET, EXPERTS, USED, EMBD, FF, SEED (the model, above),
+# TIMEOUT (seconds a configuration, 120), BACKEND (the library, built against LLAMA_BIN's source),
+# MKMODEL, WORKDIR (/var/tmp/moecache-probe).
 set -uo pipefail
 bin=$(realpath "${1:?usage: bench/gpu-backend-probe.sh LLAMA_BIN}")
 build=${MOECACHE_BUILD:-build}
@@ -29,11 +32,23 @@ work=${WORKDIR:-/var/tmp/moecache-probe}
 layers=${LAYERS:-8}
 mkdir -p "$work"
 export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-model=$work/probe-$layers.gguf
+preset=${PRESET:-deepseek-v4-flash}
+shape=(--layers "$layers" --embd "${EMBD:-2048}" --ff "${FF:-1792}" --preset "$preset" --seed "${SEED:-29}")
+case $preset in
+  mixtral-like|qwen3-next-like|deepseek-like)
+    [ -n "${EXPERTS:-}" ] && shape+=(--experts "$EXPERTS")
+    [ -n "${USED:-}" ] && shape+=(--experts-used "$USED") ;;
+  *) shape+=(--experts "${EXPERTS:-128}" --experts-used "${USED:-8}") ;;
+esac
+# The default shape keeps its old name (a warm machine's model is reused); any other is named by it.
+tag=
+[ "${shape[*]}" = "--layers $layers --embd 2048 --ff 1792 --preset deepseek-v4-flash --seed 29 --experts 128 --experts-used 8" ] ||
+  tag=-$(echo "${shape[*]}" | tr -d ' -' | tr -c 'A-Za-z0-9.\n' _)
+model=$work/probe-$layers$tag.gguf
 if [ ! -f "$model" ]; then
-  "$mkmodel" --output "$model" --layers "$layers" --experts 128 --experts-used 8 --embd 2048 --ff 1792 \
-    --preset deepseek-v4-flash --expert-type q5_K --seed 29 | tail -n 1
+  "$mkmodel" --output "$model" "${shape[@]}" --expert-type q5_K | tail -n 1
 fi
+echo "== model $(basename "$model"): $(( $(stat -c %s "$model") >> 20 )) MiB (${shape[*]})"
 cat "$model" >/dev/null  # every configuration starts from the same warm page cache
 
 # setup NAME: env_ (the environment), args_ (llama.cpp's arguments beyond the model's)

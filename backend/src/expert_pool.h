@@ -73,6 +73,9 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
     uint64_t compute_ns = 0, register_ns = 0, computes = 0;
     struct Phases {
         uint64_t units = 0, prep_ns = 0, issue_ns = 0, build_ns = 0, upload_ns = 0, launch_ns = 0, cpu_ns = 0, cpu_graph_ns = 0, wait_ns = 0, book_ns = 0;
+        // The process's page faults while CPU halves ran (every thread's: the CPU's threads are
+        // the runtime's pool): whether a slow half waited for the page cache or the disk.
+        uint64_t cpu_minor_faults = 0, cpu_major_faults = 0;
         uint64_t read_ahead_ns = 0, cross_ns = 0;  // of issue_ns: the misses' reads ahead, their crossings
         // The chains' rows: pooled when they came, crossed over for the compute, computed on the
         // CPU; and the distinct experts the CPU computed (its weight bytes).

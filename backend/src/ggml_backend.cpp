@@ -29,6 +29,8 @@
 #include <mutex>
 #include <vector>
 
+#include <sys/resource.h>
+
 #ifndef MOECACHE_GGML_VERSION
 #error "MOECACHE_GGML_VERSION: the ggml version of the source tree built against (backend/CMakeLists.txt)"
 #endif
@@ -276,6 +278,15 @@ bool place(Backend::Acc& acc, const std::vector<ggml_tensor*>& tensors) {
 using Clock = std::chrono::steady_clock;
 uint64_t ns_since(Clock::time_point t0) {
     return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+
+struct Faults {
+    uint64_t minor = 0, major = 0;
+};
+Faults process_faults() {
+    rusage u{};
+    if (getrusage(RUSAGE_SELF, &u) != 0) return {};
+    return {static_cast<uint64_t>(u.ru_minflt), static_cast<uint64_t>(u.ru_majflt)};
 }
 
 // From this many tokens a batch's misses are copied to the device rather than computed on the CPU:
@@ -631,8 +642,12 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         Graph cg(be.ctx_mem_cpu, 0, static_cast<int>(unit->nodes.size()));
         for (auto* node : unit->nodes)
             if (!is_noop(node)) ggml_graph_add_node(cg.graph, node);
+        const Faults before = process_faults();
         const ggml_status st = ggml_backend_graph_compute(be.cpu, cg.graph);
+        const Faults after = process_faults();
         lock.lock();
+        timing.cpu_minor_faults += after.minor - before.minor;
+        timing.cpu_major_faults += after.major - before.major;
         if (st != GGML_STATUS_SUCCESS) return st;
         timing.cpu_ns += ns_since(t0);
         crossing.learn(ns_since(t0), 0);
@@ -764,6 +779,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     }
     // The CPU's half meanwhile: its rows alone where the chain allows (no filler arithmetic),
     // else the chain itself, its MUL_MAT_IDs routed to the CPU's experts and fillers.
+    const Faults faults_before = process_faults();
     auto t_graph = Clock::now();
     if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
         const auto done = cpu_rows_alone(be, *unit, *split, [&] {
@@ -789,6 +805,9 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     const uint64_t cpu_ns = ns_since(t0);
     timing.cpu_ns += cpu_ns;
     if (split->cpu_rows > 0) timing.cpu_graph_ns += ns_since(t_graph);
+    const Faults faults_after = process_faults();
+    timing.cpu_minor_faults += faults_after.minor - faults_before.minor;
+    timing.cpu_major_faults += faults_after.major - faults_before.major;
     t0 = Clock::now();
     if (!downloading) download();
     ggml_backend_synchronize(acc->backend);
@@ -1073,11 +1092,13 @@ void say_stats(const PoolStats& s) {
         if (p.units == 0) continue;
         say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms (the misses "
             "read ahead in %.0f ms, crossed in %.0f ms; its graph built in %.0f ms, inputs uploaded in %.0f ms, launched in "
-            "%.0f ms), the CPU's half %.0f ms (its graphs computing %.0f ms, on %d threads of the runtime's %d), the wait for "
-            "the device %.0f ms, joins and bookkeeping %.0f ms",
+            "%.0f ms), the CPU's half %.0f ms (its graphs computing %.0f ms, on %d threads of the runtime's %d; %llu minor "
+            "and %llu major page faults meanwhile), the wait for the device %.0f ms, joins and bookkeeping %.0f ms",
             static_cast<unsigned long long>(p.units), large ? "large" : "small", ms(p.prep_ns), ms(p.issue_ns),
             ms(p.read_ahead_ns), ms(p.cross_ns), ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns),
-            ms(p.cpu_graph_ns), cpu_threads_seen.load(), cpu_threads_asked.load(), ms(p.wait_ns), ms(p.book_ns));
+            ms(p.cpu_graph_ns), cpu_threads_seen.load(), cpu_threads_asked.load(),
+            static_cast<unsigned long long>(p.cpu_minor_faults), static_cast<unsigned long long>(p.cpu_major_faults),
+            ms(p.wait_ns), ms(p.book_ns));
         const double all = static_cast<double>(p.hit_rows + p.crossed_rows + p.cpu_rows);
         if (all > 0) {
             say("    their rows: %.1f %% pooled, %.1f %% crossed over, %.1f %% on the CPU (%.2f experts a chain there)",
