@@ -106,13 +106,10 @@ void Daemon::place() {
         if (pooled.count(m->id) == 0 && r.n_slots() > 0 && map.expert_bytes_total > 0) {
             // The room in experts a layer: the cap over the mean expert (the map's totals, not a
             // sum over the slots each turn).
-            const uint64_t all = map.expert_bytes_total;
-            const double per_expert = static_cast<double>(all) / r.n_slots();
-            const double layers = static_cast<double>(map.layers.size());
-            m->res->heat().set_split_capacity(static_cast<double>(std::min(f.lock_cap, all)) / per_expert / layers);
+            m->res->heat().set_split_capacity(ram_split_room(f.lock_cap, map.expert_bytes_total, r.n_slots(),
+                                                             static_cast<uint32_t>(map.layers.size())));
             // Only from routing that may steer it (recency_trusted): the learner itself goes on.
-            const double share = recency_trusted(*m) ? m->res->heat().recency_share() : 0.0;
-            if (share > 0) cap = std::min(cap, static_cast<uint64_t>(static_cast<double>(f.lock_cap) * (1.0 - share)));
+            cap = recency_cut_cap(cap, f.lock_cap, recency_trusted(*m) ? m->res->heat().recency_share() : 0.0);
         } else {
             m->res->heat().set_split_capacity(0);
         }

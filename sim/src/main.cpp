@@ -42,7 +42,7 @@ The table:
 Both:
   --tick S              how often the daemon plans, in trace seconds (1)
   --pool-directed F     the share of the VRAM pool the daemon directs and the hook fills ahead (0.9,
-                        as [vram] directed; 0: the elite of each layer alone)
+                        as [vram] directed; 0: nothing directed, as the daemon does)
   --storage-gbs G --h2d-gbs G --h2d-pinned-gbs G --d2d-gbs G --host-memory-gbs G --device-memory-gbs G
                         link bandwidths in GB/s (1.7, 10, 47, 1900, 20, 4800)
   --pinned              host-to-device copies come from pinned memory

@@ -242,8 +242,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     if (!setup.device()) {
         uint64_t all = 0;
         for (uint32_t s = 0; s < n_slots; ++s) all += bytes_of(s);
-        const double mean = static_cast<double>(all) / std::max<uint32_t>(n_slots, 1);
-        heat.set_split_capacity(static_cast<double>(setup.ram_bytes) / std::max(mean, 1.0) / std::max<uint32_t>(n_layers, 1));
+        heat.set_split_capacity(daemon::ram_split_room(setup.ram_bytes, all, n_slots, n_layers));
     }
     uint64_t locked_bytes = 0;
     PageCache cache(n_slots);
@@ -330,7 +329,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             daemon::TurnFacts f;
             f.memory.total = setup.ram_bytes;
             f.memory.available = setup.ram_bytes - std::min(locked_bytes, setup.ram_bytes);
-            f.lock_cap = static_cast<uint64_t>(static_cast<double>(setup.ram_bytes) * (1.0 - heat.recency_share()));
+            f.lock_cap = daemon::recency_cut_cap(setup.ram_bytes, setup.ram_bytes, heat.recency_share());
             f.planner = setup.planner;
             daemon::ModelFacts& mf = f.models.emplace_back();
             mf.view = view;
@@ -382,15 +381,11 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         if (setup.device()) {
             std::vector<uint8_t> want(n_slots, 0);
             // The daemon directs the pool's frequency part; the hook keeps the rest as an LRU
-            // once the split gives recency a share (daemon::pool_directed_experts).
-            const daemon::PoolDirection dir = daemon::pool_direction(
-                one_place, setup.pool_directed, heat.recency_share(daemon::HeatTable::SplitFor::Pool));
-            hook_heat.set_recency(dir.recency > 0);
-            daemon::PlannerSettings planner = setup.planner;
-            planner.move_margin = one_place ? daemon::kOnePlaceMoveMargin : 0;  // as the daemon's direct_pools
-            const std::vector<uint32_t> wanted = setup.pool_directed > 0
-                ? daemon::pool_wanted(heat, planner, daemon::pool_directed_experts(pool_experts, dir.directed, dir.recency, dir.slack), promoted)
-                : daemon::pool_elite(heat, setup.planner);
+            // once the split gives recency a share.
+            const daemon::PoolDirected directed =
+                daemon::direct_pool(heat, setup.planner, one_place, setup.pool_directed, pool_experts, promoted);
+            hook_heat.set_recency(directed.recency);
+            const std::vector<uint32_t>& wanted = directed.wanted;
             for (uint32_t s : wanted) want[s] = 1;
             for (uint32_t s = 0; s < n_slots; ++s)
                 if (want[s] != promoted[s]) {

@@ -654,24 +654,13 @@ void Daemon::direct_pools() {
             const uint64_t expert_bytes = m->res->n_slots() > 0 ? m->res->model().map().expert_bytes_total / m->res->n_slots() : 0;
             const double room = static_cast<double>(pool_bytes) / static_cast<double>(std::max<size_t>(n_models, 1));
             const double pool_experts = expert_bytes > 0 ? std::min<double>(room / static_cast<double>(expert_bytes), m->res->n_slots()) : 0;
-            HeatTable& heat = m->res->heat();
-            const uint32_t n_layers = std::max<uint32_t>(heat.n_layers(), 1);
-            // The split is learnt at the largest pool of the model's clients.
-            if (pool_experts / n_layers > heat.split_capacity(HeatTable::SplitFor::Pool))
-                heat.set_split_capacity(pool_experts / n_layers, HeatTable::SplitFor::Pool);
-            // Under one place the hook's own part would churn storage (each expert its LRU lets go
-            // has no RAM copy left, and it admits only what is promoted): no recency share, and the
-            // whole pool is directed.
-            const PoolDirection dir =
-                pool_direction(m->one_place, config_.pool_directed, heat.recency_share(HeatTable::SplitFor::Pool));
-            recency = recency || dir.recency > 0;
-            const uint32_t capacity = pool_directed_experts(pool_experts, dir.directed, dir.recency, dir.slack);
-            c.directed_capacity += capacity;
             std::vector<uint8_t> held(m->res->n_slots(), 0);
             for (const auto& [mid, slot] : c.promoted)
                 if (mid == m->id && slot < held.size()) held[slot] = 1;
-            settings.move_margin = m->one_place ? kOnePlaceMoveMargin : 0;
-            for (uint32_t slot : pool_wanted(m->res->heat(), settings, capacity, held))
+            const PoolDirected d = direct_pool(m->res->heat(), settings, m->one_place, config_.pool_directed, pool_experts, held);
+            recency = recency || d.recency;
+            c.directed_capacity += d.capacity;
+            for (uint32_t slot : d.wanted)
                 if (want.emplace(m->id, slot).second) order.emplace_back(m->id, slot);
         }
         auto send = [&](std::pair<uint32_t, uint32_t> key, Action a) {

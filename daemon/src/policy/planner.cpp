@@ -174,4 +174,33 @@ std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& 
     return slots;
 }
 
+PoolDirected direct_pool(HeatTable& heat, PlannerSettings settings, bool one_place, double configured_directed,
+                         double pool_experts, std::span<const uint8_t> held) {
+    const uint32_t n_layers = std::max<uint32_t>(heat.n_layers(), 1);
+    // The split is learnt at the largest pool of the model's clients.
+    if (pool_experts / n_layers > heat.split_capacity(HeatTable::SplitFor::Pool))
+        heat.set_split_capacity(pool_experts / n_layers, HeatTable::SplitFor::Pool);
+    // Under one place the hook's own part would churn storage (each expert its LRU lets go has no RAM
+    // copy left, and it admits only what is promoted): no recency share, and the whole pool is
+    // directed.
+    const PoolDirection dir = pool_direction(one_place, configured_directed, heat.recency_share(HeatTable::SplitFor::Pool));
+    PoolDirected out;
+    out.recency = dir.recency > 0;
+    out.capacity = pool_directed_experts(pool_experts, dir.directed, dir.recency, dir.slack);
+    settings.move_margin = one_place ? kOnePlaceMoveMargin : 0;
+    out.wanted = pool_wanted(heat, settings, out.capacity, held);
+    return out;
+}
+
+double ram_split_room(uint64_t lock_cap, uint64_t expert_bytes, uint32_t n_slots, uint32_t n_layers) {
+    if (n_slots == 0 || n_layers == 0 || expert_bytes == 0) return 0;
+    const double per_expert = static_cast<double>(expert_bytes) / n_slots;
+    return static_cast<double>(std::min(lock_cap, expert_bytes)) / per_expert / n_layers;
+}
+
+uint64_t recency_cut_cap(uint64_t cap, uint64_t lock_cap, double share) {
+    if (share <= 0) return cap;
+    return std::min(cap, static_cast<uint64_t>(static_cast<double>(lock_cap) * (1.0 - share)));
+}
+
 }  // namespace moecache::daemon

@@ -111,12 +111,9 @@ std::vector<uint32_t> pool_elite(const HeatTable& heat, const PlannerSettings& s
 std::vector<uint32_t> pool_wanted(const HeatTable& heat, const PlannerSettings& s, uint32_t capacity,
                                   std::span<const uint8_t> held = {});
 
-// How many experts of a pool of `pool_experts` the daemon directs: its `directed` share ([vram]
-// directed), less the share the pool's recency split gives the hook's LRU part
-// (HeatTable::recency_share(SplitFor::Pool)).
 // The share of a pool the daemon directs and the recency share it leaves the hook's LRU part, from
-// [vram] directed and the pool's learnt split: under one place, kOnePlaceDirected and none (the
-// daemon's direct_pools and moecache-sim alike).
+// [vram] directed and the pool's learnt split (HeatTable::recency_share(SplitFor::Pool)): under one
+// place, all of it less kOnePlaceSlack, and none.
 struct PoolDirection {
     double directed = 0, recency = 0, slack = 0;
 };
@@ -126,6 +123,8 @@ struct PoolDirection {
     return {configured, learnt_recency, 0.0};
 }
 
+// How many experts of a pool of `pool_experts` the daemon directs: its `directed` share, less the
+// recency share and the slack.
 [[nodiscard]] inline uint32_t pool_directed_experts(double pool_experts, double directed, double recency_share,
                                                     double slack = 0) {
     const double share = std::max(0.0, std::min(directed, 1.0 - recency_share));
@@ -133,5 +132,24 @@ struct PoolDirection {
     const auto spare = static_cast<uint32_t>(slack * pool_experts);
     return n > spare ? n - spare : 0;
 }
+
+// One model's direction of one client's pool, as the daemon's direct_pools and moecache-sim make it:
+// the pool's recency split learnt at the largest pool of the model (`pool_experts`, experts of the
+// model's mean size), the share directed (pool_direction), and the slots wanted (pool_wanted, under
+// one place with kOnePlaceMoveMargin), `held` what the pool was directed to hold before.
+struct PoolDirected {
+    std::vector<uint32_t> wanted;  // hottest first
+    uint32_t capacity = 0;         // experts directed
+    bool recency = false;          // the pool keeps its undirected part as an LRU (VramPolicy)
+};
+PoolDirected direct_pool(HeatTable& heat, PlannerSettings settings, bool one_place, double configured_directed,
+                         double pool_experts, std::span<const uint8_t> held);
+
+// RAM alone (no pool serves the model): the room the RAM recency split is learnt at, in experts a
+// layer, for a lock cap of `lock_cap` bytes over a model of `expert_bytes` in `n_slots` experts of
+// `n_layers` layers; and the model's cap once that split gives the page cache's LRU `share` of the
+// lock cap (0: the cap as it is). The daemon's decide step and moecache-sim alike.
+[[nodiscard]] double ram_split_room(uint64_t lock_cap, uint64_t expert_bytes, uint32_t n_slots, uint32_t n_layers);
+[[nodiscard]] uint64_t recency_cut_cap(uint64_t cap, uint64_t lock_cap, double share);
 
 }  // namespace moecache::daemon

@@ -50,9 +50,9 @@ struct Setup {
     double tick_seconds = 1.0;  // how often the daemon plans, in trace time
     daemon::PlannerSettings planner;
     double half_life_tokens = 4096;
-    // The share of the VRAM pool the daemon directs (daemon::pool_wanted: its hottest experts, filled
-    // from RAM ahead of use, as the hook does; the daemon's [vram] directed); 0: the elite alone,
-    // admitted on use.
+    // The share of the VRAM pool the daemon directs (daemon::direct_pool: its hottest experts, filled
+    // from RAM ahead of use, as the hook does; the daemon's [vram] directed); 0: nothing directed,
+    // the pool admits on use.
     double pool_directed = 0.9;
     [[nodiscard]] bool device() const { return vram_bytes > 0; }
 };
