@@ -92,7 +92,10 @@ void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {
     // reads have deadlines).
     const auto& files = m.res->model().files();
     const bool remote = std::any_of(files.begin(), files.end(), [](const ModelFile& f) { return ::major(f.identity.dev) == 0; });
-    const uint64_t slack = remote ? 0 : m.res->slot_length(slot) / 32;
+    // A slot with this share of it missing from the page cache is still locked (mlock reads the
+    // rest): a page or two reclaimed at an expert's edges is not worth its read again.
+    constexpr uint64_t kEvictedShareDivisor = 32;
+    const uint64_t slack = remote ? 0 : m.res->slot_length(slot) / kEvictedShareDivisor;
     if (const auto resident = m.res->resident_bytes(slot); resident && *resident + slack < m.res->slot_length(slot)) {
         m.res->abandon(slot);
         m.res->state(slot).cached_bytes = *resident;

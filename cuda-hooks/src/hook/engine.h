@@ -21,6 +21,7 @@
 #include "moecache/cuda/hook_config.h"
 #include "moecache/cuda/vram_pool.h"
 #include "moecache/cuda_hook.h"
+#include "moecache/first_fill.h"
 #include "moecache/model.h"
 #include "moecache/process_maps.h"
 #include "staging.h"
@@ -256,7 +257,7 @@ private:
     // When the copy path last saw a prompt's batch; fills from the file wait this long after one.
     std::atomic<uint64_t> last_batch_ns_{0};
     static constexpr uint64_t kPromptQuietNs = 2'000'000'000;
-    static constexpr uint64_t kFirstFillNs = 120'000'000'000;  // the daemon's bound is the same
+    static constexpr uint64_t kFirstFillNs = std::chrono::nanoseconds(kFirstFillBound).count();  // moecache/first_fill.h
     void resize_pool(DevicePool& dp);
     // The pool's size for a device whose experts take `experts` bytes in slots (tail rooms included).
     [[nodiscard]] uint64_t pool_target(const DevicePool& dp, uint64_t experts) const;

@@ -102,8 +102,8 @@ bool Engine::fill_pools() {
         DevicePool* dp = pools_[d].load();
         if (dp == nullptr || dp->bytes.load() == 0 || dp->fill_idle == fill_gen_) continue;
         if (cfg_.fill_from_files && !dp->first_fill_done) {
-            // Done once the direction is of the pool's size (half of it at least: not the few
-            // experts the first routing named) and nine in ten of it are pooled; or after kFirstFillNs.
+            // Done (moecache/first_fill.h) once the direction is of the pool's size (half of it at
+            // least: not the few experts the first routing named) and nine in ten of it are pooled.
             size_t promoted = 0, held = 0, experts = 0;
             uint64_t room = 0;
             for (const Model* m : models_) {
@@ -117,7 +117,7 @@ bool Engine::fill_pools() {
                 experts += m->n_experts;
             }
             const double capacity = room > 0 ? static_cast<double>(dp->bytes.load()) * static_cast<double>(experts) / static_cast<double>(room) : 0;
-            const bool full = promoted > 0 && static_cast<double>(promoted) >= 0.5 * capacity && 10 * held >= 9 * promoted;
+            const bool full = static_cast<double>(promoted) >= 0.5 * capacity && first_fill_held(held, promoted);
             if (full || now_ns() - dp->made_ns > kFirstFillNs) dp->first_fill_done = true;
         }
         const bool from_file = cfg_.fill_from_files && !dp->first_fill_done;

@@ -8,6 +8,7 @@
 
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/daemon/system_memory.h"
+#include "moecache/first_fill.h"
 #include "moecache/log.h"
 
 #include <fcntl.h>
@@ -701,18 +702,15 @@ void Daemon::direct_pools() {
 // churn storage. A client without a pool, or one whose pool may not take experts out of RAM, needs
 // them in RAM: then nothing is bound.
 void Daemon::bind_promoted() {
-    constexpr std::chrono::seconds kFirstFill{120};  // the hook's own bound (fill.cpp) is the same
     for (auto& cp : clients_) {
         Client& c = *cp;
         if (c.dead || c.pool_filled || !c.pool_reported) continue;
         size_t held = 0;
         for (const auto& key : c.promoted) held += c.vram.count(key);
-        // Filled: the direction is the pool's size (not the few experts the first routing named)
-        // and the pool holds nine in ten of it. Or, whatever it holds, after kFirstFill (a pool
-        // that shrank, sizes the mean misjudged).
-        const bool full = !c.promoted.empty() && 10 * c.promoted.size() >= 9 * uint64_t{c.directed_capacity} &&
-                          10 * held >= 9 * c.promoted.size();
-        if (full || std::chrono::steady_clock::now() - c.pool_since > kFirstFill) c.pool_filled = true;
+        // Filled (moecache/first_fill.h): the direction is nine in ten of the pool's size (not the
+        // few experts the first routing named) and the pool holds nine in ten of it.
+        const bool full = 10 * c.promoted.size() >= 9 * uint64_t{c.directed_capacity} && first_fill_held(held, c.promoted.size());
+        if (full || std::chrono::steady_clock::now() - c.pool_since > kFirstFillBound) c.pool_filled = true;
     }
     for (auto& m : models_) {
         if (!m->res) continue;

@@ -8,9 +8,19 @@
 namespace moecache::daemon {
 namespace {
 
+// The planner's classes, taken in this order (docs/policy.md, "The plan"); within one, hotter first.
+enum Class : int {
+    kMust = 0,             // pinned experts, the dense part
+    kElite = 1,            // the hottest elite_share of each layer
+    kRegular = 2,          // the rest, by heat, across layers
+    kAfterExperts = 3,     // a user's dense part while an operator's model is in use; a slot a pool holds
+    kStandbyElite = 4,     // a model on standby: after every model in use
+    kStandbyRegular = 5,
+};
+
 struct Candidate {
     SlotRef ref;
-    int klass;     // 0 must, 1 elite, 2 regular, 3 a user's dense part (or held in VRAM); on standby: 4 elite, 5 regular
+    int klass;     // Class
     double score;  // within a class, higher first
     uint64_t bytes;
     bool locked;
@@ -20,7 +30,7 @@ struct Candidate {
 // `operators`: an operator's model is in use, whose experts a user's dense part must not outrank.
 void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, bool operators, std::vector<Candidate>& out) {
     if (m.dense_wanted && m.dense_bytes > 0)
-        out.push_back({{mi, kDenseSlot}, m.users && operators ? 3 : 0, std::numeric_limits<double>::infinity(), m.dense_bytes,
+        out.push_back({{mi, kDenseSlot}, m.users && operators ? kAfterExperts : kMust, std::numeric_limits<double>::infinity(), m.dense_bytes,
                        m.dense_locked});
     if (!m.heat) return;
     const uint32_t nl = m.heat->n_layers(), ne = m.heat->n_experts();
@@ -32,18 +42,19 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, bool o
             const uint32_t slot = l * ne + e;
             const bool locked = m.locked[slot] != 0;
             if (m.pinned[slot]) {
-                out.push_back({{mi, slot}, 0, std::numeric_limits<double>::infinity(), m.slot_bytes[slot], locked});
+                out.push_back({{mi, slot}, kMust, std::numeric_limits<double>::infinity(), m.slot_bytes[slot], locked});
                 continue;
             }
             if (!m.in_vram.empty() && m.in_vram[slot]) {
-                if (locked) out.push_back({{mi, slot}, 3, 0.0, m.slot_bytes[slot], true, true});
+                if (locked) out.push_back({{mi, slot}, kAfterExperts, 0.0, m.slot_bytes[slot], true, true});
                 continue;
             }
             if (m.heat->uses(l, e) < s.admit_after_uses) {
                 // Not admitted, but locked (a profile from an older run, a pin that was removed):
                 // it competes like the rest so that it is released in its turn, not at once.
                 if (locked)
-                    out.push_back({{mi, slot}, m.standby ? 5 : 2, m.heat->heat(l, e) * (1 + s.hysteresis), m.slot_bytes[slot], true});
+                    out.push_back({{mi, slot}, m.standby ? kStandbyRegular : kRegular, m.heat->heat(l, e) * (1 + s.hysteresis),
+                                   m.slot_bytes[slot], true});
                 continue;
             }
             layer.emplace_back(m.heat->heat(l, e), e);
@@ -55,7 +66,7 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, bool o
             const uint32_t slot = l * ne + layer[i].second;
             const bool locked = m.locked[slot] != 0;
             const double score = layer[i].first * (locked ? 1 + s.hysteresis : 1.0);
-            const int klass = (i < n_elite ? 1 : 2) + (m.standby ? 3 : 0);
+            const int klass = i < n_elite ? (m.standby ? kStandbyElite : kElite) : (m.standby ? kStandbyRegular : kRegular);
             out.push_back({{mi, slot}, klass, score, m.slot_bytes[slot], locked});
         }
     }
