@@ -8,7 +8,7 @@
 namespace moecache::daemon {
 namespace {
 
-// The planner's classes, taken in this order (docs/policy.md, "The plan"); within one, hotter first.
+// The planner's classes, taken in this order (docs/policy.md); within one, hotter first.
 enum Class : int {
     kMust = 0,             // pinned experts, the dense part
     kElite = 1,            // the hottest elite_share of each layer

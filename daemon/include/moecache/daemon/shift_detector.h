@@ -1,4 +1,4 @@
-// Shift detection for the heat (docs/policy.md, "Shifts"): a routing that changes (a topic, a
+// Shift detection for the heat (docs/policy.md): a routing that changes (a topic, a
 // language, another client) routes to experts that were cold far more often than the same routing
 // did before. HeatTable feeds it, per router event, how many of the routed experts were below their
 // layer's mean heat; a jump says the old hot set is stale, and the heat forgets it.

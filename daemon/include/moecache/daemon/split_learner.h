@@ -1,4 +1,4 @@
-// Recency against frequency, learnt online (docs/policy.md, "The recency split"), for each tier the
+// Recency against frequency, learnt online (docs/policy.md), for each tier the
 // heat ranks: a tier of `capacity` experts a layer (0: not learnt) is held as the hottest of each
 // layer by heat plus, in the rest of its room, the most lately used of the others, all layers
 // together (in RAM the page cache's LRU below the daemon's locks; in a VRAM pool the part the
