@@ -2,6 +2,7 @@
 # Builds moecache and runs every test. On a fresh machine it first installs what it needs.
 #   1. GCC, warnings as errors: all tests (labels unit, e2e; root and gpu as they come).
 #   2. clang with ASan + UBSan: the unit tests again, and the GGUF reader's fuzzer for a fixed time.
+#   First, the house style on every changed line (scripts/check-format.sh).
 #   The boot under a real systemd (label systemd: debootstrap, systemd-nspawn -b, the .deb inside;
 #   ~1 min with a cached root, ~2 without) runs with MOECACHE_SYSTEMD_TEST=1, or alone with
 #   `ctest --test-dir build -L systemd --output-on-failure`.
@@ -15,6 +16,9 @@ scripts/setup/install-deps.sh
 
 jobs=$(nproc)
 status=0
+
+echo "== format (scripts/check-format.sh) =="
+scripts/check-format.sh || status=1
 
 # The CUDA hook needs the toolkit's headers (CUDA_HOME, /usr/local/cuda): a machine without them
 # builds and tests the rest, and says so (a build by hand stops instead).

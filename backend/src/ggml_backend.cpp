@@ -1090,10 +1090,11 @@ void say_stats(const PoolStats& s) {
     for (int large = 0; large < 2; ++large) {
         const auto& p = s.phases[large];
         if (p.units == 0) continue;
-        say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms (the misses "
-            "read ahead in %.0f ms, crossed in %.0f ms; its graph built in %.0f ms, inputs uploaded in %.0f ms, launched in "
-            "%.0f ms), the CPU's half %.0f ms (its graphs computing %.0f ms, on %d threads of the runtime's %d; %llu minor "
-            "and %llu major page faults meanwhile), the wait for the device %.0f ms, joins and bookkeeping %.0f ms",
+        say("  %llu chains of %s batches: found and split in %.0f ms, the device's half issued in %.0f ms (the "
+            "misses read ahead in %.0f ms, crossed in %.0f ms; its graph built in %.0f ms, inputs uploaded in %.0f "
+            "ms, launched in %.0f ms), the CPU's half %.0f ms (its graphs computing %.0f ms, on %d threads of the "
+            "runtime's %d; %llu minor and %llu major page faults meanwhile), the wait for the device %.0f ms, joins "
+            "and bookkeeping %.0f ms",
             static_cast<unsigned long long>(p.units), large ? "large" : "small", ms(p.prep_ns), ms(p.issue_ns),
             ms(p.read_ahead_ns), ms(p.cross_ns), ms(p.build_ns), ms(p.upload_ns), ms(p.launch_ns), ms(p.cpu_ns),
             ms(p.cpu_graph_ns), cpu_threads_seen.load(), cpu_threads_asked.load(),

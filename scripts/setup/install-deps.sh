@@ -7,7 +7,7 @@ top=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
 debs=(
   build-essential cmake ninja-build pkg-config git
-  clang llvm libclang-rt-14-dev
+  clang llvm libclang-rt-14-dev clang-format
   libbpf-dev bpftool linux-libc-dev
   liburing-dev libnuma-dev
   libsdbus-c++-dev libsdbus-c++-bin libsystemd-dev

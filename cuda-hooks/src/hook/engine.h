@@ -257,7 +257,8 @@ private:
     // When the copy path last saw a prompt's batch; fills from the file wait this long after one.
     std::atomic<uint64_t> last_batch_ns_{0};
     static constexpr uint64_t kPromptQuietNs = 2'000'000'000;
-    static constexpr uint64_t kFirstFillNs = std::chrono::nanoseconds(kFirstFillBound).count();  // moecache/first_fill.h
+    static constexpr uint64_t kFirstFillNs =
+        std::chrono::nanoseconds(kFirstFillBound).count();  // moecache/first_fill.h
     void resize_pool(DevicePool& dp);
     // The pool's size for a device whose experts take `experts` bytes in slots (tail rooms included).
     [[nodiscard]] uint64_t pool_target(const DevicePool& dp, uint64_t experts) const;

@@ -654,11 +654,13 @@ void Daemon::direct_pools() {
             // client's models).
             const uint64_t expert_bytes = m->res->n_slots() > 0 ? m->res->model().map().expert_bytes_total / m->res->n_slots() : 0;
             const double room = static_cast<double>(pool_bytes) / static_cast<double>(std::max<size_t>(n_models, 1));
-            const double pool_experts = expert_bytes > 0 ? std::min<double>(room / static_cast<double>(expert_bytes), m->res->n_slots()) : 0;
+            const double pool_experts =
+                expert_bytes > 0 ? std::min<double>(room / static_cast<double>(expert_bytes), m->res->n_slots()) : 0;
             std::vector<uint8_t> held(m->res->n_slots(), 0);
             for (const auto& [mid, slot] : c.promoted)
                 if (mid == m->id && slot < held.size()) held[slot] = 1;
-            const PoolDirected d = direct_pool(m->res->heat(), settings, m->one_place, config_.pool_directed, pool_experts, held);
+            const PoolDirected d =
+                direct_pool(m->res->heat(), settings, m->one_place, config_.pool_directed, pool_experts, held);
             recency = recency || d.recency;
             c.directed_capacity += d.capacity;
             for (uint32_t slot : d.wanted)
@@ -709,7 +711,8 @@ void Daemon::bind_promoted() {
         for (const auto& key : c.promoted) held += c.vram.count(key);
         // Filled (moecache/first_fill.h): the direction is nine in ten of the pool's size (not the
         // few experts the first routing named) and the pool holds nine in ten of it.
-        const bool full = 10 * c.promoted.size() >= 9 * uint64_t{c.directed_capacity} && first_fill_held(held, c.promoted.size());
+        const bool full =
+            10 * c.promoted.size() >= 9 * uint64_t{c.directed_capacity} && first_fill_held(held, c.promoted.size());
         if (full || std::chrono::steady_clock::now() - c.pool_since > kFirstFillBound) c.pool_filled = true;
     }
     for (auto& m : models_) {

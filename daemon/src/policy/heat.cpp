@@ -8,7 +8,10 @@
 namespace moecache::daemon {
 
 HeatTable::HeatTable(uint32_t n_layers, uint32_t n_experts, double half_life_tokens)
-    : n_layers_(n_layers), n_experts_(n_experts), splits_(n_layers, n_experts), half_life_(half_life_tokens),
+    : n_layers_(n_layers),
+      n_experts_(n_experts),
+      splits_(n_layers, n_experts),
+      half_life_(half_life_tokens),
       cells_(size_t{n_layers} * n_experts) {}
 
 double HeatTable::decayed(const Cell& c) const {

@@ -10,11 +10,11 @@ namespace {
 
 // The planner's classes, taken in this order (docs/policy.md); within one, hotter first.
 enum Class : int {
-    kMust = 0,             // pinned experts, the dense part
-    kElite = 1,            // the hottest elite_share of each layer
-    kRegular = 2,          // the rest, by heat, across layers
-    kAfterExperts = 3,     // a user's dense part while an operator's model is in use; a slot a pool holds
-    kStandbyElite = 4,     // a model on standby: after every model in use
+    kMust = 0,          // pinned experts, the dense part
+    kElite = 1,         // the hottest elite_share of each layer
+    kRegular = 2,       // the rest, by heat, across layers
+    kAfterExperts = 3,  // a user's dense part while an operator's model is in use; a slot a pool holds
+    kStandbyElite = 4,  // a model on standby: after every model in use
     kStandbyRegular = 5,
 };
 
@@ -30,7 +30,10 @@ struct Candidate {
 // `operators`: an operator's model is in use, whose experts a user's dense part must not outrank.
 void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, bool operators, std::vector<Candidate>& out) {
     if (m.dense_wanted && m.dense_bytes > 0)
-        out.push_back({{mi, kDenseSlot}, m.users && operators ? kAfterExperts : kMust, std::numeric_limits<double>::infinity(), m.dense_bytes,
+        out.push_back({{mi, kDenseSlot},
+                       m.users && operators ? kAfterExperts : kMust,
+                       std::numeric_limits<double>::infinity(),
+                       m.dense_bytes,
                        m.dense_locked});
     if (!m.heat) return;
     const uint32_t nl = m.heat->n_layers(), ne = m.heat->n_experts();
@@ -53,8 +56,11 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, bool o
                 // Not admitted, but locked (a profile from an older run, a pin that was removed):
                 // it competes like the rest so that it is released in its turn, not at once.
                 if (locked)
-                    out.push_back({{mi, slot}, m.standby ? kStandbyRegular : kRegular, m.heat->heat(l, e) * (1 + s.hysteresis),
-                                   m.slot_bytes[slot], true});
+                    out.push_back({{mi, slot},
+                                   m.standby ? kStandbyRegular : kRegular,
+                                   m.heat->heat(l, e) * (1 + s.hysteresis),
+                                   m.slot_bytes[slot],
+                                   true});
                 continue;
             }
             layer.emplace_back(m.heat->heat(l, e), e);
@@ -66,7 +72,8 @@ void add_model(uint32_t mi, const ModelView& m, const PlannerSettings& s, bool o
             const uint32_t slot = l * ne + layer[i].second;
             const bool locked = m.locked[slot] != 0;
             const double score = layer[i].first * (locked ? 1 + s.hysteresis : 1.0);
-            const int klass = i < n_elite ? (m.standby ? kStandbyElite : kElite) : (m.standby ? kStandbyRegular : kRegular);
+            const int klass =
+                i < n_elite ? (m.standby ? kStandbyElite : kElite) : (m.standby ? kStandbyRegular : kRegular);
             out.push_back({{mi, slot}, klass, score, m.slot_bytes[slot], locked});
         }
     }
@@ -194,7 +201,8 @@ PoolDirected direct_pool(HeatTable& heat, PlannerSettings settings, bool one_pla
     // Under one place the hook's own part would churn storage (each expert its LRU lets go has no RAM
     // copy left, and it admits only what is promoted): no recency share, and the whole pool is
     // directed.
-    const PoolDirection dir = pool_direction(one_place, configured_directed, heat.recency_share(HeatTable::SplitFor::Pool));
+    const PoolDirection dir =
+        pool_direction(one_place, configured_directed, heat.recency_share(HeatTable::SplitFor::Pool));
     PoolDirected out;
     out.recency = dir.recency > 0;
     out.capacity = pool_directed_experts(pool_experts, dir.directed, dir.recency, dir.slack);

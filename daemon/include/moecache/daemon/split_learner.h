@@ -37,7 +37,9 @@ public:
     SplitLearner() = default;
     SplitLearner(uint32_t n_layers, uint32_t n_experts) : n_layers_(n_layers), n_experts_(n_experts) {}
 
-    void set_capacity(double experts_per_layer, Tier tier) { splits_[static_cast<unsigned>(tier)].capacity = experts_per_layer; }
+    void set_capacity(double experts_per_layer, Tier tier) {
+        splits_[static_cast<unsigned>(tier)].capacity = experts_per_layer;
+    }
     [[nodiscard]] double capacity(Tier tier) const { return splits_[static_cast<unsigned>(tier)].capacity; }
     [[nodiscard]] bool learning() const { return splits_[0].capacity > 0 || splits_[1].capacity > 0; }
     // The share of the room for recency: 0 (all by heat, the default) to 1, one of kShares.
