@@ -177,22 +177,39 @@ bool StagingRing::wait_free(Buffer& b) {
     }
 }
 
-CUresult StagingRing::copy(CUdeviceptr dst, const HostBytes& src, size_t n, CUstream stream, uint64_t* staged) {
+StagingRing::Buffer* StagingRing::claim() {
     std::lock_guard lock(mu_);
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+        const size_t at = (next_ + i) % buffers_.size();
+        if (buffers_[at].claimed) continue;
+        buffers_[at].claimed = true;
+        next_ = (at + 1) % buffers_.size();
+        return &buffers_[at];
+    }
+    return nullptr;
+}
+
+void StagingRing::give_back(Buffer& b) {
+    std::lock_guard lock(mu_);
+    b.claimed = false;
+}
+
+CUresult StagingRing::copy(CUdeviceptr dst, const HostBytes& src, size_t n, CUstream stream, uint64_t* staged) {
     for (size_t off = 0; off < n;) {
         const size_t len = std::min(buffer_bytes_, n - off);
-        Buffer& b = buffers_[next_];
+        Buffer* b = claim();
         CUresult r = CUDA_SUCCESS;
-        if (wait_free(b)) {
-            crew_->copy(b.host, src.at(off), len);
-            r = drv_->memcpy_htod_async(dst + off, b.host, len, stream);
-            if (r == CUDA_SUCCESS) r = drv_->event_record(b.read, stream);
+        if (b != nullptr && wait_free(*b)) {
+            crew_->copy(b->host, src.at(off), len);
+            r = drv_->memcpy_htod_async(dst + off, b->host, len, stream);
+            if (r == CUDA_SUCCESS) r = drv_->event_record(b->read, stream);
             if (r == CUDA_SUCCESS) {
-                b.queued = true;
-                next_ = (next_ + 1) % buffers_.size();
+                b->queued = true;
                 *staged += len;
             }
+            give_back(*b);
         } else {
+            if (b != nullptr) give_back(*b);
             r = htod_in_pieces(drv_, dst + off, src.src + off, len, stream);
         }
         if (r != CUDA_SUCCESS) return r;

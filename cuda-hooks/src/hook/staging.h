@@ -69,10 +69,11 @@ private:
     uint32_t parts_ = 0;
 };
 
-// A device's pinned buffers. One copy at a time (a lock of its own, never the pool's); a buffer is
+// A device's pinned buffers. Each piece of a copy claims a buffer no other copy holds (a lock of
+// its own, never the pool's, held only to claim and give back: no wait under it); a buffer is
 // reused once the device has read it, and a buffer the device has not read within a bound (its
-// stream waits on something the runtime has yet to do) is not waited for: that piece goes the
-// driver's way.
+// stream waits on something the runtime has yet to do), or none free, is not waited for: that
+// piece goes the driver's way.
 class StagingRing {
 public:
     // In the device's context (current on the calling thread). Null when pinned memory or events
@@ -92,9 +93,13 @@ private:
     struct Buffer {
         uint8_t* host = nullptr;
         CUevent read = nullptr;  // recorded after the device's read of it
-        bool queued = false;
+        bool queued = false;     // the claimer's alone (claimed under mu_, then used without it)
+        bool claimed = false;    // under mu_: a copy is using it
     };
     StagingRing(const Driver* drv, CopyCrew* crew, size_t buffer_bytes) : drv_(drv), crew_(crew), buffer_bytes_(buffer_bytes) {}
+    // The next buffer no copy holds, in ring order, or null when every one is held.
+    Buffer* claim();
+    void give_back(Buffer& b);
     bool wait_free(Buffer& b);
 
     const Driver* drv_;
