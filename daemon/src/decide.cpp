@@ -193,6 +193,24 @@ uint64_t Daemon::total_locked() const {
     return t;
 }
 
+// The turn's facts of a slot a read may be for (reads_after_misses, reads_after_predictions).
+FetchCandidate Daemon::fetch_candidate(uint32_t model, uint32_t slot, const std::set<uint32_t>& hooked) const {
+    FetchCandidate c;
+    c.at = {model, slot};
+    const ModelEntry* m = find_model(model);
+    if (m == nullptr || !m->res || slot >= m->res->n_slots()) return c;
+    const ModelResidency& r = *m->res;
+    const SlotState& st = r.state(slot);
+    c.known = true;
+    c.tier = st.tier();
+    c.cached = st.cached_bytes;
+    c.length = r.slot_length(slot);
+    c.wanted_in_ram = r.wanted_in_ram(slot);
+    c.read_for_ram = r.read_for_ram(slot);
+    c.hooked = hooked.count(model) != 0;
+    return c;
+}
+
 // A runtime read part of these experts from storage: read the rest of each at once, ahead of
 // everything else queued, so that its next faults in them hit the page cache instead of waiting
 // for storage one page at a time (a runtime that maps with MADV_RANDOM, as lazy load does, reads
@@ -203,17 +221,14 @@ uint64_t Daemon::total_locked() const {
 void Daemon::fetch_missed() {
     if (missed_this_batch_.empty()) return;
     if (config_.on_miss) {
-        std::sort(missed_this_batch_.begin(), missed_this_batch_.end());
-        missed_this_batch_.erase(std::unique(missed_this_batch_.begin(), missed_this_batch_.end()), missed_this_batch_.end());
         std::set<uint32_t> hooked;
         for (const auto& c : clients_)
             if (!c->dead && c->has_pool) hooked.insert(c->models.begin(), c->models.end());
-        for (const auto& [id, slot] : missed_this_batch_) {
-            ModelEntry* m = find_model(id);
-            if (!m || !m->res || slot >= m->res->n_slots() || !m->res->wanted_in_ram(slot) || hooked.count(id) != 0) continue;
-            // Being read for a lock already: that read is as good.
-            if (m->res->state(slot).tier() != Tier::Storage) continue;
-            const uint64_t q = cache_fetch(*m, slot, FetchReason::Miss);
+        std::vector<FetchCandidate> missed;
+        missed.reserve(missed_this_batch_.size());
+        for (const auto& [id, slot] : missed_this_batch_) missed.push_back(fetch_candidate(id, slot, hooked));
+        for (const SlotRef& at : reads_after_misses(missed)) {
+            const uint64_t q = cache_fetch(*find_model(at.model), at.slot, FetchReason::Miss);
             if (q == 0) continue;
             ++miss_fetches_;
             miss_fetch_bytes_ += q;
@@ -277,20 +292,13 @@ void Daemon::predict(ModelEntry& m, uint32_t layer, std::span<const uint32_t> ex
 // Speculation never queues behind itself: nothing is added while reads wait to be issued.
 void Daemon::fetch_predicted() {
     if (predicted_.empty()) return;
-    std::vector<std::pair<uint32_t, uint32_t>> predicted;
-    predicted.swap(predicted_);
-    if (prefetcher_->progress().queued_bytes > 0) return;
-    std::sort(predicted.begin(), predicted.end());
-    predicted.erase(std::unique(predicted.begin(), predicted.end()), predicted.end());
+    std::vector<FetchCandidate> predicted;
+    predicted.reserve(predicted_.size());
+    for (const auto& [id, slot] : predicted_) predicted.push_back(fetch_candidate(id, slot, {}));
+    predicted_.clear();
     uint64_t queued = 0;
-    for (const auto& [id, slot] : predicted) {
-        ModelEntry* m = find_model(id);
-        if (m == nullptr || !m->res || slot >= m->res->n_slots()) continue;
-        const ModelResidency& r = *m->res;
-        const SlotState& st = r.state(slot);
-        if (st.tier() != Tier::Storage || st.cached_bytes >= r.slot_length(slot) || !r.read_for_ram(slot)) continue;
-        queued += cache_fetch(*m, slot, FetchReason::Prediction);
-    }
+    for (const SlotRef& at : reads_after_predictions(predicted, prefetcher_->progress().queued_bytes > 0))
+        queued += cache_fetch(*find_model(at.model), at.slot, FetchReason::Prediction);
     if (queued == 0) return;
     predict_fetch_bytes_ += queued;
     if (auto s = prefetcher_->submit(); !s) MC_LOG(LOG_WARNING, "prefetch: {}", s.error().what());

@@ -323,5 +323,48 @@ TEST(OnePlace, OnlyWhereTheExpertsDoNotFitTheLockCap) {
     EXPECT_TRUE(one_place_needed(30 * kGiB, 30 * kGiB - 1, false));
 }
 
+// Reads after a runtime's misses: each slot once, only what RAM wants and no read or lock has yet,
+// never for a model a hook serves (it reads its own misses), never for a slot the turn cannot see.
+TEST(FetchReads, AMissIsReadOnceWhereRamWantsItAndNoHookReadsIt) {
+    const auto slot = [](uint32_t model, uint32_t s) {
+        FetchCandidate c;
+        c.at = {model, s};
+        c.known = true;
+        c.length = 8 << 20;
+        return c;
+    };
+    std::vector<FetchCandidate> missed{slot(1, 7), slot(0, 3), slot(1, 7), slot(0, 2)};
+    missed.push_back(slot(0, 4));
+    missed.back().tier = Tier::Fetching;  // being read for a lock: that read is as good
+    missed.push_back(slot(0, 5));
+    missed.back().wanted_in_ram = false;  // a pool holds it (one place)
+    missed.push_back(slot(2, 1));
+    missed.back().hooked = true;
+    missed.push_back(slot(3, 0));
+    missed.back().known = false;  // a model closed since, or a slot out of range
+    EXPECT_EQ(reads_after_misses(missed), (std::vector<SlotRef>{{0, 2}, {0, 3}, {1, 7}}));
+}
+
+// Reads after predictions: none while other reads wait (speculation never queues behind real
+// work); else what is in storage, not wholly cached and read for RAM, each once.
+TEST(FetchReads, APredictionIsReadOnlyWhenNothingElseWaits) {
+    const auto slot = [](uint32_t s) {
+        FetchCandidate c;
+        c.at = {0, s};
+        c.known = true;
+        c.length = 8 << 20;
+        return c;
+    };
+    std::vector<FetchCandidate> predicted{slot(9), slot(4), slot(9)};
+    predicted.push_back(slot(5));
+    predicted.back().cached = 8 << 20;  // wholly cached already
+    predicted.push_back(slot(6));
+    predicted.back().read_for_ram = false;  // bound for VRAM
+    predicted.push_back(slot(7));
+    predicted.back().tier = Tier::Locked;
+    EXPECT_EQ(reads_after_predictions(predicted, false), (std::vector<SlotRef>{{0, 4}, {0, 9}}));
+    EXPECT_TRUE(reads_after_predictions(predicted, true).empty());
+}
+
 }  // namespace
 }  // namespace moecache::daemon

@@ -90,4 +90,33 @@ TurnActions decide_turn(const TurnFacts& f) {
     return a;
 }
 
+namespace {
+
+std::vector<const FetchCandidate*> each_once(std::span<const FetchCandidate> in) {
+    std::vector<const FetchCandidate*> out;
+    out.reserve(in.size());
+    for (const auto& c : in) out.push_back(&c);
+    const auto key = [](const FetchCandidate* c) { return std::pair{c->at.model, c->at.slot}; };
+    std::stable_sort(out.begin(), out.end(), [&](auto* a, auto* b) { return key(a) < key(b); });
+    out.erase(std::unique(out.begin(), out.end(), [&](auto* a, auto* b) { return key(a) == key(b); }), out.end());
+    return out;
+}
+
+}  // namespace
+
+std::vector<SlotRef> reads_after_misses(std::span<const FetchCandidate> missed) {
+    std::vector<SlotRef> out;
+    for (const FetchCandidate* c : each_once(missed))
+        if (c->known && c->wanted_in_ram && !c->hooked && c->tier == Tier::Storage) out.push_back(c->at);
+    return out;
+}
+
+std::vector<SlotRef> reads_after_predictions(std::span<const FetchCandidate> predicted, bool reads_queued) {
+    std::vector<SlotRef> out;
+    if (reads_queued) return out;
+    for (const FetchCandidate* c : each_once(predicted))
+        if (c->known && c->tier == Tier::Storage && c->cached < c->length && c->read_for_ram) out.push_back(c->at);
+    return out;
+}
+
 }  // namespace moecache::daemon

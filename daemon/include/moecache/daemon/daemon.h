@@ -222,6 +222,7 @@ private:
     // Reads a slot into the page cache without locking it; returns the bytes queued.
     uint64_t cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, uint32_t order = 0);
     void fetch_missed();
+    [[nodiscard]] FetchCandidate fetch_candidate(uint32_t model, uint32_t slot, const std::set<uint32_t>& hooked) const;
     [[nodiscard]] ModelStatus model_status(const ModelEntry& m, bool experts) const;
     [[nodiscard]] bool pools_settled(const ModelEntry& m) const;
     void update_bus_watch();

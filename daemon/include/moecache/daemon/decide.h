@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace moecache::daemon {
@@ -94,5 +95,25 @@ struct TurnActions {
 };
 
 TurnActions decide_turn(const TurnFacts& f);
+
+// Reads into the page cache that no lock asks for: after a runtime's misses ([prefetch] on_miss,
+// the rest of an expert it began to read from storage) and after the predictor's trusted
+// predictions ([policy] predict). A slot such a read may be for, as the turn sees it.
+struct FetchCandidate {
+    SlotRef at;
+    bool known = false;  // its model is open and the slot is one of its experts
+    Tier tier = Tier::Storage;
+    uint64_t cached = 0, length = 0;
+    bool wanted_in_ram = true;  // false: a VRAM pool holds it (one place)
+    bool read_for_ram = true;   // false: bound for VRAM (ModelResidency::read_for_ram)
+    bool hooked = false;        // a client with a VRAM pool serves the model: its hook reads its own misses
+};
+// After misses: each slot once, in (model, slot) order, those RAM wants, in storage (one being read
+// for a lock is read already), of models no hook serves.
+[[nodiscard]] std::vector<SlotRef> reads_after_misses(std::span<const FetchCandidate> missed);
+// After predictions: none while other reads are queued (a prediction never waits behind real
+// work); else each slot once, in (model, slot) order, those in storage, not wholly cached, read for
+// RAM.
+[[nodiscard]] std::vector<SlotRef> reads_after_predictions(std::span<const FetchCandidate> predicted, bool reads_queued);
 
 }  // namespace moecache::daemon
