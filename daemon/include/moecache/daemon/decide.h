@@ -114,6 +114,7 @@ struct FetchCandidate {
 // After predictions: none while other reads are queued (a prediction never waits behind real
 // work); else each slot once, in (model, slot) order, those in storage, not wholly cached, read for
 // RAM.
-[[nodiscard]] std::vector<SlotRef> reads_after_predictions(std::span<const FetchCandidate> predicted, bool reads_queued);
+[[nodiscard]] std::vector<SlotRef> reads_after_predictions(std::span<const FetchCandidate> predicted,
+                                                           bool reads_queued);
 
 }  // namespace moecache::daemon
