@@ -66,39 +66,23 @@ void Daemon::place() {
             if (c->has_pool) pooled.insert(c->models.begin(), c->models.end());
         }
     decide_one_place(f.lock_cap, registered);
-    // Families a live client uses a model of: its other models wait at once (the prompt-model swap:
-    // the runtime moved to another quantization, whose experts the RAM is for now).
-    std::set<std::string> families_in_use;
+    // Which open models rest (models_at_rest: the prompt-model swap, standby).
+    std::vector<ModelUse> uses;
     for (const auto& m : models_)
-        if (m->res && registered.count(m->id) != 0) families_in_use.insert(family_of(*m));
-    // A model whose runtime left while another member of its family waits for one, left before it,
-    // waits for that member, and that member is not put on standby for being idle: the runtime
-    // moves between them (the prompt-model swap: the prompt model's server went, the decode model's
-    // is starting), and the RAM is read full of the member that comes next rather than kept for the
-    // one that went. Not for a member no runtime ever used: nothing says it comes next (a family
-    // configured by a glob, one quantization served and restarted: on the GPU machine each stop of
-    // the decode model's server threw its 13 GiB of locks away to read the never-used prompt model).
-    auto goes_before = [&](const ModelEntry& next, const ModelEntry& went) {
-        return &next != &went && next.res && went.res && went.runtime_left && registered.count(next.id) == 0 &&
-               registered.count(went.id) == 0 && family_of(next) == family_of(went) && next.runtime_left &&
-               *next.runtime_left < *went.runtime_left;
-    };
-    auto yields = [&](const ModelEntry& m) {
-        return std::any_of(models_.begin(), models_.end(), [&](const auto& o) { return goes_before(*o, m); });
-    };
-    auto awaited = [&](const ModelEntry& m) {
-        return std::any_of(models_.begin(), models_.end(), [&](const auto& o) { return goes_before(m, *o); });
-    };
+        if (m->res)
+            uses.push_back(
+                {family_of(*m), registered.count(m->id) != 0, m->config.keep, m->runtime_left, m->last_used});
+    const std::vector<ModelRest> rest = models_at_rest(uses, now);
+    size_t open = 0;
     for (auto& m : models_) {
         if (!m->res) continue;
         const ModelResidency& r = *m->res;
         ModelFacts mf;
         const std::string family = family_of(*m);
-        // A model no live client holds while one of its family is in use (the runtime moved to
-        // another quantization: the prompt-model swap) holds nothing: its locks and reads would take
-        // the RAM the model in use needs, under a squeeze all of it.
-        const bool left = !m->config.keep && registered.count(m->id) == 0 && families_in_use.count(family) != 0;
-        uint64_t cap = left ? 0 : model_cap(*m);
+        // A model that left holds nothing: its locks and reads would take the RAM the model in use
+        // needs, under a squeeze all of it.
+        const ModelRest at_rest = rest[open++];
+        uint64_t cap = at_rest.left ? 0 : model_cap(*m);
         // RAM alone (no VRAM pool serves the model): the share of the lock cap that the routing's
         // temporal locality makes worth more to the page cache's LRU than to locks by heat, learnt
         // by the heat table from the tier's room in experts a layer (heat.h, set_split_capacity).
@@ -116,8 +100,7 @@ void Daemon::place() {
         mf.view = r.view(cap);
         mf.view.family = families.try_emplace(family, static_cast<uint32_t>(families.size())).first->second;
         if (m->config.family_budget) mf.view.family_budget = m->config.family_budget->resolve(mem_total_);
-        mf.view.standby = left || (!m->config.keep && registered.count(m->id) == 0 &&
-                                   (yields(*m) || (now - m->last_used > kStandbyAfter && !awaited(*m))));
+        mf.view.standby = at_rest.standby;
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);
             return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot),

@@ -366,5 +366,39 @@ TEST(FetchReads, APredictionIsReadOnlyWhenNothingElseWaits) {
     EXPECT_TRUE(reads_after_predictions(predicted, true).empty());
 }
 
+// The prompt-model swap: a member of a family no runtime holds while another is in use holds
+// nothing; after both runtimes went, the one that went first waits for the other (standby) and
+// that one is not put on standby for being idle; a model unused for kStandbyAfter rests, unless kept.
+TEST(ModelsAtRest, AFamilysModelWaitsForTheMemberInUseAndIdleOnesRest) {
+    using namespace std::chrono_literals;
+    const auto now = std::chrono::steady_clock::now();
+    const ModelUse decode{"fam", true, false, std::nullopt, now};
+    const ModelUse prompt{"fam", false, false, now - 5s, now - 5s};
+    const ModelUse other{"solo", false, false, std::nullopt, now - kStandbyAfter - 1s};
+    const ModelUse kept{"kept", false, true, std::nullopt, now - kStandbyAfter - 1s};
+    auto rest = models_at_rest(std::vector<ModelUse>{decode, prompt, other, kept}, now);
+    ASSERT_EQ(rest.size(), 4u);
+    EXPECT_FALSE(rest[0].left || rest[0].standby) << "the model in use";
+    EXPECT_TRUE(rest[1].left && rest[1].standby) << "its family is in use by another member";
+    EXPECT_TRUE(rest[2].standby && !rest[2].left) << "idle past kStandbyAfter";
+    EXPECT_FALSE(rest[3].standby) << "keep";
+
+    // Both runtimes went, the prompt model's first: the runtime moves between them, so the one
+    // that went last (used a moment ago) yields to it, and it is awaited: not put on standby
+    // although idle past kStandbyAfter.
+    const ModelUse decode_gone{"fam", false, false, now - 2s, now - 2s};
+    const ModelUse prompt_gone{"fam", false, false, now - 90s, now - kStandbyAfter - 1s};
+    rest = models_at_rest(std::vector<ModelUse>{decode_gone, prompt_gone}, now);
+    EXPECT_TRUE(rest[0].standby) << "went last: yields to the member that comes next";
+    EXPECT_FALSE(rest[1].standby) << "awaited: the runtime moves to it next";
+    EXPECT_FALSE(rest[0].left || rest[1].left) << "no member in use";
+
+    // A member no runtime ever used is not awaited (nothing says it comes next), nor yielded to.
+    const ModelUse never{"fam", false, false, std::nullopt, now - kStandbyAfter - 1s};
+    rest = models_at_rest(std::vector<ModelUse>{never, decode_gone}, now);
+    EXPECT_TRUE(rest[0].standby) << "idle, and not awaited";
+    EXPECT_FALSE(rest[1].standby) << "nothing to yield to";
+}
+
 }  // namespace
 }  // namespace moecache::daemon

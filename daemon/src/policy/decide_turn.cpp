@@ -3,6 +3,7 @@
 #include "moecache/daemon/decide.h"
 
 #include <algorithm>
+#include <set>
 
 namespace moecache::daemon {
 
@@ -116,6 +117,31 @@ std::vector<SlotRef> reads_after_predictions(std::span<const FetchCandidate> pre
     if (reads_queued) return out;
     for (const FetchCandidate* c : each_once(predicted))
         if (c->known && c->tier == Tier::Storage && c->cached < c->length && c->read_for_ram) out.push_back(c->at);
+    return out;
+}
+
+std::vector<ModelRest> models_at_rest(std::span<const ModelUse> models, std::chrono::steady_clock::time_point now) {
+    std::set<std::string> families_in_use;
+    for (const auto& m : models)
+        if (m.in_use) families_in_use.insert(m.family);
+    const auto goes_before = [&](size_t next, size_t went) {
+        const ModelUse& n = models[next];
+        const ModelUse& w = models[went];
+        return next != went && w.runtime_left && !n.in_use && !w.in_use && n.family == w.family && n.runtime_left &&
+               *n.runtime_left < *w.runtime_left;
+    };
+    std::vector<ModelRest> out(models.size());
+    for (size_t i = 0; i < models.size(); ++i) {
+        const ModelUse& m = models[i];
+        bool yields = false, awaited = false;
+        for (size_t o = 0; o < models.size(); ++o) {
+            yields = yields || goes_before(o, i);
+            awaited = awaited || goes_before(i, o);
+        }
+        out[i].left = !m.keep && !m.in_use && families_in_use.count(m.family) != 0;
+        out[i].standby =
+            out[i].left || (!m.keep && !m.in_use && (yields || (now - m.last_used > kStandbyAfter && !awaited)));
+    }
     return out;
 }
 

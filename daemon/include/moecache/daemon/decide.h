@@ -19,7 +19,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace moecache::daemon {
@@ -95,6 +97,30 @@ struct TurnActions {
 };
 
 TurnActions decide_turn(const TurnFacts& f);
+
+// Which models rest (the prompt-model swap, standby): from each open model's use, whether it holds
+// nothing (`left`: no live client holds it while one of its family is in use: the runtime moved to
+// another quantization, whose experts the RAM is for now) and whether it is on standby (its experts
+// rank after every model in use: planner.h). A model whose runtime left while another member of
+// its family waits for one, left before it, waits for that member (yields), and that member is not
+// put on standby for being idle (awaited): the runtime moves between them, and the RAM is read full
+// of the member that comes next rather than kept for the one that went. Not for a member no runtime
+// ever used: nothing says it comes next (a family configured by a glob, one quantization served and
+// restarted: on the GPU machine each stop of the decode model's server threw its 13 GiB of locks
+// away to read the never-used prompt model).
+struct ModelUse {
+    std::string family;
+    bool in_use = false;                                                // a live client registered it
+    bool keep = false;                                                  // [[model]] keep: never at rest
+    std::optional<std::chrono::steady_clock::time_point> runtime_left;  // when its last runtime went
+    std::chrono::steady_clock::time_point last_used{};
+};
+struct ModelRest {
+    bool left = false;
+    bool standby = false;
+};
+[[nodiscard]] std::vector<ModelRest> models_at_rest(std::span<const ModelUse> models,
+                                                    std::chrono::steady_clock::time_point now);
 
 // Reads into the page cache that no lock asks for: after a runtime's misses ([prefetch] on_miss,
 // the rest of an expert it began to read from storage) and after the predictor's trusted
