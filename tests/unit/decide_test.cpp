@@ -400,5 +400,19 @@ TEST(ModelsAtRest, AFamilysModelWaitsForTheMemberInUseAndIdleOnesRest) {
     EXPECT_FALSE(rest[1].standby) << "nothing to yield to";
 }
 
+// One place, expert by expert: out of RAM only what every live client holds in VRAM, and only
+// where one of them may evict; nothing without one place, with keep_ram_copy, or without clients.
+TEST(OnePlace, AnExpertLeavesRamOnlyWhenEveryClientHoldsItAndOneMayEvict) {
+    const std::vector<uint32_t> holders{2, 1, 2, 0};
+    const std::vector<uint8_t> evictors{1, 1, 0, 0};
+    EXPECT_EQ(released_from_ram(holders, evictors, 2, true, false), (std::vector<uint8_t>{1, 0, 0, 0}));
+    EXPECT_EQ(released_from_ram(holders, evictors, 1, true, false), (std::vector<uint8_t>{0, 1, 0, 0}))
+        << "one client: what it holds and may evict";
+    EXPECT_EQ(released_from_ram(holders, evictors, 2, false, false), (std::vector<uint8_t>(4, 0))) << "not one place";
+    EXPECT_EQ(released_from_ram(holders, evictors, 2, true, true), (std::vector<uint8_t>(4, 0))) << "keep_ram_copy";
+    EXPECT_EQ(released_from_ram(std::vector<uint32_t>(4, 0), evictors, 0, true, false), (std::vector<uint8_t>(4, 0)))
+        << "no live client";
+}
+
 }  // namespace
 }  // namespace moecache::daemon

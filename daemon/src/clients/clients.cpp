@@ -373,9 +373,11 @@ void Daemon::settle_one_place() {
         }
         bool relock = false;
         std::vector<uint32_t> released;
+        const std::vector<uint8_t> leaves =
+            released_from_ram(holders, evictor, clients, m->one_place, config_.keep_ram_copy);
         for (uint32_t slot = 0; slot < n; ++slot) {
             const bool was = r.ram_released(slot);
-            const bool now = !config_.keep_ram_copy && m->one_place && clients > 0 && holders[slot] == clients && evictor[slot];
+            const bool now = leaves[slot] != 0;
             r.set_vram(slot, holders[slot], now);
             if (now && !was) released.push_back(slot);
             if (was && !now) {

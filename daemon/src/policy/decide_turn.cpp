@@ -145,4 +145,13 @@ std::vector<ModelRest> models_at_rest(std::span<const ModelUse> models, std::chr
     return out;
 }
 
+std::vector<uint8_t> released_from_ram(std::span<const uint32_t> holders, std::span<const uint8_t> evictors,
+                                       uint32_t clients, bool one_place, bool keep_ram_copy) {
+    std::vector<uint8_t> out(holders.size(), 0);
+    if (!one_place || keep_ram_copy || clients == 0) return out;
+    for (size_t s = 0; s < holders.size(); ++s)
+        out[s] = holders[s] == clients && s < evictors.size() && evictors[s] != 0 ? 1 : 0;
+    return out;
+}
+
 }  // namespace moecache::daemon

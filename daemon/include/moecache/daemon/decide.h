@@ -98,6 +98,15 @@ struct TurnActions {
 
 TurnActions decide_turn(const TurnFacts& f);
 
+// One place, expert by expert: an expert leaves RAM (unlocked, dropped) once every live client of
+// its model holds it in VRAM and at least one of those may take it out of RAM (an eviction: root,
+// the admin group, or a model its users registered), under one place and without [vram]
+// keep_ram_copy. `holders` and `evictors` per slot, of `clients` live clients (those whose pool has
+// not reported yet count as holding nothing).
+[[nodiscard]] std::vector<uint8_t> released_from_ram(std::span<const uint32_t> holders,
+                                                     std::span<const uint8_t> evictors, uint32_t clients,
+                                                     bool one_place, bool keep_ram_copy);
+
 // Which models rest (the prompt-model swap, standby): from each open model's use, whether it holds
 // nothing (`left`: no live client holds it while one of its family is in use: the runtime moved to
 // another quantization, whose experts the RAM is for now) and whether it is on standby (its experts
