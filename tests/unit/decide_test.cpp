@@ -414,5 +414,35 @@ TEST(OnePlace, AnExpertLeavesRamOnlyWhenEveryClientHoldsItAndOneMayEvict) {
         << "no live client";
 }
 
+// One read, one place, from the start: an expert every client holds or, filling for the first
+// time, was directed to hold, one at least yet to fill it, is bound for VRAM; nowhere a client
+// has no reported pool or may not evict, and never without one place and fill_from_files.
+TEST(OnePlace, WhatEveryFillingPoolWasDirectedToHoldIsBoundForVram) {
+    ClientPool a;
+    a.pooled = a.may_release = a.filling = true;
+    a.holds = {1, 0, 0, 0, 0};
+    a.promoted = {1, 1, 1, 0, 0};
+    ClientPool b = a;
+    b.holds = {1, 1, 0, 0, 1};
+    b.promoted = {0, 0, 1, 1, 0};
+    const std::vector<ClientPool> both{a, b};
+    // 0: both hold it (nothing to fill); 1: a fills, b holds; 2: both fill; 3: a neither; 4: a neither.
+    EXPECT_EQ(bound_for_vram(both, 5, true, false, true), (std::vector<uint8_t>{0, 1, 1, 0, 0}));
+    ClientPool done = b;
+    done.filling = false;  // its first fill is over: its promotions no longer bind
+    EXPECT_EQ(bound_for_vram(std::vector<ClientPool>{a, done}, 5, true, false, true),
+              (std::vector<uint8_t>{0, 1, 0, 0, 0}));
+    ClientPool user = b;
+    user.may_release = false;
+    EXPECT_TRUE(bound_for_vram(std::vector<ClientPool>{a, user}, 5, true, false, true).empty()) << "may not evict";
+    ClientPool early = b;
+    early.pooled = false;
+    EXPECT_TRUE(bound_for_vram(std::vector<ClientPool>{a, early}, 5, true, false, true).empty()) << "no pool reported";
+    EXPECT_TRUE(bound_for_vram(both, 5, false, false, true).empty()) << "not one place";
+    EXPECT_TRUE(bound_for_vram(both, 5, true, true, true).empty()) << "keep_ram_copy";
+    EXPECT_TRUE(bound_for_vram(both, 5, true, false, false).empty()) << "fill_from_files off";
+    EXPECT_TRUE(bound_for_vram({}, 5, true, false, true).empty()) << "no clients";
+}
+
 }  // namespace
 }  // namespace moecache::daemon

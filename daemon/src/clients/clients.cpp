@@ -720,44 +720,30 @@ void Daemon::bind_promoted() {
     for (auto& m : models_) {
         if (!m->res) continue;
         const uint32_t n = m->res->n_slots();
-        std::vector<uint8_t> bound;
-        bool all = true;
-        uint32_t clients = 0;
+        std::vector<ClientPool> pools;
         for (const auto& c : clients_) {
             if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
-            ++clients;
-            if (!c->has_pool || !c->pool_reported || !may_release_ram(*c, *m)) {
-                all = false;
-                break;
-            }
+            ClientPool& p = pools.emplace_back();
+            p.pooled = c->has_pool && c->pool_reported;
+            p.may_release = may_release_ram(*c, *m);
+            p.filling = !c->pool_filled;
+            p.holds.assign(n, 0);
+            p.promoted.assign(n, 0);
+            for (auto it = c->vram.lower_bound({m->id, 0}); it != c->vram.end() && it->first == m->id; ++it)
+                if (it->second < n) p.holds[it->second] = 1;
+            for (auto it = c->promoted.lower_bound({m->id, 0}); it != c->promoted.end() && it->first == m->id; ++it)
+                if (it->second < n) p.promoted[it->second] = 1;
         }
-        if (all && clients > 0 && !config_.keep_ram_copy && m->one_place && config_.fill_from_files) {
-            // Per expert: every client holds it in its pool already or, filling its pool for the
-            // first time, was directed to hold it; and one at least is yet to fill it.
-            std::vector<uint32_t> ok(n, 0), filling(n, 0);
-            for (const auto& c : clients_) {
-                if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
-                std::vector<uint8_t> here(n, 0);
-                for (auto it = c->vram.lower_bound({m->id, 0}); it != c->vram.end() && it->first == m->id; ++it)
-                    if (it->second < n) here[it->second] = 1;
-                if (!c->pool_filled)
-                    for (auto it = c->promoted.lower_bound({m->id, 0}); it != c->promoted.end() && it->first == m->id; ++it)
-                        if (it->second < n && !here[it->second]) here[it->second] = 2;
-                for (uint32_t s = 0; s < n; ++s) {
-                    ok[s] += here[s] != 0;
-                    filling[s] += here[s] == 2;
-                }
-            }
-            bound.assign(n, 0);
-            for (uint32_t s = 0; s < n; ++s) bound[s] = ok[s] == clients && filling[s] > 0 ? 1 : 0;
-            // A read for a lock still queued (planned before the pools were known: a runtime's
-            // hook registers its model a moment before its pool) is cancelled: the hook reads it.
-            for (uint32_t s = 0; s < n; ++s) {
-                if (!bound[s] || m->res->vram_bound(s) || m->res->state(s).tier() != Tier::Fetching || m->res->pinned(s)) continue;
-                prefetcher_->cancel(fetch_tag(m->id, s));
-                m->res->abandon(s);
-                std::erase(m->waiting, s);
-            }
+        std::vector<uint8_t> bound =
+            bound_for_vram(pools, n, m->one_place, config_.keep_ram_copy, config_.fill_from_files);
+        // A read for a lock still queued (planned before the pools were known: a runtime's hook
+        // registers its model a moment before its pool) is cancelled: the hook reads it.
+        for (uint32_t s = 0; s < bound.size(); ++s) {
+            if (!bound[s] || m->res->vram_bound(s) || m->res->state(s).tier() != Tier::Fetching || m->res->pinned(s))
+                continue;
+            prefetcher_->cancel(fetch_tag(m->id, s));
+            m->res->abandon(s);
+            std::erase(m->waiting, s);
         }
         (void)m->res->set_vram_bound(std::move(bound));
     }

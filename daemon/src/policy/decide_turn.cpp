@@ -154,4 +154,22 @@ std::vector<uint8_t> released_from_ram(std::span<const uint32_t> holders, std::s
     return out;
 }
 
+std::vector<uint8_t> bound_for_vram(std::span<const ClientPool> clients, uint32_t n_slots, bool one_place,
+                                    bool keep_ram_copy, bool fill_from_files) {
+    if (clients.empty() || !one_place || keep_ram_copy || !fill_from_files) return {};
+    for (const auto& c : clients)
+        if (!c.pooled || !c.may_release) return {};
+    std::vector<uint32_t> ok(n_slots, 0), filling(n_slots, 0);
+    for (const auto& c : clients)
+        for (uint32_t s = 0; s < n_slots; ++s) {
+            const bool holds = s < c.holds.size() && c.holds[s] != 0;
+            const bool to_fill = !holds && c.filling && s < c.promoted.size() && c.promoted[s] != 0;
+            ok[s] += holds || to_fill ? 1 : 0;
+            filling[s] += to_fill ? 1 : 0;
+        }
+    std::vector<uint8_t> bound(n_slots, 0);
+    for (uint32_t s = 0; s < n_slots; ++s) bound[s] = ok[s] == clients.size() && filling[s] > 0 ? 1 : 0;
+    return bound;
+}
+
 }  // namespace moecache::daemon

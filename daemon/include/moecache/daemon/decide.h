@@ -107,6 +107,22 @@ TurnActions decide_turn(const TurnFacts& f);
                                                      std::span<const uint8_t> evictors, uint32_t clients,
                                                      bool one_place, bool keep_ram_copy);
 
+// One read, one place, from the start (moecache/first_fill.h): while every client of a model fills
+// its pool for the first time, an expert each of them holds or was directed to hold, and one at
+// least is yet to fill, is bound for VRAM: read by those hooks from the file, not read into RAM for
+// a lock first. Only where every client of the model has a pool that reported and may take experts
+// out of RAM, under one place, without keep_ram_copy and with [vram] fill_from_files. A client's
+// pool as the rule sees it, per slot of the model:
+struct ClientPool {
+    bool pooled = false;                   // it has a pool that has reported
+    bool may_release = false;              // may take the model's experts out of RAM
+    bool filling = false;                  // its first fill is not done
+    std::vector<uint8_t> holds, promoted;  // per slot
+};
+// Per slot 1 where bound for VRAM; empty where the rule does not apply.
+[[nodiscard]] std::vector<uint8_t> bound_for_vram(std::span<const ClientPool> clients, uint32_t n_slots, bool one_place,
+                                                  bool keep_ram_copy, bool fill_from_files);
+
 // Which models rest (the prompt-model swap, standby): from each open model's use, whether it holds
 // nothing (`left`: no live client holds it while one of its family is in use: the runtime moved to
 // another quantization, whose experts the RAM is for now) and whether it is on standby (its experts
