@@ -21,7 +21,6 @@
 namespace moecache::daemon {
 namespace {
 
-constexpr size_t kTraceFlushBytes = 64 << 10;
 constexpr size_t kMaxPathBytes = 4096;
 constexpr size_t kMaxSpecs = 65536;
 
@@ -300,7 +299,7 @@ Result<void> Daemon::import_profile(uint32_t id, const std::string& text) {
 // ---- trace ----------------------------------------------------------------------------------
 
 Result<void> Daemon::start_trace(UniqueFd file) {
-    if (tracing()) return fail(EBUSY, "a trace is being recorded already: stop it first");
+    if (trace_.on()) return fail(EBUSY, "a trace is being recorded already: stop it first");
     struct stat st {};
     if (::fstat(file.get(), &st) != 0) return fail_errno("trace file");
     if (!S_ISREG(st.st_mode)) return invalid("a trace is written to a regular file (not a pipe, socket or device)");
@@ -322,66 +321,18 @@ Result<void> Daemon::start_trace(UniqueFd file) {
             return fail(EEXIST, fmt::format("the trace file holds {} bytes that are not a moecache trace: remove it or "
                                             "name a new file", st.st_size));
     }
-    // The caller opened it without truncating (a refused start must not destroy a file): a trace
-    // starts at the beginning.
-    if (::ftruncate(file.get(), 0) != 0 || ::lseek(file.get(), 0, SEEK_SET) != 0) return fail_errno("trace file");
-    trace_fd_ = std::move(file);
-    trace_failed_ = false;
-    trace_buf_.clear();
-    trace_records_ = 0;
-    traced_models_.clear();
-    trace_start_ = std::chrono::steady_clock::now();
-    trace_buf_ += trace::header_line(config_.tick_seconds);
+    if (auto r = trace_.start(std::move(file), config_.tick_seconds); !r) return r;
     for (const auto& m : models_)
-        if (m->res) trace_model(*m);
-    flush_trace();
+        if (m->res) trace_.model(m->id, m->res->model().map(), m->path);
+    trace_.flush();
     MC_LOG(LOG_INFO, "trace started");
     return {};
 }
 
 Result<uint64_t> Daemon::stop_trace() {
-    if (!tracing() && !trace_failed_) return fail(ENOENT, "no trace is being recorded");
-    flush_trace();
-    const uint64_t n = trace_records_;
-    trace_fd_.reset();
-    if (trace_failed_) {
-        trace_failed_ = false;
-        return fail(EIO, fmt::format("the trace stopped early, after {} router decisions: writing it failed", n));
-    }
+    const uint64_t n = MC_TRY(trace_.stop());
     MC_LOG(LOG_INFO, "trace stopped: {} router decisions", n);
     return n;
-}
-
-void Daemon::trace_model(const ModelEntry& m) {
-    if (!tracing() || !m.res || !traced_models_.insert(m.id).second) return;
-    trace_buf_ += trace::model_line(trace::model_of(m.id, m.res->model().map(), m.path));
-}
-
-void Daemon::trace_routing(const ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
-    if (!tracing()) return;
-    trace_model(m);
-    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - trace_start_).count();
-    trace::append_decision(trace_buf_, static_cast<uint64_t>(us), m.id, block, tokens, experts);
-    ++trace_records_;
-    if (trace_buf_.size() >= kTraceFlushBytes) flush_trace();
-}
-
-void Daemon::flush_trace() {
-    if (!tracing()) return;
-    size_t off = 0;
-    while (off < trace_buf_.size()) {
-        const ssize_t n = ::write(trace_fd_.get(), trace_buf_.data() + off, trace_buf_.size() - off);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            MC_LOG(LOG_ERR, "trace stopped: writing it failed after {} records: {}", trace_records_,
-                   n < 0 ? std::strerror(errno) : "no space written");
-            trace_fd_.reset();
-            trace_failed_ = true;
-            break;
-        }
-        off += static_cast<size_t>(n);
-    }
-    trace_buf_.clear();
 }
 
 }  // namespace moecache::daemon

@@ -274,7 +274,7 @@ void Daemon::tick() {
         last_save_ = now;
     }
     request_place();
-    flush_trace();
+    trace_.flush();
     if (metrics_) metrics_->publish(render_metrics(status(/*experts=*/false), config_.metrics_paths));  // the counts suffice
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
     if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
@@ -461,7 +461,7 @@ Result<void> Daemon::run() {
         if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
     }
     if (auto n = systemd::notify("STOPPING=1"); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
-    if (tracing()) note("stopping the routing trace", stop_trace());
+    if (trace_.on()) note("stopping the routing trace", stop_trace());
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_)
         if (m->res) close_model(*m, "the daemon stops");

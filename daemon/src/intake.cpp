@@ -108,7 +108,10 @@ void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint
 
 void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens,
                             bool continued) {
-    trace_routing(m, block, experts, tokens);
+    if (trace_.on() && m.res) {
+        trace_.model(m.id, m.res->model().map(), m.path);
+        trace_.decision(m.id, block, experts, tokens);
+    }
     m.last_used = std::chrono::steady_clock::now();
     m.last_routed = m.last_used;
     if (const auto layer = m.res->layer_of_block(block)) {

@@ -50,8 +50,8 @@ DaemonStatus Daemon::status(bool experts) const {
             s.predicted_used += m->prediction->trust.correct();
         }
     s.bus = dbus_ ? dbus_->bus() : "";
-    s.tracing = tracing();
-    s.trace_records = trace_records_;
+    s.tracing = trace_.on();
+    s.trace_records = trace_.records();
     s.locked_bytes = total_locked();
     s.vmlck_bytes = read_locked_bytes();
     s.pressure_events = pressure_events_;

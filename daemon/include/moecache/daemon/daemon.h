@@ -11,11 +11,12 @@
 #include "moecache/daemon/control.h"
 #include "moecache/daemon/decide.h"
 #include "moecache/daemon/fetch.h"
-#include "moecache/memory_cgroup.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
+#include "moecache/daemon/router_trace.h"
 #include "moecache/daemon/system_memory.h"
 #include "moecache/error.h"
+#include "moecache/memory_cgroup.h"
 #include "moecache/systemd.h"
 #include "moecache/unique_fd.h"
 
@@ -88,7 +89,7 @@ public:
     // JSON lines (docs/trace.md) until stop_trace(), which returns how many were written.
     Result<void> start_trace(UniqueFd file) override;
     Result<uint64_t> stop_trace() override;
-    [[nodiscard]] bool tracing() const { return trace_fd_.get() >= 0; }
+    [[nodiscard]] bool tracing() const { return trace_.on(); }
 
     // experts = false leaves ModelStatus::experts empty (the totals are still counted).
     [[nodiscard]] DaemonStatus status(bool experts = true) const override;
@@ -209,9 +210,6 @@ private:
     ModelEntry* find_model(uint32_t id);
     [[nodiscard]] const ModelEntry* find_model(uint32_t id) const;
     Result<std::vector<uint32_t>> select_slots(const ModelEntry& m, std::span<const std::string> specs) const;
-    void trace_model(const ModelEntry& m);
-    void trace_routing(const ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens);
-    void flush_trace();
     void connect_bus();
     void lose_bus();
     void sync_bus();
@@ -239,18 +237,13 @@ private:
     std::unique_ptr<SocketServer> server_;
     std::unique_ptr<MetricsServer> metrics_;
     std::unique_ptr<DbusService> dbus_;
-    UniqueFd trace_fd_;
-    std::string trace_buf_;
-    uint64_t trace_records_ = 0;
-    bool trace_failed_ = false;  // a write failed: the trace was closed, stop_trace() says so
+    RouterTrace trace_;          // moecachectl trace: router decisions to a file
     uint32_t bus_events_ = 0;    // what epoll waits for on the bus's fd
     std::chrono::steady_clock::time_point last_bus_try_{};  // without a bus: when it last tried one
     bool bus_missing_said_ = false;
     bool bus_module_missing_ = false;  // libmoecache-dbus.so cannot be loaded: not tried again
     static constexpr int kBusRetrySeconds = 10;
     std::pair<uint32_t, size_t> bus_models_{UINT32_MAX, 0};  // (next id, count) the bus's model objects match
-    std::set<uint32_t> traced_models_;  // ids whose description the trace has
-    std::chrono::steady_clock::time_point trace_start_{};
     std::vector<std::unique_ptr<Client>> clients_;
     std::unordered_map<int, Client*> client_by_fd_;
     uint32_t next_client_id_ = 1;
