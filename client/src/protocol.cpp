@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace moecache::protocol {
 namespace {
@@ -82,6 +83,198 @@ private:
     size_t at_;
     std::string error_;
 };
+
+// ---- the wire table: each message's fields in order, walked by encode() and decode() alike ----
+//
+// wire(x, v) names every field of a message as it goes on the wire, and the checks a received
+// message must pass, each where it stands (the first failure is the one said, with the byte it is
+// at). Out (encode) writes the fields and skips the checks; In (decode) reads them into x.
+
+class Out {
+public:
+    explicit Out(Writer& w) : w_(w) {}
+    void u16(const char*, uint16_t v) { w_.u16(v); }
+    void u32(const char*, uint32_t v) { w_.u32(v); }
+    void u64(const char*, uint64_t v) { w_.u64(v); }
+    void i32(const char*, int32_t v) { w_.u32(static_cast<uint32_t>(v)); }
+    template <class E>
+    void u8(const char*, E v) {
+        w_.u8(static_cast<uint8_t>(v));
+    }
+    void flag(const char*, bool v) { w_.u8(v ? 1 : 0); }
+    // A trailing byte, there only when it says something (docs/protocol.md).
+    template <class E>
+    void trailing_u8(const char*, E v, E absent, uint8_t) {
+        if (v != absent) w_.u8(static_cast<uint8_t>(v));
+    }
+    void trailing_flag(const char*, bool v) {
+        if (v) w_.u8(1);
+    }
+    void str(const char*, const std::string& s, size_t max) { w_.str(s.substr(0, max)); }
+    // Free text (a Failure's): cut to `max`, every byte not printable ASCII made '?'.
+    void text(const char*, const std::string& s, size_t max) {
+        std::string t = s.substr(0, max);
+        for (char& c : t)
+            if (c < 0x20 || c > 0x7e) c = '?';
+        w_.str(t);
+    }
+    template <class Ok, class Say>
+    void check(Ok&&, Say&&) {}
+
+private:
+    Writer& w_;
+};
+
+class In {
+public:
+    In(Reader& r, const char* message) : r_(r), message_(message) {}
+    void u16(const char* f, uint16_t& v) { v = r_.u16(name(f)); }
+    void u32(const char* f, uint32_t& v) { v = r_.u32(name(f)); }
+    void u64(const char* f, uint64_t& v) { v = r_.u64(name(f)); }
+    void i32(const char* f, int32_t& v) { v = static_cast<int32_t>(r_.u32(name(f))); }
+    template <class E>
+    void u8(const char* f, E& v) {
+        v = static_cast<E>(r_.u8(name(f)));
+    }
+    // A byte that is 0 or 1.
+    void flag(const char* f, bool& v) {
+        const size_t at = r_.at();
+        const uint8_t b = r_.u8(name(f));
+        if (r_.error().empty() && b > 1)
+            r_.fail(fmt::format("at byte {}: {} {} is {}, not 0 or 1", at, message_, f, b));
+        v = b == 1;
+    }
+    // Absent, or one of 1 .. last (never `absent`'s 0: the byte is there only when it says something).
+    template <class E>
+    void trailing_u8(const char* f, E& v, E absent, uint8_t last) {
+        if (!r_.more()) return;
+        const size_t at = r_.at();
+        const uint8_t b = r_.u8(name(f));
+        if (r_.error().empty() && (b == static_cast<uint8_t>(absent) || b > last))
+            r_.fail(fmt::format("at byte {}: {} {} is {}, not 1 .. {} (the byte is there only when known)", at,
+                                message_, f, b, last));
+        v = static_cast<E>(b);
+    }
+    void trailing_flag(const char* f, bool& v) {
+        if (!r_.more()) return;
+        const size_t at = r_.at();
+        const uint8_t b = r_.u8(name(f));
+        if (r_.error().empty() && b != 1)
+            r_.fail(fmt::format("at byte {}: {} {} is {}: the byte is there only when it is 1", at, message_, f, b));
+        v = b == 1;
+    }
+    void str(const char* f, std::string& s, size_t max) { s = r_.str(name(f), max); }
+    void text(const char* f, std::string& s, size_t max) { s = r_.str(name(f), max); }
+    // A condition on what was read so far; say(at) names what is wrong, at the byte where the message began.
+    template <class Ok, class Say>
+    void check(Ok&& ok, Say&& say) {
+        if (r_.error().empty() && !ok()) r_.fail(say(r_.at()));
+    }
+
+private:
+    const char* name(const char* f) {
+        name_ = fmt::format("{}.{}", message_, f);
+        return name_.c_str();
+    }
+    Reader& r_;
+    const char* message_;
+    std::string name_;
+};
+
+template <class M, class V>
+void wire(M& x, V& v) {
+    (void)x;  // Goodbye and Ok have no fields
+    (void)v;
+    using T = std::remove_const_t<M>;
+    if constexpr (std::is_same_v<T, Hello>) {
+        v.u16("min_version", x.min_version);
+        v.u16("max_version", x.max_version);
+        v.str("name", x.name, kMaxName);
+        v.check([&] { return x.min_version <= x.max_version; },
+                [&](size_t) {
+                    return fmt::format("at byte {}: Hello asks for versions {} to {}, an empty range", kHeaderBytes,
+                                       x.min_version, x.max_version);
+                });
+    } else if constexpr (std::is_same_v<T, RegisterModel>) {
+        v.u32("files", x.files);
+        v.check([&] { return x.files != 0 && x.files <= kMaxModelFiles; },
+                [&](size_t) {
+                    return fmt::format("at byte {}: RegisterModel names {} files; a model has 1 to {}", kHeaderBytes,
+                                       x.files, kMaxModelFiles);
+                });
+    } else if constexpr (std::is_same_v<T, DescribeMapping>) {
+        v.u32("model", x.model);
+        v.u32("file", x.file);
+        v.u64("address", x.address);
+        v.u64("length", x.length);
+        v.u64("file_offset", x.file_offset);
+        v.check(
+            [&] {
+                return x.length != 0 && x.address + x.length >= x.address && x.file_offset + x.length >= x.file_offset;
+            },
+            [&](size_t) {
+                return fmt::format(
+                    "at byte {}: DescribeMapping of {} bytes at {:#x} (file offset {}) is empty or "
+                    "wraps around",
+                    kHeaderBytes + 8, x.length, x.address, x.file_offset);
+            });
+    } else if constexpr (std::is_same_v<T, TelemetrySetup>) {
+        v.u32("ring_bytes", x.ring_bytes);
+        v.check([&] { return x.ring_bytes >= kMinRingBytes && x.ring_bytes <= kMaxRingBytes; },
+                [&](size_t) {
+                    return fmt::format("at byte {}: a telemetry ring of {} bytes; it must be {} to {}", kHeaderBytes,
+                                       x.ring_bytes, kMinRingBytes, kMaxRingBytes);
+                });
+    } else if constexpr (std::is_same_v<T, HelloReply>) {
+        v.u16("version", x.version);
+        v.u32("client_id", x.client_id);
+    } else if constexpr (std::is_same_v<T, Failure>) {
+        v.i32("errnum", x.errnum);
+        v.text("text", x.text, kMaxErrorText);
+    } else if constexpr (std::is_same_v<T, ModelRegistered>) {
+        v.u32("model", x.model);
+        v.u32("layers", x.layers);
+        v.u32("experts", x.experts);
+        v.u32("files", x.files);
+    } else if constexpr (std::is_same_v<T, Directive>) {
+        v.u8("action", x.action);
+        v.check([&] { return x.action >= Action::Promote && x.action <= Action::Unpromote; },
+                [&](size_t) {
+                    return fmt::format("at byte {}: Directive action {} is not one of 1 (promote) .. 5 (unpromote)",
+                                       kHeaderBytes, static_cast<unsigned>(x.action));
+                });
+        v.u32("model", x.model);
+        v.u32("block", x.block);
+        v.u32("expert", x.expert);
+    } else if constexpr (std::is_same_v<T, ExpertPlacement>) {
+        v.u32("model", x.model);
+        v.u32("block", x.block);
+        v.u32("expert", x.expert);
+        v.u32("device", x.device);
+    } else if constexpr (std::is_same_v<T, PoolStats>) {
+        v.u32("device", x.device);
+        v.check([&] { return x.device < kMaxPoolDevices; },
+                [&](size_t) {
+                    return fmt::format("at byte {}: PoolStats device {} is not below {}", kHeaderBytes, x.device,
+                                       kMaxPoolDevices);
+                });
+        v.u64("hits", x.hits);
+        v.u64("misses", x.misses);
+        v.u64("hit_bytes", x.hit_bytes);
+        v.u64("miss_bytes", x.miss_bytes);
+        v.u64("pool_bytes", x.pool_bytes);
+        v.trailing_u8("miss_path", x.miss_path, MissPath::Unknown, kLastMissPath);
+    } else if constexpr (std::is_same_v<T, Unmapped>) {
+        v.u64("copies", x.copies);
+        v.u64("bytes", x.bytes);
+        v.flag("no_model", x.no_model);
+    } else if constexpr (std::is_same_v<T, VramPolicy>) {
+        v.u32("device", x.device);
+        v.u64("pool_bytes", x.pool_bytes);
+        v.flag("one_place", x.one_place);
+        v.trailing_flag("recency", x.recency);
+    }
+}
 
 }  // namespace
 
@@ -192,67 +385,8 @@ uint32_t descriptors_of(const Body& b) {
 
 std::vector<uint8_t> encode(const Message& m) {
     Writer body;
-    std::visit(
-        [&](const auto& x) {
-            using T = std::decay_t<decltype(x)>;
-            if constexpr (std::is_same_v<T, Hello>) {
-                body.u16(x.min_version);
-                body.u16(x.max_version);
-                body.str(x.name.substr(0, kMaxName));
-            } else if constexpr (std::is_same_v<T, RegisterModel>) {
-                body.u32(x.files);
-            } else if constexpr (std::is_same_v<T, DescribeMapping>) {
-                body.u32(x.model);
-                body.u32(x.file);
-                body.u64(x.address);
-                body.u64(x.length);
-                body.u64(x.file_offset);
-            } else if constexpr (std::is_same_v<T, TelemetrySetup>) {
-                body.u32(x.ring_bytes);
-            } else if constexpr (std::is_same_v<T, HelloReply>) {
-                body.u16(x.version);
-                body.u32(x.client_id);
-            } else if constexpr (std::is_same_v<T, Failure>) {
-                body.u32(static_cast<uint32_t>(x.errnum));
-                std::string text = x.text.substr(0, kMaxErrorText);
-                for (char& c : text)
-                    if (c < 0x20 || c > 0x7e) c = '?';
-                body.str(text);
-            } else if constexpr (std::is_same_v<T, ModelRegistered>) {
-                body.u32(x.model);
-                body.u32(x.layers);
-                body.u32(x.experts);
-                body.u32(x.files);
-            } else if constexpr (std::is_same_v<T, Directive>) {
-                body.u8(static_cast<uint8_t>(x.action));
-                body.u32(x.model);
-                body.u32(x.block);
-                body.u32(x.expert);
-            } else if constexpr (std::is_same_v<T, ExpertPlacement>) {
-                body.u32(x.model);
-                body.u32(x.block);
-                body.u32(x.expert);
-                body.u32(x.device);
-            } else if constexpr (std::is_same_v<T, PoolStats>) {
-                body.u32(x.device);
-                body.u64(x.hits);
-                body.u64(x.misses);
-                body.u64(x.hit_bytes);
-                body.u64(x.miss_bytes);
-                body.u64(x.pool_bytes);
-                if (x.miss_path != MissPath::Unknown) body.u8(static_cast<uint8_t>(x.miss_path));
-            } else if constexpr (std::is_same_v<T, Unmapped>) {
-                body.u64(x.copies);
-                body.u64(x.bytes);
-                body.u8(x.no_model ? 1 : 0);
-            } else if constexpr (std::is_same_v<T, VramPolicy>) {
-                body.u32(x.device);
-                body.u64(x.pool_bytes);
-                body.u8(x.one_place ? 1 : 0);
-                if (x.recency) body.u8(1);  // present only when on: one encoding per message
-            }
-        },
-        m.body);
+    Out fields(body);
+    std::visit([&](const auto& x) { wire(x, fields); }, m.body);
     const auto b = body.take();
     Writer w;
     w.u32(kMagic);
@@ -312,168 +446,65 @@ Result<Message> decode(std::span<const uint8_t> bytes, size_t descriptors) {
             return failf("a {} message came with {} descriptor(s); it takes {}", t, descriptors, n);
         return {};
     };
+    // Each message's fields from the wire table, then the descriptors it takes (a RegisterModel's
+    // count only once its fields were read).
+    const auto body = [&]<class T>(T x) -> Result<void> {
+        const char* name = to_string(type_of(Body{x}));
+        In in(r, name);
+        wire(x, in);
+        const bool counted = std::is_same_v<T, RegisterModel> || std::is_same_v<T, TelemetrySetup>;
+        if (!counted || r.error().empty()) MC_TRY_VOID(expect_fds(descriptors_of(Body{x}), name));
+        m.body = std::move(x);
+        return {};
+    };
+    Result<void> got;
     switch (static_cast<Type>(type)) {
-        case Type::Hello: {
-            Hello h;
-            h.min_version = r.u16("Hello.min_version");
-            h.max_version = r.u16("Hello.max_version");
-            h.name = r.str("Hello.name", kMaxName);
-            if (r.error().empty() && h.min_version > h.max_version)
-                r.fail(fmt::format("at byte {}: Hello asks for versions {} to {}, an empty range", kHeaderBytes,
-                                   h.min_version, h.max_version));
-            MC_TRY_VOID(expect_fds(0, "Hello"));
-            m.body = h;
+        case Type::Hello:
+            got = body(Hello{});
             break;
-        }
-        case Type::RegisterModel: {
-            RegisterModel x;
-            x.files = r.u32("RegisterModel.files");
-            if (r.error().empty() && (x.files == 0 || x.files > kMaxModelFiles))
-                r.fail(fmt::format("at byte {}: RegisterModel names {} files; a model has 1 to {}", kHeaderBytes,
-                                   x.files, kMaxModelFiles));
-            if (r.error().empty()) MC_TRY_VOID(expect_fds(x.files, "RegisterModel"));
-            m.body = x;
+        case Type::RegisterModel:
+            got = body(RegisterModel{});
             break;
-        }
-        case Type::DescribeMapping: {
-            DescribeMapping x;
-            x.model = r.u32("DescribeMapping.model");
-            x.file = r.u32("DescribeMapping.file");
-            x.address = r.u64("DescribeMapping.address");
-            x.length = r.u64("DescribeMapping.length");
-            x.file_offset = r.u64("DescribeMapping.file_offset");
-            if (r.error().empty() && (x.length == 0 || x.address + x.length < x.address ||
-                                      x.file_offset + x.length < x.file_offset))
-                r.fail(fmt::format("at byte {}: DescribeMapping of {} bytes at {:#x} (file offset {}) is empty or "
-                                   "wraps around",
-                                   kHeaderBytes + 8, x.length, x.address, x.file_offset));
-            MC_TRY_VOID(expect_fds(0, "DescribeMapping"));
-            m.body = x;
+        case Type::DescribeMapping:
+            got = body(DescribeMapping{});
             break;
-        }
-        case Type::TelemetrySetup: {
-            TelemetrySetup x;
-            x.ring_bytes = r.u32("TelemetrySetup.ring_bytes");
-            if (r.error().empty() && (x.ring_bytes < kMinRingBytes || x.ring_bytes > kMaxRingBytes))
-                r.fail(fmt::format("at byte {}: a telemetry ring of {} bytes; it must be {} to {}", kHeaderBytes,
-                                   x.ring_bytes, kMinRingBytes, kMaxRingBytes));
-            if (r.error().empty()) MC_TRY_VOID(expect_fds(1, "TelemetrySetup"));
-            m.body = x;
+        case Type::TelemetrySetup:
+            got = body(TelemetrySetup{});
             break;
-        }
         case Type::Goodbye:
-            MC_TRY_VOID(expect_fds(0, "Goodbye"));
-            m.body = Goodbye{};
+            got = body(Goodbye{});
             break;
-        case Type::HelloReply: {
-            HelloReply x;
-            x.version = r.u16("HelloReply.version");
-            x.client_id = r.u32("HelloReply.client_id");
-            MC_TRY_VOID(expect_fds(0, "HelloReply"));
-            m.body = x;
+        case Type::HelloReply:
+            got = body(HelloReply{});
             break;
-        }
         case Type::Ok:
-            MC_TRY_VOID(expect_fds(0, "Ok"));
-            m.body = Ok{};
+            got = body(Ok{});
             break;
-        case Type::Failure: {
-            Failure x;
-            x.errnum = static_cast<int32_t>(r.u32("Failure.errnum"));
-            x.text = r.str("Failure.text", kMaxErrorText);
-            MC_TRY_VOID(expect_fds(0, "Failure"));
-            m.body = x;
+        case Type::Failure:
+            got = body(Failure{});
             break;
-        }
-        case Type::ModelRegistered: {
-            ModelRegistered x;
-            x.model = r.u32("ModelRegistered.model");
-            x.layers = r.u32("ModelRegistered.layers");
-            x.experts = r.u32("ModelRegistered.experts");
-            x.files = r.u32("ModelRegistered.files");
-            MC_TRY_VOID(expect_fds(0, "ModelRegistered"));
-            m.body = x;
+        case Type::ModelRegistered:
+            got = body(ModelRegistered{});
             break;
-        }
-        case Type::Directive: {
-            Directive x;
-            const uint8_t a = r.u8("Directive.action");
-            if (r.error().empty() && (a < 1 || a > 5))
-                r.fail(fmt::format("at byte {}: Directive action {} is not one of 1 (promote) .. 5 (unpromote)",
-                                   kHeaderBytes, a));
-            x.action = static_cast<Action>(a);
-            x.model = r.u32("Directive.model");
-            x.block = r.u32("Directive.block");
-            x.expert = r.u32("Directive.expert");
-            MC_TRY_VOID(expect_fds(0, "Directive"));
-            m.body = x;
+        case Type::Directive:
+            got = body(Directive{});
             break;
-        }
-        case Type::ExpertPlacement: {
-            ExpertPlacement x;
-            x.model = r.u32("ExpertPlacement.model");
-            x.block = r.u32("ExpertPlacement.block");
-            x.expert = r.u32("ExpertPlacement.expert");
-            x.device = r.u32("ExpertPlacement.device");
-            MC_TRY_VOID(expect_fds(0, "ExpertPlacement"));
-            m.body = x;
+        case Type::ExpertPlacement:
+            got = body(ExpertPlacement{});
             break;
-        }
-        case Type::PoolStats: {
-            PoolStats x;
-            x.device = r.u32("PoolStats.device");
-            if (r.error().empty() && x.device >= kMaxPoolDevices)
-                r.fail(fmt::format("at byte {}: PoolStats device {} is not below {}", kHeaderBytes, x.device, kMaxPoolDevices));
-            x.hits = r.u64("PoolStats.hits");
-            x.misses = r.u64("PoolStats.misses");
-            x.hit_bytes = r.u64("PoolStats.hit_bytes");
-            x.miss_bytes = r.u64("PoolStats.miss_bytes");
-            x.pool_bytes = r.u64("PoolStats.pool_bytes");
-            if (r.more()) {
-                const uint8_t path = r.u8("PoolStats.miss_path");
-                if (r.error().empty() && (path == 0 || path > kLastMissPath))
-                    r.fail(fmt::format("at byte {}: PoolStats miss_path is {}, not 1 .. {} (the byte is there only when known)",
-                                       kHeaderBytes + 44, path, kLastMissPath));
-                x.miss_path = static_cast<MissPath>(path);
-            }
-            MC_TRY_VOID(expect_fds(0, "PoolStats"));
-            m.body = x;
+        case Type::PoolStats:
+            got = body(PoolStats{});
             break;
-        }
-        case Type::Unmapped: {
-            Unmapped x;
-            x.copies = r.u64("Unmapped.copies");
-            x.bytes = r.u64("Unmapped.bytes");
-            const uint8_t none = r.u8("Unmapped.no_model");
-            if (r.error().empty() && none > 1)
-                r.fail(fmt::format("at byte {}: Unmapped no_model is {}, not 0 or 1", kHeaderBytes + 16, none));
-            x.no_model = none == 1;
-            MC_TRY_VOID(expect_fds(0, "Unmapped"));
-            m.body = x;
+        case Type::Unmapped:
+            got = body(Unmapped{});
             break;
-        }
-        case Type::VramPolicy: {
-            VramPolicy x;
-            x.device = r.u32("VramPolicy.device");
-            x.pool_bytes = r.u64("VramPolicy.pool_bytes");
-            const uint8_t one = r.u8("VramPolicy.one_place");
-            if (r.error().empty() && one > 1)
-                r.fail(fmt::format("at byte {}: VramPolicy one_place is {}, not 0 or 1", kHeaderBytes + 12, one));
-            x.one_place = one == 1;
-            if (r.more()) {
-                const uint8_t rec = r.u8("VramPolicy.recency");
-                if (r.error().empty() && rec != 1)
-                    r.fail(fmt::format("at byte {}: VramPolicy recency is {}: the byte is there only when it is 1",
-                                       kHeaderBytes + 13, rec));
-                x.recency = rec == 1;
-            }
-            MC_TRY_VOID(expect_fds(0, "VramPolicy"));
-            m.body = x;
+        case Type::VramPolicy:
+            got = body(VramPolicy{});
             break;
-        }
         default:
             return failf("at byte 4: message type {} is not one this end knows", type);
     }
+    if (!got) return tl::unexpected(got.error());
     if (!r.error().empty()) return failf("{}", r.error());
     if (!r.at_end())
         return failf("at byte {}: {} bytes follow the end of a {} message", r.at(), bytes.size() - r.at(),
