@@ -7,6 +7,21 @@ field() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p"; }
 # The arguments as whole numbers, for "runs: ..." lists.
 runs_of() { printf '%.0f ' "$@"; }
 
+# model_shape LAYERS SEED: sets the array `shape` to moecache-mkmodel's arguments for a generated
+# model of LAYERS layers: EMBD (2048), FF (1792), PRESET (deepseek-v4-flash: the routing), SEED;
+# the real-like presets (mixtral-like, qwen3-next-like, deepseek-like: docs/routing.md) bring their
+# own expert counts unless EXPERTS and USED are given, the others 128 and 8 by default.
+model_shape() {
+  shape=(--layers "$1" --embd "${EMBD:-2048}" --ff "${FF:-1792}" --preset "${PRESET:-deepseek-v4-flash}" --seed "$2")
+  case ${PRESET:-deepseek-v4-flash} in
+    mixtral-like|qwen3-next-like|deepseek-like)
+      [ -n "${EXPERTS:-}" ] && shape+=(--experts "$EXPERTS")
+      [ -n "${USED:-}" ] && shape+=(--experts-used "$USED") ;;
+    *) shape+=(--experts "${EXPERTS:-128}" --experts-used "${USED:-8}") ;;
+  esac
+  return 0
+}
+
 # loop_fs IMAGE BYTES [LOSETUP OPTIONS...]: a fresh ext4 on a loop device over the file IMAGE,
 # mounted; sets $loopdev and $loop_mnt, and removes all of it (image too) when the script exits.
 loop_fs() {

@@ -32,14 +32,8 @@ work=${WORKDIR:-/var/tmp/moecache-probe}
 layers=${LAYERS:-8}
 mkdir -p "$work"
 export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-preset=${PRESET:-deepseek-v4-flash}
-shape=(--layers "$layers" --embd "${EMBD:-2048}" --ff "${FF:-1792}" --preset "$preset" --seed "${SEED:-29}")
-case $preset in
-  mixtral-like|qwen3-next-like|deepseek-like)
-    [ -n "${EXPERTS:-}" ] && shape+=(--experts "$EXPERTS")
-    [ -n "${USED:-}" ] && shape+=(--experts-used "$USED") ;;
-  *) shape+=(--experts "${EXPERTS:-128}" --experts-used "${USED:-8}") ;;
-esac
+source "$(dirname "$0")/common.sh"
+model_shape "$layers" "${SEED:-29}"
 # The default shape keeps its old name (a warm machine's model is reused); any other is named by it.
 tag=
 [ "${shape[*]}" = "--layers $layers --embd 2048 --ff 1792 --preset deepseek-v4-flash --seed 29 --experts 128 --experts-used 8" ] ||

@@ -114,13 +114,7 @@ for f in "$daemon" "$ctl" "$mkmodel" "$hook" "$rearm"; do [ -e "$f" ] || { echo 
 # qwen3-next-like, deepseek-like: docs/routing.md) bring their own expert counts unless EXPERTS
 # and USED are given.
 preset=${PRESET:-deepseek-v4-flash}
-shape=(--layers "$layers" --embd "${EMBD:-2048}" --ff "${FF:-1792}" --preset "$preset" --seed "${SEED:-11}")
-case $preset in
-  mixtral-like|qwen3-next-like|deepseek-like)
-    [ -n "${EXPERTS:-}" ] && shape+=(--experts "$EXPERTS")
-    [ -n "${USED:-}" ] && shape+=(--experts-used "$USED") ;;
-  *) shape+=(--experts "${EXPERTS:-128}" --experts-used "${USED:-8}") ;;
-esac
+model_shape "$layers" "${SEED:-11}"
 seed_tag=
 [ "${SEED:-11}" = 11 ] || seed_tag=-s$SEED
 [ "$preset" = deepseek-v4-flash ] || seed_tag=$seed_tag-$preset

@@ -1,7 +1,8 @@
 // The decide step and its budget arithmetic without root: fixed snapshots in, actions out
 // (moecache/daemon/budgets.h, decide.h). The daemon's root tests cover the kernel-facing parts.
-#include "moecache/daemon/budgets.h"
 #include "moecache/daemon/decide.h"
+#include "moecache/daemon/budgets.h"
+#include "moecache/first_fill.h"
 
 #include <gtest/gtest.h>
 
@@ -442,6 +443,16 @@ TEST(OnePlace, WhatEveryFillingPoolWasDirectedToHoldIsBoundForVram) {
     EXPECT_TRUE(bound_for_vram(both, 5, true, true, true).empty()) << "keep_ram_copy";
     EXPECT_TRUE(bound_for_vram(both, 5, true, false, false).empty()) << "fill_from_files off";
     EXPECT_TRUE(bound_for_vram({}, 5, true, false, true).empty()) << "no clients";
+}
+
+// A pool's first fill ends at nine in ten of what it was directed to hold (the daemon and the hook
+// alike: moecache/first_fill.h).
+TEST(FirstFill, NineInTenOfTheDirectedPoolHeldEndsIt) {
+    EXPECT_TRUE(first_fill_held(9, 10));
+    EXPECT_TRUE(first_fill_held(10, 10));
+    EXPECT_FALSE(first_fill_held(8, 10));
+    EXPECT_FALSE(first_fill_held(0, 0)) << "nothing directed yet: not filled";
+    EXPECT_EQ(kFirstFillBound, std::chrono::seconds(120));
 }
 
 }  // namespace

@@ -353,5 +353,42 @@ TEST(Planner, TheRecencyShareComesOutOfTheDirectedPart) {
     EXPECT_EQ(pool_directed_experts(100, 0.9, 1.0), 0u) << "all recency: nothing directed";
 }
 
+// RAM alone: the recency split is learnt at the room the lock cap gives, in experts a layer (never
+// more than the model), and its share comes off the model's cap; no share, the cap as it is.
+TEST(Planner, TheRamRecencySplitCutsTheCapByItsShare) {
+    const uint64_t expert = 8ull << 20;
+    EXPECT_DOUBLE_EQ(ram_split_room(256 * expert, 1024 * expert, 1024, 8), 32.0);  // a quarter of 128 a layer
+    EXPECT_DOUBLE_EQ(ram_split_room(4096 * expert, 1024 * expert, 1024, 8), 128.0) << "at most the whole model";
+    EXPECT_EQ(ram_split_room(256 * expert, 0, 0, 8), 0.0);
+    EXPECT_EQ(recency_cut_cap(1000, 800, 0.0), 1000u);
+    EXPECT_EQ(recency_cut_cap(1000, 800, 0.25), 600u) << "a quarter of the lock cap left to the page cache";
+    EXPECT_EQ(recency_cut_cap(500, 800, 0.25), 500u) << "never above the model's own cap";
+}
+
+// One model's direction as the daemon and the sim make it: the pool's split learnt at its size,
+// the directed part (here all of it under one place but the slack), the hottest first.
+TEST(Planner, DirectPoolLearnsTheSplitAtThePoolsSizeAndDirectsTheHottest) {
+    HeatTable heat(2, 8, 4096);
+    for (int i = 0; i < 4; ++i) {
+        const std::vector<uint32_t> hot{1, 2, 3};
+        heat.record(0, hot);
+        heat.record(1, hot);
+        heat.advance_clock(1);
+    }
+    PlannerSettings s;
+    s.admit_after_uses = 1;
+    s.elite_share = 0.125;
+    const PoolDirected d = direct_pool(heat, s, /*one_place=*/false, /*configured=*/0.5, /*pool_experts=*/8, {});
+    EXPECT_EQ(heat.split_capacity(HeatTable::SplitFor::Pool), 4.0) << "8 experts over 2 layers";
+    EXPECT_EQ(d.capacity, 4u) << "half of the pool directed";
+    EXPECT_EQ(d.wanted.size(), 4u);
+    EXPECT_FALSE(d.recency) << "nothing learnt yet";
+    const PoolDirected one = direct_pool(heat, s, /*one_place=*/true, 0.5, 8, {});
+    EXPECT_EQ(one.capacity, 8u) << "one place: the whole pool (a pool of 8 has no slack)";
+    EXPECT_EQ(one.wanted.size(), 6u) << "every admitted expert";
+    const PoolDirected none = direct_pool(heat, s, false, 0.0, 8, {});
+    EXPECT_TRUE(none.wanted.empty()) << "[vram] directed = 0 directs nothing";
+}
+
 }  // namespace
 }  // namespace moecache::daemon
