@@ -227,20 +227,6 @@ Result<void> Daemon::arm_tick() {
     return {};
 }
 
-void Daemon::note_error(const char* doing, const std::string& what) {
-    auto& e = errors_[doing];
-    ++e.total;
-    const auto now = std::chrono::steady_clock::now();
-    if (e.total > 1 && now - e.logged < std::chrono::minutes(1)) {
-        ++e.unlogged;
-        return;
-    }
-    if (e.unlogged > 0) MC_LOG(LOG_WARNING, "{} failed: {} (and {} more times since the last report)", doing, what, e.unlogged);
-    else MC_LOG(LOG_WARNING, "{} failed: {}", doing, what);
-    e.logged = now;
-    e.unlogged = 0;
-}
-
 void Daemon::tick() {
     resume_listener();
     if (!dbus_ && !bus_module_missing_ && config_.dbus_bus != "off" &&

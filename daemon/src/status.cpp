@@ -87,7 +87,7 @@ DaemonStatus Daemon::status(bool experts) const {
     }
     s.vram_releases = vram_releases_;
     s.unmapped_copy_bytes = unmapped_bytes_;
-    for (const auto& [doing, e] : errors_) s.errors[doing] = e.total;
+    s.errors = errors_.totals();
     for (const auto& c : clients_)
         if (!c->dead && c->unmapped.no_model && c->unmapped.bytes > 0) ++s.clients_without_model;
     for (const auto& c : clients_) {

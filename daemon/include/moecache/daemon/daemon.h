@@ -10,6 +10,7 @@
 #include "moecache/daemon/config.h"
 #include "moecache/daemon/control.h"
 #include "moecache/daemon/decide.h"
+#include "moecache/daemon/error_log.h"
 #include "moecache/daemon/fetch.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
@@ -262,13 +263,7 @@ private:
     // was (placement_due, decide.h).
     uint64_t tokens_since_place_ = 0;
     std::chrono::steady_clock::time_point last_place_{};
-    // Failures the loop goes on after: counted by what it was doing, logged the first time and
-    // then at most once a minute for each, with how many came in between.
-    struct IgnoredErrors {
-        uint64_t total = 0, unlogged = 0;
-        std::chrono::steady_clock::time_point logged{};
-    };
-    std::map<std::string, IgnoredErrors> errors_;
+    ErrorLog errors_;  // failures the loop goes on after
     struct GlobVerdict {
         uint64_t dev = 0, ino = 0, size = 0;
         int64_t mtime_ns = 0;
@@ -283,7 +278,7 @@ private:
     void note(const char* doing, const Result<T>& r) {
         if (!r) note_error(doing, r.error().what());
     }
-    void note_error(const char* doing, const std::string& what);
+    void note_error(const char* doing, const std::string& what) { errors_.note(doing, what); }
     bool any_rings_ = false, busy_rings_ = false;  // as the last turn found the clients' rings
     size_t ring_turn_ = 0;  // whose ring is read first, rotating (consume_client_telemetry)
     std::vector<uint32_t> joined_;  // consume_client_telemetry's decision of several records
