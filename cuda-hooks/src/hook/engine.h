@@ -330,7 +330,16 @@ private:
     // pools.cpp: peer access between a new pool's device and the others'.
     void connect_peers(DevicePool& dp);
     // serve.cpp
+    // An expert copy served in steps (serve.cpp, serve_copy's comment), over the state they share.
+    struct Serving;
     bool serve_copy(const HostToDeviceCopy& c, CUresult* result);
+    bool prepare_serving(Serving& s);
+    void serve_from_pool(Serving& s);
+    void serve_from_peers(Serving& s);
+    void take_admission_slots(Serving& s);
+    void serve_from_host(Serving& s);
+    void commit_admissions(Serving& s);
+    void count_served(Serving& s);
     void settle(DevicePool& dp, const Driver* drv, StreamId sid);  // under dp.mu
     CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const HostBytes& src, size_t bytes, CUstream stream);
 

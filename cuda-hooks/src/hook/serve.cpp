@@ -166,15 +166,91 @@ bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
     return served;
 }
 
+// One expert copy being served: what serve_copy's steps share.
+struct Engine::Serving {
+    struct Admit {
+        SliceRef ref;
+        uint64_t offset;
+    };
+    const HostToDeviceCopy& c;
+    const Snapshot* snap = nullptr;
+    ExpertCopy cls{};
+    Model* m = nullptr;
+    int32_t ls = -1;       // the layer's slot in the model
+    bool routing = false;  // a routing decision, not a weight upload
+    bool batch = false;    // a batch of many tokens (a prompt): fills free slots, displaces nothing
+    const Driver* drv = nullptr;
+    CUstream stream = nullptr;
+    CUdevice device = 0;
+    DevicePool* dp = nullptr;
+    uint32_t nexp = 0, n_slices = 0, tensor_id = 0;
+    bool pad_next = false;
+    StreamId sid = 0;
+    uint64_t from_slot[kMaxSlices];  // nonzero: queued from a pool slot (this device's or a peer's)
+    // kMaxAdmits of them, made by serve_copy once the copy is one to serve (constructing them costs
+    // a copy the hook passes through three times the rest of its work).
+    Admit* admits = nullptr;
+    uint32_t n_admits = 0, hit_slices = 0, peer_slices = 0, missed = 0;
+    CUresult rc = CUDA_SUCCESS;
+    uint64_t from_pool = 0, from_peers = 0, from_host = 0, n_calls = 0, joins = 0;
+
+    explicit Serving(const HostToDeviceCopy& copy) : c(copy) {}
+    // Slice i of the copy (i == n_experts: the padding, when it is the head of the next slice).
+    [[nodiscard]] SliceRef ref_of(uint32_t i) const {
+        const uint32_t e = cls.first_expert + i;
+        return SliceRef{m->id, m->slice(ls, cls.tensor, e), m->expert(ls, e)};
+    }
+    [[nodiscard]] uint64_t piece_bytes(uint32_t i) const { return i < cls.n_experts ? cls.slice_bytes : cls.padding; }
+};
+
+// An expert copy the runtime makes to a device (llama.cpp's -ot exps=CPU offload), served in steps
+// (each always inlined into serve_copy, their one caller: as calls they cost a served copy ~5 % more
+// of the hook's own time, bench/hook-overhead.sh):
+// what it is and whether it may be served here (prepare); 1. the slices this device's pool holds;
+// 2. those another device's pool holds; 3. slots taken for the misses the pool admits; 4. the rest
+// from the host; 5. the admitted slices committed to their slots; then the counts.
 bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
-    const Snapshot* snap = snapshot_.load(std::memory_order_acquire);
-    if (snap == nullptr) {
+    Serving s(c);
+    if (!prepare_serving(s)) return false;
+    Serving::Admit admits[kMaxAdmits];
+    s.admits = admits;
+    serve_from_pool(s);
+    if (s.missed > 0 && s.rc == CUDA_SUCCESS) serve_from_peers(s);
+    joins_.fetch_add(s.joins, std::memory_order_relaxed);
+    if (s.missed > 0 && s.rc == CUDA_SUCCESS) take_admission_slots(s);
+    if (s.hit_slices + s.peer_slices == 0 && s.from_pool + s.from_peers == 0 && s.n_admits == 0 &&
+        !s.dp->staged.load(std::memory_order_relaxed) && !cfg_.registers()) {
+        // Nothing to do but the runtime's own copy.
+        misses_.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
+        bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
+        s.dp->misses.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
+        s.dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
+        if (s.routing && !s.batch) s.dp->decode_misses.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
+        return false;
+    }
+    serve_from_host(s);
+    if (s.n_admits > 0) commit_admissions(s);
+    if (s.rc != CUDA_SUCCESS) {
+        fallbacks_.fetch_add(1, std::memory_order_relaxed);
+        return false;  // the runtime's own copy, issued after ours, writes every byte again
+    }
+    count_served(s);
+    *result = c.async ? CUDA_SUCCESS : s.drv->stream_synchronize(s.stream);
+    return true;
+}
+
+// What the copy is (an expert tensor's slices of a mapped model), and whether this device's pool
+// may serve it now: not while the stream is captured into a graph, not before the pool exists.
+[[gnu::always_inline]] inline bool Engine::prepare_serving(Serving& s) {
+    const HostToDeviceCopy& c = s.c;
+    s.snap = snapshot_.load(std::memory_order_acquire);
+    if (s.snap == nullptr) {
         request_scan();
         return false;
     }
-    const auto cls = snap->classifier.classify(c.src, c.bytes);
+    const auto cls = s.snap->classifier.classify(c.src, c.bytes);
     if (!cls) {
-        if (!snap->classifier.covers(c.src)) {
+        if (!s.snap->classifier.covers(c.src)) {
             request_scan();
             if (c.bytes >= kLargeCopy && c.dst_checked) {
                 unmapped_copies_.fetch_add(1, std::memory_order_relaxed);
@@ -185,263 +261,261 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         }
         return false;
     }
+    s.cls = *cls;
     expert_copies_.fetch_add(1, std::memory_order_relaxed);
-    Model& m = *snap->models[cls->model];
-    const int32_t ls = cls->block < m.layer_slot.size() ? m.layer_slot[cls->block] : -1;
-    if (ls < 0) return false;
+    Model& m = *s.snap->models[cls->model];
+    s.m = &m;
+    s.ls = cls->block < m.layer_slot.size() ? m.layer_slot[cls->block] : -1;
+    if (s.ls < 0) return false;
     // A copy of every expert of a tensor is a weight upload, not a routing decision (unless the
     // runtime's read-back of its router's ids says it is one: a batch that used every expert).
-    const bool routing = cls->n_experts < m.map.n_experts;
-    if (cls->tensor == 0) report_copy(m, *cls, routing);
-    const Driver* drv = driver();
-    if (drv == nullptr) return false;
-    const CUstream stream = effective_stream(c);
+    s.routing = cls->n_experts < m.map.n_experts;
+    if (cls->tensor == 0) report_copy(m, *cls, s.routing);
+    s.drv = driver();
+    if (s.drv == nullptr) return false;
+    s.stream = effective_stream(c);
     CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
-    if (drv->stream_is_capturing(stream, &capture) != CUDA_SUCCESS || capture != CU_STREAM_CAPTURE_STATUS_NONE) {
+    if (s.drv->stream_is_capturing(s.stream, &capture) != CUDA_SUCCESS || capture != CU_STREAM_CAPTURE_STATUS_NONE) {
         captured_.fetch_add(1, std::memory_order_relaxed);
         return false;
     }
-    CUdevice device = 0;
-    if (drv->ctx_get_device(&device) != CUDA_SUCCESS || device < 0 || device >= kMaxDevices) return false;
+    if (s.drv->ctx_get_device(&s.device) != CUDA_SUCCESS || s.device < 0 || s.device >= kMaxDevices) return false;
     if (!c.dst_checked) {
         CUmemorytype type{};
         int ordinal = -1;
         CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
         void* values[2] = {&type, &ordinal};
-        if (drv->pointer_get_attributes(2, attrs, values, c.dst) != CUDA_SUCCESS || type != CU_MEMORYTYPE_DEVICE ||
-            ordinal != device)
+        if (s.drv->pointer_get_attributes(2, attrs, values, c.dst) != CUDA_SUCCESS || type != CU_MEMORYTYPE_DEVICE ||
+            ordinal != s.device)
             return false;
     }
-    DevicePool* dp = pools_[device].load(std::memory_order_acquire);
-    if (dp == nullptr) {
-        want_pool(device);
+    s.dp = pools_[s.device].load(std::memory_order_acquire);
+    if (s.dp == nullptr) {
+        want_pool(s.device);
         return false;
     }
-    const uint32_t nexp = m.map.n_experts;
-    const bool pad_next = cls->padding > 0 && cls->padding_in_tensor(m.map);
-    const auto* src = static_cast<const uint8_t*>(c.src);
-    // Slice i of the copy (i == n_experts: the padding, when it is the head of the next slice).
-    const uint32_t n_slices = cls->n_experts + (pad_next ? 1 : 0);
-    if (n_slices > kMaxSlices) return false;
-    auto ref_of = [&](uint32_t i) {
-        const uint32_t e = cls->first_expert + i;
-        return SliceRef{m.id, m.slice(ls, cls->tensor, e), m.expert(ls, e)};
-    };
-    auto piece_bytes = [&](uint32_t i) { return i < cls->n_experts ? cls->slice_bytes : cls->padding; };
-
-    struct Admit {
-        SliceRef ref;
-        uint64_t offset;
-    };
-    uint64_t from_slot[kMaxSlices];  // nonzero: queued from a pool slot (this device's or a peer's)
-    CopyPiece pieces[kMaxPieces];
-    Admit admits[kMaxAdmits];
-    uint32_t n_admits = 0, hit_slices = 0, peer_slices = 0, missed = 0;
-    CUresult rc = CUDA_SUCCESS;
-    uint64_t from_pool = 0, from_peers = 0, from_host = 0, n_calls = 0, joins = 0;
-    const uint32_t tensor_id = m.slice(ls, cls->tensor, 0) / nexp;  // model-local
-    bool batch = false;
-    // 1. This device's pool, under its lock: the slices it holds are queued from their slots now
-    //    (a slot is this stream's only while the lock is held, until the stream is marked dirty).
-    {
-        std::lock_guard lock(dp->mu);
-        const StreamId sid = dp->stream_id(stream);
-        Joiner order(*dp, drv, stream, device);
-        // A run of copies of one layer's expert tensors (nothing else between them) is that layer's
-        // routing of one batch, each tensor's copies the same experts.
-        // Once one tensor's carry more than half the layer's experts (and more than one token
-        // routes to), it is a batch of many tokens, a prompt: its slices fill free slots but
-        // displace nothing and add no heat, so that a prompt, whose batches touch nearly every
-        // expert, leaves the decoding hot set alone. A few sequences decoded together stay well
-        // under that. Every tensor counts: a device may copy only some of a layer's (llama.cpp on
-        // two GPUs runs the last layers' down projections on the second, the rest on the first).
-        // A batch runs through every layer: the previous layer's step says what the first copies
-        // of this one are, before they are many.
-        auto& step = dp->step;
-        if (step.model != m.id || step.layer != ls) step = LayerStep{m.id, ls, cls->tensor, 0, 0, step.most};
-        if (step.tensor != cls->tensor) step.experts = 0;
-        step.tensor = cls->tensor;
-        step.experts += cls->n_experts;
-        step.most = std::max(step.most, step.experts);
-        const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, nexp / 2);
-        // The runtime's read-back of the router's ids, where it checked out against this layer's
-        // copy, says it first: a prompt's first group of its first layer can be a few experts.
-        batch = !routing || readback_is_batch(m, cls->block) || cls->n_experts > wide || std::max(step.most, step.before) > wide;
-        if (batch) last_batch_ns_.store(now_ns(), std::memory_order_relaxed);
-        if (m.id < dp->seen.size() && tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][tensor_id]) {
-            dp->seen[m.id][tensor_id] = 1;
-            dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(ls)].tensors[cls->tensor].bytes_per_expert * nexp);
-            const uint64_t one = 1;
-            (void)!write(wake_fd_, &one, sizeof one);
-        }
-        if (routing && !batch) {
-            for (uint32_t i = 0; i < cls->n_experts; ++i) dp->heat.touch(m.id, m.expert(ls, cls->first_expert + i));
-            if (cls->tensor == 0) m.routed.fetch_add(cls->n_experts, std::memory_order_relaxed);
-        }
-        bool tail_served = false;  // the padding came with the last slice, from its slot's tail
-        for (uint32_t i = 0; i < n_slices; ++i) {
-            if (tail_served) {  // i == n_experts
-                from_slot[i] = from_slot[i - 1] + cls->slice_bytes;
-                from_pool += piece_bytes(i);
-                continue;
-            }
-            uint32_t tail = 0;
-            from_slot[i] = cls->first_expert + i < nexp ? dp->pool.lookup(ref_of(i), sid, order, &tail) : 0;
-            if (from_slot[i] == 0) {
-                missed += i < cls->n_experts ? 1 : 0;
-                continue;
-            }
-            uint64_t bytes = piece_bytes(i);
-            if (pad_next && i + 1 == cls->n_experts && tail >= cls->padding) {
-                bytes += cls->padding;
-                tail_served = true;
-            }
-            if (rc == CUDA_SUCCESS) rc = copy_in_device(*dp, c.dst + uint64_t{i} * cls->slice_bytes, from_slot[i], bytes, stream);
-            from_pool += piece_bytes(i);
-            ++n_calls;
-            hit_slices += i < cls->n_experts ? 1 : 0;
-        }
-        if (hit_slices > 0 || from_pool > 0) settle(*dp, drv, sid);
-        joins += order.joins;
-    }
-    // 2. Other devices' pools, one lock at a time: what this device missed may be pooled there.
-    if (missed > 0 && rc == CUDA_SUCCESS) {
-        CUcontext mine = nullptr;
-        const uint64_t peers = dp->peers.load(std::memory_order_relaxed);
-        if (peers != 0 && drv->ctx_get_current(&mine) == CUDA_SUCCESS && mine != nullptr) {
-            for (int p = 0; p < kMaxDevices && missed > 0 && rc == CUDA_SUCCESS; ++p) {
-                DevicePool* peer = (peers >> p & 1) != 0 ? pools_[p].load(std::memory_order_acquire) : nullptr;
-                if (peer == nullptr) continue;
-                std::lock_guard lock(peer->mu);
-                // A pool holds only slices of tensors its device copies: none of this one, no lookups.
-                if (m.id >= peer->seen.size() || tensor_id >= peer->seen[m.id].size() || !peer->seen[m.id][tensor_id]) continue;
-                const StreamId sid = peer->stream_id(stream, device);
-                Joiner order(*peer, drv, stream, device);
-                uint32_t here = 0;
-                for (uint32_t i = 0; i < n_slices && rc == CUDA_SUCCESS; ++i) {
-                    if (from_slot[i] != 0 || cls->first_expert + i >= nexp) continue;
-                    const SliceRef ref = ref_of(i);
-                    peer->peer_lookups.fetch_add(1, std::memory_order_relaxed);
-                    const uint64_t a = peer->pool.lookup(ref, sid, order);
-                    if (a == 0) continue;
-                    rc = drv->memcpy_peer_async(c.dst + uint64_t{i} * cls->slice_bytes, mine, a, peer->ctx, piece_bytes(i), stream);
-                    from_slot[i] = a;
-                    from_peers += piece_bytes(i);
-                    ++n_calls;
-                    ++here;
-                    if (i < cls->n_experts) {
-                        --missed;
-                        ++peer_slices;
-                        if (routing && !batch) peer->heat.touch(m.id, ref.expert);
-                    }
-                }
-                if (here > 0) settle(*peer, drv, sid);
-                joins += order.joins;
-            }
-        }
-    }
-    joins_.fetch_add(joins, std::memory_order_relaxed);
-    // 3. What no pool holds comes from the host, and is admitted into this device's pool from
-    //    where it lands: slots taken under the lock, the host's bytes copied without it, the slots
-    //    filled under it again.
-    StreamId sid = 0;
-    if (missed > 0 && rc == CUDA_SUCCESS) {
-        std::lock_guard lock(dp->mu);
-        sid = dp->stream_id(stream);
-        Joiner order(*dp, drv, stream, device);
-        // Under one place a slice the pool lets go is read from storage again when next wanted: only
-        // what the daemon promoted (its ranking holds still) displaces anything. Once the daemon
-        // directs the model's pool, only what it promoted is admitted at all, in decode as in a
-        // prompt's batch (which carries nearly every expert and displaces nothing): the rest are
-        // RAM's (the daemon locks them), and a free slot one of them took would leave RAM for the
-        // pool and be taken back by the next promoted expert, sending it to storage (the prompt-model
-        // swap on the GPU machine: 2 031 slices admitted in 128 tokens of decode, 7 GB read back).
-        // Before the daemon directs, misses take free slots.
-        const bool one_place = dp->one_place.load(std::memory_order_relaxed);
-        const bool directed = one_place && m.n_promoted.load(std::memory_order_relaxed) > 0;
-        for (uint32_t i = 0; i < cls->n_experts && n_admits < kMaxAdmits; ++i) {
-            if (from_slot[i] != 0 || cls->first_expert + i >= nexp) continue;
-            const SliceRef ref = ref_of(i);
-            SliceRef evicted;
-            const bool promoted = dp->heat.heat(ref.model, ref.expert) >= ExpertHeat::kPromoted;
-            if (directed && !promoted) continue;
-            const bool evict = !batch && (!one_place || promoted);
-            if (dp->pool.admit(ref, cls->slice_bytes, sid, dp->heat, order, &evicted, evict) == 0) continue;
-            admits[n_admits++] = {ref, uint64_t{i} * cls->slice_bytes};
-            if (evicted.model != kNoSlot && evicted.model < snap->models.size())
-                note_expert(*dp, *snap->models[evicted.model], evicted.expert);
-        }
-        joins_.fetch_add(order.joins, std::memory_order_relaxed);
-    }
-    if (hit_slices + peer_slices == 0 && from_pool + from_peers == 0 && n_admits == 0 &&
-        !dp->staged.load(std::memory_order_relaxed) && !cfg_.registers()) {
-        // Nothing to do but the runtime's own copy.
-        misses_.fetch_add(cls->n_experts, std::memory_order_relaxed);
-        bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
-        dp->misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
-        dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
-        if (routing && !batch) dp->decode_misses.fetch_add(cls->n_experts, std::memory_order_relaxed);
-        return false;
-    }
-    const size_t n_pieces = plan_copy(
-        cls->n_experts, cls->slice_bytes, cls->padding, pad_next, [&](uint32_t i) { return i < n_slices ? from_slot[i] : 0; },
-        pieces, kMaxPieces);
-    if (n_pieces == 0 && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;  // cannot happen: at most 2 pieces a slice
-    for (size_t p = 0; p < n_pieces && rc == CUDA_SUCCESS; ++p)
-        if (pieces[p].pool_address == 0) {
-            rc = copy_slices_from_host(*dp, m, ls, cls->tensor, cls->first_expert, cls->slice_bytes, c.dst,
-                                       HostBytes{src, cls->file < m.fds.size() ? m.fds[cls->file] : -1, cls->file_offset},
-                                       pieces[p].offset, pieces[p].bytes, stream);
-            from_host += pieces[p].bytes;
-            ++n_calls;
-        }
-    if (n_admits > 0) {
-        std::lock_guard lock(dp->mu);
-        const uint32_t tail_room = dp->pool.tail_room(cls->slice_bytes);
-        for (uint32_t i = 0; i < n_admits; ++i) {
-            if (rc != CUDA_SUCCESS) {
-                dp->pool.drop(m.id, admits[i].ref.slice);
-                continue;
-            }
-            // What follows the slice in this copy is the next slice's head: the slot keeps it too.
-            const uint64_t after = admits[i].offset + cls->slice_bytes;
-            const uint64_t follows = after < uint64_t{cls->n_experts} * cls->slice_bytes ? cls->slice_bytes
-                                     : pad_next                                           ? cls->padding
-                                                                                          : 0;
-            const auto tail = static_cast<uint32_t>(std::min<uint64_t>(follows, tail_room));
-            const uint64_t slot = dp->pool.commit(admits[i].ref, tail);
-            if (slot == 0) continue;  // taken away meanwhile (the pool shrank or yielded)
-            rc = copy_in_device(*dp, slot, c.dst + admits[i].offset, cls->slice_bytes + tail, stream);
-            ++n_calls;
-            if (rc != CUDA_SUCCESS) dp->pool.drop(m.id, admits[i].ref.slice);
-        }
-        for (uint32_t i = 0; i < n_admits; ++i) note_expert(*dp, m, admits[i].ref.expert);
-        settle(*dp, drv, sid);
-    }
-    if (rc != CUDA_SUCCESS) {
-        fallbacks_.fetch_add(1, std::memory_order_relaxed);
-        return false;  // the runtime's own copy, issued after ours, writes every byte again
-    }
-    hit_slices += peer_slices;
-    served_.fetch_add(1, std::memory_order_relaxed);
-    pieces_.fetch_add(n_calls, std::memory_order_relaxed);
-    hits_.fetch_add(hit_slices, std::memory_order_relaxed);
-    misses_.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
-    peer_hits_.fetch_add(peer_slices, std::memory_order_relaxed);
-    bytes_pool_.fetch_add(from_pool + from_peers, std::memory_order_relaxed);
-    bytes_peer_.fetch_add(from_peers, std::memory_order_relaxed);
-    bytes_host_.fetch_add(from_host, std::memory_order_relaxed);
-    dp->hits.fetch_add(hit_slices, std::memory_order_relaxed);
-    dp->misses.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
-    if (routing && !batch) {
-        dp->decode_hits.fetch_add(hit_slices, std::memory_order_relaxed);
-        dp->decode_misses.fetch_add(cls->n_experts - hit_slices, std::memory_order_relaxed);
-        dp->decode_admits.fetch_add(n_admits, std::memory_order_relaxed);
-    }
-    dp->hit_bytes.fetch_add(from_pool + from_peers, std::memory_order_relaxed);
-    dp->miss_bytes.fetch_add(from_host, std::memory_order_relaxed);
-    *result = c.async ? CUDA_SUCCESS : drv->stream_synchronize(stream);
+    s.nexp = m.map.n_experts;
+    s.pad_next = cls->padding > 0 && cls->padding_in_tensor(m.map);
+    s.n_slices = cls->n_experts + (s.pad_next ? 1 : 0);
+    if (s.n_slices > kMaxSlices) return false;
+    s.tensor_id = m.slice(s.ls, cls->tensor, 0) / s.nexp;  // model-local
     return true;
+}
+
+// 1. This device's pool, under its lock: the slices it holds are queued from their slots now
+//    (a slot is this stream's only while the lock is held, until the stream is marked dirty).
+[[gnu::always_inline]] inline void Engine::serve_from_pool(Serving& s) {
+    DevicePool* dp = s.dp;
+    Model& m = *s.m;
+    const ExpertCopy& cls = s.cls;
+    std::lock_guard lock(dp->mu);
+    const StreamId sid = dp->stream_id(s.stream);
+    Joiner order(*dp, s.drv, s.stream, s.device);
+    // A run of copies of one layer's expert tensors (nothing else between them) is that layer's
+    // routing of one batch, each tensor's copies the same experts.
+    // Once one tensor's carry more than half the layer's experts (and more than one token
+    // routes to), it is a batch of many tokens, a prompt: its slices fill free slots but
+    // displace nothing and add no heat, so that a prompt, whose batches touch nearly every
+    // expert, leaves the decoding hot set alone. A few sequences decoded together stay well
+    // under that. Every tensor counts: a device may copy only some of a layer's (llama.cpp on
+    // two GPUs runs the last layers' down projections on the second, the rest on the first).
+    // A batch runs through every layer: the previous layer's step says what the first copies
+    // of this one are, before they are many.
+    auto& step = dp->step;
+    if (step.model != m.id || step.layer != s.ls) step = LayerStep{m.id, s.ls, cls.tensor, 0, 0, step.most};
+    if (step.tensor != cls.tensor) step.experts = 0;
+    step.tensor = cls.tensor;
+    step.experts += cls.n_experts;
+    step.most = std::max(step.most, step.experts);
+    const uint32_t wide = std::max<uint32_t>(m.map.n_experts_used, s.nexp / 2);
+    // The runtime's read-back of the router's ids, where it checked out against this layer's
+    // copy, says it first: a prompt's first group of its first layer can be a few experts.
+    s.batch = !s.routing || readback_is_batch(m, cls.block) || cls.n_experts > wide ||
+              std::max(step.most, step.before) > wide;
+    if (s.batch) last_batch_ns_.store(now_ns(), std::memory_order_relaxed);
+    if (m.id < dp->seen.size() && s.tensor_id < dp->seen[m.id].size() && !dp->seen[m.id][s.tensor_id]) {
+        dp->seen[m.id][s.tensor_id] = 1;
+        dp->seen_bytes.fetch_add(m.map.layers[static_cast<size_t>(s.ls)].tensors[cls.tensor].bytes_per_expert * s.nexp);
+        const uint64_t one = 1;
+        (void)!write(wake_fd_, &one, sizeof one);
+    }
+    if (s.routing && !s.batch) {
+        for (uint32_t i = 0; i < cls.n_experts; ++i) dp->heat.touch(m.id, m.expert(s.ls, cls.first_expert + i));
+        if (cls.tensor == 0) m.routed.fetch_add(cls.n_experts, std::memory_order_relaxed);
+    }
+    bool tail_served = false;  // the padding came with the last slice, from its slot's tail
+    for (uint32_t i = 0; i < s.n_slices; ++i) {
+        if (tail_served) {  // i == n_experts
+            s.from_slot[i] = s.from_slot[i - 1] + cls.slice_bytes;
+            s.from_pool += s.piece_bytes(i);
+            continue;
+        }
+        uint32_t tail = 0;
+        s.from_slot[i] = cls.first_expert + i < s.nexp ? dp->pool.lookup(s.ref_of(i), sid, order, &tail) : 0;
+        if (s.from_slot[i] == 0) {
+            s.missed += i < cls.n_experts ? 1 : 0;
+            continue;
+        }
+        uint64_t bytes = s.piece_bytes(i);
+        if (s.pad_next && i + 1 == cls.n_experts && tail >= cls.padding) {
+            bytes += cls.padding;
+            tail_served = true;
+        }
+        if (s.rc == CUDA_SUCCESS)
+            s.rc = copy_in_device(*dp, s.c.dst + uint64_t{i} * cls.slice_bytes, s.from_slot[i], bytes, s.stream);
+        s.from_pool += s.piece_bytes(i);
+        ++s.n_calls;
+        s.hit_slices += i < cls.n_experts ? 1 : 0;
+    }
+    if (s.hit_slices > 0 || s.from_pool > 0) settle(*dp, s.drv, sid);
+    s.joins += order.joins;
+}
+
+// 2. Other devices' pools, one lock at a time: what this device missed may be pooled there.
+[[gnu::always_inline]] inline void Engine::serve_from_peers(Serving& s) {
+    const ExpertCopy& cls = s.cls;
+    CUcontext mine = nullptr;
+    const uint64_t peers = s.dp->peers.load(std::memory_order_relaxed);
+    if (peers == 0 || s.drv->ctx_get_current(&mine) != CUDA_SUCCESS || mine == nullptr) return;
+    for (int p = 0; p < kMaxDevices && s.missed > 0 && s.rc == CUDA_SUCCESS; ++p) {
+        DevicePool* peer = (peers >> p & 1) != 0 ? pools_[p].load(std::memory_order_acquire) : nullptr;
+        if (peer == nullptr) continue;
+        std::lock_guard lock(peer->mu);
+        // A pool holds only slices of tensors its device copies: none of this one, no lookups.
+        if (s.m->id >= peer->seen.size() || s.tensor_id >= peer->seen[s.m->id].size() ||
+            !peer->seen[s.m->id][s.tensor_id])
+            continue;
+        const StreamId sid = peer->stream_id(s.stream, s.device);
+        Joiner order(*peer, s.drv, s.stream, s.device);
+        uint32_t here = 0;
+        for (uint32_t i = 0; i < s.n_slices && s.rc == CUDA_SUCCESS; ++i) {
+            if (s.from_slot[i] != 0 || cls.first_expert + i >= s.nexp) continue;
+            const SliceRef ref = s.ref_of(i);
+            peer->peer_lookups.fetch_add(1, std::memory_order_relaxed);
+            const uint64_t a = peer->pool.lookup(ref, sid, order);
+            if (a == 0) continue;
+            s.rc = s.drv->memcpy_peer_async(s.c.dst + uint64_t{i} * cls.slice_bytes, mine, a, peer->ctx,
+                                            s.piece_bytes(i), s.stream);
+            s.from_slot[i] = a;
+            s.from_peers += s.piece_bytes(i);
+            ++s.n_calls;
+            ++here;
+            if (i < cls.n_experts) {
+                --s.missed;
+                ++s.peer_slices;
+                if (s.routing && !s.batch) peer->heat.touch(s.m->id, ref.expert);
+            }
+        }
+        if (here > 0) settle(*peer, s.drv, sid);
+        s.joins += order.joins;
+    }
+}
+
+// 3. What no pool holds comes from the host, and is admitted into this device's pool from where it
+//    lands: slots taken under the lock (here), the host's bytes copied without it (serve_from_host),
+//    the slots filled under it again (commit_admissions).
+[[gnu::always_inline]] inline void Engine::take_admission_slots(Serving& s) {
+    DevicePool* dp = s.dp;
+    const ExpertCopy& cls = s.cls;
+    std::lock_guard lock(dp->mu);
+    s.sid = dp->stream_id(s.stream);
+    Joiner order(*dp, s.drv, s.stream, s.device);
+    // Under one place a slice the pool lets go is read from storage again when next wanted: only
+    // what the daemon promoted (its ranking holds still) displaces anything. Once the daemon
+    // directs the model's pool, only what it promoted is admitted at all, in decode as in a
+    // prompt's batch (which carries nearly every expert and displaces nothing): the rest are
+    // RAM's (the daemon locks them), and a free slot one of them took would leave RAM for the
+    // pool and be taken back by the next promoted expert, sending it to storage (the prompt-model
+    // swap on the GPU machine: 2 031 slices admitted in 128 tokens of decode, 7 GB read back).
+    // Before the daemon directs, misses take free slots.
+    const bool one_place = dp->one_place.load(std::memory_order_relaxed);
+    const bool directed = one_place && s.m->n_promoted.load(std::memory_order_relaxed) > 0;
+    for (uint32_t i = 0; i < cls.n_experts && s.n_admits < kMaxAdmits; ++i) {
+        if (s.from_slot[i] != 0 || cls.first_expert + i >= s.nexp) continue;
+        const SliceRef ref = s.ref_of(i);
+        SliceRef evicted;
+        const bool promoted = dp->heat.heat(ref.model, ref.expert) >= ExpertHeat::kPromoted;
+        if (directed && !promoted) continue;
+        const bool evict = !s.batch && (!one_place || promoted);
+        if (dp->pool.admit(ref, cls.slice_bytes, s.sid, dp->heat, order, &evicted, evict) == 0) continue;
+        s.admits[s.n_admits++] = {ref, uint64_t{i} * cls.slice_bytes};
+        if (evicted.model != kNoSlot && evicted.model < s.snap->models.size())
+            note_expert(*dp, *s.snap->models[evicted.model], evicted.expert);
+    }
+    joins_.fetch_add(order.joins, std::memory_order_relaxed);
+}
+
+// 4. The pieces no pool served, from the host (registered pages, staging, or pageable memory).
+[[gnu::always_inline]] inline void Engine::serve_from_host(Serving& s) {
+    const ExpertCopy& cls = s.cls;
+    Model& m = *s.m;
+    CopyPiece pieces[kMaxPieces];
+    const size_t n_pieces = plan_copy(
+        cls.n_experts, cls.slice_bytes, cls.padding, s.pad_next,
+        [&](uint32_t i) { return i < s.n_slices ? s.from_slot[i] : 0; }, pieces, kMaxPieces);
+    if (n_pieces == 0 && s.rc == CUDA_SUCCESS)
+        s.rc = CUDA_ERROR_INVALID_VALUE;  // cannot happen: at most 2 pieces a slice
+    const auto* src = static_cast<const uint8_t*>(s.c.src);
+    for (size_t p = 0; p < n_pieces && s.rc == CUDA_SUCCESS; ++p)
+        if (pieces[p].pool_address == 0) {
+            s.rc =
+                copy_slices_from_host(*s.dp, m, s.ls, cls.tensor, cls.first_expert, cls.slice_bytes, s.c.dst,
+                                      HostBytes{src, cls.file < m.fds.size() ? m.fds[cls.file] : -1, cls.file_offset},
+                                      pieces[p].offset, pieces[p].bytes, s.stream);
+            s.from_host += pieces[p].bytes;
+            ++s.n_calls;
+        }
+}
+
+// 5. The admitted slices into their slots, from where the copy put them on the device.
+[[gnu::always_inline]] inline void Engine::commit_admissions(Serving& s) {
+    DevicePool* dp = s.dp;
+    const ExpertCopy& cls = s.cls;
+    std::lock_guard lock(dp->mu);
+    const uint32_t tail_room = dp->pool.tail_room(cls.slice_bytes);
+    for (uint32_t i = 0; i < s.n_admits; ++i) {
+        if (s.rc != CUDA_SUCCESS) {
+            dp->pool.drop(s.m->id, s.admits[i].ref.slice);
+            continue;
+        }
+        // What follows the slice in this copy is the next slice's head: the slot keeps it too.
+        const uint64_t after = s.admits[i].offset + cls.slice_bytes;
+        const uint64_t follows = after < uint64_t{cls.n_experts} * cls.slice_bytes ? cls.slice_bytes
+                                 : s.pad_next                                      ? cls.padding
+                                                                                   : 0;
+        const auto tail = static_cast<uint32_t>(std::min<uint64_t>(follows, tail_room));
+        const uint64_t slot = dp->pool.commit(s.admits[i].ref, tail);
+        if (slot == 0) continue;  // taken away meanwhile (the pool shrank or yielded)
+        s.rc = copy_in_device(*dp, slot, s.c.dst + s.admits[i].offset, cls.slice_bytes + tail, s.stream);
+        ++s.n_calls;
+        if (s.rc != CUDA_SUCCESS) dp->pool.drop(s.m->id, s.admits[i].ref.slice);
+    }
+    for (uint32_t i = 0; i < s.n_admits; ++i) note_expert(*dp, *s.m, s.admits[i].ref.expert);
+    settle(*dp, s.drv, s.sid);
+}
+
+// The counts of a served copy: the hook's, and its device pool's.
+[[gnu::always_inline]] inline void Engine::count_served(Serving& s) {
+    DevicePool* dp = s.dp;
+    const uint32_t n = s.cls.n_experts;
+    const uint32_t hits = s.hit_slices + s.peer_slices;
+    served_.fetch_add(1, std::memory_order_relaxed);
+    pieces_.fetch_add(s.n_calls, std::memory_order_relaxed);
+    hits_.fetch_add(hits, std::memory_order_relaxed);
+    misses_.fetch_add(n - hits, std::memory_order_relaxed);
+    peer_hits_.fetch_add(s.peer_slices, std::memory_order_relaxed);
+    bytes_pool_.fetch_add(s.from_pool + s.from_peers, std::memory_order_relaxed);
+    bytes_peer_.fetch_add(s.from_peers, std::memory_order_relaxed);
+    bytes_host_.fetch_add(s.from_host, std::memory_order_relaxed);
+    dp->hits.fetch_add(hits, std::memory_order_relaxed);
+    dp->misses.fetch_add(n - hits, std::memory_order_relaxed);
+    if (s.routing && !s.batch) {
+        dp->decode_hits.fetch_add(hits, std::memory_order_relaxed);
+        dp->decode_misses.fetch_add(n - hits, std::memory_order_relaxed);
+        dp->decode_admits.fetch_add(s.n_admits, std::memory_order_relaxed);
+    }
+    dp->hit_bytes.fetch_add(s.from_pool + s.from_peers, std::memory_order_relaxed);
+    dp->miss_bytes.fetch_add(s.from_host, std::memory_order_relaxed);
 }
 
 }  // namespace moecache::cuda::hook
