@@ -90,8 +90,8 @@ void Engine::apply_daemon_budgets() {
         }
         if (dp == nullptr || moecache_client_vram_policy(client_, static_cast<uint32_t>(d), &b, &one_place) == 0) continue;
         const uint64_t applied = b == UINT64_MAX ? 0 : b + 1;
-        if (dp->daemon_budget == applied) continue;
-        dp->daemon_budget = applied;
+        if (dp->bg.daemon_budget == applied) continue;
+        dp->bg.daemon_budget = applied;
         resize_pool(*dp);
     }
 }
@@ -198,13 +198,15 @@ void Engine::report_pools() {
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
         if (dp == nullptr) continue;
-        moecache_pool_stats s{dp->hits.load(), dp->misses.load(), dp->hit_bytes.load(), dp->miss_bytes.load(),
-                              dp->bytes.load()};
-        if (s.hits == dp->reported_hits && s.misses == dp->reported_misses && s.pool_bytes == dp->reported_bytes) continue;
+        moecache_pool_stats s{dp->counters.hits.load(), dp->counters.misses.load(), dp->counters.hit_bytes.load(),
+                              dp->counters.miss_bytes.load(), dp->bytes.load()};
+        if (s.hits == dp->bg.reported_hits && s.misses == dp->bg.reported_misses &&
+            s.pool_bytes == dp->bg.reported_bytes)
+            continue;
         if (moecache_client_report_pool(client_, static_cast<uint32_t>(d), &s) == 0) {
-            dp->reported_hits = s.hits;
-            dp->reported_misses = s.misses;
-            dp->reported_bytes = s.pool_bytes;
+            dp->bg.reported_hits = s.hits;
+            dp->bg.reported_misses = s.misses;
+            dp->bg.reported_bytes = s.pool_bytes;
         }
     }
 }

@@ -248,18 +248,22 @@ void Engine::shutdown() {
                     ps = dp->pool.stats();
                 }
                 std::string why;
-                for (size_t k = 0; k < dp->join_failures.size(); ++k)
-                    if (const uint64_t n = dp->join_failures[k].load()) why += " " + std::to_string(k) + ":" + std::to_string(n);
+                for (size_t k = 0; k < dp->counters.join_failures.size(); ++k)
+                    if (const uint64_t n = dp->counters.join_failures[k].load())
+                        why += " " + std::to_string(k) + ":" + std::to_string(n);
                 if (!why.empty()) say("device %d: streams not ordered (reason:count)%s", dp->device, why.c_str());
-                const uint64_t h = dp->hits.load(), m = dp->misses.load();
-                const uint64_t dh = dp->decode_hits.load(), dm = dp->decode_misses.load();
+                const uint64_t h = dp->counters.hits.load(), m = dp->counters.misses.load();
+                const uint64_t dh = dp->counters.decode_hits.load(), dm = dp->counters.decode_misses.load();
                 auto pct = [](uint64_t a, uint64_t b) { return 100.0 * static_cast<double>(a) / static_cast<double>(std::max<uint64_t>(a + b, 1)); };
-                say("device %d: copies %u expert tensors (layer and tensor: %s); slices %" PRIu64 " hit / %" PRIu64 " missed (%.1f%%),"
-                    " in decode steps %" PRIu64 " / %" PRIu64 " (%.1f%%, %" PRIu64 " admitted); pool %.2f GiB;"
-                    " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64 "; slices filled ahead %" PRIu64,
-                    dp->device, tensors, which.c_str(), h, m, pct(h, m), dh, dm, pct(dh, dm), dp->decode_admits.load(),
-                    static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined, ps.cross_stream, dp->peer_lookups.load(),
-                    dp->filled.load());
+                say("device %d: copies %u expert tensors (layer and tensor: %s); slices %" PRIu64 " hit / %" PRIu64
+                    " missed (%.1f%%),"
+                    " in decode steps %" PRIu64 " / %" PRIu64 " (%.1f%%, %" PRIu64
+                    " admitted); pool %.2f GiB;"
+                    " slots taken over from another stream %" PRIu64 ", not %" PRIu64 "; peer lookups %" PRIu64
+                    "; slices filled ahead %" PRIu64,
+                    dp->device, tensors, which.c_str(), h, m, pct(h, m), dh, dm, pct(dh, dm),
+                    dp->counters.decode_admits.load(), static_cast<double>(dp->bytes.load()) / 1073741824.0, ps.joined,
+                    ps.cross_stream, dp->counters.peer_lookups.load(), dp->counters.filled.load());
             }
     if (cfg_.log && (readback_reports_.load() || readbacks_refused_.load()))
         say("routing from the runtime's read-back ids: %" PRIu64 " layer batches, %" PRIu64 " read-backs that did not match the copy",

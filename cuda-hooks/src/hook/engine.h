@@ -197,29 +197,33 @@ private:
         double link_gbps = 0;
         double memcpy_gbps = 0;  // one thread's memcpy from that memory, measured beside it
         std::atomic<bool> copies_set_up{false};  // set_up_copies ran: the miss path can be told
-        std::atomic<int> told_path{0};  // the MissPath last told (0: none yet); written by the background thread
-        // How it served expert copies (slices; bytes), for the daemon's metrics.
-        std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
-        // Of those, the copies of decode steps (routing copies outside a prompt batch).
-        std::atomic<uint64_t> decode_hits{0}, decode_misses{0}, decode_admits{0};
-        std::atomic<uint64_t> peer_lookups{0};  // slices another device looked up here
-        // Why a stream could not be ordered after another's slot work: unknown stream, retired
-        // with work unrecorded, eager with work unrecorded, no event, record failed, no event
-        // after all, query failed, wait failed.
-        std::array<std::atomic<uint64_t>, 8> join_failures{};
+        std::atomic<int> told_path{0};       // the MissPath last told (0: none yet); written by the background thread
         std::atomic<uint64_t> sized_for{0};  // seen_bytes when last sized (by the background thread)
         std::atomic<uint64_t> target{0};     // what it was last sized to hold (0: not sized yet)
-        // Filling ahead (fill.cpp; background thread): the hook's stream and scratch buffer on this
-        // device, and the slices filled so far.
-        CUstream fill_stream = nullptr;
-        CUdeviceptr fill_scratch = 0;
-        uint64_t fill_idle = UINT64_MAX;  // fill_gen_ when it last found nothing to fill
-        bool first_fill_done = false;     // it held nine in ten of what it was directed to, once
-        uint64_t made_ns = 0;             // when it was made: the first fill ends kFirstFillNs after
-        std::atomic<uint64_t> filled{0};
-        // Background thread only.
-        uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;
-        uint64_t daemon_budget = 0;  // applied; 0: none, else bytes + 1
+        uint64_t made_ns = 0;                // when it was made: the first fill ends kFirstFillNs after
+        // Counters, any thread (relaxed atomics): how it served expert copies (slices; bytes), for
+        // the daemon's metrics and the exit summary.
+        struct Counters {
+            std::atomic<uint64_t> hits{0}, misses{0}, hit_bytes{0}, miss_bytes{0};
+            // Of those, the copies of decode steps (routing copies outside a prompt batch).
+            std::atomic<uint64_t> decode_hits{0}, decode_misses{0}, decode_admits{0};
+            std::atomic<uint64_t> peer_lookups{0};  // slices another device looked up here
+            std::atomic<uint64_t> filled{0};        // slices filled ahead (fill.cpp)
+            // Why a stream could not be ordered after another's slot work: unknown stream, retired
+            // with work unrecorded, eager with work unrecorded, no event, record failed, no event
+            // after all, query failed, wait failed.
+            std::array<std::atomic<uint64_t>, 8> join_failures{};
+        } counters;
+        // The background thread's own (no lock: no other thread touches them).
+        struct Background {
+            // Filling ahead (fill.cpp): the hook's stream and scratch buffer on this device.
+            CUstream fill_stream = nullptr;
+            CUdeviceptr fill_scratch = 0;
+            uint64_t fill_idle = UINT64_MAX;  // fill_gen_ when it last found nothing to fill
+            bool first_fill_done = false;     // it held nine in ten of what it was directed to, once
+            uint64_t reported_hits = UINT64_MAX, reported_misses = 0, reported_bytes = 0;  // to the daemon
+            uint64_t daemon_budget = 0;  // applied; 0: none, else bytes + 1
+        } bg;
 
         // Under mu. `from` is the device whose context queues on the stream, when it is not this
         // one (a peer reading this pool): such a stream is recorded after each use (eager).

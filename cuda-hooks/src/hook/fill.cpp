@@ -100,8 +100,8 @@ bool Engine::fill_pools() {
     bool more = false;
     for (int d = 0; d < kMaxDevices; ++d) {
         DevicePool* dp = pools_[d].load();
-        if (dp == nullptr || dp->bytes.load() == 0 || dp->fill_idle == fill_gen_) continue;
-        if (cfg_.fill_from_files && !dp->first_fill_done) {
+        if (dp == nullptr || dp->bytes.load() == 0 || dp->bg.fill_idle == fill_gen_) continue;
+        if (cfg_.fill_from_files && !dp->bg.first_fill_done) {
             // Done (moecache/first_fill.h) once the direction is of the pool's size (half of it at
             // least: not the few experts the first routing named) and nine in ten of it are pooled.
             size_t promoted = 0, held = 0, experts = 0;
@@ -118,9 +118,9 @@ bool Engine::fill_pools() {
             }
             const double capacity = room > 0 ? static_cast<double>(dp->bytes.load()) * static_cast<double>(experts) / static_cast<double>(room) : 0;
             const bool full = static_cast<double>(promoted) >= 0.5 * capacity && first_fill_held(held, promoted);
-            if (full || now_ns() - dp->made_ns > kFirstFillNs) dp->first_fill_done = true;
+            if (full || now_ns() - dp->made_ns > kFirstFillNs) dp->bg.first_fill_done = true;
         }
-        const bool from_file = cfg_.fill_from_files && !dp->first_fill_done;
+        const bool from_file = cfg_.fill_from_files && !dp->bg.first_fill_done;
         // The gate holds the runtime's captures back: taken only when there is something to fill.
         const bool work = std::any_of(fill_queue_.begin(), fill_queue_.end(), [&](const auto& q) {
             const Model& m = *models_[q.first];
@@ -140,17 +140,17 @@ bool Engine::fill_device(DevicePool& pool, bool from_file) {
     {
         DeviceContext ctx(drv, d);
         if (!ctx.ok()) return false;
-        if (dp->fill_stream == nullptr) {
-            if (drv->stream_create(&dp->fill_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
-                dp->fill_stream = nullptr;
+        if (dp->bg.fill_stream == nullptr) {
+            if (drv->stream_create(&dp->bg.fill_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+                dp->bg.fill_stream = nullptr;
                 return false;
             }
-            if (drv->mem_alloc(&dp->fill_scratch, kFillScratch) != CUDA_SUCCESS) {
-                dp->fill_scratch = 0;
+            if (drv->mem_alloc(&dp->bg.fill_scratch, kFillScratch) != CUDA_SUCCESS) {
+                dp->bg.fill_scratch = 0;
                 return false;
             }
         }
-        if (dp->fill_scratch == 0) return false;
+        if (dp->bg.fill_scratch == 0) return false;
         struct Piece {
             Model* m;
             int32_t ls;
@@ -163,8 +163,8 @@ bool Engine::fill_device(DevicePool& pool, bool from_file) {
         uint32_t refused = 0;
         {
             std::lock_guard lock(dp->mu);
-            sid = dp->stream_id(dp->fill_stream);
-            Joiner order(*dp, drv, dp->fill_stream, d);
+            sid = dp->stream_id(dp->bg.fill_stream);
+            Joiner order(*dp, drv, dp->bg.fill_stream, d);
             uint64_t used = 0;
             for (const auto& [mi, e] : fill_queue_) {
                 Model& m = *models_[mi];
@@ -208,7 +208,7 @@ bool Engine::fill_device(DevicePool& pool, bool from_file) {
             // Nothing to do until something changes (a prompt that holds the file's fills back ends
             // by itself: not idle then).
             if (!more && refused == 0 && now_ns() - last_batch_ns_.load(std::memory_order_relaxed) >= kPromptQuietNs)
-                dp->fill_idle = fill_gen_;
+                dp->bg.fill_idle = fill_gen_;
             return more;
         }
         // The host's bytes into the scratch buffer: straight from the registered pages, the edges
@@ -223,8 +223,8 @@ bool Engine::fill_device(DevicePool& pool, bool from_file) {
             }
             const HostBytes from{reinterpret_cast<const uint8_t*>(a), t.file < p.m->fds.size() ? p.m->fds[t.file] : -1,
                                  t.offset + uint64_t{p.expert} * t.bytes_per_expert};
-            rc = copy_slices_from_host(*dp, *p.m, p.ls, p.tensor, p.expert, p.bytes, dp->fill_scratch + p.at, from, 0,
-                                       p.bytes + p.tail, dp->fill_stream);
+            rc = copy_slices_from_host(*dp, *p.m, p.ls, p.tensor, p.expert, p.bytes, dp->bg.fill_scratch + p.at, from,
+                                       0, p.bytes + p.tail, dp->bg.fill_stream);
             if (rc != CUDA_SUCCESS) break;
         }
         std::lock_guard lock(dp->mu);
@@ -233,7 +233,8 @@ bool Engine::fill_device(DevicePool& pool, bool from_file) {
             const uint64_t slot = rc == CUDA_SUCCESS ? dp->pool.commit(p.ref, static_cast<uint32_t>(p.tail)) : 0;
             if (slot == 0) {
                 dp->pool.drop(p.m->id, p.ref.slice);
-            } else if (copy_in_device(*dp, slot, dp->fill_scratch + p.at, p.bytes + p.tail, dp->fill_stream) != CUDA_SUCCESS) {
+            } else if (copy_in_device(*dp, slot, dp->bg.fill_scratch + p.at, p.bytes + p.tail, dp->bg.fill_stream) !=
+                       CUDA_SUCCESS) {
                 dp->pool.drop(p.m->id, p.ref.slice);
             } else {
                 ++filled;
@@ -242,7 +243,7 @@ bool Engine::fill_device(DevicePool& pool, bool from_file) {
         for (auto& p : pieces) note_expert(*dp, *p.m, p.ref.expert);
         settle(*dp, drv, sid);
         filled_.fetch_add(filled, std::memory_order_relaxed);
-        dp->filled.fetch_add(filled, std::memory_order_relaxed);
+        dp->counters.filled.fetch_add(filled, std::memory_order_relaxed);
         if (filled > 0) more = true;
     }
     return more;

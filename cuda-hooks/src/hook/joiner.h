@@ -42,7 +42,7 @@ public:
 
 private:
     bool fail(int why) {
-        dp_.join_failures[why].fetch_add(1, std::memory_order_relaxed);
+        dp_.counters.join_failures[why].fetch_add(1, std::memory_order_relaxed);
         return false;
     }
     // In the context of the stream's own device, whichever device's thread asks.

@@ -209,7 +209,7 @@ uint64_t Engine::pool_target(const DevicePool& dp, uint64_t experts) const {
     if (size.kind == PoolSize::Kind::Percent)
         budget = static_cast<uint64_t>(static_cast<double>(experts) * size.value / 100.0);
     if (size.kind == PoolSize::Kind::Bytes) budget = std::min(experts, static_cast<uint64_t>(size.value));
-    if (dp.daemon_budget != 0) budget = std::min(budget, dp.daemon_budget - 1);
+    if (dp.bg.daemon_budget != 0) budget = std::min(budget, dp.bg.daemon_budget - 1);
     return budget;
 }
 

@@ -223,9 +223,9 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         // Nothing to do but the runtime's own copy.
         misses_.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
         bytes_host_.fetch_add(c.bytes, std::memory_order_relaxed);
-        s.dp->misses.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
-        s.dp->miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
-        if (s.routing && !s.batch) s.dp->decode_misses.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
+        s.dp->counters.misses.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
+        s.dp->counters.miss_bytes.fetch_add(c.bytes, std::memory_order_relaxed);
+        if (s.routing && !s.batch) s.dp->counters.decode_misses.fetch_add(s.cls.n_experts, std::memory_order_relaxed);
         return false;
     }
     serve_from_host(s);
@@ -391,7 +391,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         for (uint32_t i = 0; i < s.n_slices && s.rc == CUDA_SUCCESS; ++i) {
             if (s.from_slot[i] != 0 || cls.first_expert + i >= s.nexp) continue;
             const SliceRef ref = s.ref_of(i);
-            peer->peer_lookups.fetch_add(1, std::memory_order_relaxed);
+            peer->counters.peer_lookups.fetch_add(1, std::memory_order_relaxed);
             const uint64_t a = peer->pool.lookup(ref, sid, order);
             if (a == 0) continue;
             s.rc = s.drv->memcpy_peer_async(s.c.dst + uint64_t{i} * cls.slice_bytes, mine, a, peer->ctx,
@@ -507,15 +507,15 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
     bytes_pool_.fetch_add(s.from_pool + s.from_peers, std::memory_order_relaxed);
     bytes_peer_.fetch_add(s.from_peers, std::memory_order_relaxed);
     bytes_host_.fetch_add(s.from_host, std::memory_order_relaxed);
-    dp->hits.fetch_add(hits, std::memory_order_relaxed);
-    dp->misses.fetch_add(n - hits, std::memory_order_relaxed);
+    dp->counters.hits.fetch_add(hits, std::memory_order_relaxed);
+    dp->counters.misses.fetch_add(n - hits, std::memory_order_relaxed);
     if (s.routing && !s.batch) {
-        dp->decode_hits.fetch_add(hits, std::memory_order_relaxed);
-        dp->decode_misses.fetch_add(n - hits, std::memory_order_relaxed);
-        dp->decode_admits.fetch_add(s.n_admits, std::memory_order_relaxed);
+        dp->counters.decode_hits.fetch_add(hits, std::memory_order_relaxed);
+        dp->counters.decode_misses.fetch_add(n - hits, std::memory_order_relaxed);
+        dp->counters.decode_admits.fetch_add(s.n_admits, std::memory_order_relaxed);
     }
-    dp->hit_bytes.fetch_add(s.from_pool + s.from_peers, std::memory_order_relaxed);
-    dp->miss_bytes.fetch_add(s.from_host, std::memory_order_relaxed);
+    dp->counters.hit_bytes.fetch_add(s.from_pool + s.from_peers, std::memory_order_relaxed);
+    dp->counters.miss_bytes.fetch_add(s.from_host, std::memory_order_relaxed);
 }
 
 }  // namespace moecache::cuda::hook
