@@ -283,7 +283,10 @@ uint64_t ns_since(Clock::time_point t0) {
 struct Faults {
     uint64_t minor = 0, major = 0;
 };
-Faults process_faults() {
+// Only where the stats are said (MOECACHE_GGML_LOG): getrusage sums every thread's counts, work a
+// decode chain's CPU half need not pay for otherwise.
+Faults process_faults(const Settings& s) {
+    if (!s.log && !s.log_often) return {};
     rusage u{};
     if (getrusage(RUSAGE_SELF, &u) != 0) return {};
     return {static_cast<uint64_t>(u.ru_minflt), static_cast<uint64_t>(u.ru_majflt)};
@@ -642,9 +645,9 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         Graph cg(be.ctx_mem_cpu, 0, static_cast<int>(unit->nodes.size()));
         for (auto* node : unit->nodes)
             if (!is_noop(node)) ggml_graph_add_node(cg.graph, node);
-        const Faults before = process_faults();
+        const Faults before = process_faults(be.settings);
         const ggml_status st = ggml_backend_graph_compute(be.cpu, cg.graph);
-        const Faults after = process_faults();
+        const Faults after = process_faults(be.settings);
         lock.lock();
         timing.cpu_minor_faults += after.minor - before.minor;
         timing.cpu_major_faults += after.major - before.major;
@@ -779,7 +782,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     }
     // The CPU's half meanwhile: its rows alone where the chain allows (no filler arithmetic),
     // else the chain itself, its MUL_MAT_IDs routed to the CPU's experts and fillers.
-    const Faults faults_before = process_faults();
+    const Faults faults_before = process_faults(be.settings);
     auto t_graph = Clock::now();
     if (st == GGML_STATUS_SUCCESS && split->cpu_rows > 0) {
         const auto done = cpu_rows_alone(be, *unit, *split, [&] {
@@ -805,7 +808,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     const uint64_t cpu_ns = ns_since(t0);
     timing.cpu_ns += cpu_ns;
     if (split->cpu_rows > 0) timing.cpu_graph_ns += ns_since(t_graph);
-    const Faults faults_after = process_faults();
+    const Faults faults_after = process_faults(be.settings);
     timing.cpu_minor_faults += faults_after.minor - faults_before.minor;
     timing.cpu_major_faults += faults_after.major - faults_before.major;
     t0 = Clock::now();

@@ -164,7 +164,7 @@ public:
         v = b == 1;
     }
     void str(const char* f, std::string& s, size_t max) { s = r_.str(name(f), max); }
-    void text(const char* f, std::string& s, size_t max) { s = r_.str(name(f), max); }
+    void text(const char* f, std::string& s, size_t max) { str(f, s, max); }  // checked as any string
     // A condition on what was read so far; say(at) names what is wrong, at the byte where the message began.
     template <class Ok, class Say>
     void check(Ok&& ok, Say&& say) {
