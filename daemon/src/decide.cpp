@@ -78,7 +78,7 @@ void Daemon::place() {
         if (!m->res) continue;
         const ModelResidency& r = *m->res;
         ModelFacts mf;
-        const std::string family = family_of(*m);
+        const std::string& family = uses[open].family;  // family_of, as taken above
         // A model that left holds nothing: its locks and reads would take the RAM the model in use
         // needs, under a squeeze all of it.
         const ModelRest at_rest = rest[open++];
@@ -275,12 +275,16 @@ void Daemon::predict(ModelEntry& m, uint32_t layer, std::span<const uint32_t> ex
 // Speculation never queues behind itself: nothing is added while reads wait to be issued.
 void Daemon::fetch_predicted() {
     if (predicted_.empty()) return;
+    // While reads wait nothing is read for a prediction: their facts are not gathered either.
+    const bool reads_queued = prefetcher_->progress().queued_bytes > 0;
     std::vector<FetchCandidate> predicted;
-    predicted.reserve(predicted_.size());
-    for (const auto& [id, slot] : predicted_) predicted.push_back(fetch_candidate(id, slot, {}));
+    if (!reads_queued) {
+        predicted.reserve(predicted_.size());
+        for (const auto& [id, slot] : predicted_) predicted.push_back(fetch_candidate(id, slot, {}));
+    }
     predicted_.clear();
     uint64_t queued = 0;
-    for (const SlotRef& at : reads_after_predictions(predicted, prefetcher_->progress().queued_bytes > 0))
+    for (const SlotRef& at : reads_after_predictions(predicted, reads_queued))
         queued += cache_fetch(*find_model(at.model), at.slot, FetchReason::Prediction);
     if (queued == 0) return;
     predict_fetch_bytes_ += queued;
