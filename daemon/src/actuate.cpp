@@ -36,13 +36,12 @@ void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded)
     for (const auto& r : a.read) {
         ModelEntry* m = live(r.model);
         if (m == nullptr) continue;
-        SlotState& st = m->res->state(r.slot);
         m->res->begin_fetch(r.slot);
         for (const auto& range : m->res->ranges(r.slot)) {
             const auto& f = m->res->model().files()[range.file];
             prefetcher_->enqueue({f.fd.get(), range.offset, range.length, fetch_priority(FetchReason::Plan, order),
                                   fetch_tag(m->id, r.slot, FetchReason::Plan)});
-            ++st.fetches_pending;
+            m->res->read_queued(r.slot);
         }
         ++order;
     }
@@ -60,7 +59,7 @@ void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded)
     }
     if (auto r = prefetcher_->submit(); !r) MC_LOG(LOG_WARNING, "prefetch: {}", r.error().what());
     for (uint32_t i = 0; i < loaded.size(); ++i)
-        if (ModelEntry* m = live(i)) m->waiting = i < a.waiting.size() ? a.waiting[i] : std::vector<uint32_t>{};
+        if (ModelEntry* m = live(i)) m->res->set_ready(i < a.waiting.size() ? a.waiting[i] : std::vector<uint32_t>{});
     for (const auto& r : a.refused)
         if (ModelEntry* m = live(r.at.model)) m->res->abandon(r.at.slot);  // the plan asks again if it still wants it
     for (const auto& r : a.given_up)
@@ -70,7 +69,7 @@ void Daemon::apply(const TurnActions& a, const std::vector<ModelEntry*>& loaded)
         }
     for (const auto& r : a.lock)
         if (ModelEntry* m = live(r.model)) lock_admitted(*m, r.slot);
-    flush_clients();
+    hub_->flush();
     // A turn that held the loop for long: every client waits on it (a reply, a Hello), and one that
     // waits 5 s drops its connection. Said at most every 10 s.
     const auto took = std::chrono::steady_clock::now() - started;
@@ -97,8 +96,7 @@ void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {
     constexpr uint64_t kEvictedShareDivisor = 32;
     const uint64_t slack = remote ? 0 : m.res->slot_length(slot) / kEvictedShareDivisor;
     if (const auto resident = m.res->resident_bytes(slot); resident && *resident + slack < m.res->slot_length(slot)) {
-        m.res->abandon(slot);
-        m.res->state(slot).cached_bytes = *resident;
+        m.res->evicted_before_lock(slot, *resident);
         ++evicted_before_lock_;
         return;
     }

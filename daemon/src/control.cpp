@@ -1,5 +1,6 @@
 // The operator's controls: what D-Bus (dbus/dbus_service.cpp) and tests call. Every argument is
 // untrusted; a refusal names what is wrong. Runs on the loop's thread, like everything else.
+#include "bus/bus_link.h"
 #include "daemon_state.h"
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/prefetcher.h"
@@ -121,7 +122,7 @@ Result<void> Daemon::remove_model(uint32_t id) {
     if (configured && !m.operator_added)
         return fail(EBUSY, fmt::format("model {} is configured ({}): remove it from the configuration and reload",
                                        m.path, m.config.where));
-    const auto users = std::count_if(clients_.begin(), clients_.end(), [&](const auto& c) {
+    const auto users = std::count_if(hub_->all().begin(), hub_->all().end(), [&](const auto& c) {
         return !c->dead && std::find(c->models.begin(), c->models.end(), id) != c->models.end();
     });
     if (users > 0)
@@ -145,7 +146,7 @@ Result<void> Daemon::set_budget(const std::string& name, const std::string& amou
     config_ = std::move(next);
     MC_LOG(LOG_INFO, "budget {} set to {} by the operator: lock cap now {} MiB", name, format_bytes(a->resolve(mem_total_)),
            lock_cap() >> 20);
-    announce_budget(name, a->resolve(mem_total_));
+    bus_->budget_changed(name, a->resolve(mem_total_));
     request_place();
     return {};
 }
@@ -168,7 +169,7 @@ Result<void> Daemon::set_model_budget(uint32_t id, const std::string& amount) {
     m->config.budget = budget;
     MC_LOG(LOG_INFO, "model {}: budget {} by the operator", m->path,
            budget ? format_bytes(budget->resolve(mem_total_)) : std::string("removed"));
-    announce_budget(fmt::format("model:{}", id), budget ? budget->resolve(mem_total_) : UINT64_MAX);
+    bus_->budget_changed(fmt::format("model:{}", id), budget ? budget->resolve(mem_total_) : UINT64_MAX);
     request_place();
     return {};
 }
@@ -203,7 +204,7 @@ Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> spec
     uint32_t order = 0;
     for (uint32_t s : slots) {
         const SlotState& st = r.state(s);
-        if (st.tier() != Tier::Storage || st.cached_bytes >= r.slot_length(s) || m->prefetching.count(s)) continue;
+        if (st.tier() != Tier::Storage || st.cached_bytes() >= r.slot_length(s) || r.cache_reads().count(s)) continue;
         queued += cache_fetch(*m, s, FetchReason::Operator, order++);
     }
     if (auto sub = prefetcher_->submit(); !sub) return tl::unexpected(sub.error());
@@ -213,7 +214,7 @@ Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> spec
 
 uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, uint32_t order) {
     const int32_t priority = fetch_priority(reason, order);
-    if (const auto it = m.prefetching.find(slot); it != m.prefetching.end()) {
+    if (const auto it = m.res->cache_reads().find(slot); it != m.res->cache_reads().end()) {
         if (reason != FetchReason::Miss || it->second.reason == FetchReason::Miss) return 0;
         // Queued behind other work (a warm start, an operator's prefetch) while a runtime waits for
         // it: cancelled (each of its live reads still reports once) and queued again, first.
@@ -228,20 +229,14 @@ uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, u
         queued += range.length;
         ++reads;
     }
-    if (reads) {
-        auto& f = m.prefetching[slot];
-        f.reads += reads;
-        if (f.reads == reads || reason == FetchReason::Miss) f.reason = reason;  // new, or a miss's again
-    }
+    m.res->cache_read_queued(slot, reason, reads);
     return queued;
 }
 
 // Completion of a read that stays cached only (on_fetched sees the tag bit).
 void Daemon::cache_fetched(uint32_t model, uint32_t slot) {
     ModelEntry* m = find_model(model);
-    if (!m) return;
-    const auto it = m->prefetching.find(slot);
-    if (it != m->prefetching.end() && --it->second.reads == 0) m->prefetching.erase(it);
+    if (m && m->res) m->res->cache_read_done(slot);
 }
 
 Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) {
@@ -260,10 +255,10 @@ Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) 
     for (uint32_t s : slots) {
         if (r.pinned(s)) continue;  // "everything" means everything not pinned
         dropped.push_back(s);
-        SlotState& st = r.state(s);
-        released += std::max(st.locked_bytes, st.cached_bytes);
+        const SlotState& st = r.state(s);
+        released += std::max(st.locked_bytes(), st.cached_bytes());
         if (st.tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m->id, s));
-        if (m->prefetching.erase(s)) prefetcher_->cancel(fetch_tag(m->id, s, true));
+        if (r.forget_cache_read(s)) prefetcher_->cancel(fetch_tag(m->id, s, true));
         const bool was_locked = st.tier() == Tier::Locked;
         if (auto rel = r.release(s, /*drop=*/false); !rel) return tl::unexpected(with_context(rel.error(), m->path));
         r.abandon(s);  // a read for a lock, cancelled above
@@ -271,7 +266,6 @@ Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) 
     }
     r.drop_cached(dropped);
     note("reading the page cache's residency", r.refresh_cached());
-    std::erase_if(m->waiting, [&](uint32_t s) { return s != kDenseSlot && std::binary_search(slots.begin(), slots.end(), s); });
     MC_LOG(LOG_INFO, "model {}: {} evicted by the operator", m->path, format_bytes(released));
     return released;
 }

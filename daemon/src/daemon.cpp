@@ -2,8 +2,9 @@
 #include "moecache/daemon/descriptors.h"
 #include "moecache/daemon/system_memory.h"
 
+#include "bus/bus_link.h"
 #include "daemon_state.h"
-#include "dbus/dbus_service.h"
+#include "intake/page_cache_watch.h"
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/metrics.h"
 
@@ -101,6 +102,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
 
     d->epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
     if (!d->epoll_) return fail_errno("epoll_create1");
+    d->bus_ = std::make_unique<BusLink>(*d, d->config_, d->epoll_.get());
     auto watch = [&](EventSource source, int fd, uint32_t events) -> Result<void> {
         epoll_event ev{};
         ev.events = events;
@@ -152,42 +154,11 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         }
     }
 
-    d->self_tgid_ = static_cast<uint32_t>(::getpid());
-    if (d->config_.page_cache_telemetry != "off") {
-        bpf::PageCacheTelemetry::Options to;
-        to.ring_bytes = d->config_.page_cache_ring_bytes;
-        to.ignore_tgid = static_cast<pid_t>(d->self_tgid_);
-        // A runtime's read from storage wakes the loop (at most once a millisecond): on_miss reads
-        // the rest of the expert then, and with it off the heat is no older.
-        to.miss_wakeup_us = 1000;
-        auto pc = bpf::PageCacheTelemetry::open(to, [self](const bpf::PageCacheEvent& e) { self->on_page_cache_event(e); });
-        if (pc) {
-            d->page_cache_ = std::make_unique<bpf::PageCacheTelemetry>(std::move(*pc));
-            MC_TRY_VOID(watch(EventSource::PageCache, d->page_cache_->event_fd(), EPOLLIN));
-            if (!d->page_cache_->faults_attached()) {
-                d->page_cache_off_reason_ = bpf::probe_page_cache_features().missing;
-                MC_LOG(LOG_NOTICE, "page-cache telemetry: reads and evictions only: {}", d->page_cache_off_reason_);
-            } else {
-                MC_LOG(LOG_INFO, "page-cache telemetry on: reads, evictions and faults of model files ({} KiB ring)",
-                       d->config_.page_cache_ring_bytes >> 10);
-            }
-        } else if (d->config_.page_cache_telemetry == "on") {
-            return tl::unexpected(with_context(pc.error(), "telemetry.page_cache = \"on\""));
-        } else {
-            d->page_cache_off_reason_ = pc.error().what();
-            MC_LOG(LOG_WARNING, "page-cache telemetry is off, the daemon runs on the telemetry it has: {}",
-                   d->page_cache_off_reason_);
-        }
-    } else {
-        d->page_cache_off_reason_ = "telemetry.page_cache = \"off\" in the configuration";
-    }
+    d->page_cache_ = MC_TRY(PageCacheWatch::open(d->config_));
+    if (d->page_cache_->on()) MC_TRY_VOID(watch(EventSource::PageCache, d->page_cache_->event_fd(), EPOLLIN));
 
-    if (!d->config_.socket_path.empty()) {
-        auto server = SocketServer::listen(d->config_.socket_path);
-        if (!server) return tl::unexpected(with_context(server.error(), "the client socket ([daemon] socket)"));
-        d->server_ = std::make_unique<SocketServer>(std::move(*server));
-        MC_TRY_VOID(watch(EventSource::Listener, d->server_->fd(), EPOLLIN));
-    }
+    d->hub_ = std::make_unique<ClientHub>(d->config_, d->epoll_.get());
+    MC_TRY_VOID(d->hub_->listen());
 
     if (!d->config_.metrics_listen.empty()) {
         // A busy port is no reason not to manage memory: say so and run without metrics.
@@ -211,7 +182,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
 
     // As for metrics: without a bus the daemon still manages memory; say so and go on (and try
     // again now and then: the bus may start later, or come back).
-    if (d->config_.dbus_bus != "off") d->connect_bus();
+    d->bus_->start();
     d->last_save_ = std::chrono::steady_clock::now();
     d->place();
     return d;
@@ -228,11 +199,8 @@ Result<void> Daemon::arm_tick() {
 }
 
 void Daemon::tick() {
-    resume_listener();
-    if (!dbus_ && !bus_module_missing_ && config_.dbus_bus != "off" &&
-        std::chrono::steady_clock::now() - last_bus_try_ > std::chrono::seconds(kBusRetrySeconds))
-        connect_bus();
-    expire_silent_clients();
+    hub_->tick();
+    bus_->retry();
     cgroup_ = own_memory_cgroup_limit();
     off_loop_->turn();  // opens past their deadline
     set_aside_hung_reads();
@@ -243,7 +211,8 @@ void Daemon::tick() {
             // One place, again each tick: a runtime's read of a neighbour can map an expert's pages
             // back (fault-around) before they were dropped.
             for (uint32_t s = 0; s < m->res->n_slots(); ++s)
-                if (!m->res->wanted_in_ram(s) && m->res->state(s).cached_bytes > 0 && m->res->state(s).tier() == Tier::Storage)
+                if (!m->res->wanted_in_ram(s) && m->res->state(s).cached_bytes() > 0 &&
+                    m->res->state(s).tier() == Tier::Storage)
                     m->res->drop_cached(s);
         }
     const auto now = std::chrono::steady_clock::now();
@@ -273,7 +242,7 @@ void Daemon::on_pressure(const std::string& source) {
     pressure_cap_ = std::min(pressure_cap_, pressure_keep(total_locked(), config_.pressure_release_share));
     MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source,
            pressure_cap_ >> 20);
-    if (dbus_) dbus_->pressure_backoff(source, pressure_cap_);
+    bus_->pressure_backoff(source, pressure_cap_);
     request_place();
 }
 
@@ -316,8 +285,10 @@ Result<void> Daemon::reload(Config config) {
     tell_vram_policy();  // [vram] keep_ram_copy may have changed
     if (config_.tick_seconds != old_tick)
         if (auto r = arm_tick(); !r) MC_LOG(LOG_WARNING, "daemon.tick_seconds: {}", r.error().what());
-    if (config_.lock_budget.resolve(mem_total_) != old_budget) announce_budget("lock", config_.lock_budget.resolve(mem_total_));
-    if (config_.reserve.resolve(mem_total_) != old_reserve) announce_budget("reserve", config_.reserve.resolve(mem_total_));
+    if (config_.lock_budget.resolve(mem_total_) != old_budget)
+        bus_->budget_changed("lock", config_.lock_budget.resolve(mem_total_));
+    if (config_.reserve.resolve(mem_total_) != old_reserve)
+        bus_->budget_changed("reserve", config_.reserve.resolve(mem_total_));
     add_plain_models();
     for (auto& m : models_)
         if (m->res) m->res->heat().set_half_life(config_.decay_half_life_tokens);
@@ -381,14 +352,10 @@ Result<void> Daemon::step(int timeout_ms) {
                 break;
             }
             case EventSource::Listener:
-                accept_clients();
+                hub_->accept();
                 break;
             case EventSource::Client:
-                // Looked up by descriptor: a client dropped earlier in this batch is gone.
-                if (auto it = client_by_fd_.find(fd); it != client_by_fd_.end()) {
-                    if ((events[i].events & EPOLLOUT) != 0) on_client_writable(*it->second);
-                    if ((events[i].events & ~static_cast<uint32_t>(EPOLLOUT)) != 0) on_client_readable(*it->second);
-                }
+                hub_->on_event(fd, events[i].events, [this](Client& c, Packet& p) { return on_client_packet(c, p); });
                 break;
             case EventSource::PageCache:
                 break;  // read below, on every turn
@@ -414,16 +381,16 @@ Result<void> Daemon::step(int timeout_ms) {
     }
     // Page-cache events wake the loop only in bulk (see bpf/): the rest are read on every turn,
     // and run() turns at least every kPollIntervalMs.
-    if (page_cache_) consume_page_cache();
+    consume_page_cache();
     consume_client_telemetry();
     reap_clients();
     if (want_place) place_requested_ = true;
-    if (dbus_) {
-        if (bus_ready || dbus_->timeout_ms() == 0) dbus_->process();  // setters request placement
-    }
+    bus_->process(bus_ready);  // setters request placement
     decide_and_act();
-    flush_clients();  // directives an operator's request queued outside the placement
-    if (dbus_) sync_bus();
+    hub_->flush();  // directives an operator's request queued outside the placement
+    // Every model added takes a new id and every model removed shrinks the list: the two together
+    // change whenever the set does, so most turns compare two numbers and touch nothing.
+    bus_->sync({next_model_id_, models_.size()});
     return {};
 }
 
@@ -466,87 +433,10 @@ int Daemon::loop_timeout() const {
     int t = -1;
     if (busy_rings_) t = 1;
     else if (any_rings_) t = 20;
-    else if (page_cache_) t = bpf::PageCacheTelemetry::kPollIntervalMs;
-    if (dbus_) {
-        const int b = dbus_->timeout_ms();
-        if (b >= 0 && (t < 0 || b < t)) t = b;
-    }
+    else if (page_cache_->on())
+        t = bpf::PageCacheTelemetry::kPollIntervalMs;
+    if (const int b = bus_->timeout_ms(); b >= 0 && (t < 0 || b < t)) t = b;
     return t;
-}
-
-void Daemon::connect_bus() {
-    last_bus_try_ = std::chrono::steady_clock::now();
-    auto b = DbusService::open(*this, config_.dbus_bus, config_.dbus_admin_group);
-    if (!b) {
-        if (b.error().errnum == ELIBACC) {  // the module: trying again will not mend it
-            bus_module_missing_ = true;
-            MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus = \"{}\"): {}; moecachectl cannot reach this daemon, "
-                                "/metrics and the client socket work. Install the D-Bus module, or set [dbus] bus = \"off\"",
-                   config_.dbus_bus, b.error().message);
-            return;
-        }
-        if (!bus_missing_said_) MC_LOG(LOG_WARNING, "no D-Bus API ([dbus] bus): {}; trying again every {} s",
-                                       b.error().what(), kBusRetrySeconds);
-        bus_missing_said_ = true;
-        return;
-    }
-    epoll_event ev{};
-    ev.events = (*b)->epoll_events();
-    ev.data.u64 = event_data(EventSource::Bus, (*b)->fd());
-    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, (*b)->fd(), &ev) != 0) {
-        MC_LOG(LOG_WARNING, "D-Bus: epoll_ctl add: {}", std::strerror(errno));
-        return;
-    }
-    dbus_ = std::move(*b);
-    bus_events_ = ev.events;
-    bus_models_ = {UINT32_MAX, 0};
-    MC_LOG(LOG_INFO, "D-Bus: org.moecache1 on the {} bus", dbus_->bus());
-    bus_missing_said_ = false;
-}
-
-// The bus went away (its daemon stopped or restarted): the loop goes on without it.
-void Daemon::lose_bus() {
-    (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, dbus_->fd(), nullptr);
-    MC_LOG(LOG_WARNING, "D-Bus: lost the {} bus: going on without the D-Bus API, connecting again every {} s",
-           dbus_->bus(), kBusRetrySeconds);
-    dbus_.reset();
-    bus_events_ = 0;
-    bus_missing_said_ = true;
-    last_bus_try_ = std::chrono::steady_clock::now();
-}
-
-void Daemon::sync_bus() {
-    if (!dbus_) return;
-    if (dbus_->lost()) {
-        lose_bus();
-        return;
-    }
-    // Every model added takes a new id and every model removed shrinks the list: the two together
-    // change whenever the set does, so most turns compare two numbers and touch nothing.
-    const std::pair<uint32_t, size_t> shape{next_model_id_, models_.size()};
-    if (shape != bus_models_) {
-        dbus_->sync_models();
-        bus_models_ = shape;
-    }
-    update_bus_watch();
-}
-
-void Daemon::update_bus_watch() {
-    const uint32_t want = dbus_->epoll_events();
-    if (dbus_->lost()) {
-        lose_bus();
-        return;
-    }
-    if (want == bus_events_) return;
-    epoll_event ev{};
-    ev.events = want;
-    ev.data.u64 = event_data(EventSource::Bus, dbus_->fd());
-    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, dbus_->fd(), &ev) == 0) bus_events_ = want;
-    else MC_LOG(LOG_WARNING, "D-Bus: epoll_ctl: {}", std::strerror(errno));
-}
-
-void Daemon::announce_budget(const std::string& name, uint64_t bytes) {
-    if (dbus_) dbus_->budget_changed(name, bytes);
 }
 
 }  // namespace moecache::daemon

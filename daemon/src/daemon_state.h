@@ -2,7 +2,8 @@
 // Owned and touched by the loop's thread only.
 #pragma once
 
-#include "clients/socket_server.h"
+#include "clients/client_hub.h"
+#include "event_source.h"
 #include "moecache/client/telemetry_ring.h"
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/fetch.h"
@@ -19,14 +20,6 @@
 #include <vector>
 
 namespace moecache::daemon {
-
-// What woke the loop: each descriptor the loop waits on is registered with its source in the
-// high half of its epoll data and the descriptor in the low half, and step() has one handler per
-// source.
-enum class EventSource : uint32_t { Signal, Timer, Listener, Client, PageCache, Bus, Reads, Pressure, OffLoop };
-inline uint64_t event_data(EventSource source, int fd) {
-    return (uint64_t{static_cast<uint32_t>(source)} << 32) | static_cast<uint32_t>(fd);
-}
 
 // A prefetch request's tag: model id, slot (kDenseSlot included), and whether it is read to stay
 // cached only (every reason but the plan's) rather than to be locked.
@@ -49,18 +42,10 @@ struct Daemon::ModelEntry {
     // Its file did not answer a read within [prefetch] read_deadline (a hung network or FUSE file
     // system): not opened again before this (registry.cpp, set_aside()).
     std::chrono::steady_clock::time_point set_aside_until{};
-    std::vector<uint32_t> waiting;  // slots fetched and waiting for budget or a lock turn
     std::vector<uint32_t> file_ids;  // page-cache telemetry ids of its files, while watched
     bool registered = false;  // added by a client at run time (not configured): closed with its last client
     uint32_t owner_uid = 0;   // of the client that registered it (registered models only)
     bool operator_added = false;  // registered over D-Bus: stays until unregistered or restart
-    // Slots being read into the page cache without a lock (an operator's prefetch, a miss, a warm
-    // start, a prediction): reads pending, and why (a miss is read ahead of everything else).
-    struct CacheFetch {
-        uint32_t reads = 0;
-        FetchReason reason = FetchReason::Operator;
-    };
-    std::map<uint32_t, CacheFetch> prefetching;
     // When a runtime last used it (a page fault or read in it, a routing report): a model that no
     // client registered is on standby (planner.h) once nothing used it for kStandbyAfter, or at once
     // while a live client uses another model of its family (the prompt-model swap).
@@ -94,43 +79,6 @@ struct Daemon::ModelEntry {
         std::vector<std::vector<uint32_t>> next;  // [layer]
     };
     std::unique_ptr<Prediction> prediction;
-};
-
-struct Daemon::Client {
-    uint32_t id = 0;
-    UniqueFd conn;
-    PeerIdentity peer;
-    bool hello = false;
-    std::chrono::steady_clock::time_point connected;  // Hello is due within [clients] hello_seconds
-    std::string name;
-    std::vector<uint32_t> models;  // model ids it registered
-    std::unique_ptr<telemetry::TelemetryRing> ring;
-    std::set<std::pair<uint32_t, uint32_t>> vram;  // (model id, slot) its VRAM pool holds, as it says
-    bool has_pool = false;                          // it sent an ExpertPlacement or PoolStats: a CUDA hook
-    // It reported a pool of some bytes (PoolStats): only then do its placements count for the
-    // one-place rule; until then they wait.
-    bool pool_reported = false;
-    std::set<uint32_t> told_not_releasing;  // model ids its pool may not release: logged once each
-    std::set<std::pair<uint32_t, uint32_t>> promoted;  // (model id, slot) it was told to keep in VRAM
-    // Its pool came to hold nine in ten of what it was directed to (bind_promoted): its first fill,
-    // from the files, is over, and the rest of its changes go through RAM's locks.
-    bool pool_filled = false;
-    bool one_place_told = true;  // the one_place of the last VramPolicy it was sent
-    bool recency_told = false;   // ... and its recency (direct_pools: its pool's split)
-    uint32_t directed_capacity = 0;  // experts its pool is directed to hold, over its models (direct_pools)
-    std::chrono::steady_clock::time_point pool_since;  // when it first reported its pool
-    std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
-    protocol::Unmapped unmapped;                       // the last Unmapped it sent
-    uint64_t events = 0, bad_events = 0;
-    // Directives decided this turn (locks, unlocks, promotions), sent together at its end.
-    std::vector<protocol::Directive> outbox;
-    // Packets its socket had no room for (it reads more slowly than a turn decides: a pool's first
-    // Locks and Promotes are thousands), in order; sent as it reads (EPOLLOUT), at most
-    // kMaxUnsentBytes before it counts as a client that stopped reading.
-    std::deque<std::vector<uint8_t>> unsent;
-    size_t unsent_bytes = 0;
-    bool watching_writable = false;
-    bool dead = false;  // dropped this turn; reaped at its end
 };
 
 }  // namespace moecache::daemon

@@ -60,7 +60,7 @@ void Daemon::place() {
     const auto now = std::chrono::steady_clock::now();
     std::set<uint32_t> registered;  // models a live client registered
     std::set<uint32_t> pooled;      // ... and of those, models a CUDA hook's VRAM pool serves
-    for (const auto& c : clients_)
+    for (const auto& c : hub_->all())
         if (!c->dead) {
             registered.insert(c->models.begin(), c->models.end());
             if (c->has_pool) pooled.insert(c->models.begin(), c->models.end());
@@ -103,8 +103,8 @@ void Daemon::place() {
         mf.view.standby = at_rest.standby;
         auto facts = [&](uint32_t slot) {
             const SlotState& st = r.state(slot);
-            return SlotFacts{st.tier(), st.cached_bytes, r.slot_length(slot), r.slot_bytes(slot), r.wanted_in_ram(slot),
-                             r.read_for_ram(slot)};
+            return SlotFacts{st.tier(),          st.cached_bytes(),     r.slot_length(slot),
+                             r.slot_bytes(slot), r.wanted_in_ram(slot), r.read_for_ram(slot)};
         };
         mf.slots.reserve(r.n_slots());
         for (uint32_t s = 0; s < r.n_slots(); ++s) mf.slots.push_back(facts(s));
@@ -127,7 +127,7 @@ void Daemon::place() {
                 mf.view.owner_budget = mf.holder.user_budget;
             }
         }
-        mf.waiting = m->waiting;
+        mf.waiting = m->res->ready();
         mf.warm_pending = m->warm_pending;
         f.models.push_back(std::move(mf));
         loaded.push_back(m.get());
@@ -186,7 +186,7 @@ FetchCandidate Daemon::fetch_candidate(uint32_t model, uint32_t slot, const std:
     const SlotState& st = r.state(slot);
     c.known = true;
     c.tier = st.tier();
-    c.cached = st.cached_bytes;
+    c.cached = st.cached_bytes();
     c.length = r.slot_length(slot);
     c.wanted_in_ram = r.wanted_in_ram(slot);
     c.read_for_ram = r.read_for_ram(slot);
@@ -205,7 +205,7 @@ void Daemon::fetch_missed() {
     if (missed_this_batch_.empty()) return;
     if (config_.on_miss) {
         std::set<uint32_t> hooked;
-        for (const auto& c : clients_)
+        for (const auto& c : hub_->all())
             if (!c->dead && c->has_pool) hooked.insert(c->models.begin(), c->models.end());
         std::vector<FetchCandidate> missed;
         missed.reserve(missed_this_batch_.size());
@@ -235,11 +235,8 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
     }
     for (auto& m : models_) {
         if (m->id != id || !m->res) continue;
-        SlotState& st = m->res->state(slot);
-        if (st.fetches_pending > 0) --st.fetches_pending;
         if (err != 0 && err != ECANCELED) MC_LOG(LOG_WARNING, "model {}: prefetch failed: {}", m->path, std::strerror(err));
-        if (st.fetches_pending == 0 && st.tier() == Tier::Fetching) {
-            m->waiting.push_back(slot);
+        if (m->res->read_done(slot)) {
             // Locked at the end of this turn, not the next tick: locking keeps pace with the reads
             // (on the GPU machine a warm start locked 230 MB/s off a 1.7 GB/s disk, tick-bound, and
             // a runtime's first requests read from storage what the daemon had not locked yet).

@@ -6,6 +6,7 @@
 
 #include "daemon_state.h"
 #include "dbus/dbus_service.h"
+#include "intake/page_cache_watch.h"
 #include "moecache/daemon/off_loop.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
@@ -247,7 +248,7 @@ void Daemon::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
     m.res->set_keep_ram_copy(config_.keep_ram_copy || !m.one_place);
     one_place_due_.insert(m.id);  // what its clients' pools hold, again for the new residency
     m.error.clear();
-    watch_files(m);
+    m.file_ids = page_cache_->watch(m.id, *m.res, m.path);
     const auto& map = m.res->model().map();
     if (m.name.empty()) m.name = display_name(m.path, map.name, /*ollama=*/!m.registered || m.operator_added);
     MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
@@ -299,8 +300,7 @@ void Daemon::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
 
 void Daemon::close_model(ModelEntry& m, const std::string& why) {
     if (!m.res) return;
-    for (const auto& [s, f] : m.prefetching) prefetcher_->cancel(fetch_tag(m.id, s, true));
-    m.prefetching.clear();
+    for (const auto& [s, f] : m.res->cache_reads()) prefetcher_->cancel(fetch_tag(m.id, s, true));
     MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
     const std::string key = m.res->model().profile_key();
     if (auto r = write_file_atomic(profile_path(profile_name(m)), m.res->heat().to_profile(key)); !r)
@@ -311,9 +311,17 @@ void Daemon::close_model(ModelEntry& m, const std::string& why) {
     }
     if (m.res->state(kDenseSlot).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, kDenseSlot));
     note("unlocking a closed model", m.res->release(kDenseSlot, false));
-    unwatch_files(m);
+    const auto shared = [&](const FileIdentity& f) {
+        return std::any_of(models_.begin(), models_.end(), [&](const auto& o) {
+            if (o.get() == &m || !o->res) return false;
+            const auto& of = o->res->model().files();
+            return std::any_of(of.begin(), of.end(),
+                               [&](const ModelFile& x) { return x.identity.dev == f.dev && x.identity.ino == f.ino; });
+        });
+    };
+    note("unwatching a model file's page cache", page_cache_->unwatch(m.file_ids, *m.res, shared));
+    m.file_ids.clear();
     m.res.reset();
-    m.waiting.clear();
 }
 
 void Daemon::set_aside(ModelEntry& m, const std::string& why) {
@@ -344,39 +352,6 @@ void Daemon::set_aside_hung_reads() {
         set_aside(*m, fmt::format("a read of its file did not complete within {} s ([prefetch] read_deadline)",
                                   config_.read_deadline_seconds));
     }
-}
-
-void Daemon::watch_files(ModelEntry& m) {
-    if (!page_cache_) return;
-    const auto& files = m.res->model().files();
-    for (uint32_t i = 0; i < files.size(); ++i) {
-        const uint32_t id = next_file_id_++;
-        if (auto r = page_cache_->watch(files[i].identity.dev, files[i].identity.ino, id); !r) {
-            MC_LOG(LOG_WARNING, "model {}: {}", m.path, r.error().what());
-            continue;
-        }
-        watched_[id] = WatchedFile{&m, i};
-        m.file_ids.push_back(id);
-    }
-}
-
-void Daemon::unwatch_files(ModelEntry& m) {
-    if (!page_cache_ || !m.res) return;
-    const auto& files = m.res->model().files();
-    for (uint32_t id : m.file_ids) {
-        const auto it = watched_.find(id);
-        if (it == watched_.end()) continue;
-        // Another entry may watch the same inode now (a model configured twice): leave it then.
-        const auto& f = files[it->second.file];
-        watched_.erase(it);
-        const bool shared = std::any_of(models_.begin(), models_.end(), [&](const auto& o) {
-            if (o.get() == &m || !o->res) return false;
-            return std::any_of(o->res->model().files().begin(), o->res->model().files().end(),
-                               [&](const ModelFile& of) { return of.identity.dev == f.identity.dev && of.identity.ino == f.identity.ino; });
-        });
-        if (!shared) note("unwatching a model file's page cache", page_cache_->unwatch(f.identity.dev, f.identity.ino));
-    }
-    m.file_ids.clear();
 }
 
 // Every model's profile, each on its own: one that cannot be written does not stop the others.

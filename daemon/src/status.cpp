@@ -2,8 +2,9 @@
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/system_memory.h"
 
+#include "bus/bus_link.h"
 #include "daemon_state.h"
-#include "dbus/dbus_service.h"
+#include "intake/page_cache_watch.h"
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
@@ -25,7 +26,7 @@ bool Daemon::idle() const {
     for (const auto& m : models_) {
         if (m->opening) return false;  // its header is being read (OffLoop)
         if (!m->res) continue;
-        if (!m->waiting.empty() || !m->prefetching.empty()) return false;
+        if (!m->res->ready().empty() || !m->res->cache_reads().empty()) return false;
         for (uint32_t s = 0; s < m->res->n_slots(); ++s)
             if (m->res->state(s).tier() == Tier::Fetching) return false;
         if (m->res->state(kDenseSlot).tier() == Tier::Fetching) return false;
@@ -49,7 +50,7 @@ DaemonStatus Daemon::status(bool experts) const {
             s.predicted_experts += m->prediction->trust.predicted();
             s.predicted_used += m->prediction->trust.correct();
         }
-    s.bus = dbus_ ? dbus_->bus() : "";
+    s.bus = bus_->bus();
     s.tracing = trace_.on();
     s.trace_records = trace_.records();
     s.locked_bytes = total_locked();
@@ -60,23 +61,19 @@ DaemonStatus Daemon::status(bool experts) const {
     s.prefetch_done_bytes = p.done_bytes;
     s.prefetch_queued_bytes = p.queued_bytes;
     s.prefetch_engine = prefetcher_->setup().engine == Prefetcher::Engine::Threads ? "threads" : "io_uring";
-    s.page_cache.enabled = page_cache_ != nullptr;
-    s.page_cache.off_reason = page_cache_off_reason_;
-    s.page_cache.events = page_cache_events_;
-    s.page_cache.unattributed = page_cache_unattributed_;
-    s.page_cache.consume_cpu_seconds = page_cache_cpu_;
-    s.socket_path = server_ ? server_->path() : "";
+    page_cache_->fill(s.page_cache);
+    s.socket_path = hub_->socket_path();
     if (metrics_) {
         const bool v6 = metrics_->host().find(':') != std::string::npos;
         s.metrics_address = v6 ? fmt::format("[{}]:{}", metrics_->host(), metrics_->port())
                                : fmt::format("{}:{}", metrics_->host(), metrics_->port());
     }
-    s.clients_refused = clients_refused_;
-    s.accept_pauses = accept_pauses_;
+    s.clients_refused = hub_->refused();
+    s.accept_pauses = hub_->accept_pauses();
     s.models_set_aside = models_set_aside_;
     for (const auto& [device, totals] : pool_totals_) {
         PoolDeviceStatus pool = totals;
-        for (const auto& c : clients_) {
+        for (const auto& c : hub_->all()) {
             if (c->dead) continue;
             if (const auto it = c->pools.find(device); it != c->pools.end()) {
                 pool.pool_bytes += it->second.pool_bytes;
@@ -88,9 +85,9 @@ DaemonStatus Daemon::status(bool experts) const {
     s.vram_releases = vram_releases_;
     s.unmapped_copy_bytes = unmapped_bytes_;
     s.errors = errors_.totals();
-    for (const auto& c : clients_)
+    for (const auto& c : hub_->all())
         if (!c->dead && c->unmapped.no_model && c->unmapped.bytes > 0) ++s.clients_without_model;
-    for (const auto& c : clients_) {
+    for (const auto& c : hub_->all()) {
         if (c->dead) continue;
         ClientStatus cs;
         cs.id = c->id;
@@ -107,13 +104,6 @@ DaemonStatus Daemon::status(bool experts) const {
             if (pool.miss_path != protocol::MissPath::Unknown) cs.miss_paths.emplace_back(device, pool.miss_path);
         s.clients.push_back(std::move(cs));
     }
-    if (page_cache_) {
-        s.page_cache.faults = page_cache_->faults_attached();
-        s.page_cache.ring_bytes = page_cache_->ring_bytes();
-        const auto c = page_cache_->counters();
-        std::copy(std::begin(c.sent), std::end(c.sent), s.page_cache.sent);
-        std::copy(std::begin(c.dropped), std::end(c.dropped), s.page_cache.dropped);
-    }
     for (const auto& m : models_) s.models.push_back(model_status(*m, experts));
     return s;
 }
@@ -127,7 +117,7 @@ std::optional<ModelStatus> Daemon::model_status(uint32_t id, bool experts) const
 // Every live client's pool that serves the model holds nine in ten of the model's experts it was
 // directed to keep (a client that has a pool but has not said how large is not settled yet).
 bool Daemon::pools_settled(const ModelEntry& m) const {
-    for (const auto& c : clients_) {
+    for (const auto& c : hub_->all()) {
         if (c->dead || !c->has_pool || std::find(c->models.begin(), c->models.end(), m.id) == c->models.end()) continue;
         if (!c->pool_reported) return false;
         uint64_t promoted = 0, held = 0;
@@ -151,10 +141,10 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
     ms.registered = m->registered;
     ms.owner_uid = m->owner_uid;
     ms.budget_bytes = m->config.budget ? m->config.budget->resolve(mem_total_) : 0;
-    ms.prefetching_experts = static_cast<uint32_t>(m->prefetching.size());
     ms.opening = m->opening;
     if (m->res) {
         const auto& r = *m->res;
+        ms.prefetching_experts = static_cast<uint32_t>(r.cache_reads().size());
         ms.key = r.model().profile_key();
         ms.family = family_of(*m);
         ms.locked_bytes = r.locked_bytes();
@@ -178,8 +168,8 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
             e.uses = r.heat().uses(layer, e.expert);
             e.pinned = r.pinned(slot);
             e.bytes = map.layers[layer].bytes_per_expert;
-            e.cached_bytes = st.cached_bytes;
-            e.locked_bytes = st.locked_bytes;
+            e.cached_bytes = st.cached_bytes();
+            e.locked_bytes = st.locked_bytes();
             e.telemetry = r.telemetry(slot);
             e.vram_holders = r.vram_holders(slot);
             ++ms.placements[static_cast<size_t>(placement(e.tier, e.vram_holders))];
@@ -196,10 +186,10 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
             ms.expert_locked_bytes += e.locked_bytes;
             ms.read_bytes += e.telemetry.read_bytes;
             ms.evicted_bytes += e.telemetry.evicted_bytes;
-            if (m->prefetching.count(slot)) ms.prefetch_pending_bytes += r.slot_length(slot);
+            if (r.cache_reads().count(slot)) ms.prefetch_pending_bytes += r.slot_length(slot);
             if (experts) ms.experts.push_back(e);
         }
-        ms.settled = m->prefetching.empty() && ms.experts_fetching == 0 && pools_settled(*m);
+        ms.settled = r.cache_reads().empty() && ms.experts_fetching == 0 && pools_settled(*m);
     }
     return ms;
 }

@@ -27,17 +27,12 @@ namespace {
 
 using namespace moecache::protocol;
 
-constexpr int kAcceptsPerTurn = 64;
-constexpr int kPacketsPerTurn = 64;
 // Routing records read in a turn, all clients together, shared out evenly (each at least
 // kMinEventsPerClient): a ring left fuller fills, and its client counts what it could not write.
 // Each client could take 2^16 a turn: 16 full rings held the loop ~1 s a turn (64 of them ~4 s),
 // and with it D-Bus answers and every client's directives.
 constexpr size_t kEventsPerTurn = 1u << 16;
 constexpr size_t kMinEventsPerClient = 1024;
-// What may wait for a client that reads more slowly than the daemon decides (a pool's first Locks
-// and Promotes: a directive is a few dozen bytes), before it counts as one that stopped reading.
-constexpr size_t kMaxUnsentBytes = 1u << 20;
 
 const char* kind_of(mode_t m) {
     if (S_ISDIR(m)) return "a directory";
@@ -64,176 +59,29 @@ std::string unusable(int fd, size_t index) {
 
 }  // namespace
 
-void Daemon::accept_clients() {
-    for (int i = 0; i < kAcceptsPerTurn; ++i) {
-        auto conn = server_->accept();
-        if (!conn) {
-            const int e = conn.error().errnum;
-            if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
-                // The connection stays queued and the listener readable: waiting on it again would
-                // spin. Paused until a client leaves or the next tick, with one line for the pause.
-                pause_listener(conn.error().what());
-                return;
-            }
-            MC_LOG(LOG_WARNING, "client socket: {}", conn.error().what());
-            return;
-        }
-        if (!*conn) return;
-        if (listener_starved_) {
-            listener_starved_ = false;
-            MC_LOG(LOG_INFO, "client socket: accepting connections again");
-        }
-        auto c = std::make_unique<Client>();
-        c->conn = std::move(*conn);
-        auto peer = peer_identity(c->conn.get());
-        if (!peer) {
-            ++clients_refused_;
-            continue;
-        }
-        c->peer = std::move(*peer);
-        if (c->peer.uid == 0 && c->peer.pid == 0 && !said_pid_hidden_) {
-            // A peer the kernel cannot name here: its PID namespace is not this one's or below it
-            // (a pod, where moecached runs without the host's PID namespace).
-            said_pid_hidden_ = true;
-            MC_LOG(LOG_WARNING, "a root client's pid is not visible in moecached's PID namespace: root clients share "
-                                "one [clients] max_per_uid count instead of one per cgroup; run moecached in the host's "
-                                "PID namespace (hostPID on Kubernetes)");
-        }
-        c->id = next_client_id_++;
-        c->connected = std::chrono::steady_clock::now();
-        const auto& uids = config_.client_allow_uids;
-        const auto& gids = config_.client_allow_gids;
-        const bool allowed = c->peer.uid == 0 || (uids.empty() && gids.empty()) ||
-                             std::find(uids.begin(), uids.end(), c->peer.uid) != uids.end() ||
-                             std::find(gids.begin(), gids.end(), c->peer.gid) != gids.end();
-        std::string why;
-        if (!allowed)
-            why = fmt::format("uid {} (gid {}) may not use moecached: [clients] allow_uids / allow_gids", c->peer.uid,
-                              c->peer.gid);
-        else if (clients_.size() >= config_.max_clients)
-            why = fmt::format("moecached serves {} clients already ([clients] max)", clients_.size());
-        else if (std::count_if(clients_.begin(), clients_.end(), [&](const auto& o) {
-                     return !o->dead && o->peer.fairness_key == c->peer.fairness_key;
-                 }) >= static_cast<std::ptrdiff_t>(config_.max_clients_per_uid))
-            why = fmt::format("{} holds {} connections already ([clients] max_per_uid; root's are counted per cgroup)",
-                              c->peer.fairness_key, config_.max_clients_per_uid);
-        if (!why.empty()) {
-            ++clients_refused_;
-            (void)send_nowait(c->conn.get(), encode({0, Failure{EACCES, why}}));
-            continue;
-        }
-        epoll_event ev{};
-        ev.events = EPOLLIN;
-        ev.data.u64 = event_data(EventSource::Client, c->conn.get());
-        if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, c->conn.get(), &ev) != 0) {
-            ++clients_refused_;
-            continue;
-        }
-        client_by_fd_[c->conn.get()] = c.get();
-        clients_.push_back(std::move(c));
-    }
-}
-
-void Daemon::reply(Client& c, uint32_t request, const Body& body) {
-    if (c.dead) return;
-    auto bytes = encode({request, body});
-    if (c.unsent.empty()) {
-        const auto sent = try_send(c.conn.get(), bytes);
-        if (!sent) {
-            drop_client(c, fmt::format("cannot answer it ({})", sent.error().what()));
-            return;
-        }
-        if (*sent) return;
-    }
-    // Its socket is full: what it has not read yet waits here, in order, until it reads.
-    if (c.unsent_bytes + bytes.size() > kMaxUnsentBytes) {
-        drop_client(c, fmt::format("it stopped reading: {} bytes of messages wait for it", c.unsent_bytes));
-        return;
-    }
-    c.unsent_bytes += bytes.size();
-    c.unsent.push_back(std::move(bytes));
-    watch_writable(c, true);
-}
-
-void Daemon::on_client_writable(Client& c) {
-    while (!c.dead && !c.unsent.empty()) {
-        const auto sent = try_send(c.conn.get(), c.unsent.front());
-        if (!sent) {
-            drop_client(c, fmt::format("cannot answer it ({})", sent.error().what()));
-            return;
-        }
-        if (!*sent) return;
-        c.unsent_bytes -= c.unsent.front().size();
-        c.unsent.pop_front();
-    }
-    if (!c.dead) watch_writable(c, false);
-}
-
-void Daemon::watch_writable(Client& c, bool on) {
-    if (c.watching_writable == on) return;
-    epoll_event ev{};
-    ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
-    ev.data.u64 = event_data(EventSource::Client, c.conn.get());
-    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.conn.get(), &ev) != 0) {
-        drop_client(c, fmt::format("cannot wait for its socket: {}", std::strerror(errno)));
-        return;
-    }
-    c.watching_writable = on;
-}
-
-bool Daemon::refuse(Client& c, uint32_t request, int errnum, const std::string& text) {
-    reply(c, request, Failure{errnum, text});
-    return false;
-}
-
-bool Daemon::cannot(Client& c, uint32_t request, int errnum, const std::string& text) {
-    reply(c, request, Failure{errnum, text});
-    return true;
-}
-
-void Daemon::drop_client(Client& c, const std::string& why) {
-    if (c.dead) return;
-    c.dead = true;
-    MC_LOG(LOG_INFO, "client {} (pid {}, uid {}{}{}) gone: {}", c.id, c.peer.pid, c.peer.uid, c.name.empty() ? "" : ", ",
-           c.name, why);
-}
-
-void Daemon::on_client_readable(Client& c) {
-    for (int i = 0; i < kPacketsPerTurn && !c.dead; ++i) {
-        auto got = receive(c.conn.get(), kMaxMessageBytes, kMaxModelFiles);
-        if (!got) {
-            drop_client(c, got.error().what());
-            return;
-        }
-        if (got->closed) {
-            drop_client(c, "it closed the connection");
-            return;
-        }
-        if (!got->got) return;
-        if (!on_client_packet(c, got->packet)) drop_client(c, "it broke the protocol");
-    }
-}
-
 bool Daemon::on_client_packet(Client& c, Packet& p) {
     if (p.oversized)
-        return refuse(c, 0, EMSGSIZE, fmt::format("a packet longer than the {} bytes a message may have", kMaxMessageBytes));
+        return hub_->refuse(c, 0, EMSGSIZE,
+                            fmt::format("a packet longer than the {} bytes a message may have", kMaxMessageBytes));
     if (p.fds_truncated)
-        return refuse(c, 0, EMSGSIZE,
-                      fmt::format("a packet with more descriptors than any message takes (at most {})", kMaxModelFiles));
+        return hub_->refuse(
+            c, 0, EMSGSIZE,
+            fmt::format("a packet with more descriptors than any message takes (at most {})", kMaxModelFiles));
     auto m = decode(p.bytes, p.fds.size());
-    if (!m) return refuse(c, 0, EPROTO, m.error().what());
+    if (!m) return hub_->refuse(c, 0, EPROTO, m.error().what());
     const uint32_t rq = m->request;
     if (!c.hello && !std::holds_alternative<Hello>(m->body))
-        return refuse(c, rq, EPROTO, fmt::format("{} before Hello: say Hello first", to_string(type_of(m->body))));
+        return hub_->refuse(c, rq, EPROTO,
+                            fmt::format("{} before Hello: say Hello first", to_string(type_of(m->body))));
     if (auto* h = std::get_if<Hello>(&m->body)) {
-        if (c.hello) return refuse(c, rq, EPROTO, "a second Hello");
+        if (c.hello) return hub_->refuse(c, rq, EPROTO, "a second Hello");
         if (kVersion < h->min_version || kVersion > h->max_version)
-            return refuse(c, rq, EPROTONOSUPPORT,
-                          fmt::format("this moecached speaks protocol version {}; the client asks for {} to {}", kVersion,
-                                      h->min_version, h->max_version));
+            return hub_->refuse(c, rq, EPROTONOSUPPORT,
+                                fmt::format("this moecached speaks protocol version {}; the client asks for {} to {}",
+                                            kVersion, h->min_version, h->max_version));
         c.hello = true;
         c.name = h->name;
-        reply(c, rq, HelloReply{kVersion, c.id});
+        hub_->reply(c, rq, HelloReply{kVersion, c.id});
         c.one_place_told = !config_.keep_ram_copy;
         send_vram_policy(c);
         return true;
@@ -241,42 +89,45 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
     if (std::holds_alternative<RegisterModel>(m->body)) return register_model(c, rq, p.fds);
     if (auto* d = std::get_if<DescribeMapping>(&m->body)) {
         if (std::find(c.models.begin(), c.models.end(), d->model) == c.models.end())
-            return cannot(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
+            return hub_->cannot(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
         for (auto& e : models_) {
             if (e->id != d->model || !e->res) continue;
             const auto& files = e->res->model().files();
             if (d->file >= files.size())
-                return cannot(c, rq, EINVAL, fmt::format("model {} has {} files; there is no file {}", d->model,
-                                                         files.size(), d->file));
+                return hub_->cannot(
+                    c, rq, EINVAL,
+                    fmt::format("model {} has {} files; there is no file {}", d->model, files.size(), d->file));
             // A mapping covers whole pages: its last may run past the end of the file.
             const uint64_t size = files[d->file].identity.size;
             const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
             const uint64_t mappable = (size + page - 1) / page * page;
             if (d->file_offset > size || d->length > mappable - d->file_offset)
-                return cannot(c, rq, EINVAL,
-                              fmt::format("a mapping of {} bytes from offset {} runs past the end of file {} ({} bytes)",
-                                          d->length, d->file_offset, d->file, files[d->file].identity.size));
+                return hub_->cannot(
+                    c, rq, EINVAL,
+                    fmt::format("a mapping of {} bytes from offset {} runs past the end of file {} ({} bytes)",
+                                d->length, d->file_offset, d->file, files[d->file].identity.size));
         }
-        reply(c, rq, Ok{});
+        hub_->reply(c, rq, Ok{});
         return true;
     }
     if (auto* t = std::get_if<TelemetrySetup>(&m->body)) {
-        if (c.ring) return cannot(c, rq, EEXIST, "a telemetry ring is attached already");
+        if (c.ring) return hub_->cannot(c, rq, EEXIST, "a telemetry ring is attached already");
         auto ring = telemetry::TelemetryRing::attach(p.fds.front().get(), t->ring_bytes);
-        if (!ring) return cannot(c, rq, EINVAL, ring.error().what());
+        if (!ring) return hub_->cannot(c, rq, EINVAL, ring.error().what());
         c.ring = std::make_unique<telemetry::TelemetryRing>(std::move(*ring));
-        reply(c, rq, Ok{});
+        hub_->reply(c, rq, Ok{});
         return true;
     }
     if (auto* x = std::get_if<ExpertPlacement>(&m->body)) return on_placement(c, *x);
     if (auto* x = std::get_if<PoolStats>(&m->body)) return on_pool_stats(c, *x);
     if (auto* x = std::get_if<Unmapped>(&m->body)) return on_unmapped(c, *x);
     if (std::holds_alternative<Goodbye>(m->body)) {
-        reply(c, rq, Ok{});
-        drop_client(c, "it said goodbye");
+        hub_->reply(c, rq, Ok{});
+        hub_->drop(c, "it said goodbye");
         return true;
     }
-    return refuse(c, rq, EPROTO, fmt::format("{} is a message the daemon sends, not one it takes", to_string(type_of(m->body))));
+    return hub_->refuse(c, rq, EPROTO,
+                        fmt::format("{} is a message the daemon sends, not one it takes", to_string(type_of(m->body))));
 }
 
 // One place: an expert in a client's VRAM pool is recorded as held there. Whether RAM gives it
@@ -285,15 +136,18 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
 // message: a bad one is answered, nothing else.
 bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
     if (std::find(c.models.begin(), c.models.end(), x.model) == c.models.end())
-        return cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not one this client registered", x.model));
+        return hub_->cannot(c, 0, ENOENT,
+                            fmt::format("ExpertPlacement: model {} is not one this client registered", x.model));
     ModelEntry* e = nullptr;
     for (auto& m : models_)
         if (m->id == x.model && m->res) e = m.get();
-    if (e == nullptr) return cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not loaded", x.model));
+    if (e == nullptr)
+        return hub_->cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not loaded", x.model));
     const auto layer = e->res->layer_of_block(x.block);
     if (!layer || x.expert >= e->res->n_experts())
-        return cannot(c, 0, EINVAL,
-                      fmt::format("ExpertPlacement: model {} has no routed expert {} in block {}", x.model, x.expert, x.block));
+        return hub_->cannot(
+            c, 0, EINVAL,
+            fmt::format("ExpertPlacement: model {} has no routed expert {} in block {}", x.model, x.expert, x.block));
     const uint32_t slot = *layer * e->res->n_experts() + x.expert;
     const auto key = std::make_pair(x.model, slot);
     if (!c.has_pool) {
@@ -353,7 +207,7 @@ void Daemon::settle_one_place() {
         std::vector<uint32_t> holders(n, 0);
         std::vector<uint8_t> evictor(n, 0);
         uint32_t clients = 0;
-        for (const auto& c : clients_) {
+        for (const auto& c : hub_->all()) {
             if (c->dead || std::find(c->models.begin(), c->models.end(), id) == c->models.end()) continue;
             ++clients;
             if (!c->pool_reported) continue;  // its placements wait for its pool
@@ -450,9 +304,9 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
     // file it opened is the inode the client handed over. Never a path the client names.
     std::vector<FileIdentity> ids;
     for (size_t i = 0; i < fds.size(); ++i) {
-        if (auto why = unusable(fds[i].get(), i); !why.empty()) return cannot(c, rq, EBADF, why);
+        if (auto why = unusable(fds[i].get(), i); !why.empty()) return hub_->cannot(c, rq, EBADF, why);
         auto id = identity_of(fds[i].get(), fmt::format("descriptor {}", i));
-        if (!id) return cannot(c, rq, id.error().errnum, id.error().what());
+        if (!id) return hub_->cannot(c, rq, id.error().errnum, id.error().what());
         ids.push_back(*id);
     }
     ModelEntry* entry = nullptr;
@@ -467,8 +321,9 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         // The path must lead to the very inode the client handed over.
         auto at_path = n > 0 && target[0] == '/' ? identity_of_path(target) : Result<FileIdentity>(failf("no path"));
         if (!at_path || at_path->dev != ids.front().dev || at_path->ino != ids.front().ino)
-            return cannot(c, rq, ESTALE, "the model file has no path the daemon can open that leads to it (deleted, replaced, "
-                                  "a memfd, or in another mount namespace)");
+            return hub_->cannot(c, rq, ESTALE,
+                                "the model file has no path the daemon can open that leads to it (deleted, replaced, "
+                                "a memfd, or in another mount namespace)");
         std::string path = target;
         if (auto split = parse_split_name(path)) path = split_path(split->prefix, 0, split->count);
         const bool existed = std::any_of(models_.begin(), models_.end(), [&](const auto& e) { return e->path == path; });
@@ -512,15 +367,15 @@ void Daemon::finish_registrations(uint32_t model) {
     });
     for (const auto& p : due) {
         Client* c = nullptr;
-        for (auto& o : clients_)
+        for (auto& o : hub_->all())
             if (o->id == p.client && !o->dead) c = o.get();
         if (c != nullptr) {
-            if (!finish_registration(*c, p)) drop_client(*c, "its registration failed");
+            if (!finish_registration(*c, p)) hub_->drop(*c, "its registration failed");
             continue;
         }
         // Its client went while it opened: a model only it brought goes too (as reap_clients does).
         ModelEntry* m = find_model(model);
-        const bool held = std::any_of(clients_.begin(), clients_.end(), [&](const auto& o) {
+        const bool held = std::any_of(hub_->all().begin(), hub_->all().end(), [&](const auto& o) {
             return std::find(o->models.begin(), o->models.end(), model) != o->models.end();
         });
         const bool waited = std::any_of(registering_.begin(), registering_.end(),
@@ -535,7 +390,7 @@ void Daemon::finish_registrations(uint32_t model) {
 bool Daemon::finish_registration(Client& c, const PendingRegistration& p) {
     const uint32_t rq = p.request;
     ModelEntry* entry = find_model(p.model);
-    if (entry == nullptr) return cannot(c, rq, ENOENT, "the model went away while it was being opened");
+    if (entry == nullptr) return hub_->cannot(c, rq, ENOENT, "the model went away while it was being opened");
     {
         std::string why;
         int errnum = ESTALE;
@@ -555,7 +410,7 @@ bool Daemon::finish_registration(Client& c, const PendingRegistration& p) {
                 const uint32_t id = entry->id;
                 std::erase_if(models_, [&](const auto& e) { return e->id == id; });
             }
-            return cannot(c, rq, errnum, why);
+            return hub_->cannot(c, rq, errnum, why);
         }
     }
     entry->runtime_left.reset();
@@ -567,34 +422,36 @@ bool Daemon::finish_registration(Client& c, const PendingRegistration& p) {
     // One place as this model needs it, decided now and sent before the answer:
     // the client hears it before its model counts as registered, and before its hook's pool forms.
     std::set<uint32_t> registered;
-    for (const auto& o : clients_)
+    for (const auto& o : hub_->all())
         if (!o->dead) registered.insert(o->models.begin(), o->models.end());
     if (const auto now = read_system_memory()) memory_now_ = *now;  // the cap as it is, not as at the last placement
     decide_one_place(lock_cap(), registered);
     tell_vram_policy();
-    reply(c, rq,
-          ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
-                          static_cast<uint32_t>(map.files.size())});
+    hub_->reply(c, rq,
+                ModelRegistered{entry->id, static_cast<uint32_t>(map.layers.size()), map.n_experts,
+                                static_cast<uint32_t>(map.files.size())});
     // What is locked already (a warm start's locks, another runtime's): a client learns the locks
     // from Lock and Unlock only (a CUDA hook registers them for DMA, and fills its pool from them),
     // so it hears of those made before it came, now, before anything decided later.
     for (uint32_t slot = 0; slot < entry->res->n_slots(); ++slot)
         if (entry->res->state(slot).tier() == Tier::Locked)
-            reply(c, 0, Directive{Action::Lock, entry->id, map.layers[slot / map.n_experts].index, slot % map.n_experts});
+            hub_->reply(
+                c, 0, Directive{Action::Lock, entry->id, map.layers[slot / map.n_experts].index, slot % map.n_experts});
     return true;
 }
 
 // The pool budgets and whether experts in its pools leave RAM, as the client was last told.
 void Daemon::send_vram_policy(Client& c) {
-    reply(c, 0, VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), c.one_place_told, c.recency_told});
+    hub_->reply(c, 0,
+                VramPolicy{kAllDevices, config_.vram_pool.value_or(kNoPoolLimit), c.one_place_told, c.recency_told});
     for (const auto& [device, bytes] : config_.vram_pool_device)
-        reply(c, 0, VramPolicy{device, bytes, c.one_place_told, c.recency_told});
+        hub_->reply(c, 0, VramPolicy{device, bytes, c.one_place_told, c.recency_told});
 }
 
 // One place for a client: unless [vram] keep_ram_copy, while any of its models needs it
 // (ModelEntry::one_place); a client with no model yet hears the default. Sent again when it changes.
 void Daemon::tell_vram_policy() {
-    for (auto& cp : clients_) {
+    for (auto& cp : hub_->all()) {
         Client& c = *cp;
         if (c.dead || !c.hello) continue;
         bool found = false, wants = false;
@@ -611,22 +468,13 @@ void Daemon::tell_vram_policy() {
 }
 
 void Daemon::tell_clients(const ModelEntry& m, uint32_t slot, Action action) {
-    if (clients_.empty() || slot == kDenseSlot || !m.res) return;
+    if (hub_->empty() || slot == kDenseSlot || !m.res) return;
     const auto& map = m.res->model().map();
     const uint32_t layer = slot / map.n_experts;
     if (layer >= map.layers.size()) return;
     const Directive d{action, m.id, map.layers[layer].index, slot % map.n_experts};
-    for (auto& c : clients_)
+    for (auto& c : hub_->all())
         if (!c->dead && std::find(c->models.begin(), c->models.end(), m.id) != c->models.end()) c->outbox.push_back(d);
-}
-
-// The turn's directives, to each client in the order they were decided.
-void Daemon::flush_clients() {
-    for (auto& c : clients_) {
-        std::vector<Directive> out;
-        out.swap(c->outbox);
-        for (const auto& d : out) reply(*c, 0, d);
-    }
 }
 
 // The daemon's view of what belongs in VRAM, for each client with a pool: by heat (all clients'
@@ -637,7 +485,7 @@ void Daemon::flush_clients() {
 // The pool's recency split (HeatTable::SplitFor::Pool, learnt at the pool's size) takes its share
 // out of the directed part, and the client is told to keep the rest as an LRU (VramPolicy recency).
 void Daemon::direct_pools() {
-    for (auto& cp : clients_) {
+    for (auto& cp : hub_->all()) {
         Client& c = *cp;
         if (c.dead || !c.has_pool) continue;
         std::set<std::pair<uint32_t, uint32_t>> want;
@@ -706,7 +554,7 @@ void Daemon::direct_pools() {
 // churn storage. A client without a pool, or one whose pool may not take experts out of RAM, needs
 // them in RAM: then nothing is bound.
 void Daemon::bind_promoted() {
-    for (auto& cp : clients_) {
+    for (auto& cp : hub_->all()) {
         Client& c = *cp;
         if (c.dead || c.pool_filled || !c.pool_reported) continue;
         size_t held = 0;
@@ -721,7 +569,7 @@ void Daemon::bind_promoted() {
         if (!m->res) continue;
         const uint32_t n = m->res->n_slots();
         std::vector<ClientPool> pools;
-        for (const auto& c : clients_) {
+        for (const auto& c : hub_->all()) {
             if (c->dead || std::find(c->models.begin(), c->models.end(), m->id) == c->models.end()) continue;
             ClientPool& p = pools.emplace_back();
             p.pooled = c->has_pool && c->pool_reported;
@@ -743,7 +591,6 @@ void Daemon::bind_promoted() {
                 continue;
             prefetcher_->cancel(fetch_tag(m->id, s));
             m->res->abandon(s);
-            std::erase(m->waiting, s);
         }
         (void)m->res->set_vram_bound(std::move(bound));
     }
@@ -753,12 +600,12 @@ void Daemon::consume_client_telemetry() {
     busy_rings_ = false;
     any_rings_ = false;
     size_t rings = 0;
-    for (const auto& cp : clients_) rings += cp->ring && !cp->dead ? 1 : 0;
+    for (const auto& cp : hub_->all()) rings += cp->ring && !cp->dead ? 1 : 0;
     const size_t share = rings == 0 ? kEventsPerTurn : std::max(kEventsPerTurn / rings, kMinEventsPerClient);
     // Who is read first moves each turn: no client is always last.
-    const size_t first = clients_.empty() ? 0 : ring_turn_++ % clients_.size();
-    for (size_t nth = 0; nth < clients_.size(); ++nth) {
-        Client& c = *clients_[(first + nth) % clients_.size()];
+    const size_t first = hub_->empty() ? 0 : ring_turn_++ % hub_->all().size();
+    for (size_t nth = 0; nth < hub_->all().size(); ++nth) {
+        Client& c = *hub_->all()[(first + nth) % hub_->all().size()];
         // A client that has gone still has its last records read: they were sent.
         if (!c.ring) continue;
         // The client's models, resolved once per turn rather than per event.
@@ -832,71 +679,13 @@ void Daemon::consume_client_telemetry() {
     }
 }
 
-void Daemon::pause_listener(const std::string& why) {
-    if (listener_paused_ || !server_) return;
-    epoll_event ev{};
-    ev.events = 0;
-    ev.data.u64 = event_data(EventSource::Listener, server_->fd());
-    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, server_->fd(), &ev) != 0) return;
-    listener_paused_ = true;
-    if (listener_starved_) return;  // tried again (a tick, a client left) and still out: said already
-    listener_starved_ = true;
-    ++accept_pauses_;
-    MC_LOG(LOG_WARNING, "client socket: {}: not accepting connections until a client leaves or the next tick", why);
-}
-
-void Daemon::resume_listener() {
-    if (!listener_paused_ || !server_) return;
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.u64 = event_data(EventSource::Listener, server_->fd());
-    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, server_->fd(), &ev) == 0) listener_paused_ = false;
-}
-
-// A connection that has not said Hello in time holds a slot (and a descriptor) for nothing. One
-// whose Hello waits unread was in time: the loop is late (a long turn), not the client (on the GPU
-// machine a runtime's reconnections were dropped so, one after another, for 40 s).
-void Daemon::expire_silent_clients() {
-    const auto now = std::chrono::steady_clock::now();
-    for (auto& c : clients_) {
-        if (c->dead) continue;
-        const bool silent = !c->hello && now - c->connected > std::chrono::duration<double>(config_.hello_seconds);
-        // One that said Hello but registered no model holds a slot for nothing too (a runtime's
-        // GPU probe that inherited the hook, a client left behind): its library connects again.
-        const bool idle = c->hello && c->models.empty() && config_.idle_seconds > 0 &&
-                          now - c->connected > std::chrono::duration<double>(config_.idle_seconds);
-        if (!silent && !idle) continue;
-        pollfd p{c->conn.get(), POLLIN, 0};
-        if (::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0) continue;
-        ++clients_refused_;
-        drop_client(*c, silent ? fmt::format("no Hello within {} s ([clients] hello_seconds)", config_.hello_seconds)
-                               : fmt::format("no model registered within {} s ([clients] idle_seconds)", config_.idle_seconds));
-    }
-}
-
+// The connections that went this turn: what they held in VRAM or needed in RAM is settled again,
+// and a model a client registered (and no configuration names) goes with the last client holding it.
 void Daemon::reap_clients() {
-    bool any = false;
-    for (auto& c : clients_) any = any || c->dead;
-    if (!any) return;
-    std::vector<uint32_t> released;
-    for (auto& c : clients_) {
-        if (!c->dead) continue;
-        const uint64_t overflow = c->ring ? c->ring->counters().overflow : 0;
-        MC_LOG(LOG_INFO, "client {} ({}) telemetry: {} events, {} refused, {} overflowed in its ring", c->id,
-               c->name.empty() ? "unnamed" : c->name, c->events, c->bad_events, overflow);
-        client_by_fd_.erase(c->conn.get());
-        one_place_due_.insert(c->models.begin(), c->models.end());  // what it held in VRAM, or needed in RAM
-        // The fd is closed with the client, which takes it out of the epoll set.
-        released.insert(released.end(), c->models.begin(), c->models.end());
-    }
-    clients_.erase(std::remove_if(clients_.begin(), clients_.end(), [](const auto& c) { return c->dead; }), clients_.end());
-    resume_listener();  // a descriptor came free
-    // A model a client registered (and no configuration names) goes with the last client holding it.
-    for (uint32_t id : released) {
-        const bool held = std::any_of(clients_.begin(), clients_.end(), [&](const auto& c) {
-            return std::find(c->models.begin(), c->models.end(), id) != c->models.end();
-        });
-        if (held) continue;
+    const std::vector<uint32_t> left = hub_->reap();
+    one_place_due_.insert(left.begin(), left.end());
+    for (uint32_t id : left) {
+        if (hub_->held(id)) continue;
         for (auto& m : models_) {
             if (m->id != id) continue;
             m->runtime_left = std::chrono::steady_clock::now();

@@ -76,21 +76,49 @@ std::vector<ByteRange> ModelResidency::ranges(uint32_t slot) const {
 
 
 bool ModelResidency::begin_fetch(uint32_t slot) {
-    SlotState& st = state(slot);
+    SlotState& st = state_mut(slot);
     if (st.tier_ != Tier::Storage) return false;
     st.tier_ = Tier::Fetching;
     return true;
 }
 
 bool ModelResidency::abandon(uint32_t slot) {
-    SlotState& st = state(slot);
+    SlotState& st = state_mut(slot);
     if (st.tier_ == Tier::Locked) return false;
     st.tier_ = Tier::Storage;
+    std::erase(ready_, slot);
     return true;
 }
 
+void ModelResidency::evicted_before_lock(uint32_t slot, uint64_t resident_bytes) {
+    if (!abandon(slot)) return;
+    state_mut(slot).cached_bytes_ = resident_bytes;
+}
+
+bool ModelResidency::read_done(uint32_t slot) {
+    SlotState& st = state_mut(slot);
+    if (st.reads_pending_ == 0) return false;  // none in flight: not its last read a second time
+    if (--st.reads_pending_ != 0 || st.tier_ != Tier::Fetching) return false;
+    ready_.push_back(slot);
+    return true;
+}
+
+void ModelResidency::cache_read_queued(uint32_t slot, FetchReason reason, uint32_t reads) {
+    if (reads == 0) return;
+    auto& f = cache_reads_[slot];
+    f.reads += reads;
+    if (f.reads == reads || reason == FetchReason::Miss) f.reason = reason;  // new, or a miss's again
+}
+
+void ModelResidency::cache_read_done(uint32_t slot) {
+    const auto it = cache_reads_.find(slot);
+    if (it != cache_reads_.end() && --it->second.reads == 0) cache_reads_.erase(it);
+}
+
+bool ModelResidency::forget_cache_read(uint32_t slot) { return cache_reads_.erase(slot) > 0; }
+
 Result<uint64_t> ModelResidency::lock(uint32_t slot) {
-    SlotState& st = state(slot);
+    SlotState& st = state_mut(slot);
     if (st.tier() == Tier::Locked) return uint64_t{0};
     const auto rs = ranges(slot);
     uint64_t added = 0;
@@ -103,21 +131,21 @@ Result<uint64_t> ModelResidency::lock(uint32_t slot) {
         added += *r;
     }
     st.tier_ = Tier::Locked;
-    st.locked_bytes = added;
+    st.locked_bytes_ = added;
     return added;
 }
 
 Result<uint64_t> ModelResidency::release(uint32_t slot, bool drop) {
-    SlotState& st = state(slot);
+    SlotState& st = state_mut(slot);
     if (st.tier() != Tier::Locked) return uint64_t{0};
     uint64_t freed = 0;
     for (const auto& r : ranges(slot)) freed += MC_TRY(locker_->unlock(r, drop));
     if (drop) {
-        dropped_bytes_ += std::max(st.cached_bytes, freed);
-        st.cached_bytes = 0;
+        dropped_bytes_ += std::max(st.cached_bytes_, freed);
+        st.cached_bytes_ = 0;
     }
     st.tier_ = Tier::Storage;
-    st.locked_bytes = 0;
+    st.locked_bytes_ = 0;
     return freed;
 }
 
@@ -128,8 +156,8 @@ Result<uint64_t> ModelResidency::resident_bytes(uint32_t slot) {
 }
 
 Result<void> ModelResidency::refresh_cached() {
-    for (uint32_t s = 0; s < slots_.size(); ++s) slots_[s].cached_bytes = MC_TRY(resident_bytes(s));
-    dense_.cached_bytes = MC_TRY(resident_bytes(kDenseSlot));
+    for (uint32_t s = 0; s < slots_.size(); ++s) slots_[s].cached_bytes_ = MC_TRY(resident_bytes(s));
+    dense_.cached_bytes_ = MC_TRY(resident_bytes(kDenseSlot));
     return {};
 }
 
@@ -154,16 +182,16 @@ bool ModelResidency::set_vram_bound(std::vector<uint8_t> bound) {
 }
 
 void ModelResidency::drop_cached(uint32_t slot) {
-    dropped_bytes_ += state(slot).cached_bytes;
-    state(slot).cached_bytes = 0;
+    dropped_bytes_ += state(slot).cached_bytes();
+    state_mut(slot).cached_bytes_ = 0;
     drop_ranges(ranges(slot));
 }
 
 void ModelResidency::drop_cached(std::span<const uint32_t> slots) {
     std::vector<ByteRange> all;
     for (uint32_t s : slots) {
-        dropped_bytes_ += state(s).cached_bytes;
-        state(s).cached_bytes = 0;
+        dropped_bytes_ += state(s).cached_bytes();
+        state_mut(s).cached_bytes_ = 0;
         for (const auto& r : ranges(s)) all.push_back(r);
     }
     std::sort(all.begin(), all.end(), [](const ByteRange& a, const ByteRange& b) {

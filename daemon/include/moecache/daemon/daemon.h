@@ -40,9 +40,11 @@ namespace moecache::daemon {
 class Prefetcher;
 class OffLoop;
 class PressureMonitor;
-class SocketServer;
+class ClientHub;
+struct Client;
 class MetricsServer;
-class DbusService;
+class BusLink;
+class PageCacheWatch;
 
 class Daemon final : public Control {
 public:
@@ -154,16 +156,10 @@ private:
     [[nodiscard]] std::string family_of(const ModelEntry& m) const;
     [[nodiscard]] std::string profile_path(const std::string& key) const;
     Result<void> handle_signal();
-    void watch_files(ModelEntry& m);
-    void unwatch_files(ModelEntry& m);
-    void on_page_cache_event(const bpf::PageCacheEvent& e);
+    // Intake (intake.cpp): the page cache's batch of events becomes uses (heat) and misses.
     void consume_page_cache();
-    void consume_page_cache_batch();
-    // The client socket (clients/clients.cpp).
-    struct Client;
+    // What clients say (clients/clients.cpp); their connections are the ClientHub's.
     void send_vram_policy(Client& c);
-    void accept_clients();
-    void on_client_readable(Client& c);
     // Handles one packet; false when the client must be dropped (after a Failure was sent).
     bool on_client_packet(Client& c, struct Packet& p);
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
@@ -189,32 +185,16 @@ private:
     // Whether m's routing, as reported lately, may cut its lock cap (ModelEntry::routed_by).
     [[nodiscard]] bool recency_trusted(const ModelEntry& m) const;
     void direct_pools();
-    void on_client_writable(Client& c);
-    void watch_writable(Client& c, bool on);
-    void reply(Client& c, uint32_t request, const protocol::Body& body);
-    bool refuse(Client& c, uint32_t request, int errnum, const std::string& text);
-    // A request that cannot be met: a Failure, and the client stays connected (true).
-    bool cannot(Client& c, uint32_t request, int errnum, const std::string& text);
-    void drop_client(Client& c, const std::string& why);
     void reap_clients();
-    void pause_listener(const std::string& why);  // out of descriptors: stop waiting on the listener
-    void resume_listener();
-    void expire_silent_clients();
     void consume_client_telemetry();
     void record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens,
                         bool continued = false);
     // A Directive to every client that registered model m, about one of its expert slots.
     void tell_clients(const ModelEntry& m, uint32_t slot, protocol::Action action);
-    // Sends the directives the turn queued (tell_clients, direct_pools): once a turn, at its end.
-    void flush_clients();
     // The operator's controls (control.cpp).
     ModelEntry* find_model(uint32_t id);
     [[nodiscard]] const ModelEntry* find_model(uint32_t id) const;
     Result<std::vector<uint32_t>> select_slots(const ModelEntry& m, std::span<const std::string> specs) const;
-    void connect_bus();
-    void lose_bus();
-    void sync_bus();
-    void announce_budget(const std::string& name, uint64_t bytes);
     void cache_fetched(uint32_t model, uint32_t slot);
     // Reads a slot into the page cache, not locked (tracked in ModelEntry::prefetching): bytes queued.
     // urgent (a miss): a slot already queued behind other work is queued again ahead of it.
@@ -224,7 +204,6 @@ private:
     [[nodiscard]] FetchCandidate fetch_candidate(uint32_t model, uint32_t slot, const std::set<uint32_t>& hooked) const;
     [[nodiscard]] ModelStatus model_status(const ModelEntry& m, bool experts) const;
     [[nodiscard]] bool pools_settled(const ModelEntry& m) const;
-    void update_bus_watch();
     Result<void> arm_tick();  // the tick timer at config_.tick_seconds
 
     Config config_;
@@ -235,24 +214,10 @@ private:
     std::vector<PendingRegistration> registering_;  // registrations waiting for their model's open
     uint64_t models_set_aside_ = 0;  // times a model's file stopped answering (set_aside)
     std::unique_ptr<PressureMonitor> pressure_;
-    std::unique_ptr<SocketServer> server_;
+    std::unique_ptr<ClientHub> hub_;  // the client socket's connections
     std::unique_ptr<MetricsServer> metrics_;
-    std::unique_ptr<DbusService> dbus_;
-    RouterTrace trace_;          // moecachectl trace: router decisions to a file
-    uint32_t bus_events_ = 0;    // what epoll waits for on the bus's fd
-    std::chrono::steady_clock::time_point last_bus_try_{};  // without a bus: when it last tried one
-    bool bus_missing_said_ = false;
-    bool bus_module_missing_ = false;  // libmoecache-dbus.so cannot be loaded: not tried again
-    static constexpr int kBusRetrySeconds = 10;
-    std::pair<uint32_t, size_t> bus_models_{UINT32_MAX, 0};  // (next id, count) the bus's model objects match
-    std::vector<std::unique_ptr<Client>> clients_;
-    std::unordered_map<int, Client*> client_by_fd_;
-    uint32_t next_client_id_ = 1;
-    uint64_t clients_refused_ = 0;
-    uint64_t accept_pauses_ = 0;     // times the listener was paused for want of descriptors
-    bool listener_paused_ = false;   // not in the epoll set's interest now
-    bool listener_starved_ = false;  // since the last pause, no connection could be accepted
-    bool said_pid_hidden_ = false;   // a root client whose pid this PID namespace cannot see, said once
+    std::unique_ptr<BusLink> bus_;  // the D-Bus API's connection
+    RouterTrace trace_;             // moecachectl trace: router decisions to a file
     uint64_t vram_releases_ = 0;  // experts unlocked because a VRAM pool took them
     std::map<uint32_t, PoolDeviceStatus> pool_totals_;  // by device: counters accumulated from PoolStats
     uint64_t unmapped_bytes_ = 0;                        // accumulated from Unmapped
@@ -283,17 +248,7 @@ private:
     size_t ring_turn_ = 0;  // whose ring is read first, rotating (consume_client_telemetry)
     std::vector<uint32_t> joined_;  // consume_client_telemetry's decision of several records
     [[nodiscard]] int loop_timeout() const;
-    std::unique_ptr<bpf::PageCacheTelemetry> page_cache_;
-    std::string page_cache_off_reason_;
-    struct WatchedFile {
-        ModelEntry* model = nullptr;  // erased from watched_ before its model closes
-        uint32_t file = 0;
-    };
-    std::unordered_map<uint32_t, WatchedFile> watched_;  // by the file id the BPF events carry
-    uint32_t next_file_id_ = 1;
-    uint64_t page_cache_events_ = 0, page_cache_unattributed_ = 0;
-    double page_cache_cpu_ = 0;
-    std::vector<std::pair<uint32_t, uint32_t>> used_this_batch_;  // (model, slot) seen used by page-cache events
+    std::unique_ptr<PageCacheWatch> page_cache_;                    // its events, attributed to models' slots
     std::vector<std::pair<uint32_t, uint32_t>> missed_this_batch_;  // (model, slot) a runtime read from storage
     std::vector<std::pair<uint32_t, uint32_t>> predicted_;  // (model, slot) trusted predictions this turn
     std::set<uint32_t> one_place_due_;  // model ids whose one-place state settle_one_place() recomputes
@@ -304,7 +259,6 @@ private:
     uint64_t evicted_before_lock_ = 0;
     std::chrono::steady_clock::time_point last_slow_turn_log_{};
     std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
-    uint32_t self_tgid_ = 0;
     std::vector<std::unique_ptr<ModelEntry>> models_;
     uint32_t next_model_id_ = 0;
     uint64_t pressure_cap_ = UINT64_MAX;

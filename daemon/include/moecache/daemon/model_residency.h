@@ -4,6 +4,7 @@
 #pragma once
 
 #include "moecache/daemon/config.h"
+#include "moecache/daemon/fetch.h"
 #include "moecache/daemon/heat.h"
 #include "moecache/daemon/mapped_model.h"
 #include "moecache/daemon/page_locker.h"
@@ -12,6 +13,7 @@
 #include "moecache/page_cache.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -20,16 +22,20 @@ namespace moecache::daemon {
 
 class ModelResidency;
 
-// A slot's residency. Its tier changes only through ModelResidency (see "The state machine" there).
+// A slot's residency. It changes only through ModelResidency (see "The state machine" and "Reads
+// in flight" there): the daemon reads it.
 struct SlotState {
     [[nodiscard]] Tier tier() const { return tier_; }
-    uint64_t locked_bytes = 0;  // what locking it added to VmLck
-    uint64_t cached_bytes = 0;  // in the page cache at the last refresh
-    uint32_t fetches_pending = 0;
+    [[nodiscard]] uint64_t locked_bytes() const { return locked_bytes_; }    // what locking it added to VmLck
+    [[nodiscard]] uint64_t cached_bytes() const { return cached_bytes_; }    // in the page cache at the last look
+    [[nodiscard]] uint32_t reads_pending() const { return reads_pending_; }  // reads for its lock not done yet
 
 private:
     friend class ModelResidency;
     Tier tier_ = Tier::Storage;
+    uint64_t locked_bytes_ = 0;
+    uint64_t cached_bytes_ = 0;
+    uint32_t reads_pending_ = 0;
 };
 
 // What the page cache did to a slot's bytes, as eBPF reported it (bpf/).
@@ -55,7 +61,6 @@ public:
     [[nodiscard]] const ModelConfig& config() const { return config_; }
     [[nodiscard]] uint32_t n_experts() const { return model_->map().n_experts; }
     [[nodiscard]] uint32_t n_slots() const { return static_cast<uint32_t>(slots_.size()); }
-    [[nodiscard]] SlotState& state(uint32_t slot) { return slot == kDenseSlot ? dense_ : slots_[slot]; }
     [[nodiscard]] const SlotState& state(uint32_t slot) const { return slot == kDenseSlot ? dense_ : slots_[slot]; }
     [[nodiscard]] std::vector<ByteRange> ranges(uint32_t slot) const;
     // Bytes locking a slot would cost at most (whole pages of its ranges).
@@ -98,9 +103,31 @@ public:
     // return false: a locked slot leaves only through release.
     bool begin_fetch(uint32_t slot);
     bool abandon(uint32_t slot);
+    // Its pages were taken back by reclaim between its read and its lock: back to storage, with what
+    // is still cached of it (the plan reads it again).
+    void evicted_before_lock(uint32_t slot, uint64_t resident_bytes);
     // Locks every range of a slot (all or nothing).
     Result<uint64_t> lock(uint32_t slot);
     Result<uint64_t> release(uint32_t slot, bool drop);
+    // Reads in flight, counted here and nowhere else. A slot read for a lock: begin_fetch, then
+    // read_queued for each of its reads and read_done as each completes (a cancelled read too);
+    // when the last one is done and it is still Fetching, it is ready: read, waiting for its lock
+    // turn (the decide step's ModelFacts::waiting, and what it leaves waiting, set_ready). abandon
+    // takes a slot out of the ready ones. A slot read into the page cache only (a miss, a
+    // prediction, a warm start, an operator's prefetch): cache_read_queued and cache_read_done,
+    // with the reason of its latest request.
+    void read_queued(uint32_t slot) { ++state_mut(slot).reads_pending_; }
+    bool read_done(uint32_t slot);  // true: the slot became ready
+    [[nodiscard]] const std::vector<uint32_t>& ready() const { return ready_; }
+    void set_ready(std::vector<uint32_t> slots) { ready_ = std::move(slots); }
+    struct CacheRead {
+        uint32_t reads = 0;
+        FetchReason reason = FetchReason::Operator;
+    };
+    [[nodiscard]] const std::map<uint32_t, CacheRead>& cache_reads() const { return cache_reads_; }
+    void cache_read_queued(uint32_t slot, FetchReason reason, uint32_t reads);
+    void cache_read_done(uint32_t slot);
+    bool forget_cache_read(uint32_t slot);  // its reads were cancelled: true if it had any
     // Page-cache residency of every slot, by cachestat (mincore where the kernel lacks it).
     Result<void> refresh_cached();
     // ... of one slot, now.
@@ -147,6 +174,7 @@ public:
     [[nodiscard]] uint64_t dropped_bytes() const { return dropped_bytes_; }
 
 private:
+    [[nodiscard]] SlotState& state_mut(uint32_t slot) { return slot == kDenseSlot ? dense_ : slots_[slot]; }
     void drop_ranges(const std::vector<ByteRange>& ranges);
     ModelConfig config_;
     std::unique_ptr<MappedModel> model_;
@@ -166,6 +194,8 @@ private:
     std::vector<uint64_t> slot_bytes_, slot_length_;
     uint64_t dense_bytes_ = 0, dense_length_ = 0;
     std::vector<PageCacheProbe> probes_;
+    std::vector<uint32_t> ready_;                // read for a lock, waiting for it (Reads in flight)
+    std::map<uint32_t, CacheRead> cache_reads_;  // by slot: read into the page cache only
 };
 
 }  // namespace moecache::daemon
