@@ -6,7 +6,7 @@
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/decide.h"
 
-#include "daemon_state.h"
+#include "clients/client_hub.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/log.h"
 
@@ -110,7 +110,7 @@ void Daemon::lock_admitted(ModelEntry& m, uint32_t slot) {
         note_error("locking an expert", fmt::format("model {}: {}", m.path, r.error().what()));
     }
     // A file truncated or replaced under us fails here first: look at it again now.
-    if (auto same = m.res->model().unchanged(); !same || !*same) close_model(m, "the file changed on disk");
+    if (auto same = m.res->model().unchanged(); !same || !*same) models_->close(m, "the file changed on disk");
 }
 
 }  // namespace moecache::daemon

@@ -1,7 +1,7 @@
 // The operator's controls: what D-Bus (dbus/dbus_service.cpp) and tests call. Every argument is
 // untrusted; a refusal names what is wrong. Runs on the loop's thread, like everything else.
 #include "bus/bus_link.h"
-#include "daemon_state.h"
+#include "clients/client_hub.h"
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
@@ -28,18 +28,6 @@ constexpr size_t kMaxSpecs = 65536;
 tl::unexpected<Error> invalid(std::string message) { return fail(EINVAL, std::move(message)); }
 
 }  // namespace
-
-Daemon::ModelEntry* Daemon::find_model(uint32_t id) {
-    for (auto& m : models_)
-        if (m->id == id) return m.get();
-    return nullptr;
-}
-
-const Daemon::ModelEntry* Daemon::find_model(uint32_t id) const {
-    for (const auto& m : models_)
-        if (m->id == id) return m.get();
-    return nullptr;
-}
 
 Result<std::vector<uint32_t>> Daemon::select_slots(const ModelEntry& m, std::span<const std::string> specs) const {
     if (!m.res) return fail(EBUSY, fmt::format("model {} is not loaded: {}", m.path, m.error));
@@ -77,10 +65,10 @@ Result<uint32_t> Daemon::add_model(const std::string& given) {
     // One name for one path ("//", "./", "x/../" go), and below one entry for one file, whatever
     // its names (a symlink, a hard link): a file managed twice would have its locks counted twice.
     const std::string path = std::filesystem::path(given).lexically_normal().string();
-    for (const auto& m : models_)
+    for (const auto& m : models_->all())
         if (m->path == path) return fail(EEXIST, fmt::format("model {} is already managed (id {})", path, m->id));
     if (auto id = identity_of_path(path))
-        for (const auto& m : models_)
+        for (const auto& m : models_->all())
             if (m->res)
                 for (const auto& f : m->res->model().files())
                     if (f.identity.dev == id->dev && f.identity.ino == id->ino)
@@ -89,19 +77,14 @@ Result<uint32_t> Daemon::add_model(const std::string& given) {
     ModelConfig mc;
     mc.path = path;
     mc.where = "D-Bus RegisterModel";
-    auto e = std::make_unique<ModelEntry>();
-    e->id = next_model_id_++;
-    e->config = mc;
-    e->path = path;
-    e->operator_added = true;
+    ModelEntry& m = models_->add(mc, path);
+    m.operator_added = true;
     // Opened before the answer, within [prefetch] read_deadline (its header read off the loop).
-    ModelEntry& m = *e;
-    models_.push_back(std::move(e));
-    open_model(m, nullptr, /*wait=*/true);
+    models_->open(m, nullptr, /*wait=*/true);
     const uint32_t id = m.id;
     if (!m.res) {
         std::string why = m.opening ? "its header is still being read" : m.error;
-        std::erase_if(models_, [&](const auto& o) { return o->id == id; });
+        models_->remove(id, "");
         return invalid(fmt::format("model {} cannot be managed: {}", path, why));
     }
     // A split model's other parts name the same set: the path as opened is its first part's.
@@ -111,9 +94,9 @@ Result<uint32_t> Daemon::add_model(const std::string& given) {
 }
 
 Result<void> Daemon::remove_model(uint32_t id) {
-    auto it = std::find_if(models_.begin(), models_.end(), [&](const auto& m) { return m->id == id; });
-    if (it == models_.end()) return fail(ENOENT, fmt::format("no model with id {}", id));
-    ModelEntry& m = **it;
+    ModelEntry* found = models_->find(id);
+    if (found == nullptr) return fail(ENOENT, fmt::format("no model with id {}", id));
+    ModelEntry& m = *found;
     if (m.registered)
         return fail(EBUSY, fmt::format("model {} was registered by a client (uid {}): it goes when its last client does",
                                        m.path, m.owner_uid));
@@ -127,8 +110,7 @@ Result<void> Daemon::remove_model(uint32_t id) {
     });
     if (users > 0)
         return fail(EBUSY, fmt::format("model {} is in use by {} connected runtime(s): unregister it when they are done", m.path, users));
-    close_model(m, "unregistered by the operator");
-    models_.erase(it);
+    models_->remove(id, "unregistered by the operator");
     request_place();
     return {};
 }
@@ -152,7 +134,7 @@ Result<void> Daemon::set_budget(const std::string& name, const std::string& amou
 }
 
 Result<void> Daemon::set_model_budget(uint32_t id, const std::string& amount) {
-    ModelEntry* m = find_model(id);
+    ModelEntry* m = models_->find(id);
     if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
     std::optional<ByteAmount> budget;
     if (!amount.empty()) {
@@ -175,7 +157,7 @@ Result<void> Daemon::set_model_budget(uint32_t id, const std::string& amount) {
 }
 
 Result<uint32_t> Daemon::set_pinned(uint32_t id, std::span<const std::string> specs, bool pinned) {
-    ModelEntry* m = find_model(id);
+    ModelEntry* m = models_->find(id);
     if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
     if (specs.empty()) return invalid(pinned ? "pin what? name experts (\"12\", \"12:3\", \"12:0-7\")" : "unpin what? name experts");
     const auto slots = MC_TRY(select_slots(*m, specs));
@@ -190,7 +172,7 @@ Result<uint32_t> Daemon::set_pinned(uint32_t id, std::span<const std::string> sp
 }
 
 Result<uint64_t> Daemon::prefetch(uint32_t id, std::span<const std::string> specs) {
-    ModelEntry* m = find_model(id);
+    ModelEntry* m = models_->find(id);
     if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
     auto slots = MC_TRY(select_slots(*m, specs));
     auto& r = *m->res;
@@ -235,12 +217,12 @@ uint64_t Daemon::cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, u
 
 // Completion of a read that stays cached only (on_fetched sees the tag bit).
 void Daemon::cache_fetched(uint32_t model, uint32_t slot) {
-    ModelEntry* m = find_model(model);
+    ModelEntry* m = models_->find(model);
     if (m && m->res) m->res->cache_read_done(slot);
 }
 
 Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) {
-    ModelEntry* m = find_model(id);
+    ModelEntry* m = models_->find(id);
     if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
     const auto slots = MC_TRY(select_slots(*m, specs));
     auto& r = *m->res;
@@ -271,14 +253,14 @@ Result<uint64_t> Daemon::evict(uint32_t id, std::span<const std::string> specs) 
 }
 
 Result<std::string> Daemon::export_profile(uint32_t id) const {
-    const ModelEntry* m = find_model(id);
+    const ModelEntry* m = models_->find(id);
     if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
     if (!m->res) return fail(EBUSY, fmt::format("model {} is not loaded: {}", m->path, m->error));
     return m->res->heat().to_profile(m->res->model().profile_key());
 }
 
 Result<void> Daemon::import_profile(uint32_t id, const std::string& text) {
-    ModelEntry* m = find_model(id);
+    ModelEntry* m = models_->find(id);
     if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
     if (!m->res) return fail(EBUSY, fmt::format("model {} is not loaded: {}", m->path, m->error));
     if (text.size() > (64u << 20)) return invalid("a heat profile of more than 64 MiB");
@@ -301,7 +283,7 @@ Result<void> Daemon::start_trace(UniqueFd file) {
     if (fl < 0 || (fl & O_ACCMODE) == O_RDONLY) return invalid("the trace file is not open for writing");
     // A trace overwrites only a trace: never a model this daemon has open (whatever its name), nor
     // a file that holds something else.
-    for (const auto& m : models_)
+    for (const auto& m : models_->all())
         if (m->res)
             for (const auto& f : m->res->model().files())
                 if (f.identity.dev == st.st_dev && f.identity.ino == st.st_ino)
@@ -316,7 +298,7 @@ Result<void> Daemon::start_trace(UniqueFd file) {
                                             "name a new file", st.st_size));
     }
     if (auto r = trace_.start(std::move(file), config_.tick_seconds); !r) return r;
-    for (const auto& m : models_)
+    for (const auto& m : models_->all())
         if (m->res) trace_.model(m->id, m->res->model().map(), m->path);
     trace_.flush();
     MC_LOG(LOG_INFO, "trace started");

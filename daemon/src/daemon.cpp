@@ -3,7 +3,8 @@
 #include "moecache/daemon/system_memory.h"
 
 #include "bus/bus_link.h"
-#include "daemon_state.h"
+#include "clients/client_hub.h"
+#include "event_source.h"
 #include "intake/page_cache_watch.h"
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/metrics.h"
@@ -49,8 +50,9 @@ uint64_t mem_available_bytes() {
 
 
 Daemon::~Daemon() {
-    for (auto& m : models_)
-        if (m->res) close_model(*m, "the daemon stops");
+    if (models_)
+        for (auto& m : models_->all())
+            if (m->res) models_->close(*m, "the daemon stops");
     // Whoever embeds the daemon (tests, tools) gets its signals back.
     if (sigmask_saved_) ::pthread_sigmask(SIG_SETMASK, &saved_sigmask_, nullptr);
 }
@@ -157,6 +159,8 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->page_cache_ = MC_TRY(PageCacheWatch::open(d->config_));
     if (d->page_cache_->on()) MC_TRY_VOID(watch(EventSource::PageCache, d->page_cache_->event_fd(), EPOLLIN));
 
+    d->models_ = std::make_unique<ModelRegistry>(d->config_, *d->off_loop_, *d->prefetcher_, *d->page_cache_,
+                                                 d->errors_, static_cast<RegistryEvents&>(*d));
     d->hub_ = std::make_unique<ClientHub>(d->config_, d->epoll_.get());
     MC_TRY_VOID(d->hub_->listen());
 
@@ -171,12 +175,12 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         else MC_LOG(LOG_WARNING, "no /metrics ([metrics] listen): {}", m.error().what());
     }
 
-    d->add_plain_models();
+    d->models_->add_configured();
     // The configured models are open before the daemon takes requests, as far as their files answer
     // within [prefetch] read_deadline; the rest goes on in the loop. Twice: a glob's matches are
     // entries once their headers have been looked at.
     for (int i = 0; i < 2; ++i) {
-        d->refresh_models();
+        d->models_->refresh();
         d->off_loop_->wait_all();
     }
 
@@ -187,6 +191,16 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->place();
     return d;
 }
+
+void Daemon::open_ended(uint32_t id, bool loaded) {
+    if (loaded) one_place_due_.insert(id);  // what its clients' pools hold, again for the new residency
+    finish_registrations(id);
+    if (loaded) request_place();
+}
+
+Result<void> Daemon::save_profiles() { return models_->save_profiles(); }
+std::vector<uint32_t> Daemon::model_ids() const { return models_->ids(); }
+std::optional<uint32_t> Daemon::model_id(const std::string& path) const { return models_->id_of(path); }
 
 Result<void> Daemon::arm_tick() {
     const double t = config_.tick_seconds;
@@ -203,9 +217,9 @@ void Daemon::tick() {
     bus_->retry();
     cgroup_ = own_memory_cgroup_limit();
     off_loop_->turn();  // opens past their deadline
-    set_aside_hung_reads();
-    refresh_models();
-    for (auto& m : models_)
+    models_->set_aside_hung_reads();
+    models_->refresh();
+    for (auto& m : models_->all())
         if (m->res) {
             note("reading the page cache's residency", m->res->refresh_cached());
             // One place, again each tick: a runtime's read of a neighbour can map an expert's pages
@@ -250,14 +264,13 @@ Result<void> Daemon::reload(Config config) {
     MC_TRY_VOID(validate_config(config, mem_total_));
     fit_clients_to_descriptors(config);
     // Models no longer configured are closed; new ones are opened.
-    std::vector<std::unique_ptr<ModelEntry>> kept;
-    for (auto& m : models_) {
-        const bool still = m->registered || m->operator_added || std::any_of(config.models.begin(), config.models.end(),
-                                                          [&](const ModelConfig& mc) { return mc.path == m->config.path; });
-        if (still) kept.push_back(std::move(m));
-        else close_model(*m, "removed from the configuration");
-    }
-    models_ = std::move(kept);
+    models_->retain(
+        [&](const ModelEntry& m) {
+            return m.registered || m.operator_added ||
+                   std::any_of(config.models.begin(), config.models.end(),
+                               [&](const ModelConfig& mc) { return mc.path == m.config.path; });
+        },
+        "removed from the configuration");
     // What was set up once at start stays as it was: say so for each such setting that changed.
     auto fixed = [&](const char* key, const auto& before, const auto& after) {
         if (before != after)
@@ -277,7 +290,7 @@ Result<void> Daemon::reload(Config config) {
     const double old_tick = config_.tick_seconds;
     config_ = std::move(config);
     admin_gid_ = group_id(config_.dbus_admin_group);
-    for (auto& m : models_)
+    for (auto& m : models_->all())
         if (m->res) {
             m->res->set_keep_ram_copy(config_.keep_ram_copy || !m->one_place);
             one_place_due_.insert(m->id);
@@ -289,10 +302,10 @@ Result<void> Daemon::reload(Config config) {
         bus_->budget_changed("lock", config_.lock_budget.resolve(mem_total_));
     if (config_.reserve.resolve(mem_total_) != old_reserve)
         bus_->budget_changed("reserve", config_.reserve.resolve(mem_total_));
-    add_plain_models();
-    for (auto& m : models_)
+    models_->add_configured();
+    for (auto& m : models_->all())
         if (m->res) m->res->heat().set_half_life(config_.decay_half_life_tokens);
-    refresh_models();
+    models_->refresh();
     request_place();
     MC_LOG(LOG_INFO, "configuration reloaded: lock budget now {} MiB", lock_cap() >> 20);
     return {};
@@ -390,7 +403,7 @@ Result<void> Daemon::step(int timeout_ms) {
     hub_->flush();  // directives an operator's request queued outside the placement
     // Every model added takes a new id and every model removed shrinks the list: the two together
     // change whenever the set does, so most turns compare two numbers and touch nothing.
-    bus_->sync({next_model_id_, models_.size()});
+    bus_->sync(models_->shape());
     return {};
 }
 
@@ -416,8 +429,8 @@ Result<void> Daemon::run() {
     if (auto n = systemd::notify("STOPPING=1"); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
     if (trace_.on()) note("stopping the routing trace", stop_trace());
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
-    for (auto& m : models_)
-        if (m->res) close_model(*m, "the daemon stops");
+    for (auto& m : models_->all())
+        if (m->res) models_->close(*m, "the daemon stops");
     return {};
 }
 

@@ -6,7 +6,7 @@
 #include "moecache/daemon/decide.h"
 #include "moecache/daemon/system_memory.h"
 
-#include "daemon_state.h"
+#include "clients/client_hub.h"
 #include "dbus/dbus_service.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
@@ -68,13 +68,13 @@ void Daemon::place() {
     decide_one_place(f.lock_cap, registered);
     // Which open models rest (models_at_rest: the prompt-model swap, standby).
     std::vector<ModelUse> uses;
-    for (const auto& m : models_)
+    for (const auto& m : models_->all())
         if (m->res)
             uses.push_back(
-                {family_of(*m), registered.count(m->id) != 0, m->config.keep, m->runtime_left, m->last_used});
+                {models_->family_of(*m), registered.count(m->id) != 0, m->config.keep, m->runtime_left, m->last_used});
     const std::vector<ModelRest> rest = models_at_rest(uses, now);
     size_t open = 0;
-    for (auto& m : models_) {
+    for (auto& m : models_->all()) {
         if (!m->res) continue;
         const ModelResidency& r = *m->res;
         ModelFacts mf;
@@ -140,10 +140,10 @@ void Daemon::place() {
 // client registers a model (before its hook's pool forms), and told to the clients that changed.
 void Daemon::decide_one_place(uint64_t cap, const std::set<uint32_t>& registered) {
     uint64_t in_use = 0;
-    for (const auto& m : models_)
+    for (const auto& m : models_->all())
         if (m->res && registered.count(m->id) != 0) in_use += m->res->model().map().expert_bytes_total;
     bool told = false;
-    for (auto& m : models_) {
+    for (auto& m : models_->all()) {
         if (!m->res || registered.count(m->id) == 0) continue;
         const uint64_t mine = m->res->model().map().expert_bytes_total;
         const std::optional<bool> was = m->one_place_decided ? std::optional<bool>(m->one_place) : std::nullopt;
@@ -171,7 +171,7 @@ uint64_t Daemon::model_cap(const ModelEntry& m) const {
 
 uint64_t Daemon::total_locked() const {
     uint64_t t = 0;
-    for (const auto& m : models_)
+    for (const auto& m : models_->all())
         if (m->res) t += m->res->locked_bytes();
     return t;
 }
@@ -180,7 +180,7 @@ uint64_t Daemon::total_locked() const {
 FetchCandidate Daemon::fetch_candidate(uint32_t model, uint32_t slot, const std::set<uint32_t>& hooked) const {
     FetchCandidate c;
     c.at = {model, slot};
-    const ModelEntry* m = find_model(model);
+    const ModelEntry* m = models_->find(model);
     if (m == nullptr || !m->res || slot >= m->res->n_slots()) return c;
     const ModelResidency& r = *m->res;
     const SlotState& st = r.state(slot);
@@ -211,7 +211,7 @@ void Daemon::fetch_missed() {
         missed.reserve(missed_this_batch_.size());
         for (const auto& [id, slot] : missed_this_batch_) missed.push_back(fetch_candidate(id, slot, hooked));
         for (const SlotRef& at : reads_after_misses(missed)) {
-            const uint64_t q = cache_fetch(*find_model(at.model), at.slot, FetchReason::Miss);
+            const uint64_t q = cache_fetch(*models_->find(at.model), at.slot, FetchReason::Miss);
             if (q == 0) continue;
             ++miss_fetches_;
             miss_fetch_bytes_ += q;
@@ -228,12 +228,12 @@ void Daemon::on_fetched(uint64_t tag, uint64_t, int err) {
         // A read that fails leaves part of the expert on storage: said (once a minute with a count),
         // as an operator's prefetch that comes back short would otherwise be a mystery.
         if (err != 0 && err != ECANCELED)
-            if (const ModelEntry* m = find_model(id))
+            if (const ModelEntry* m = models_->find(id))
                 note_error("reading an expert into the page cache", fmt::format("model {}: {}", m->path, std::strerror(err)));
         cache_fetched(id, slot);
         return;
     }
-    for (auto& m : models_) {
+    for (auto& m : models_->all()) {
         if (m->id != id || !m->res) continue;
         if (err != 0 && err != ECANCELED) MC_LOG(LOG_WARNING, "model {}: prefetch failed: {}", m->path, std::strerror(err));
         if (m->res->read_done(slot)) {
@@ -282,7 +282,7 @@ void Daemon::fetch_predicted() {
     predicted_.clear();
     uint64_t queued = 0;
     for (const SlotRef& at : reads_after_predictions(predicted, reads_queued))
-        queued += cache_fetch(*find_model(at.model), at.slot, FetchReason::Prediction);
+        queued += cache_fetch(*models_->find(at.model), at.slot, FetchReason::Prediction);
     if (queued == 0) return;
     predict_fetch_bytes_ += queued;
     if (auto s = prefetcher_->submit(); !s) MC_LOG(LOG_WARNING, "prefetch: {}", s.error().what());

@@ -4,7 +4,6 @@
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/system_memory.h"
 
-#include "daemon_state.h"
 #include "intake/page_cache_watch.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
@@ -21,21 +20,21 @@ namespace moecache::daemon {
 
 void Daemon::consume_page_cache() {
     const PageCacheWatch::Resolve resolve = [this](uint32_t id) -> ModelResidency* {
-        ModelEntry* m = find_model(id);
+        ModelEntry* m = models_->find(id);
         return m ? m->res.get() : nullptr;
     };
     auto batch = page_cache_->consume(resolve);
     missed_this_batch_.insert(missed_this_batch_.end(), batch.missed.begin(), batch.missed.end());
     if (batch.used.empty()) return;
     const auto now = std::chrono::steady_clock::now();
-    for (auto& m : models_) {
+    for (auto& m : models_->all()) {
         if (!m->res) continue;
         const uint32_t n = m->res->n_experts();
         const bool routed = m->last_routed && now - *m->last_routed < kPageCacheUsesAfterRouting;
         for (const auto& [id, slot] : batch.used) {
             if (id != m->id || slot >= m->res->n_slots()) continue;
             m->last_used = now;
-            if (routed) continue;  // the routing reports are its heat (daemon_state.h, last_routed)
+            if (routed) continue;  // the routing reports are its heat (ModelEntry::last_routed)
             const uint32_t expert = slot % n;
             m->res->heat().record(slot / n, std::span<const uint32_t>(&expert, 1));
         }
@@ -43,7 +42,7 @@ void Daemon::consume_page_cache() {
 }
 
 void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
-    for (auto& m : models_)
+    for (auto& m : models_->all())
         if (m->id == model && m->res) record_routing(*m, block, experts, tokens);
 }
 

@@ -3,7 +3,7 @@
 #include "moecache/daemon/system_memory.h"
 
 #include "bus/bus_link.h"
-#include "daemon_state.h"
+#include "clients/client_hub.h"
 #include "intake/page_cache_watch.h"
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/prefetcher.h"
@@ -22,8 +22,8 @@ namespace moecache::daemon {
 bool Daemon::idle() const {
     // Facts the next turn decides on, reads into the page cache under way.
     if (!missed_this_batch_.empty() || !predicted_.empty() || !one_place_due_.empty()) return false;
-    if (!glob_looking_.empty()) return false;  // a glob's new match: its header is being read (OffLoop)
-    for (const auto& m : models_) {
+    if (models_->looking()) return false;  // a glob's new match: its header is being read (OffLoop)
+    for (const auto& m : models_->all()) {
         if (m->opening) return false;  // its header is being read (OffLoop)
         if (!m->res) continue;
         if (!m->res->ready().empty() || !m->res->cache_reads().empty()) return false;
@@ -45,7 +45,7 @@ DaemonStatus Daemon::status(bool experts) const {
     s.miss_fetch_bytes = miss_fetch_bytes_;
     s.warm_fetch_bytes = warm_fetch_bytes_;
     s.predict_fetch_bytes = predict_fetch_bytes_;
-    for (const auto& m : models_)
+    for (const auto& m : models_->all())
         if (m->prediction) {
             s.predicted_experts += m->prediction->trust.predicted();
             s.predicted_used += m->prediction->trust.correct();
@@ -70,7 +70,7 @@ DaemonStatus Daemon::status(bool experts) const {
     }
     s.clients_refused = hub_->refused();
     s.accept_pauses = hub_->accept_pauses();
-    s.models_set_aside = models_set_aside_;
+    s.models_set_aside = models_->set_aside_count();
     for (const auto& [device, totals] : pool_totals_) {
         PoolDeviceStatus pool = totals;
         for (const auto& c : hub_->all()) {
@@ -104,12 +104,12 @@ DaemonStatus Daemon::status(bool experts) const {
             if (pool.miss_path != protocol::MissPath::Unknown) cs.miss_paths.emplace_back(device, pool.miss_path);
         s.clients.push_back(std::move(cs));
     }
-    for (const auto& m : models_) s.models.push_back(model_status(*m, experts));
+    for (const auto& m : models_->all()) s.models.push_back(model_status(*m, experts));
     return s;
 }
 
 std::optional<ModelStatus> Daemon::model_status(uint32_t id, bool experts) const {
-    const ModelEntry* m = find_model(id);
+    const ModelEntry* m = models_->find(id);
     if (!m) return std::nullopt;
     return model_status(*m, experts);
 }
@@ -146,7 +146,7 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
         const auto& r = *m->res;
         ms.prefetching_experts = static_cast<uint32_t>(r.cache_reads().size());
         ms.key = r.model().profile_key();
-        ms.family = family_of(*m);
+        ms.family = models_->family_of(*m);
         ms.locked_bytes = r.locked_bytes();
         ms.recency_share = r.heat().recency_share();
         ms.recency_applied = recency_trusted(*m);

@@ -1,10 +1,12 @@
-// The daemon's side of the client socket (docs/protocol.md): who may connect, what each message
-// does, and the telemetry rings read on every turn of the loop. Everything a client sends is
+// The daemon's side of the client socket (docs/protocol.md): what each message does (who may
+// connect, and the connections themselves, are the ClientHub's), and the telemetry rings read on
+// every turn of the loop. Everything a client sends is
 // untrusted: a message that does not decode, a descriptor that is not a readable regular file, a
 // model or block it did not register gets a Failure naming what is wrong; a protocol violation
 // (a packet that does not decode, a request before Hello) also closes the connection, a request
 // that cannot be met does not. Other clients never notice.
-#include "../daemon_state.h"
+#include "clients/client_hub.h"
+#include "moecache/daemon/daemon.h"
 
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/daemon/system_memory.h"
@@ -90,7 +92,7 @@ bool Daemon::on_client_packet(Client& c, Packet& p) {
     if (auto* d = std::get_if<DescribeMapping>(&m->body)) {
         if (std::find(c.models.begin(), c.models.end(), d->model) == c.models.end())
             return hub_->cannot(c, rq, ENOENT, fmt::format("model {} is not one this client registered", d->model));
-        for (auto& e : models_) {
+        for (auto& e : models_->all()) {
             if (e->id != d->model || !e->res) continue;
             const auto& files = e->res->model().files();
             if (d->file >= files.size())
@@ -139,7 +141,7 @@ bool Daemon::on_placement(Client& c, const ExpertPlacement& x) {
         return hub_->cannot(c, 0, ENOENT,
                             fmt::format("ExpertPlacement: model {} is not one this client registered", x.model));
     ModelEntry* e = nullptr;
-    for (auto& m : models_)
+    for (auto& m : models_->all())
         if (m->id == x.model && m->res) e = m.get();
     if (e == nullptr)
         return hub_->cannot(c, 0, ENOENT, fmt::format("ExpertPlacement: model {} is not loaded", x.model));
@@ -200,7 +202,7 @@ void Daemon::settle_one_place() {
     std::set<uint32_t> due;
     due.swap(one_place_due_);
     for (uint32_t id : due) {
-        ModelEntry* m = find_model(id);
+        ModelEntry* m = models_->find(id);
         if (m == nullptr || !m->res) continue;
         ModelResidency& r = *m->res;
         const uint32_t n = r.n_slots();
@@ -310,7 +312,7 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         ids.push_back(*id);
     }
     ModelEntry* entry = nullptr;
-    for (auto& e : models_)
+    for (auto& e : models_->all())
         if (e->res && same_files(*e->res, ids)) entry = e.get();
     if (!entry) {
         char link[64];
@@ -326,15 +328,14 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
                                 "a memfd, or in another mount namespace)");
         std::string path = target;
         if (auto split = parse_split_name(path)) path = split_path(split->prefix, 0, split->count);
-        const bool existed = std::any_of(models_.begin(), models_.end(), [&](const auto& e) { return e->path == path; });
+        const bool existed = models_->find_path(path) != nullptr;
         if (!existed) {
             ModelConfig mc;
             mc.path = path;
             mc.where = fmt::format("registered by client {} (pid {}, uid {})", c.id, c.peer.pid, c.peer.uid);
-            add_entry(mc, path);
+            models_->add(mc, path);
         }
-        for (auto& e : models_)
-            if (e->path == path) entry = e.get();
+        entry = models_->find_path(path);
         if (!existed) {
             entry->registered = true;
             entry->owner_uid = c.peer.uid;
@@ -345,7 +346,7 @@ bool Daemon::register_model(Client& c, uint32_t rq, std::vector<UniqueFd>& fds) 
         if (!entry->res) {
             // Its header is read and its setup made off the loop: the answer comes when that is done
             // (finish_registrations), within [prefetch] read_deadline.
-            open_model(*entry, entry->operator_added || !entry->registered ? nullptr : &handed);
+            models_->open(*entry, entry->operator_added || !entry->registered ? nullptr : &handed);
             if (entry->opening) {
                 registering_.push_back(std::move(p));
                 return true;
@@ -374,22 +375,20 @@ void Daemon::finish_registrations(uint32_t model) {
             continue;
         }
         // Its client went while it opened: a model only it brought goes too (as reap_clients does).
-        ModelEntry* m = find_model(model);
+        ModelEntry* m = models_->find(model);
         const bool held = std::any_of(hub_->all().begin(), hub_->all().end(), [&](const auto& o) {
             return std::find(o->models.begin(), o->models.end(), model) != o->models.end();
         });
         const bool waited = std::any_of(registering_.begin(), registering_.end(),
                                         [&](const PendingRegistration& o) { return o.model == model; });
-        if (m != nullptr && m->registered && !m->operator_added && !held && !waited) {
-            if (m->res) close_model(*m, "the client that registered it is gone");
-            std::erase_if(models_, [&](const auto& o) { return o->id == model; });
-        }
+        if (m != nullptr && m->registered && !m->operator_added && !held && !waited)
+            models_->remove(model, "the client that registered it is gone");
     }
 }
 
 bool Daemon::finish_registration(Client& c, const PendingRegistration& p) {
     const uint32_t rq = p.request;
-    ModelEntry* entry = find_model(p.model);
+    ModelEntry* entry = models_->find(p.model);
     if (entry == nullptr) return hub_->cannot(c, rq, ENOENT, "the model went away while it was being opened");
     {
         std::string why;
@@ -405,11 +404,7 @@ bool Daemon::finish_registration(Client& c, const PendingRegistration& p) {
         if (!why.empty()) {
             const bool waited = std::any_of(registering_.begin(), registering_.end(),
                                             [&](const PendingRegistration& o) { return o.model == p.model; });
-            if (!p.existed && !waited) {
-                if (entry->res) close_model(*entry, "registration refused");
-                const uint32_t id = entry->id;
-                std::erase_if(models_, [&](const auto& e) { return e->id == id; });
-            }
+            if (!p.existed && !waited) models_->remove(entry->id, "registration refused");
             return hub_->cannot(c, rq, errnum, why);
         }
     }
@@ -455,7 +450,7 @@ void Daemon::tell_vram_policy() {
         Client& c = *cp;
         if (c.dead || !c.hello) continue;
         bool found = false, wants = false;
-        for (const auto& m : models_)
+        for (const auto& m : models_->all())
             if (std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) {
                 found = true;
                 wants = wants || m->one_place;
@@ -496,9 +491,9 @@ void Daemon::direct_pools() {
         size_t n_models = 0;
         bool recency = false;
         c.directed_capacity = 0;
-        for (auto& m : models_)
+        for (auto& m : models_->all())
             if (m->res && std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) ++n_models;
-        for (auto& m : models_) {
+        for (auto& m : models_->all()) {
             if (!m->res || std::find(c.models.begin(), c.models.end(), m->id) == c.models.end()) continue;
             // The pool's share for this model, in experts of its mean size (split evenly between the
             // client's models).
@@ -517,7 +512,7 @@ void Daemon::direct_pools() {
                 if (want.emplace(m->id, slot).second) order.emplace_back(m->id, slot);
         }
         auto send = [&](std::pair<uint32_t, uint32_t> key, Action a) {
-            for (auto& m : models_)
+            for (auto& m : models_->all())
                 if (m->id == key.first && m->res) {
                     const auto& map = m->res->model().map();
                     const uint32_t l = key.second / map.n_experts;
@@ -565,7 +560,7 @@ void Daemon::bind_promoted() {
             10 * c.promoted.size() >= 9 * uint64_t{c.directed_capacity} && first_fill_held(held, c.promoted.size());
         if (full || std::chrono::steady_clock::now() - c.pool_since > kFirstFillBound) c.pool_filled = true;
     }
-    for (auto& m : models_) {
+    for (auto& m : models_->all()) {
         if (!m->res) continue;
         const uint32_t n = m->res->n_slots();
         std::vector<ClientPool> pools;
@@ -610,7 +605,7 @@ void Daemon::consume_client_telemetry() {
         if (!c.ring) continue;
         // The client's models, resolved once per turn rather than per event.
         std::vector<ModelEntry*> mine;
-        for (auto& m : models_)
+        for (auto& m : models_->all())
             if (m->res && std::find(c.models.begin(), c.models.end(), m->id) != c.models.end()) mine.push_back(m.get());
         // A decision larger than a record comes as records in a row, the later ones continued:
         // joined into one before it is recorded, so that heat, the split learner and the trace see
@@ -686,14 +681,10 @@ void Daemon::reap_clients() {
     one_place_due_.insert(left.begin(), left.end());
     for (uint32_t id : left) {
         if (hub_->held(id)) continue;
-        for (auto& m : models_) {
-            if (m->id != id) continue;
-            m->runtime_left = std::chrono::steady_clock::now();
-            if (m->registered) close_model(*m, "its last client is gone");
-        }
-        models_.erase(std::remove_if(models_.begin(), models_.end(),
-                                     [&](const auto& m) { return m->id == id && m->registered; }),
-                      models_.end());
+        ModelEntry* m = models_->find(id);
+        if (m == nullptr) continue;
+        m->runtime_left = std::chrono::steady_clock::now();
+        if (m->registered) models_->remove(id, "its last client is gone");
     }
 }
 

@@ -12,6 +12,7 @@
 #include "moecache/daemon/decide.h"
 #include "moecache/daemon/error_log.h"
 #include "moecache/daemon/fetch.h"
+#include "moecache/daemon/model_registry.h"
 #include "moecache/daemon/model_residency.h"
 #include "moecache/daemon/planner.h"
 #include "moecache/daemon/router_trace.h"
@@ -45,8 +46,10 @@ struct Client;
 class MetricsServer;
 class BusLink;
 class PageCacheWatch;
+class ModelRegistry;
+struct ModelEntry;
 
-class Daemon final : public Control {
+class Daemon final : public Control, private RegistryEvents {
 public:
     static Result<std::unique_ptr<Daemon>> create(Config config);
     ~Daemon();
@@ -103,26 +106,10 @@ public:
     [[nodiscard]] bool idle() const;  // nothing fetching, nothing waiting to be locked
 
 private:
-    struct ModelEntry;
     Daemon() = default;
-    void add_entry(const ModelConfig& mc, const std::string& path);
-    // Whether a file a [[model]] glob matched is an MoE GGUF model (said once per file version when
-    // it is not: an ollama blob directory also holds manifests' layers, dense models, projectors).
-    bool glob_match_is_moe(const std::string& path);
-    void add_plain_models();
-    void refresh_models();
-    // Opens a model off the loop (OffLoop): its header read and its setup made on a thread, within
-    // [prefetch] read_deadline; opened() carries on in a later turn. handed: a client's descriptors
-    // of it. wait: block until it is open or past the deadline (the start, an operator's request).
-    void open_model(ModelEntry& m, const std::vector<int>* handed = nullptr, bool wait = false);
-    void opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res);
-    void open_late(uint32_t id);
-    void close_model(ModelEntry& m, const std::string& why);
-    // A model whose file does not answer reads: closed, its reads given up, not opened again for
-    // kSetAsideFor, said and counted. So that other models are read and locked meanwhile.
-    void set_aside(ModelEntry& m, const std::string& why);
-    void set_aside_hung_reads();  // the models whose reads passed [prefetch] read_deadline
-    [[nodiscard]] std::chrono::milliseconds read_deadline() const;
+    // RegistryEvents: the registrations waiting for the model are answered; a loaded one's pools
+    // and placement are settled again.
+    void open_ended(uint32_t id, bool loaded) override;
     void place();
     // Placement is due: planned at the end of the loop turn, or now when called outside one (a
     // test or tool driving the daemon directly).
@@ -150,11 +137,6 @@ private:
     // A model's own cap: its budget and its user's (registered models).
     [[nodiscard]] uint64_t model_cap(const ModelEntry& m) const;
     [[nodiscard]] uint64_t total_locked() const;
-    // A model's family (ModelConfig::family, else its profile key): members share heat and the
-    // smallest family_budget among them.
-    [[nodiscard]] std::string profile_name(const ModelEntry& m) const;  // the profile file's name: key, or key@uidN
-    [[nodiscard]] std::string family_of(const ModelEntry& m) const;
-    [[nodiscard]] std::string profile_path(const std::string& key) const;
     Result<void> handle_signal();
     // Intake (intake.cpp): the page cache's batch of events becomes uses (heat) and misses.
     void consume_page_cache();
@@ -192,11 +174,9 @@ private:
     // A Directive to every client that registered model m, about one of its expert slots.
     void tell_clients(const ModelEntry& m, uint32_t slot, protocol::Action action);
     // The operator's controls (control.cpp).
-    ModelEntry* find_model(uint32_t id);
-    [[nodiscard]] const ModelEntry* find_model(uint32_t id) const;
     Result<std::vector<uint32_t>> select_slots(const ModelEntry& m, std::span<const std::string> specs) const;
     void cache_fetched(uint32_t model, uint32_t slot);
-    // Reads a slot into the page cache, not locked (tracked in ModelEntry::prefetching): bytes queued.
+    // Reads a slot into the page cache, not locked (ModelResidency::cache_reads): bytes queued.
     // urgent (a miss): a slot already queued behind other work is queued again ahead of it.
     // Reads a slot into the page cache without locking it; returns the bytes queued.
     uint64_t cache_fetch(ModelEntry& m, uint32_t slot, FetchReason reason, uint32_t order = 0);
@@ -212,7 +192,6 @@ private:
     std::unique_ptr<Prefetcher> prefetcher_;
     std::unique_ptr<OffLoop> off_loop_;  // models' headers and setup, off the loop's thread
     std::vector<PendingRegistration> registering_;  // registrations waiting for their model's open
-    uint64_t models_set_aside_ = 0;  // times a model's file stopped answering (set_aside)
     std::unique_ptr<PressureMonitor> pressure_;
     std::unique_ptr<ClientHub> hub_;  // the client socket's connections
     std::unique_ptr<MetricsServer> metrics_;
@@ -229,16 +208,6 @@ private:
     uint64_t tokens_since_place_ = 0;
     std::chrono::steady_clock::time_point last_place_{};
     ErrorLog errors_;  // failures the loop goes on after
-    struct GlobVerdict {
-        uint64_t dev = 0, ino = 0, size = 0;
-        int64_t mtime_ns = 0;
-        bool moe = false;
-        bool definite = false;  // the content's answer, kept for this version of the file
-        std::string why;        // why not, as logged (logged again only when it changes)
-    };
-    std::map<std::string, GlobVerdict> glob_checked_;  // by path: what glob_match_is_moe found
-    std::set<std::string> glob_looking_;               // paths whose header is being looked at (OffLoop)
-    void glob_looked_at(const std::string& path, const GlobVerdict& now);
     template <class T>
     void note(const char* doing, const Result<T>& r) {
         if (!r) note_error(doing, r.error().what());
@@ -259,8 +228,7 @@ private:
     uint64_t evicted_before_lock_ = 0;
     std::chrono::steady_clock::time_point last_slow_turn_log_{};
     std::optional<MemoryCgroupLimit> cgroup_;  // read at start and each tick
-    std::vector<std::unique_ptr<ModelEntry>> models_;
-    uint32_t next_model_id_ = 0;
+    std::unique_ptr<ModelRegistry> models_;    // the models it manages
     uint64_t pressure_cap_ = UINT64_MAX;
     uint64_t pressure_events_ = 0;
     std::chrono::steady_clock::time_point last_pressure_{}, last_save_{};

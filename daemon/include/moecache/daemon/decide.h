@@ -30,7 +30,7 @@ inline constexpr uint64_t kLockBytesPerTurn = 512ull << 20;  // bounds how long 
 // A model no client registered and nothing used for this long is on standby (planner.h).
 inline constexpr std::chrono::seconds kStandbyAfter{60};
 // How long after a client's last routing report a model's page-cache uses count as heat again
-// (daemon_state.h, ModelEntry::last_routed): the reports are its heat while they arrive.
+// (ModelEntry::last_routed, model_registry.h): the reports are its heat while they arrive.
 inline constexpr std::chrono::seconds kPageCacheUsesAfterRouting{10};
 
 // A placement also follows the routing, not only the tick: once a model's router reports have

@@ -29,4 +29,14 @@ enum class FetchReason : uint8_t { Miss, Prediction, Plan, WarmStart, Operator }
     return within;
 }
 
+// A prefetch request's tag: model id, slot (kDenseSlot included), and whether it is read to stay
+// cached only (every reason but the plan's) rather than to be locked.
+inline uint64_t fetch_tag(uint32_t model, uint32_t slot, bool cache_only = false) {
+    return (uint64_t{model} << 32) | slot | (cache_only ? uint64_t{1} << 63 : 0);
+}
+inline uint64_t fetch_tag(uint32_t model, uint32_t slot, FetchReason r) {
+    return fetch_tag(model, slot, cache_only(r));
+}
+inline uint32_t fetch_tag_model(uint64_t tag) { return static_cast<uint32_t>((tag >> 32) & 0x7fffffffu); }
+
 }  // namespace moecache::daemon

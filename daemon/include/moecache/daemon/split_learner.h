@@ -10,7 +10,7 @@
 // is taken, one that gives recency a share only if it holds more than heat alone by a margin
 // (kRamRecencyMargin, kPoolRecencyMargin). No feedback: what the tier held does not change the
 // scores; a runtime's page-cache uses stand in for its routing only while none is reported
-// (daemon_state.h, last_routed: they are the copies of what the pool missed then).
+// (ModelEntry::last_routed, model_registry.h: they are the copies of what the pool missed then).
 #pragma once
 
 #include <cstdint>

@@ -1,26 +1,20 @@
-// The model registry: configured paths and globs to entries, opening and closing models (their
-// files watched in the page-cache telemetry while open), families and their shared heat, heat
-// profiles saved and loaded. Runs on the loop's thread.
-#include "moecache/daemon/daemon.h"
-#include "moecache/daemon/system_memory.h"
+#include "moecache/daemon/model_registry.h"
 
-#include "daemon_state.h"
-#include "dbus/dbus_service.h"
 #include "intake/page_cache_watch.h"
+#include "moecache/daemon/fetch.h"
 #include "moecache/daemon/off_loop.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
 #include "moecache/log.h"
 #include "moecache/model.h"
 #include "moecache/ollama.h"
+#include "moecache/text.h"
 #include "moecache/unique_fd.h"
 
 #include <fcntl.h>
 #include <glob.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include "moecache/text.h"
 
 #include <algorithm>
 #include <climits>
@@ -50,7 +44,6 @@ std::vector<std::string> expand(const std::string& pattern) {
     return out;
 }
 
-
 // What users call a model: ollama's tag where a manifest beside its blob names it (for the
 // operator's models only: a client's path is its own choice, and the walk reads what it finds),
 // the file name where the user chose one, general.name where the file is named by its hash.
@@ -67,60 +60,96 @@ std::string display_name(const std::string& path, const std::string& general_nam
 // uid, so that a file of one's own with the same key (architecture, shape and name, all public)
 // cannot join the family of a model the operator configured, steer its locks or overwrite its
 // profile. The operator's models and root's clients share one scope.
-std::string Daemon::profile_name(const ModelEntry& m) const {
+std::string ModelRegistry::profile_name(const ModelEntry& m) const {
     if (!m.res) return {};
     const std::string key = m.res->model().profile_key();
     if (m.registered && !m.operator_added && m.owner_uid != 0) return fmt::format("{}@uid{}", key, m.owner_uid);
     return key;
 }
 
-std::string Daemon::family_of(const ModelEntry& m) const {
+std::string ModelRegistry::family_of(const ModelEntry& m) const {
     if (!m.config.family.empty()) return m.config.family;
     return profile_name(m);
 }
 
-std::string Daemon::profile_path(const std::string& key) const {
+std::string ModelRegistry::profile_path(const std::string& key) const {
     return config_.state_dir + "/profiles/" + key + ".json";
 }
 
-void Daemon::add_entry(const ModelConfig& mc, const std::string& path) {
-    const bool known = std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; });
-    if (known) return;
+ModelRegistry::ModelRegistry(const Config& config, OffLoop& off_loop, Prefetcher& prefetcher,
+                             PageCacheWatch& page_cache, ErrorLog& errors, RegistryEvents& events)
+    : config_(config),
+      off_loop_(off_loop),
+      prefetcher_(prefetcher),
+      page_cache_(page_cache),
+      errors_(errors),
+      events_(events) {}
+
+ModelRegistry::~ModelRegistry() = default;
+
+ModelEntry* ModelRegistry::find(uint32_t id) {
+    for (auto& m : models_)
+        if (m->id == id) return m.get();
+    return nullptr;
+}
+
+const ModelEntry* ModelRegistry::find(uint32_t id) const {
+    for (const auto& m : models_)
+        if (m->id == id) return m.get();
+    return nullptr;
+}
+
+ModelEntry* ModelRegistry::find_path(const std::string& path) {
+    for (auto& m : models_)
+        if (m->path == path) return m.get();
+    return nullptr;
+}
+
+ModelEntry& ModelRegistry::add(const ModelConfig& mc, const std::string& path) {
+    if (ModelEntry* known = find_path(path)) return *known;
     auto e = std::make_unique<ModelEntry>();
-    e->id = next_model_id_++;
+    e->id = next_id_++;
     e->config = mc;
     e->path = path;
     models_.push_back(std::move(e));
+    return *models_.back();
 }
 
-void Daemon::add_plain_models() {
-    // Plain paths get their entry now (and are retried while missing); globs in refresh_models().
+void ModelRegistry::remove(uint32_t id, const std::string& why) {
+    ModelEntry* m = find(id);
+    if (m == nullptr) return;
+    if (m->res) close(*m, why);
+    std::erase_if(models_, [&](const auto& o) { return o->id == id; });
+}
+
+void ModelRegistry::add_configured() {
+    // Plain paths get their entry now (and are retried while missing); globs in refresh().
     for (const auto& mc : config_.models)
-        if (mc.path.find_first_of("*?[") == std::string::npos) add_entry(mc, mc.path);
+        if (mc.path.find_first_of("*?[") == std::string::npos) add(mc, mc.path);
 }
 
-void Daemon::refresh_models() {
+void ModelRegistry::refresh() {
     // Globs may match new files. A model whose file changed or went away is closed and retried.
     std::set<std::string> matched;
     for (const auto& mc : config_.models)
         if (mc.path.find_first_of("*?[") != std::string::npos)
             for (const auto& p : expand(mc.path)) {
                 matched.insert(p);
-                if (glob_match_is_moe(p)) add_entry(mc, p);
+                if (glob_match_is_moe(p)) add(mc, p);
             }
     std::erase_if(glob_checked_, [&](const auto& v) { return !matched.count(v.first); });  // files gone
     for (auto& m : models_) {
         if (m->res) {
             auto same = m->res->model().unchanged();
-            if (!same || !*same) close_model(*m, same ? "the file changed on disk or went away" : same.error().what());
+            if (!same || !*same) close(*m, same ? "the file changed on disk or went away" : same.error().what());
         }
         // A model only clients registered is opened from what a client hands over, never again
         // by its name (which its owner may swap); the next registration opens it again.
-        if (!m->res && (m->operator_added || !m->registered)) open_model(*m);  // not while it opens or is set aside
+        if (!m->res && (m->operator_added || !m->registered)) open(*m);  // not while it opens or is set aside
     }
 }
 
-bool Daemon::glob_match_is_moe(const std::string& path) {
+bool ModelRegistry::glob_match_is_moe(const std::string& path) {
     // A download in progress (ollama writes sha256-HEX-partial and -partial-N beside the blob): its
     // header may already parse, the rest is not there. The finished blob is matched when it lands.
     if (base_name(path).find("-partial") != std::string::npos) return false;
@@ -128,15 +157,20 @@ bool Daemon::glob_match_is_moe(const std::string& path) {
     if (std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->path == path; })) return true;
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;  // gone, or a directory
-    GlobVerdict now{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
-                    st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec, false, false, {}};
+    GlobVerdict now{static_cast<uint64_t>(st.st_dev),
+                    static_cast<uint64_t>(st.st_ino),
+                    static_cast<uint64_t>(st.st_size),
+                    st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec,
+                    false,
+                    false,
+                    {}};
     const auto it = glob_checked_.find(path);
     if (it != glob_checked_.end() && it->second.definite && it->second.dev == now.dev && it->second.ino == now.ino &&
         it->second.size == now.size && it->second.mtime_ns == now.mtime_ns)
         return it->second.moe;
     // Its header is looked at off the loop (a file system may not answer): false until then.
     if (!glob_looking_.insert(path).second) return false;
-    auto job = off_loop_->run(
+    auto job = off_loop_.run(
         fmt::format("looking at {}", path), read_deadline(),
         [this, path, now]() mutable -> OffLoop::Continuation {
             // What the content says is remembered for this version of the file; what may pass (a
@@ -163,30 +197,31 @@ bool Daemon::glob_match_is_moe(const std::string& path) {
         },
         [this, path, now]() mutable {
             // Not again for this version of the file: each look would leave a thread behind.
-            now.why = fmt::format("its header did not read within {} s ([prefetch] read_deadline)", config_.read_deadline_seconds);
+            now.why = fmt::format("its header did not read within {} s ([prefetch] read_deadline)",
+                                  config_.read_deadline_seconds);
             now.definite = true;
             glob_looked_at(path, now);
         });
     if (!job) {
         glob_looking_.erase(path);
-        note_error("looking at a file a [[model]] glob matched", job.error().what());
+        errors_.note("looking at a file a [[model]] glob matched", job.error().what());
     }
     return false;
 }
 
-void Daemon::glob_looked_at(const std::string& path, const GlobVerdict& now) {
+void ModelRegistry::glob_looked_at(const std::string& path, const GlobVerdict& now) {
     glob_looking_.erase(path);
     const auto it = glob_checked_.find(path);
     if (!now.moe && (it == glob_checked_.end() || it->second.why != now.why))
         MC_LOG(LOG_INFO, "{}: skipped, matched by a [[model]] glob but {}", path, now.why);
-    glob_checked_[path] = now;  // the next refresh_models() (a tick, the start's second round) adds it
+    glob_checked_[path] = now;  // the next refresh() (a tick, the start's second round) adds it
 }
 
-std::chrono::milliseconds Daemon::read_deadline() const {
+std::chrono::milliseconds ModelRegistry::read_deadline() const {
     return std::chrono::milliseconds(static_cast<int64_t>(config_.read_deadline_seconds * 1000));
 }
 
-void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed, bool wait) {
+void ModelRegistry::open(ModelEntry& m, const std::vector<int>* handed, bool wait) {
     if (m.opening || m.res) return;
     if (std::chrono::steady_clock::now() < m.set_aside_until) return;  // m.error says why
     // The work gets copies of what it needs: the entry may go, or change, while it runs.
@@ -201,9 +236,10 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed, bool wait
         }
     const uint32_t id = m.id;
     const double half_life = config_.decay_half_life_tokens;
-    auto job = off_loop_->run(
+    auto job = off_loop_.run(
         fmt::format("opening model {}", m.path), read_deadline(),
-        [this, id, path = m.path, cfg = m.config, half_life, fds, with_fds = handed != nullptr]() -> OffLoop::Continuation {
+        [this, id, path = m.path, cfg = m.config, half_life, fds,
+         with_fds = handed != nullptr]() -> OffLoop::Continuation {
             std::vector<int> raw;
             for (const auto& fd : *fds) raw.push_back(fd.get());
             auto res = std::make_shared<Result<std::unique_ptr<ModelResidency>>>(
@@ -218,22 +254,23 @@ void Daemon::open_model(ModelEntry& m, const std::vector<int>* handed, bool wait
         return;
     }
     m.opening = true;
-    if (wait) off_loop_->wait(*job);
+    if (wait) off_loop_.wait(*job);
 }
 
 // Its header did not read within the deadline: the thread that reads it is left to its file, and
 // the model is set aside (not opened again for a while), so that one hung file cannot take every
 // thread; registrations waiting for it hear why.
-void Daemon::open_late(uint32_t id) {
-    ModelEntry* m = find_model(id);
+void ModelRegistry::open_late(uint32_t id) {
+    ModelEntry* m = find(id);
     if (m == nullptr) return;
     m->opening = false;
-    set_aside(*m, fmt::format("its header did not read within {} s ([prefetch] read_deadline)", config_.read_deadline_seconds));
-    finish_registrations(id);
+    set_aside(*m, fmt::format("its header did not read within {} s ([prefetch] read_deadline)",
+                              config_.read_deadline_seconds));
+    events_.open_ended(id, false);
 }
 
-void Daemon::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
-    ModelEntry* found = find_model(id);
+void ModelRegistry::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
+    ModelEntry* found = find(id);
     if (found == nullptr) return;  // removed meanwhile: what was opened closes here
     ModelEntry& m = *found;
     m.opening = false;
@@ -241,33 +278,37 @@ void Daemon::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
         const std::string why = res.error().what();
         if (why != m.error) MC_LOG(LOG_WARNING, "model {} is not loaded (retrying): {}", m.path, why);
         m.error = why;
-        finish_registrations(id);
+        events_.open_ended(id, false);
         return;
     }
     m.res = std::move(*res);
     m.res->set_keep_ram_copy(config_.keep_ram_copy || !m.one_place);
-    one_place_due_.insert(m.id);  // what its clients' pools hold, again for the new residency
     m.error.clear();
-    m.file_ids = page_cache_->watch(m.id, *m.res, m.path);
+    m.file_ids = page_cache_.watch(m.id, *m.res, m.path);
     const auto& map = m.res->model().map();
     if (m.name.empty()) m.name = display_name(m.path, map.name, /*ollama=*/!m.registered || m.operator_added);
     MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
            map.files.size());
-    // A family member already loaded: share its heat (which has its profile already).
+    load_heat(m);
+    note("reading the page cache's residency", m.res->refresh_cached());
+    events_.open_ended(id, true);
+}
+
+// A family member already loaded: the model shares its heat (which has its profile already).
+// Else its own profile, or the fleet's; a profile loaded starts it warm.
+void ModelRegistry::load_heat(ModelEntry& m) {
     const std::string family = family_of(m);
     for (const auto& o : models_) {
         if (o.get() == &m || !o->res || family_of(*o) != family) continue;
         const auto& h = o->res->heat();
         if (h.n_layers() != m.res->heat().n_layers() || h.n_experts() != m.res->heat().n_experts()) {
-            MC_LOG(LOG_WARNING, "model {}: family {}: its shape differs from {}'s: heat not shared", m.path, family, o->path);
+            MC_LOG(LOG_WARNING, "model {}: family {}: its shape differs from {}'s: heat not shared", m.path, family,
+                   o->path);
             continue;
         }
         m.res->share_heat(o->res->shared_heat());
         MC_LOG(LOG_INFO, "model {}: family {}: shares heat with {}", m.path, family, o->path);
         m.warm_pending = config_.warm_start && h.clock() > 0;
-        note("reading the page cache's residency", m.res->refresh_cached());
-        finish_registrations(id);
-        request_place();
         return;
     }
     std::string pp = profile_path(profile_name(m));
@@ -278,8 +319,11 @@ void Daemon::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
         char folder[PATH_MAX], file[PATH_MAX];
         if (::realpath(config_.fleet_profiles.c_str(), folder) && ::realpath(fleet.c_str(), file)) {
             const std::string inside = std::string(folder) + "/";
-            if (std::string_view(file).rfind(inside, 0) == 0) pp = file;
-            else MC_LOG(LOG_WARNING, "model {}: fleet profile {} leads out of {}: not read", m.path, fleet, config_.fleet_profiles);
+            if (std::string_view(file).rfind(inside, 0) == 0)
+                pp = file;
+            else
+                MC_LOG(LOG_WARNING, "model {}: fleet profile {} leads out of {}: not read", m.path, fleet,
+                       config_.fleet_profiles);
         }
     }
     if (::access(pp.c_str(), F_OK) == 0) {
@@ -289,27 +333,26 @@ void Daemon::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res) {
         auto text = read_whole_file(pp, most, "heat profile");
         auto ok = text ? m.res->heat().load_profile(*text, m.res->model().profile_key(), pp)
                        : Result<void>(tl::unexpected(text.error()));
-        if (ok) MC_LOG(LOG_INFO, "model {}: heat profile {} loaded: starting warm", m.path, pp);
-        else MC_LOG(LOG_WARNING, "model {}: heat profile ignored: {}", m.path, ok.error().what());
+        if (ok)
+            MC_LOG(LOG_INFO, "model {}: heat profile {} loaded: starting warm", m.path, pp);
+        else
+            MC_LOG(LOG_WARNING, "model {}: heat profile ignored: {}", m.path, ok.error().what());
         m.warm_pending = ok && config_.warm_start;
     }
-    note("reading the page cache's residency", m.res->refresh_cached());
-    finish_registrations(id);
-    request_place();
 }
 
-void Daemon::close_model(ModelEntry& m, const std::string& why) {
+void ModelRegistry::close(ModelEntry& m, const std::string& why) {
     if (!m.res) return;
-    for (const auto& [s, f] : m.res->cache_reads()) prefetcher_->cancel(fetch_tag(m.id, s, true));
+    for (const auto& [s, f] : m.res->cache_reads()) prefetcher_.cancel(fetch_tag(m.id, s, true));
     MC_LOG(LOG_WARNING, "model {} closed: {}", m.path, why);
     const std::string key = m.res->model().profile_key();
     if (auto r = write_file_atomic(profile_path(profile_name(m)), m.res->heat().to_profile(key)); !r)
         MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
     for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
-        if (m.res->state(s).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, s));
+        if (m.res->state(s).tier() == Tier::Fetching) prefetcher_.cancel(fetch_tag(m.id, s));
         note("unlocking a closed model", m.res->release(s, false));
     }
-    if (m.res->state(kDenseSlot).tier() == Tier::Fetching) prefetcher_->cancel(fetch_tag(m.id, kDenseSlot));
+    if (m.res->state(kDenseSlot).tier() == Tier::Fetching) prefetcher_.cancel(fetch_tag(m.id, kDenseSlot));
     note("unlocking a closed model", m.res->release(kDenseSlot, false));
     const auto shared = [&](const FileIdentity& f) {
         return std::any_of(models_.begin(), models_.end(), [&](const auto& o) {
@@ -319,34 +362,35 @@ void Daemon::close_model(ModelEntry& m, const std::string& why) {
                                [&](const ModelFile& x) { return x.identity.dev == f.dev && x.identity.ino == f.ino; });
         });
     };
-    note("unwatching a model file's page cache", page_cache_->unwatch(m.file_ids, *m.res, shared));
+    note("unwatching a model file's page cache", page_cache_.unwatch(m.file_ids, *m.res, shared));
     m.file_ids.clear();
     m.res.reset();
 }
 
-void Daemon::set_aside(ModelEntry& m, const std::string& why) {
+void ModelRegistry::set_aside(ModelEntry& m, const std::string& why) {
     constexpr auto kSetAsideFor = std::chrono::minutes(10);
-    ++models_set_aside_;
+    ++set_aside_;
     if (m.res) {
         // Its reads stop holding the prefetcher's slots before the model closes (which cancels).
         for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
-            prefetcher_->abandon(fetch_tag(m.id, s));
-            prefetcher_->abandon(fetch_tag(m.id, s, true));
+            prefetcher_.abandon(fetch_tag(m.id, s));
+            prefetcher_.abandon(fetch_tag(m.id, s, true));
         }
-        prefetcher_->abandon(fetch_tag(m.id, kDenseSlot));
-        prefetcher_->abandon(fetch_tag(m.id, kDenseSlot, true));
-        close_model(m, "set aside: " + why);
+        prefetcher_.abandon(fetch_tag(m.id, kDenseSlot));
+        prefetcher_.abandon(fetch_tag(m.id, kDenseSlot, true));
+        close(m, "set aside: " + why);
     }
     m.set_aside_until = std::chrono::steady_clock::now() + kSetAsideFor;
     m.error = fmt::format("set aside for {} minutes: {}", kSetAsideFor.count(), why);
-    MC_LOG(LOG_ERR, "model {}: {} (a hung network or FUSE file system?); other models are read meanwhile", m.path, m.error);
+    MC_LOG(LOG_ERR, "model {}: {} (a hung network or FUSE file system?); other models are read meanwhile", m.path,
+           m.error);
 }
 
-void Daemon::set_aside_hung_reads() {
-    for (const uint64_t tag : prefetcher_->overdue(read_deadline())) {
-        ModelEntry* m = find_model(fetch_tag_model(tag));
+void ModelRegistry::set_aside_hung_reads() {
+    for (const uint64_t tag : prefetcher_.overdue(read_deadline())) {
+        ModelEntry* m = find(fetch_tag_model(tag));
         if (m == nullptr || !m->res) {
-            prefetcher_->abandon(tag);
+            prefetcher_.abandon(tag);
             continue;
         }
         set_aside(*m, fmt::format("a read of its file did not complete within {} s ([prefetch] read_deadline)",
@@ -356,23 +400,24 @@ void Daemon::set_aside_hung_reads() {
 
 // Every model's profile, each on its own: one that cannot be written does not stop the others.
 // The first failure is returned (and counted and logged by the tick).
-Result<void> Daemon::save_profiles() {
+Result<void> ModelRegistry::save_profiles() {
     Result<void> first;
     for (auto& m : models_) {
         if (!m->res) continue;
         const std::string key = m->res->model().profile_key();
-        if (auto r = write_file_atomic(profile_path(profile_name(*m)), m->res->heat().to_profile(key)); !r && first) first = r;
+        if (auto r = write_file_atomic(profile_path(profile_name(*m)), m->res->heat().to_profile(key)); !r && first)
+            first = r;
     }
     return first;
 }
 
-std::vector<uint32_t> Daemon::model_ids() const {
+std::vector<uint32_t> ModelRegistry::ids() const {
     std::vector<uint32_t> ids;
     for (const auto& m : models_) ids.push_back(m->id);
     return ids;
 }
 
-std::optional<uint32_t> Daemon::model_id(const std::string& path) const {
+std::optional<uint32_t> ModelRegistry::id_of(const std::string& path) const {
     for (const auto& m : models_)
         if (m->path == path || m->config.path == path) return m->id;
     return std::nullopt;
