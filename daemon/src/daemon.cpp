@@ -4,11 +4,16 @@
 
 #include "bus/bus_link.h"
 #include "clients/client_hub.h"
+#include "control/operator.h"
 #include "event_source.h"
-#include "intake/page_cache_watch.h"
+#include "intake/intake.h"
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/metrics.h"
+#include "pagecache/page_cache_watch.h"
+#include "sessions/client_sessions.h"
+#include "status/status_view.h"
 
+#include "moecache/daemon/decide_step.h"
 #include "moecache/daemon/off_loop.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/daemon/pressure.h"
@@ -33,21 +38,6 @@
 #include <set>
 
 namespace moecache::daemon {
-namespace {
-
-
-}  // namespace
-
-uint64_t mem_total_bytes() {
-    const auto m = read_system_memory();
-    return m ? m->total : 0;
-}
-uint64_t vmlck_bytes() { return read_locked_bytes(); }
-uint64_t mem_available_bytes() {
-    const auto m = read_system_memory();
-    return m ? m->available : 0;
-}
-
 
 Daemon::~Daemon() {
     if (models_)
@@ -97,14 +87,13 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     protect_from_oom(d->config_.oom_score_adj);
     MC_TRY_VOID(validate_config(d->config_, d->mem_total_));
     fit_clients_to_descriptors(d->config_);
-    d->cgroup_ = own_memory_cgroup_limit();
-    if (d->cgroup_)
+    if (const auto cg = own_memory_cgroup_limit())
         MC_LOG(LOG_INFO, "memory cgroup {} (v{}) limits the daemon to {} MiB: locks stay below it by the reserve",
-               d->cgroup_->dir, d->cgroup_->version, d->cgroup_->limit >> 20);
+               cg->dir, cg->version, cg->limit >> 20);
 
     d->epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
     if (!d->epoll_) return fail_errno("epoll_create1");
-    d->bus_ = std::make_unique<BusLink>(*d, d->config_, d->epoll_.get());
+    d->bus_ = std::make_unique<BusLink>(d->config_, d->epoll_.get());
     auto watch = [&](EventSource source, int fd, uint32_t events) -> Result<void> {
         epoll_event ev{};
         ev.events = events;
@@ -141,7 +130,8 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     po.threads = d->config_.prefetch_threads;
     d->prefetcher_ = std::make_unique<Prefetcher>(MC_TRY(Prefetcher::create(po)));
     Daemon* self = d.get();
-    d->prefetcher_->set_callback([self](uint64_t, uint64_t tag, uint64_t bytes, int err) { self->on_fetched(tag, bytes, err); });
+    d->prefetcher_->set_callback(
+        [self](uint64_t, uint64_t tag, uint64_t bytes, int err) { self->decide_->on_fetched(tag, bytes, err); });
     MC_TRY_VOID(watch(EventSource::Reads, d->prefetcher_->event_fd(), EPOLLIN));
     d->off_loop_ = std::make_unique<OffLoop>(MC_TRY(OffLoop::create()));
     MC_TRY_VOID(watch(EventSource::OffLoop, d->off_loop_->event_fd(), EPOLLIN));
@@ -159,9 +149,19 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
     d->page_cache_ = MC_TRY(PageCacheWatch::open(d->config_));
     if (d->page_cache_->on()) MC_TRY_VOID(watch(EventSource::PageCache, d->page_cache_->event_fd(), EPOLLIN));
 
+    d->hub_ = std::make_unique<ClientHub>(d->config_, d->epoll_.get());
     d->models_ = std::make_unique<ModelRegistry>(d->config_, *d->off_loop_, *d->prefetcher_, *d->page_cache_,
                                                  d->errors_, static_cast<RegistryEvents&>(*d));
-    d->hub_ = std::make_unique<ClientHub>(d->config_, d->epoll_.get());
+    d->decide_ = std::make_unique<DecideStep>(d->config_, d->mem_total_, d->admin_gid_, *d->models_, *d->hub_,
+                                              *d->prefetcher_, d->errors_);
+    d->intake_ = std::make_unique<Intake>(d->config_, *d->models_, *d->page_cache_, *d->decide_, d->trace_);
+    d->sessions_ = std::make_unique<ClientSessions>(
+        d->config_, d->admin_gid_, *d->models_, *d->hub_, *d->decide_,
+        [self = d.get()](ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens,
+                         bool continued) { self->intake_->routing(m, block, experts, tokens, continued); });
+    d->operator_ =
+        std::make_unique<Operator>(d->config_, d->mem_total_, *d->models_, *d->hub_, *d->decide_, *d->prefetcher_,
+                                   *d->bus_, d->trace_, d->errors_, [self = d.get()] { return self->view(); });
     MC_TRY_VOID(d->hub_->listen());
 
     if (!d->config_.metrics_listen.empty()) {
@@ -186,20 +186,35 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
 
     // As for metrics: without a bus the daemon still manages memory; say so and go on (and try
     // again now and then: the bus may start later, or come back).
-    d->bus_->start();
+    d->bus_->start(*d->operator_);
     d->last_save_ = std::chrono::steady_clock::now();
-    d->place();
+    d->decide_->place();
     return d;
 }
 
 void Daemon::open_ended(uint32_t id, bool loaded) {
-    if (loaded) one_place_due_.insert(id);  // what its clients' pools hold, again for the new residency
-    finish_registrations(id);
-    if (loaded) request_place();
+    if (loaded) decide_->one_place_due(id);  // what its clients' pools hold, again for the new residency
+    sessions_->finish_registrations(id);
+    if (loaded) decide_->request();
 }
 
+StatusView Daemon::view() const {
+    return StatusView{config_,      mem_total_, *models_,     *decide_,       *hub_,  *sessions_,
+                      *page_cache_, *bus_,      *prefetcher_, metrics_.get(), trace_, errors_};
+}
+Control& Daemon::control() { return *operator_; }
+DaemonStatus Daemon::status(bool experts) const { return operator_->status(experts); }
+std::optional<ModelStatus> Daemon::model_status(uint32_t id, bool experts) const {
+    return operator_->model_status(id, experts);
+}
+bool Daemon::idle() const { return view().idle(); }
+
+void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
+    if (ModelEntry* m = models_->find(model); m != nullptr && m->res) intake_->routing(*m, block, experts, tokens);
+}
+
+uint64_t Daemon::plans() const { return decide_->plans(); }
 Result<void> Daemon::save_profiles() { return models_->save_profiles(); }
-std::vector<uint32_t> Daemon::model_ids() const { return models_->ids(); }
 std::optional<uint32_t> Daemon::model_id(const std::string& path) const { return models_->id_of(path); }
 
 Result<void> Daemon::arm_tick() {
@@ -215,34 +230,20 @@ Result<void> Daemon::arm_tick() {
 void Daemon::tick() {
     hub_->tick();
     bus_->retry();
-    cgroup_ = own_memory_cgroup_limit();
     off_loop_->turn();  // opens past their deadline
     models_->set_aside_hung_reads();
     models_->refresh();
-    for (auto& m : models_->all())
-        if (m->res) {
-            note("reading the page cache's residency", m->res->refresh_cached());
-            // One place, again each tick: a runtime's read of a neighbour can map an expert's pages
-            // back (fault-around) before they were dropped.
-            for (uint32_t s = 0; s < m->res->n_slots(); ++s)
-                if (!m->res->wanted_in_ram(s) && m->res->state(s).cached_bytes() > 0 &&
-                    m->res->state(s).tier() == Tier::Storage)
-                    m->res->drop_cached(s);
-        }
     const auto now = std::chrono::steady_clock::now();
     // Quiet means longer than the trigger's window: a trigger fires at most once per window, so a
     // shorter wait would lift the cap in the middle of a long squeeze.
     const double quiet = std::max(config_.pressure_recover_seconds,
                                   pressure_ ? 1.5 * pressure_->window_us() / 1e6 : 0.0);
-    if (pressure_cap_ != UINT64_MAX && now - last_pressure_ > std::chrono::duration<double>(quiet)) {
-        MC_LOG(LOG_INFO, "memory pressure has gone: taking memory back");
-        pressure_cap_ = UINT64_MAX;
-    }
+    if (decide_->tick(quiet)) MC_LOG(LOG_INFO, "memory pressure has gone: taking memory back");
     if (now - last_save_ > std::chrono::duration<double>(config_.save_interval_seconds)) {
         note("saving heat profiles", save_profiles());
         last_save_ = now;
     }
-    request_place();
+    decide_->request();
     trace_.flush();
     if (metrics_) metrics_->publish(render_metrics(status(/*experts=*/false), config_.metrics_paths));  // the counts suffice
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
@@ -250,14 +251,10 @@ void Daemon::tick() {
 }
 
 void Daemon::on_pressure(const std::string& source) {
-    ++pressure_events_;
-    last_pressure_ = std::chrono::steady_clock::now();
-    cgroup_ = own_memory_cgroup_limit();  // what a co-tenant in its cgroup needs now sizes the cap
-    pressure_cap_ = std::min(pressure_cap_, pressure_keep(total_locked(), config_.pressure_release_share));
-    MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source,
-           pressure_cap_ >> 20);
-    bus_->pressure_backoff(source, pressure_cap_);
-    request_place();
+    const uint64_t cap = decide_->on_pressure();
+    MC_LOG(LOG_WARNING, "memory pressure ({}): releasing the coldest experts down to {} MiB locked", source, cap >> 20);
+    bus_->pressure_backoff(source, cap);
+    decide_->request();
 }
 
 Result<void> Daemon::reload(Config config) {
@@ -293,9 +290,9 @@ Result<void> Daemon::reload(Config config) {
     for (auto& m : models_->all())
         if (m->res) {
             m->res->set_keep_ram_copy(config_.keep_ram_copy || !m->one_place);
-            one_place_due_.insert(m->id);
+            decide_->one_place_due(m->id);
         }
-    tell_vram_policy();  // [vram] keep_ram_copy may have changed
+    decide_->tell_vram_policy();  // [vram] keep_ram_copy may have changed
     if (config_.tick_seconds != old_tick)
         if (auto r = arm_tick(); !r) MC_LOG(LOG_WARNING, "daemon.tick_seconds: {}", r.error().what());
     if (config_.lock_budget.resolve(mem_total_) != old_budget)
@@ -306,8 +303,8 @@ Result<void> Daemon::reload(Config config) {
     for (auto& m : models_->all())
         if (m->res) m->res->heat().set_half_life(config_.decay_half_life_tokens);
     models_->refresh();
-    request_place();
-    MC_LOG(LOG_INFO, "configuration reloaded: lock budget now {} MiB", lock_cap() >> 20);
+    decide_->request();
+    MC_LOG(LOG_INFO, "configuration reloaded: lock budget now {} MiB", decide_->lock_cap() >> 20);
     return {};
 }
 
@@ -327,7 +324,8 @@ Result<void> Daemon::handle_signal() {
                 MC_LOG(LOG_ERR, "reload refused: {}", r.error().what());
                 outcome = "reload refused, the running configuration stays (see the journal)";
             }
-            const std::string ready = fmt::format("READY=1\nSTATUS={}: lock cap {} MiB", outcome, lock_cap() >> 20);
+            const std::string ready =
+                fmt::format("READY=1\nSTATUS={}: lock cap {} MiB", outcome, decide_->lock_cap() >> 20);
             if (auto n = systemd::notify(ready); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
         } else {
             MC_LOG(LOG_INFO, "signal {}: stopping", si.ssi_signo);
@@ -339,10 +337,10 @@ Result<void> Daemon::handle_signal() {
 
 Result<void> Daemon::step(int timeout_ms) {
     struct InStep {
-        bool& flag;
-        explicit InStep(bool& f) : flag(f) { flag = true; }
-        ~InStep() { flag = false; }
-    } in_step(in_step_);
+        DecideStep& p;
+        explicit InStep(DecideStep& step) : p(step) { p.set_in_turn(true); }
+        ~InStep() { p.set_in_turn(false); }
+    } in_step(*decide_);
     epoll_event events[16];
     const int n = ::epoll_wait(epoll_.get(), events, 16, timeout_ms);
     if (n < 0) {
@@ -368,7 +366,8 @@ Result<void> Daemon::step(int timeout_ms) {
                 hub_->accept();
                 break;
             case EventSource::Client:
-                hub_->on_event(fd, events[i].events, [this](Client& c, Packet& p) { return on_client_packet(c, p); });
+                hub_->on_event(fd, events[i].events,
+                               [this](Client& c, Packet& p) { return sessions_->on_packet(c, p); });
                 break;
             case EventSource::PageCache:
                 break;  // read below, on every turn
@@ -394,12 +393,12 @@ Result<void> Daemon::step(int timeout_ms) {
     }
     // Page-cache events wake the loop only in bulk (see bpf/): the rest are read on every turn,
     // and run() turns at least every kPollIntervalMs.
-    consume_page_cache();
-    consume_client_telemetry();
-    reap_clients();
-    if (want_place) place_requested_ = true;
+    intake_->page_cache();
+    sessions_->read_rings();
+    sessions_->reap();
+    if (want_place) decide_->request();
     bus_->process(bus_ready);  // setters request placement
-    decide_and_act();
+    decide_->decide_and_act();
     hub_->flush();  // directives an operator's request queued outside the placement
     // Every model added takes a new id and every model removed shrinks the list: the two together
     // change whenever the set does, so most turns compare two numbers and touch nothing.
@@ -408,13 +407,13 @@ Result<void> Daemon::step(int timeout_ms) {
 }
 
 Result<void> Daemon::run() {
-    MC_LOG(LOG_INFO, "moecached running: lock cap {} MiB of {} MiB RAM, {} model(s) configured", lock_cap() >> 20,
-           mem_total_ >> 20, config_.models.size());
+    MC_LOG(LOG_INFO, "moecached running: lock cap {} MiB of {} MiB RAM, {} model(s) configured",
+           decide_->lock_cap() >> 20, mem_total_ >> 20, config_.models.size());
     if (auto w = systemd::Watchdog::from_environment(); w) watchdog_ = *w;
     else MC_LOG(LOG_WARNING, "systemd watchdog off: {}", w.error().what());
     const std::string ready =
-        fmt::format("READY=1\nSTATUS=running: lock cap {} MiB of {} MiB RAM, {} model(s) configured", lock_cap() >> 20,
-                    mem_total_ >> 20, config_.models.size());
+        fmt::format("READY=1\nSTATUS=running: lock cap {} MiB of {} MiB RAM, {} model(s) configured",
+                    decide_->lock_cap() >> 20, mem_total_ >> 20, config_.models.size());
     if (auto n = systemd::notify(ready); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
     while (!stopping_) {
         // Ticks further apart than half the watchdog's interval cannot keep it fed: the loop does.
@@ -427,7 +426,7 @@ Result<void> Daemon::run() {
         if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
     }
     if (auto n = systemd::notify("STOPPING=1"); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
-    if (trace_.on()) note("stopping the routing trace", stop_trace());
+    if (trace_.on()) note("stopping the routing trace", operator_->stop_trace());
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_->all())
         if (m->res) models_->close(*m, "the daemon stops");
@@ -444,8 +443,10 @@ Result<void> Daemon::run() {
 // process that only wakes every millisecond cost a runtime on the other vCPU ~12 % of its speed.
 int Daemon::loop_timeout() const {
     int t = -1;
-    if (busy_rings_) t = 1;
-    else if (any_rings_) t = 20;
+    if (sessions_->busy_rings())
+        t = 1;
+    else if (sessions_->any_rings())
+        t = 20;
     else if (page_cache_->on())
         t = bpf::PageCacheTelemetry::kPollIntervalMs;
     if (const int b = bus_->timeout_ms(); b >= 0 && (t < 0 || b < t)) t = b;

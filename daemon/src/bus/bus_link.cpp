@@ -11,23 +11,23 @@
 
 namespace moecache::daemon {
 
-BusLink::BusLink(Control& control, const Config& config, int epoll_fd)
-    : control_(control), config_(config), epoll_fd_(epoll_fd) {}
+BusLink::BusLink(const Config& config, int epoll_fd) : config_(config), epoll_fd_(epoll_fd) {}
 
 BusLink::~BusLink() = default;
 
-void BusLink::start() {
+void BusLink::start(Control& control) {
+    control_ = &control;
     if (config_.dbus_bus != "off") connect();
 }
 
 void BusLink::retry() {
-    if (service_ || module_missing_ || config_.dbus_bus == "off") return;
+    if (service_ || control_ == nullptr || module_missing_ || config_.dbus_bus == "off") return;
     if (std::chrono::steady_clock::now() - last_try_ > std::chrono::seconds(kRetrySeconds)) connect();
 }
 
 void BusLink::connect() {
     last_try_ = std::chrono::steady_clock::now();
-    auto b = DbusService::open(control_, config_.dbus_bus, config_.dbus_admin_group);
+    auto b = DbusService::open(*control_, config_.dbus_bus, config_.dbus_admin_group);
     if (!b) {
         if (b.error().errnum == ELIBACC) {  // the module: trying again will not mend it
             module_missing_ = true;

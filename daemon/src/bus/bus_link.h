@@ -21,13 +21,13 @@ class DbusService;
 class BusLink {
 public:
     // config: the daemon's, read at each try ([dbus] bus and admin_group); epoll_fd: the loop's.
-    BusLink(Control& control, const Config& config, int epoll_fd);
+    BusLink(const Config& config, int epoll_fd);
     ~BusLink();
     BusLink(const BusLink&) = delete;
     BusLink& operator=(const BusLink&) = delete;
 
-    // Connects now if a bus is configured (the start).
-    void start();
+    // Connects now if a bus is configured (the start); the service calls `control` only.
+    void start(Control& control);
     // The tick: connects again if there is none and kRetrySeconds passed since the last try.
     void retry();
     // Handles the requests that came in (ready: its descriptor woke the loop) or whose time came.
@@ -51,7 +51,7 @@ private:
     void lose();  // the bus went away
     void update_watch();
 
-    Control& control_;
+    Control* control_ = nullptr;  // from start()
     const Config& config_;
     int epoll_fd_;
     std::unique_ptr<DbusService> service_;

@@ -3,7 +3,7 @@
 // reads more slowly than the daemon decides waits here, in order, up to kMaxUnsentBytes), the
 // directives a turn queued for each, connections that never said Hello or never registered a model,
 // and the listener paused while the process is out of descriptors. What a message means is the
-// daemon's (clients.cpp); this owns the connections and nothing of the models.
+// ClientSessions'; this owns the connections and nothing of the models.
 #pragma once
 
 #include "clients/socket_server.h"

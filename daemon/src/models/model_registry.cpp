@@ -1,6 +1,5 @@
 #include "moecache/daemon/model_registry.h"
 
-#include "intake/page_cache_watch.h"
 #include "moecache/daemon/fetch.h"
 #include "moecache/daemon/off_loop.h"
 #include "moecache/daemon/prefetcher.h"
@@ -10,6 +9,7 @@
 #include "moecache/ollama.h"
 #include "moecache/text.h"
 #include "moecache/unique_fd.h"
+#include "pagecache/page_cache_watch.h"
 
 #include <fcntl.h>
 #include <glob.h>

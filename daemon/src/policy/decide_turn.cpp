@@ -1,5 +1,5 @@
 // The decide step of a loop turn, pure (decide.h): the facts in, the turn's actions out. The
-// daemon (src/decide.cpp) and moecache-sim (sim/src/replay.cpp) both run it.
+// daemon (src/decide/decide_step.cpp) and moecache-sim (sim/src/replay.cpp) both run it.
 #include "moecache/daemon/decide.h"
 
 #include <algorithm>

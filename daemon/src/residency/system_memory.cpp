@@ -46,4 +46,16 @@ uint64_t read_locked_bytes(const std::string& status) {
     return text ? proc_kib_field(*text, "VmLck:").value_or(0) : 0;
 }
 
+uint64_t mem_total_bytes() {
+    const auto m = read_system_memory();
+    return m ? m->total : 0;
+}
+
+uint64_t vmlck_bytes() { return read_locked_bytes(); }
+
+uint64_t mem_available_bytes() {
+    const auto m = read_system_memory();
+    return m ? m->available : 0;
+}
+
 }  // namespace moecache::daemon

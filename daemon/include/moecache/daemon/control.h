@@ -1,5 +1,5 @@
 // What an operator may ask of the daemon, and all the D-Bus service sees of it: status as plain
-// values (status.h) and the controls. Daemon implements it; the service holds a Control&, so the
+// values (status.h) and the controls. The Operator implements it; the service holds a Control&, so the
 // bus cannot reach the loop's state any other way. Arguments are untrusted: each is checked and a
 // refusal says what is wrong (errnum EINVAL: a bad argument; ENOENT: no such model; EBUSY: not
 // now).

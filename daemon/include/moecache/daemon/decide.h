@@ -7,8 +7,8 @@
 //     kLockBytesPerTurn a turn (mlock takes the loop's time); the rest wait for the next turn;
 //     refused ones go back to storage (the plan asks again); one a VRAM pool took while it was
 //     being read is dropped (one place).
-// The loop builds the facts (Daemon::place, src/decide.cpp), decide_turn() decides
-// (src/policy/decide_turn.cpp), and the actuator (src/actuate.cpp) is the only code that changes
+// The loop builds the facts (DecideStep::place, src/decide/decide_step.cpp), decide_turn() decides
+// (src/policy/decide_turn.cpp), and the actuator (src/decide/actuate.cpp) is the only code that changes
 // residency to carry the actions out. moecache-sim replays traces through the same function.
 // Tested without root in tests/unit/decide_test.cpp.
 #pragma once

@@ -58,17 +58,17 @@ struct ModelEntry {
     // kPageCacheUsesAfterRouting after the last report (a CPU runtime without the hook has no other signal).
     std::optional<std::chrono::steady_clock::time_point> last_routed;
     // Who reported its routing, and when: by uid, and the last report of a client that steers it
-    // (Daemon::steers, clients.cpp). While clients report it, the routing's temporal locality cuts its lock cap
-    // (decide.cpp) only if one that steers it reports, or several users do: one user's fabricated
+    // (steers, clients/access.h). While clients report it, the routing's temporal locality cuts its lock cap
+    // (DecideStep) only if one that steers it reports, or several users do: one user's fabricated
     // routing, however well formed, cannot release an operator's locks.
     std::map<uint32_t, std::chrono::steady_clock::time_point> routed_by;
     std::optional<std::chrono::steady_clock::time_point> steered_routing;
     // When the last client holding it went (unset while one holds it, or none ever did): of two
-    // members of a family that no client holds, the one left last waits for the other (decide.cpp).
+    // members of a family that no client holds, the one left last waits for the other (DecideStep).
     std::optional<std::chrono::steady_clock::time_point> runtime_left;
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
     // One place for its experts in VRAM pools: while the lock cap cannot hold its experts (and
-    // those of the other models in use) anyway (one_place_needed; decide.cpp).
+    // those of the other models in use) anyway (one_place_needed; DecideStep).
     bool one_place = true;
     bool one_place_decided = false;  // one_place was decided once (before: the default, true)
     // [policy] predict: the model's route predictor, how right it has been, and per layer what it

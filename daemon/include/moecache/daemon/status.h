@@ -1,5 +1,5 @@
 // The daemon's status as plain values: what D-Bus, moecachectl and /metrics read (built by
-// src/status.cpp, rendered by metrics.cpp and dbus_service.cpp).
+// src/status/status_view.cpp, rendered by metrics.cpp and dbus_service.cpp).
 #pragma once
 
 #include "moecache/client/protocol.h"

@@ -22,4 +22,9 @@ uint64_t read_locked_bytes(const std::string& status = "/proc/self/status");
 // no such line, its number is not one, or it does not fit in 64 bits once multiplied out.
 std::optional<uint64_t> proc_kib_field(std::string_view text, std::string_view key);
 
+// Total and available RAM (MemTotal, MemAvailable) and this process's VmLck, from /proc.
+uint64_t mem_total_bytes();
+uint64_t vmlck_bytes();
+uint64_t mem_available_bytes();
+
 }  // namespace moecache::daemon

@@ -1,14 +1,19 @@
-// Status as plain values: what D-Bus, moecachectl and /metrics read.
-#include "moecache/daemon/daemon.h"
+#include "status/status_view.h"
+
+#include "moecache/daemon/decide_step.h"
+#include "moecache/daemon/model_registry.h"
+#include "moecache/daemon/router_trace.h"
 #include "moecache/daemon/system_memory.h"
 
 #include "bus/bus_link.h"
+#include "clients/access.h"
 #include "clients/client_hub.h"
-#include "intake/page_cache_watch.h"
 #include "metrics/metrics_server.h"
 #include "moecache/daemon/prefetcher.h"
 #include "moecache/file_util.h"
 #include "moecache/log.h"
+#include "pagecache/page_cache_watch.h"
+#include "sessions/client_sessions.h"
 
 #include <glob.h>
 #include <unistd.h>
@@ -19,11 +24,11 @@
 
 namespace moecache::daemon {
 
-bool Daemon::idle() const {
+bool StatusView::idle() const {
     // Facts the next turn decides on, reads into the page cache under way.
-    if (!missed_this_batch_.empty() || !predicted_.empty() || !one_place_due_.empty()) return false;
-    if (models_->looking()) return false;  // a glob's new match: its header is being read (OffLoop)
-    for (const auto& m : models_->all()) {
+    if (decide.facts_pending()) return false;
+    if (models.looking()) return false;  // a glob's new match: its header is being read (OffLoop)
+    for (const auto& m : models.all()) {
         if (m->opening) return false;  // its header is being read (OffLoop)
         if (!m->res) continue;
         if (!m->res->ready().empty() || !m->res->cache_reads().empty()) return false;
@@ -34,46 +39,48 @@ bool Daemon::idle() const {
     return true;
 }
 
-DaemonStatus Daemon::status(bool experts) const {
+DaemonStatus StatusView::daemon(bool experts) const {
     DaemonStatus s;
-    s.mem_total = mem_total_;
-    s.lock_cap = lock_cap();
-    s.lock_budget = config_.lock_budget.resolve(mem_total_);
-    s.reserve = config_.reserve.resolve(mem_total_);
-    s.cgroup_limit = cgroup_ ? cgroup_->limit : 0;
-    s.miss_fetches = miss_fetches_;
-    s.miss_fetch_bytes = miss_fetch_bytes_;
-    s.warm_fetch_bytes = warm_fetch_bytes_;
-    s.predict_fetch_bytes = predict_fetch_bytes_;
-    for (const auto& m : models_->all())
+    s.mem_total = mem_total;
+    s.lock_cap = decide.lock_cap();
+    s.lock_budget = config.lock_budget.resolve(mem_total);
+    s.reserve = config.reserve.resolve(mem_total);
+    const auto& cg = decide.cgroup();
+    s.cgroup_limit = cg ? cg->limit : 0;
+    const DecideStep::Counters& pc = decide.counters();
+    s.miss_fetches = pc.miss_fetches;
+    s.miss_fetch_bytes = pc.miss_fetch_bytes;
+    s.warm_fetch_bytes = pc.warm_fetch_bytes;
+    s.predict_fetch_bytes = pc.predict_fetch_bytes;
+    for (const auto& m : models.all())
         if (m->prediction) {
             s.predicted_experts += m->prediction->trust.predicted();
             s.predicted_used += m->prediction->trust.correct();
         }
-    s.bus = bus_->bus();
-    s.tracing = trace_.on();
-    s.trace_records = trace_.records();
-    s.locked_bytes = total_locked();
+    s.bus = bus.bus();
+    s.tracing = trace.on();
+    s.trace_records = trace.records();
+    s.locked_bytes = decide.total_locked();
     s.vmlck_bytes = read_locked_bytes();
-    s.pressure_events = pressure_events_;
-    s.under_pressure = pressure_cap_ != UINT64_MAX;
-    const auto p = prefetcher_->progress();
+    s.pressure_events = pc.pressure_events;
+    s.under_pressure = decide.under_pressure();
+    const auto p = prefetcher.progress();
     s.prefetch_done_bytes = p.done_bytes;
     s.prefetch_queued_bytes = p.queued_bytes;
-    s.prefetch_engine = prefetcher_->setup().engine == Prefetcher::Engine::Threads ? "threads" : "io_uring";
-    page_cache_->fill(s.page_cache);
-    s.socket_path = hub_->socket_path();
-    if (metrics_) {
-        const bool v6 = metrics_->host().find(':') != std::string::npos;
-        s.metrics_address = v6 ? fmt::format("[{}]:{}", metrics_->host(), metrics_->port())
-                               : fmt::format("{}:{}", metrics_->host(), metrics_->port());
+    s.prefetch_engine = prefetcher.setup().engine == Prefetcher::Engine::Threads ? "threads" : "io_uring";
+    page_cache.fill(s.page_cache);
+    s.socket_path = hub.socket_path();
+    if (metrics) {
+        const bool v6 = metrics->host().find(':') != std::string::npos;
+        s.metrics_address = v6 ? fmt::format("[{}]:{}", metrics->host(), metrics->port())
+                               : fmt::format("{}:{}", metrics->host(), metrics->port());
     }
-    s.clients_refused = hub_->refused();
-    s.accept_pauses = hub_->accept_pauses();
-    s.models_set_aside = models_->set_aside_count();
-    for (const auto& [device, totals] : pool_totals_) {
+    s.clients_refused = hub.refused();
+    s.accept_pauses = hub.accept_pauses();
+    s.models_set_aside = models.set_aside_count();
+    for (const auto& [device, totals] : sessions.pool_totals()) {
         PoolDeviceStatus pool = totals;
-        for (const auto& c : hub_->all()) {
+        for (const auto& c : hub.all()) {
             if (c->dead) continue;
             if (const auto it = c->pools.find(device); it != c->pools.end()) {
                 pool.pool_bytes += it->second.pool_bytes;
@@ -82,12 +89,12 @@ DaemonStatus Daemon::status(bool experts) const {
         }
         s.vram_pools.push_back(pool);
     }
-    s.vram_releases = vram_releases_;
-    s.unmapped_copy_bytes = unmapped_bytes_;
-    s.errors = errors_.totals();
-    for (const auto& c : hub_->all())
+    s.vram_releases = pc.vram_releases;
+    s.unmapped_copy_bytes = sessions.unmapped_bytes();
+    s.errors = errors.totals();
+    for (const auto& c : hub.all())
         if (!c->dead && c->unmapped.no_model && c->unmapped.bytes > 0) ++s.clients_without_model;
-    for (const auto& c : hub_->all()) {
+    for (const auto& c : hub.all()) {
         if (c->dead) continue;
         ClientStatus cs;
         cs.id = c->id;
@@ -104,20 +111,14 @@ DaemonStatus Daemon::status(bool experts) const {
             if (pool.miss_path != protocol::MissPath::Unknown) cs.miss_paths.emplace_back(device, pool.miss_path);
         s.clients.push_back(std::move(cs));
     }
-    for (const auto& m : models_->all()) s.models.push_back(model_status(*m, experts));
+    for (const auto& m : models.all()) s.models.push_back(model(*m, experts));
     return s;
-}
-
-std::optional<ModelStatus> Daemon::model_status(uint32_t id, bool experts) const {
-    const ModelEntry* m = models_->find(id);
-    if (!m) return std::nullopt;
-    return model_status(*m, experts);
 }
 
 // Every live client's pool that serves the model holds nine in ten of the model's experts it was
 // directed to keep (a client that has a pool but has not said how large is not settled yet).
-bool Daemon::pools_settled(const ModelEntry& m) const {
-    for (const auto& c : hub_->all()) {
+bool StatusView::pools_settled(const ModelEntry& m) const {
+    for (const auto& c : hub.all()) {
         if (c->dead || !c->has_pool || std::find(c->models.begin(), c->models.end(), m.id) == c->models.end()) continue;
         if (!c->pool_reported) return false;
         uint64_t promoted = 0, held = 0;
@@ -130,7 +131,7 @@ bool Daemon::pools_settled(const ModelEntry& m) const {
     return true;
 }
 
-ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
+ModelStatus StatusView::model(const ModelEntry& me, bool experts) const {
     const ModelEntry* m = &me;
     ModelStatus ms;
     ms.id = m->id;
@@ -140,13 +141,13 @@ ModelStatus Daemon::model_status(const ModelEntry& me, bool experts) const {
     ms.loaded = m->res != nullptr;
     ms.registered = m->registered;
     ms.owner_uid = m->owner_uid;
-    ms.budget_bytes = m->config.budget ? m->config.budget->resolve(mem_total_) : 0;
+    ms.budget_bytes = m->config.budget ? m->config.budget->resolve(mem_total) : 0;
     ms.opening = m->opening;
     if (m->res) {
         const auto& r = *m->res;
         ms.prefetching_experts = static_cast<uint32_t>(r.cache_reads().size());
         ms.key = r.model().profile_key();
-        ms.family = models_->family_of(*m);
+        ms.family = models.family_of(*m);
         ms.locked_bytes = r.locked_bytes();
         ms.recency_share = r.heat().recency_share();
         ms.recency_applied = recency_trusted(*m);

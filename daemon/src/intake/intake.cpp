@@ -1,33 +1,30 @@
-// Intake: the page cache's events (faults, reads, evictions of model pages) and the routing the
-// clients report become facts about experts (uses, misses) for the next decisions. Nothing here
-// locks or unlocks.
-#include "moecache/daemon/daemon.h"
-#include "moecache/daemon/system_memory.h"
+#include "intake/intake.h"
 
-#include "intake/page_cache_watch.h"
-#include "moecache/daemon/prefetcher.h"
-#include "moecache/file_util.h"
-#include "moecache/log.h"
-
-#include <glob.h>
-#include <unistd.h>
+#include "moecache/daemon/decide.h"
+#include "moecache/daemon/decide_step.h"
+#include "moecache/daemon/model_registry.h"
+#include "moecache/daemon/router_trace.h"
+#include "pagecache/page_cache_watch.h"
 
 #include <algorithm>
-#include <cstring>
-#include <set>
+#include <chrono>
 
 namespace moecache::daemon {
 
-void Daemon::consume_page_cache() {
+Intake::Intake(const Config& config, ModelRegistry& models, PageCacheWatch& page_cache, DecideStep& decide,
+               RouterTrace& trace)
+    : config_(config), models_(models), page_cache_(page_cache), decide_(decide), trace_(trace) {}
+
+void Intake::page_cache() {
     const PageCacheWatch::Resolve resolve = [this](uint32_t id) -> ModelResidency* {
-        ModelEntry* m = models_->find(id);
+        ModelEntry* m = models_.find(id);
         return m ? m->res.get() : nullptr;
     };
-    auto batch = page_cache_->consume(resolve);
-    missed_this_batch_.insert(missed_this_batch_.end(), batch.missed.begin(), batch.missed.end());
+    auto batch = page_cache_.consume(resolve);
+    decide_.missed(batch.missed);
     if (batch.used.empty()) return;
     const auto now = std::chrono::steady_clock::now();
-    for (auto& m : models_->all()) {
+    for (auto& m : models_.all()) {
         if (!m->res) continue;
         const uint32_t n = m->res->n_experts();
         const bool routed = m->last_routed && now - *m->last_routed < kPageCacheUsesAfterRouting;
@@ -41,13 +38,8 @@ void Daemon::consume_page_cache() {
     }
 }
 
-void Daemon::record_routing(uint32_t model, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens) {
-    for (auto& m : models_->all())
-        if (m->id == model && m->res) record_routing(*m, block, experts, tokens);
-}
-
-void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens,
-                            bool continued) {
+void Intake::routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> experts, uint32_t tokens,
+                     bool continued) {
     if (trace_.on() && m.res) {
         trace_.model(m.id, m.res->model().map(), m.path);
         trace_.decision(m.id, block, experts, tokens);
@@ -58,12 +50,11 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
         // The clock advances once per batch: on the first MoE layer's report.
         if (*layer == 0) {
             m.res->heat().advance_clock(tokens);
-            tokens_since_place_ += tokens;
-            if (placement_due(tokens_since_place_, m.last_used - last_place_)) request_place();
+            decide_.routed(tokens, m.last_used);
         }
         // A report of 0 tokens is more of the batch before it: its ranking (moecache/batch_report.h),
         // or the rest of a decision too large for one ring record whose start an earlier turn read
-        // (consume_client_telemetry joins the others): heat, not another routing.
+        // (ClientSessions::read_rings joins the others): heat, not another routing.
         if (tokens == 0) {
             if (continued)
                 m.res->heat().record_continued(*layer, experts);
@@ -75,6 +66,28 @@ void Daemon::record_routing(ModelEntry& m, uint32_t block, std::span<const uint3
         // A prompt batch's report is not one token's routing: the predictor learns only tokens.
         if (config_.predict && tokens == 1) predict(m, *layer, experts);
     }
+}
+
+void Intake::predict(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts) {
+    auto& r = *m.res;
+    const uint32_t ne = r.n_experts();
+    if (!m.prediction) {
+        const uint32_t nl = r.n_slots() / std::max<uint32_t>(ne, 1);
+        m.prediction = std::make_unique<ModelEntry::Prediction>(
+            ModelEntry::Prediction{RoutePredictor(nl, ne), {}, std::vector<std::vector<uint32_t>>(nl)});
+    }
+    auto& p = *m.prediction;
+    if (layer >= p.next.size()) return;
+    auto& next = p.next[layer];
+    if (!next.empty()) {
+        uint64_t right = 0;
+        for (uint32_t e : next) right += std::find(experts.begin(), experts.end(), e) != experts.end();
+        p.trust.score(next.size(), right);
+    }
+    p.predictor.observe(layer, experts);
+    p.predictor.predict_next_token(layer, experts, static_cast<uint32_t>(experts.size()), next);
+    if (!p.trust.trusted()) return;
+    for (uint32_t e : next) decide_.predicted(m.id, layer * ne + e);
 }
 
 }  // namespace moecache::daemon

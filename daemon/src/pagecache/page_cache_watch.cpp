@@ -1,4 +1,4 @@
-#include "intake/page_cache_watch.h"
+#include "pagecache/page_cache_watch.h"
 
 #include "moecache/daemon/model_residency.h"
 #include "moecache/log.h"
