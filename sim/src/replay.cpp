@@ -151,7 +151,7 @@ Predictions predict(const Trace& trace, const TraceModel& model, Predict mode, u
         const auto& d = trace.decisions[index[j]];
         // A prompt batch's report (the experts more of its tokens chose than an even share) is not
         // one token's routing: the predictor neither learns from it nor predicts from it (as the
-        // daemon's, intake.cpp).
+        // daemon's, intake/intake.cpp).
         if (d.tokens != 1) continue;
         const uint32_t kk = k ? k : static_cast<uint32_t>(d.experts.size());
         auto stage = [&](size_t target) {
