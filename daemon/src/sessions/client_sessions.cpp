@@ -137,7 +137,7 @@ bool ClientSessions::on_packet(Client& c, Packet& p) {
 }
 
 // One place: an expert in a client's VRAM pool is recorded as held there. Whether RAM gives it
-// up is settled at the turn's decisions (settle_one_place): only once the client reported a pool,
+// up is settled at the turn's decisions (DecideStep::settle_one_place): only once the client reported a pool,
 // only when every client of the model holds it, and only for a client allowed to evict. A one-way
 // message: a bad one is answered, nothing else.
 bool ClientSessions::on_placement(Client& c, const ExpertPlacement& x) {
@@ -288,7 +288,7 @@ void ClientSessions::finish_registrations(uint32_t model) {
             if (!finish_registration(*c, p)) hub_.drop(*c, "its registration failed");
             continue;
         }
-        // Its client went while it opened: a model only it brought goes too (as reap_clients does).
+        // Its client went while it opened: a model only it brought goes too (as reap() does).
         ModelEntry* m = models_.find(model);
         const bool held = std::any_of(hub_.all().begin(), hub_.all().end(), [&](const auto& o) {
             return std::find(o->models.begin(), o->models.end(), model) != o->models.end();

@@ -37,7 +37,7 @@ struct ModelStatus {
     uint64_t locked_bytes = 0;
     double recency_share = 0;  // of its lock cap left to the page cache's LRU (heat.h), learnt
     // Whether that share cuts its lock cap now: not while one user alone reports its routing and
-    // may not steer it (an operator's model, another user's: Daemon::recency_trusted).
+    // may not steer it (an operator's model, another user's: recency_trusted, clients/access.h).
     bool recency_applied = true;
     uint64_t expert_bytes = 0, expert_cached_bytes = 0, expert_locked_bytes = 0;
     uint32_t experts_in_vram = 0;  // held by at least one VRAM pool
