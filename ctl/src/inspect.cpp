@@ -52,6 +52,14 @@ nlohmann::json inspect_json(const InspectReport& r) {
     j["shared_expert_bytes_total"] = m.shared_expert_bytes_total;
     j["dense_bytes_total"] = m.dense_bytes_total;
     j["header_bytes_total"] = m.header_bytes_total;
+    // Tensors of ggml types this build does not know: counted in dense_bytes_total.
+    j["unknown_type_tensors"] = nlohmann::json::array();
+    for (const auto& u : m.unknown_type_tensors)
+        j["unknown_type_tensors"].push_back({{"name", u.name},
+                                             {"file", m.files[u.file].path},
+                                             {"type_id", u.type_id},
+                                             {"bytes", u.bytes},
+                                             {"routed_expert", u.expert}});
     j["residency_method"] = r.residency_method;
     uint64_t resident_total = 0;
     j["layers"] = nlohmann::json::array();
@@ -108,6 +116,18 @@ std::string inspect_table(const InspectReport& r) {
                                         format_bytes(m.dense_bytes_total + m.header_bytes_total),
                                         pct(m.dense_bytes_total + m.header_bytes_total),
                                         format_bytes(m.dense_bytes_total), format_bytes(m.header_bytes_total)));
+    if (!m.unknown_type_tensors.empty()) {
+        uint64_t bytes = 0;
+        size_t experts = 0;
+        for (const auto& u : m.unknown_type_tensors) {
+            bytes += u.bytes;
+            experts += u.expert ? 1 : 0;
+        }
+        line("unknown types", fmt::format("{} tensors, {} ({} of routed experts, counted as dense): ggml types this "
+                                          "build does not know, such as {} of '{}'",
+                                          m.unknown_type_tensors.size(), format_bytes(bytes), experts,
+                                          m.unknown_type_tensors.front().type_id, m.unknown_type_tensors.front().name));
+    }
     out += fmt::format("\n{:>6}  {:>12}  {:>12}  {:>12}  {:>7}   page cache by {}\n", "layer", "per expert",
                        "experts", "resident", "cached", r.residency_method);
     uint64_t resident_total = 0;

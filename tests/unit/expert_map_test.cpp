@@ -3,10 +3,15 @@
 #include "model_fixture.h"
 #include "temp_dir.h"
 
+#include "moecache/gguf.h"
 #include "moecache/model.h"
 #include "moecache/text.h"
+#include "moecache/unique_fd.h"
 
 #include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <map>
 #include <random>
@@ -81,6 +86,42 @@ TEST(ExpertMap, DeepSeekShapeAccountsEveryPart) {
     for (const auto& f : m->files) file_bytes += f.size;
     EXPECT_EQ(m->expert_bytes_total + m->shared_expert_bytes_total + m->dense_bytes_total + m->header_bytes_total,
               file_bytes);
+}
+
+// An expert tensor of a type this build does not know (a newer ggml's): the model opens, the
+// tensor is reported, its bytes count with the dense part, and its layer's other tensors stay
+// routed experts.
+TEST(ExpertMap, AnExpertTensorOfANewerTypeIsReportedAndCountedAsDense) {
+    test::TempDir dir;
+    const std::string path = dir.file("ds.gguf");
+    const auto before = deepseek_like(path);
+    ASSERT_TRUE(before) << before.error().what();
+    auto file = read_gguf(path);
+    ASSERT_TRUE(file) << file.error().what();
+    const GgufTensor* down = file->find_tensor("blk.1.ffn_down_exps.weight");
+    ASSERT_NE(down, nullptr);
+    // The type field: after the name (u64 length + bytes), n_dims (u32) and the dims (i64 each).
+    const uint64_t type_at = down->info_offset + 8 + down->name.size() + 4 + 8 * down->n_dims;
+    {
+        UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+        ASSERT_TRUE(fd);
+        const uint32_t newer = 1000;
+        ASSERT_EQ(::pwrite(fd.get(), &newer, sizeof newer, static_cast<off_t>(type_at)), 4);
+    }
+    const auto m = load_expert_map(path);
+    ASSERT_TRUE(m) << m.error().what();
+    ASSERT_EQ(m->unknown_type_tensors.size(), 1u);
+    const auto& u = m->unknown_type_tensors.front();
+    EXPECT_EQ(u.name, "blk.1.ffn_down_exps.weight");
+    EXPECT_EQ(u.type_id, 1000u);
+    EXPECT_TRUE(u.expert);
+    EXPECT_EQ(u.bytes, down->nbytes) << "its size is a multiple of the alignment here: the span is exact";
+    ASSERT_EQ(m->layers.size(), 2u);
+    EXPECT_EQ(m->layers[0].tensors.size(), 3u);
+    EXPECT_EQ(m->layers[1].tensors.size(), 4u);
+    EXPECT_EQ(m->expert_bytes_total, before->expert_bytes_total - down->nbytes);
+    EXPECT_EQ(m->dense_bytes_total, before->dense_bytes_total + down->nbytes);
+    EXPECT_FALSE(m->lookup(0, down->file_offset)) << "no expert is found in its bytes";
 }
 
 // A model's name is what every metric sample, log line, D-Bus reply and profile key carries: a

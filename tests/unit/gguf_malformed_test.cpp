@@ -352,11 +352,10 @@ TEST_F(GgufMalformed, RowNotWholeBlocks) {
                         at_byte(d.tensor_dims_offset(0))});
 }
 
-TEST_F(GgufMalformed, UnknownTensorType) {
-    // 1000 is no type at all; 31 is a type id ggml retired (Q4_0_4_4), named as such.
+TEST_F(GgufMalformed, RetiredTensorType) {
+    // 31 is a type id ggml retired (Q4_0_4_4), named as such (a type this build does not know
+    // yet, a newer ggml's, opens: GgufReader.ATensorOfANewerTypeOpensSpanningToTheNextTensor).
     GgufDesc d = small();
-    d.tensors[0].type = 1000;
-    expect_rejected(d, {"tensor 'w'", "unknown ggml tensor type 1000", at_byte(d.tensor_type_offset(0))});
     d.tensors[0].type = 31;
     expect_rejected(d, {"tensor 'w'", "type 31 (Q4_0_4_4) was retired", at_byte(d.tensor_type_offset(0))});
 }

@@ -152,12 +152,12 @@ TEST(GgufReader, TensorGeometryFollowsGgmlBlocks) {
         uint64_t block_elements, block_bytes;
     };
     const Expected types[] = {
-        {ggml::F32, 1, 4},        {ggml::F16, 1, 2},
-        {ggml::Q8_0, 32, 34},     // f16 scale + 32 int8
-        {ggml::Q4_K, 256, 144},   // 2 f16 + 12 scale bytes + 128 nibble bytes
-        {ggml::IQ2_XXS, 256, 66}, // f16 + 64 bytes of grid indices
-        {ggml::MXFP4, 32, 17},    // e8m0 scale + 16 nibble bytes
-        {ggml::NVFP4, 64, 36},    // 4 ue4m3 scales + 32 nibble bytes
+        {ggml::F32, 1, 4},        {ggml::F16, 1, 2}, {ggml::Q8_0, 32, 34},  // f16 scale + 32 int8
+        {ggml::Q4_K, 256, 144},                                             // 2 f16 + 12 scale bytes + 128 nibble bytes
+        {ggml::IQ2_XXS, 256, 66},                                           // f16 + 64 bytes of grid indices
+        {ggml::MXFP4, 32, 17},                                              // e8m0 scale + 16 nibble bytes
+        {ggml::NVFP4, 64, 36},                                              // 4 ue4m3 scales + 32 nibble bytes
+        {ggml::Q2_0, 64, 18},                                               // f16 scale + 16 bytes of 2-bit quants
     };
     GgufDesc desc;
     for (const auto& e : types)
@@ -183,6 +183,30 @@ TEST(GgufReader, TensorGeometryFollowsGgmlBlocks) {
         EXPECT_EQ(t.file_offset, f->data_offset + desc.tensor_data_offset(i));
         EXPECT_EQ(t.info_offset, desc.tensor_info_offset(i));
     }
+}
+
+// A type this build does not know (a newer ggml's): the file opens, the tensor keeps its id, and
+// its bytes are the span to the next tensor's data (to the end of the file for the last one).
+TEST(GgufReader, ATensorOfANewerTypeOpensSpanningToTheNextTensor) {
+    GgufDesc desc = tiny_moe();
+    std::vector<uint64_t> at;
+    for (size_t i = 0; i < desc.tensors.size(); ++i) at.push_back(desc.tensor_data_offset(i));
+    const uint64_t data = desc.data_section_bytes();
+    for (size_t i = 0; i < desc.tensors.size(); ++i) desc.tensors[i].offset = at[i];
+    desc.data_bytes = data;
+    const size_t mid = 1, last = desc.tensors.size() - 1;
+    desc.tensors[mid].type = 1000;
+    desc.tensors[last].type = 43;
+    TempDir dir;
+    const auto f = write_and_read(dir, desc);
+    ASSERT_TRUE(f) << f.error().what();
+    const auto& t = f->tensors[mid];
+    EXPECT_EQ(t.type.id, 1000u);
+    EXPECT_FALSE(ggml_type_known(t.type));
+    EXPECT_EQ(t.nbytes, at[mid + 1] - at[mid]);
+    EXPECT_EQ(t.nb[0], 0u) << "no strides for a geometry it does not know";
+    EXPECT_EQ(f->tensors[last].nbytes, data - at[last]);
+    EXPECT_TRUE(ggml_type_known(f->tensors[0].type));
 }
 
 TEST(GgufReader, SplitSetOpensTheSameFromAnyPart) {

@@ -117,6 +117,34 @@ TEST(Inspect, TableForPeople) {
         EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
 }
 
+// A file from a newer ggml (an expert tensor of a type this build does not know): inspect opens
+// it and names the tensor, in the table and in the JSON.
+TEST(Inspect, TensorsOfANewerGgmlTypeAreNamed) {
+    test::TempDir dir;
+    const auto files = test::write_model(test::small_spec(), dir.file("m.gguf"));
+    auto file = read_gguf(files[0]);
+    ASSERT_TRUE(file) << file.error().what();
+    const GgufTensor* t = nullptr;
+    for (const auto& x : file->tensors)
+        if (x.name.find("_exps") != std::string::npos) t = &x;
+    ASSERT_NE(t, nullptr);
+    const uint64_t type_at = t->info_offset + 8 + t->name.size() + 4 + 8 * t->n_dims;
+    const int fd = ::open(files[0].c_str(), O_WRONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    const uint32_t newer = 77;
+    ASSERT_EQ(::pwrite(fd, &newer, sizeof newer, static_cast<off_t>(type_at)), 4);
+    ::close(fd);
+    const auto j = inspect(files[0]);
+    ASSERT_EQ(j["unknown_type_tensors"].size(), 1u) << j.dump();
+    EXPECT_EQ(j["unknown_type_tensors"][0]["name"], t->name);
+    EXPECT_EQ(j["unknown_type_tensors"][0]["type_id"], 77u);
+    EXPECT_EQ(j["unknown_type_tensors"][0]["routed_expert"], true);
+    const auto r = test::run({MOECACHE_CTL_BIN, "inspect", files[0]});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("ggml types this build does not know, such as 77 of '" + t->name + "'"), std::string::npos)
+        << r.out;
+}
+
 TEST(Inspect, ErrorsAndExitCodes) {
     test::TempDir dir;
     test::write_file(dir.file("not.gguf"), "this is not a model");

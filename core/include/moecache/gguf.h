@@ -45,6 +45,8 @@ struct GgufTensor {
     uint32_t n_dims = 0;
     std::array<int64_t, 4> ne{1, 1, 1, 1};  // elements per dimension, ne[0] innermost
     std::array<uint64_t, 4> nb{};           // byte strides, as ggml computes them
+    // Its type; one this build does not know (a newer ggml's: ggml_type_known() false) has its id
+    // only, no strides, and nbytes is the span up to the next tensor's data (or the file's end).
     GgmlTypeInfo type{};
     uint64_t data_offset = 0;  // relative to the file's data section, as stored
     uint64_t file_offset = 0;  // absolute position in the file

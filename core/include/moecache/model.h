@@ -103,6 +103,17 @@ public:
     uint64_t shared_expert_bytes_total = 0;
     uint64_t dense_bytes_total = 0;   // every other tensor
     uint64_t header_bytes_total = 0;  // metadata, directory and padding
+    // Tensors of ggml types this build does not know (a newer ggml's): the model opens, their
+    // bytes (up to the next tensor) count with the dense part, and an expert tensor among them
+    // is no routed expert here: its layer's other tensors are, or the layer is dense.
+    struct UnknownTypeTensor {
+        std::string name;
+        uint32_t file = 0;
+        uint32_t type_id = 0;
+        uint64_t bytes = 0;
+        bool expert = false;  // a routed-expert tensor (*_exps)
+    };
+    std::vector<UnknownTypeTensor> unknown_type_tensors;
 
     [[nodiscard]] const MoeLayer* layer(uint32_t block) const;
     // The byte ranges of one expert: one per expert tensor of its layer.

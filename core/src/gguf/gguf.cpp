@@ -253,14 +253,18 @@ Result<GgufTensor> read_tensor_info(Cursor& c, const GgufLimits& limits) {
     const uint64_t type_at = c.pos();
     const auto type_id = MC_TRY(c.template get<uint32_t>(what));
     const auto info = ggml_type_info(type_id);
-    if (!info) {
+    if (!info)
         if (const auto retired = ggml_retired_type_name(type_id))
             return c.error_at(type_at, "{}: ggml tensor type {} ({}) was retired from GGUF files; "
                               "convert the model again with a current llama.cpp", what, type_id, *retired);
-        return c.error_at(type_at, "{}: unknown ggml tensor type {} (from a newer ggml?)", what, type_id);
+    t.data_offset = MC_TRY(c.template get<uint64_t>(what));
+    if (!info) {
+        // A newer ggml's type: the file still opens, the tensor's bytes are placed (read_gguf,
+        // up to the next tensor) but not its strides, and the expert map reports it.
+        t.type = ggml_unknown_type(type_id);
+        return t;
     }
     t.type = *info;
-    t.data_offset = MC_TRY(c.template get<uint64_t>(what));
 
     int64_t elements = 1;
     for (uint32_t i = 0; i < 4; ++i)
@@ -435,8 +439,9 @@ Result<GgufFile> read_gguf(int fd, std::string path, const GgufLimits& limits) {
         return c.error_at(c.pos(), "the data section would start at byte {}, past the end of the "
                           "file ({} bytes)", f.data_offset, f.file_size);
 
-    // Place every tensor, then check that none overlaps the next one.
-    std::vector<const GgufTensor*> by_offset;
+    // Place every tensor, then check that none overlaps the next one. A tensor of an unknown
+    // type takes the bytes up to the next tensor's data (or the end of the file).
+    std::vector<GgufTensor*> by_offset;
     by_offset.reserve(f.tensors.size());
     for (auto& t : f.tensors) {
         uint64_t end;
@@ -455,6 +460,10 @@ Result<GgufFile> read_gguf(int fd, std::string path, const GgufLimits& limits) {
     }
     std::sort(by_offset.begin(), by_offset.end(),
               [](const GgufTensor* a, const GgufTensor* b) { return a->file_offset < b->file_offset; });
+    for (size_t i = 0; i < by_offset.size(); ++i)
+        if (!ggml_type_known(by_offset[i]->type))
+            by_offset[i]->nbytes =
+                (i + 1 < by_offset.size() ? by_offset[i + 1]->file_offset : f.file_size) - by_offset[i]->file_offset;
     for (size_t i = 1; i < by_offset.size(); ++i) {
         const auto* prev = by_offset[i - 1];
         const auto* cur = by_offset[i];

@@ -383,6 +383,11 @@ Result<ExpertMap> ExpertMap::build(const std::vector<GgufFile>& parts) {
                 return failf("{}: tensor '{}': block {} is past {} = {}", f.path, t.name, bn->block,
                              arch_key("block_count"),
                              m.n_blocks != 0 ? fmt::to_string(m.n_blocks) : "(missing)");
+            if (!ggml_type_known(t.type)) {
+                m.unknown_type_tensors.push_back({t.name, fi, t.type.id, t.nbytes, expert});
+                m.dense_bytes_total += t.nbytes;
+                continue;
+            }
             if (!expert) {
                 if (shared) {
                     m.shared_expert_bytes_total += t.nbytes;

@@ -289,6 +289,15 @@ void ModelRegistry::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> 
     if (m.name.empty()) m.name = display_name(m.path, map.name, /*ollama=*/!m.registered || m.operator_added);
     MC_LOG(LOG_INFO, "model {} loaded: {} MoE layers x {} experts, {} files", m.path, map.layers.size(), map.n_experts,
            map.files.size());
+    if (!map.unknown_type_tensors.empty()) {
+        const auto& u = map.unknown_type_tensors.front();
+        const auto experts = std::count_if(map.unknown_type_tensors.begin(), map.unknown_type_tensors.end(),
+                                           [](const auto& t) { return t.expert; });
+        MC_LOG(LOG_WARNING,
+               "model {}: {} tensors ({} of routed experts) are of ggml types this moecached does not know "
+               "(a newer ggml's: type {} of '{}' first): they are managed with the dense part, not as experts",
+               m.path, map.unknown_type_tensors.size(), experts, u.type_id, u.name);
+    }
     load_heat(m);
     note("reading the page cache's residency", m.res->refresh_cached());
     events_.open_ended(id, true);
