@@ -107,10 +107,16 @@ std::vector<std::pair<std::string, std::string>> seeds() {
         {"bytes-overflow", moe_shape({big31, big31}, ggml::F64)},
         {"row-not-whole-blocks", moe_shape({100, 2}, ggml::Q4_K)},
         {"tensor-type-retired", moe_shape({32}, 31)},
-        {"tensor-type-unknown", moe_shape({32}, 1000)},
-        {"offset-misaligned", moe([](GgufDesc& d) {
-             d.tensors[2].offset = d.tensor_data_offset(2) + 4;
+        // A newer ggml's type: the file opens, the tensor spanning to the next one's data.
+        {"valid-tensor-type-newer", moe([](GgufDesc& d) {
+             std::vector<uint64_t> at;
+             for (size_t i = 0; i < d.tensors.size(); ++i) at.push_back(d.tensor_data_offset(i));
+             const uint64_t bytes = d.data_section_bytes();
+             for (size_t i = 0; i < d.tensors.size(); ++i) d.tensors[i].offset = at[i];
+             d.data_bytes = bytes;
+             d.tensors[1].type = 1000;
          })},
+        {"offset-misaligned", moe([](GgufDesc& d) { d.tensors[2].offset = d.tensor_data_offset(2) + 4; })},
         {"offset-overlap", moe([](GgufDesc& d) { d.tensors[2].offset = d.tensor_data_offset(1); })},
         {"offset-past-eof", moe([](GgufDesc& d) {
              d.data_bytes = d.data_section_bytes();
