@@ -240,7 +240,7 @@ void Daemon::tick() {
                                   pressure_ ? 1.5 * pressure_->window_us() / 1e6 : 0.0);
     if (decide_->tick(quiet)) MC_LOG(LOG_INFO, "memory pressure has gone: taking memory back");
     if (now - last_save_ > std::chrono::duration<double>(config_.save_interval_seconds)) {
-        note("saving heat profiles", save_profiles());
+        note(Doing::SavingProfiles, save_profiles());
         last_save_ = now;
     }
     decide_->request();
@@ -426,7 +426,7 @@ Result<void> Daemon::run() {
         if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
     }
     if (auto n = systemd::notify("STOPPING=1"); !n) MC_LOG(LOG_WARNING, "systemd notification: {}", n.error().what());
-    if (trace_.on()) note("stopping the routing trace", operator_->stop_trace());
+    if (trace_.on()) note(Doing::StoppingTrace, operator_->stop_trace());
     if (auto r = save_profiles(); !r) MC_LOG(LOG_WARNING, "heat not saved: {}", r.error().what());
     for (auto& m : models_->all())
         if (m->res) models_->close(*m, "the daemon stops");

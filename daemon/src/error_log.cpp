@@ -4,8 +4,31 @@
 
 namespace moecache::daemon {
 
-bool ErrorLog::note(const std::string& doing, const std::string& what, Clock::time_point now) {
-    Kind& k = kinds_[doing];
+const char* to_string(Doing d) {
+    switch (d) {
+        case Doing::ReadingResidency:
+            return "reading the page cache's residency";
+        case Doing::ReadingExpert:
+            return "reading an expert into the page cache";
+        case Doing::LockingExpert:
+            return "locking an expert";
+        case Doing::LookingAtGlobMatch:
+            return "looking at a file a [[model]] glob matched";
+        case Doing::UnlockingClosedModel:
+            return "unlocking a closed model";
+        case Doing::UnwatchingFile:
+            return "unwatching a model file's page cache";
+        case Doing::SavingProfiles:
+            return "saving heat profiles";
+        case Doing::StoppingTrace:
+            return "stopping the routing trace";
+    }
+    return "unknown";
+}
+
+bool ErrorLog::note(Doing d, const std::string& what, Clock::time_point now) {
+    const char* doing = to_string(d);
+    Kind& k = kinds_[static_cast<size_t>(d)];
     ++k.total;
     if (k.total > 1 && now - k.logged < kLogEvery) {
         ++k.unlogged;
@@ -23,7 +46,7 @@ bool ErrorLog::note(const std::string& doing, const std::string& what, Clock::ti
 
 std::map<std::string, uint64_t> ErrorLog::totals() const {
     std::map<std::string, uint64_t> out;
-    for (const auto& [doing, k] : kinds_) out[doing] = k.total;
+    for (const Doing d : kEveryDoing) out[to_string(d)] = kinds_[static_cast<size_t>(d)].total;
     return out;
 }
 

@@ -89,7 +89,7 @@ protected:
         ASSERT_TRUE(d) << d.error().what();
         route(**d, *(*d)->model_id(model_), 0, {1, 2}, 3);
         (*d)->tick();
-        ASSERT_EQ((*d)->status().errors.count("saving heat profiles"), 0u) << "saving works to begin with";
+        ASSERT_EQ((*d)->status().errors.at("saving heat profiles"), 0u) << "saving works to begin with";
         out = std::move(*d);
     }
 

@@ -216,7 +216,7 @@ Result<uint64_t> Operator::prefetch(uint32_t id, std::span<const std::string> sp
     if (!m) return fail(ENOENT, fmt::format("no model with id {}", id));
     auto slots = MC_TRY(select_slots(*m, specs));
     auto& r = *m->res;
-    note("reading the page cache's residency", r.refresh_cached());
+    note(Doing::ReadingResidency, r.refresh_cached());
     // Hottest first, so that what is read first is what helps first.
     const uint32_t ne = r.n_experts();
     std::stable_sort(slots.begin(), slots.end(), [&](uint32_t a, uint32_t b) {
@@ -244,7 +244,7 @@ Result<uint64_t> Operator::evict(uint32_t id, std::span<const std::string> specs
             if (r.pinned(s))
                 return fail(EBUSY, fmt::format("block {} expert {} is pinned: unpin it first",
                                                r.model().map().layers[s / r.n_experts()].index, s % r.n_experts()));
-    note("reading the page cache's residency", r.refresh_cached());
+    note(Doing::ReadingResidency, r.refresh_cached());
     uint64_t released = 0;
     std::vector<uint32_t> dropped;
     for (uint32_t s : slots) {
@@ -260,7 +260,7 @@ Result<uint64_t> Operator::evict(uint32_t id, std::span<const std::string> specs
         if (was_locked) decide_.tell_clients(*m, s, protocol::Action::Unlock);
     }
     r.drop_cached(dropped);
-    note("reading the page cache's residency", r.refresh_cached());
+    note(Doing::ReadingResidency, r.refresh_cached());
     MC_LOG(LOG_INFO, "model {}: {} evicted by the operator", m->path, format_bytes(released));
     return released;
 }

@@ -51,7 +51,7 @@ private:
     // list selects every expert.
     Result<std::vector<uint32_t>> select_slots(const ModelEntry& m, std::span<const std::string> specs) const;
     template <class T>
-    void note(const char* doing, const Result<T>& r) {
+    void note(Doing doing, const Result<T>& r) {
         if (!r) errors_.note(doing, r.error().what());
     }
 

@@ -109,7 +109,7 @@ void DecideStep::lock_admitted(ModelEntry& m, uint32_t slot) {
         m.res->abandon(slot);
         // Logged the first time and then once a minute with a count (a limit that refuses every
         // lock, RLIMIT_MEMLOCK without CAP_IPC_LOCK, would otherwise log each slot of each turn).
-        errors_.note("locking an expert", fmt::format("model {}: {}", m.path, r.error().what()));
+        errors_.note(Doing::LockingExpert, fmt::format("model {}: {}", m.path, r.error().what()));
     }
     // A file truncated or replaced under us fails here first: look at it again now.
     if (auto same = m.res->model().unchanged(); !same || !*same) models_.close(m, "the file changed on disk");

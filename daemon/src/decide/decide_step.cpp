@@ -59,7 +59,7 @@ bool DecideStep::tick(double quiet) {
     cgroup_ = own_memory_cgroup_limit();
     for (auto& m : models_.all())
         if (m->res) {
-            note("reading the page cache's residency", m->res->refresh_cached());
+            note(Doing::ReadingResidency, m->res->refresh_cached());
             // One place, again each tick: a runtime's read of a neighbour can map an expert's pages
             // back (fault-around) before they were dropped.
             for (uint32_t s = 0; s < m->res->n_slots(); ++s)
@@ -286,8 +286,7 @@ void DecideStep::on_fetched(uint64_t tag, uint64_t, int err) {
         // as an operator's prefetch that comes back short would otherwise be a mystery.
         if (err != 0 && err != ECANCELED)
             if (const ModelEntry* m = models_.find(id))
-                errors_.note("reading an expert into the page cache",
-                             fmt::format("model {}: {}", m->path, std::strerror(err)));
+                errors_.note(Doing::ReadingExpert, fmt::format("model {}: {}", m->path, std::strerror(err)));
         cache_fetched(id, slot);
         return;
     }

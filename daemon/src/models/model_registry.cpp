@@ -204,7 +204,7 @@ bool ModelRegistry::glob_match_is_moe(const std::string& path) {
         });
     if (!job) {
         glob_looking_.erase(path);
-        errors_.note("looking at a file a [[model]] glob matched", job.error().what());
+        errors_.note(Doing::LookingAtGlobMatch, job.error().what());
     }
     return false;
 }
@@ -299,7 +299,7 @@ void ModelRegistry::opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> 
                m.path, map.unknown_type_tensors.size(), experts, u.type_id, u.name);
     }
     load_heat(m);
-    note("reading the page cache's residency", m.res->refresh_cached());
+    note(Doing::ReadingResidency, m.res->refresh_cached());
     events_.open_ended(id, true);
 }
 
@@ -359,10 +359,10 @@ void ModelRegistry::close(ModelEntry& m, const std::string& why) {
         MC_LOG(LOG_WARNING, "model {}: heat not saved: {}", m.path, r.error().what());
     for (uint32_t s = 0; s < m.res->n_slots(); ++s) {
         if (m.res->state(s).tier() == Tier::Fetching) prefetcher_.cancel(fetch_tag(m.id, s));
-        note("unlocking a closed model", m.res->release(s, false));
+        note(Doing::UnlockingClosedModel, m.res->release(s, false));
     }
     if (m.res->state(kDenseSlot).tier() == Tier::Fetching) prefetcher_.cancel(fetch_tag(m.id, kDenseSlot));
-    note("unlocking a closed model", m.res->release(kDenseSlot, false));
+    note(Doing::UnlockingClosedModel, m.res->release(kDenseSlot, false));
     const auto shared = [&](const FileIdentity& f) {
         return std::any_of(models_.begin(), models_.end(), [&](const auto& o) {
             if (o.get() == &m || !o->res) return false;
@@ -371,7 +371,7 @@ void ModelRegistry::close(ModelEntry& m, const std::string& why) {
                                [&](const ModelFile& x) { return x.identity.dev == f.dev && x.identity.ino == f.ino; });
         });
     };
-    note("unwatching a model file's page cache", page_cache_.unwatch(m.file_ids, *m.res, shared));
+    note(Doing::UnwatchingFile, page_cache_.unwatch(m.file_ids, *m.res, shared));
     m.file_ids.clear();
     m.res.reset();
 }

@@ -99,7 +99,7 @@ private:
     Result<void> arm_tick();  // the tick timer at config_.tick_seconds
 
     template <class T>
-    void note(const char* doing, const Result<T>& r) {
+    void note(Doing doing, const Result<T>& r) {
         if (!r) errors_.note(doing, r.error().what());
     }
     [[nodiscard]] int loop_timeout() const;

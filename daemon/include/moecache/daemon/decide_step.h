@@ -130,7 +130,7 @@ private:
     // Lock a slot the decide step admitted; a file changed under it closes the model.
     void lock_admitted(ModelEntry& m, uint32_t slot);
     template <class T>
-    void note(const char* doing, const Result<T>& r) {
+    void note(Doing doing, const Result<T>& r) {
         if (!r) errors_.note(doing, r.error().what());
     }
 

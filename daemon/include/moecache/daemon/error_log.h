@@ -4,12 +4,31 @@
 // that a failure that repeats every turn neither floods the journal nor goes unseen.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
 
 namespace moecache::daemon {
+
+// What the daemon was doing when a failure came: every kind is counted from the start (0 until its
+// first), so that a dashboard's rate and an alert on it have a series before anything fails.
+enum class Doing : uint8_t {
+    ReadingResidency,      // the page cache's residency of a model (cachestat, mincore)
+    ReadingExpert,         // an expert read into the page cache (a prefetch, a miss, a warm start)
+    LockingExpert,         // mlock of an expert the plan admitted
+    LookingAtGlobMatch,    // the header of a file a [[model]] glob matched
+    UnlockingClosedModel,  // munlock of a model that closed
+    UnwatchingFile,        // a closed model's file in the page-cache telemetry
+    SavingProfiles,        // the heat profiles, on the tick and at exit
+    StoppingTrace,         // the routing trace, at exit
+};
+inline constexpr std::array kEveryDoing = {
+    Doing::ReadingResidency,     Doing::ReadingExpert,  Doing::LockingExpert,  Doing::LookingAtGlobMatch,
+    Doing::UnlockingClosedModel, Doing::UnwatchingFile, Doing::SavingProfiles, Doing::StoppingTrace};
+// As the log and the metric's label say it: "reading the page cache's residency" ...
+[[nodiscard]] const char* to_string(Doing d);
 
 class ErrorLog {
 public:
@@ -18,8 +37,8 @@ public:
 
     // One failure while `doing`; logs it unless one of the same kind was logged within kLogEvery.
     // Returns whether it was logged.
-    bool note(const std::string& doing, const std::string& what, Clock::time_point now = Clock::now());
-    // Failures counted by what the daemon was doing.
+    bool note(Doing doing, const std::string& what, Clock::time_point now = Clock::now());
+    // Failures counted by what the daemon was doing, every kind present (by to_string(Doing)).
     [[nodiscard]] std::map<std::string, uint64_t> totals() const;
 
 private:
@@ -27,7 +46,7 @@ private:
         uint64_t total = 0, unlogged = 0;
         Clock::time_point logged{};
     };
-    std::map<std::string, Kind> kinds_;
+    std::array<Kind, kEveryDoing.size()> kinds_{};
 };
 
 }  // namespace moecache::daemon

@@ -162,7 +162,7 @@ private:
     [[nodiscard]] std::string profile_path(const std::string& name) const;
     [[nodiscard]] std::chrono::milliseconds read_deadline() const;
     template <class T>
-    void note(const char* doing, const Result<T>& r) {
+    void note(Doing doing, const Result<T>& r) {
         if (!r) errors_.note(doing, r.error().what());
     }
 
