@@ -1,4 +1,5 @@
 // moecachectl: global options, then thin dispatch to the verbs in commands.cpp.
+#include "moecache/build_info.h"
 #include "moecache/ctl/commands.h"
 
 #include <cstdlib>
@@ -22,7 +23,7 @@ int main(int argc, char** argv) {
         } else if (a.rfind("--bus=", 0) == 0) o.bus = a.substr(6);
         else if (a == "-h" || a == "--help") rest.insert(rest.begin(), "help");
         else if (a == "--version") {
-            std::printf("moecachectl %s\n", MOECACHE_VERSION_STRING);
+            std::printf("moecachectl %s\n", moecache::version_line().c_str());
             return 0;
         }
         else rest.push_back(a);

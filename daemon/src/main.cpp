@@ -1,4 +1,5 @@
 // moecached: loads the configuration, then hands over to the event loop.
+#include "moecache/build_info.h"
 #include "moecache/daemon/config.h"
 #include "moecache/daemon/daemon.h"
 #include "moecache/daemon/descriptors.h"
@@ -43,7 +44,7 @@ int main(int argc, char** argv) {
         else if (a == "--check") check = true;
         else if (a == "--verbose") moecache::log::set_max_priority(LOG_DEBUG);
         else if (a == "--version") {
-            fmt::print("moecached {}\n", MOECACHE_VERSION_STRING);
+            fmt::print("moecached {}\n", moecache::version_line());
             return 0;
         } else if (a == "-h" || a == "--help") {
             fmt::print("{}", kUsage);

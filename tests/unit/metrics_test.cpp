@@ -1,6 +1,7 @@
 // The Prometheus text the daemon serves: names, types, escaping of hostile label values, and what
 // promtool (Debian's prometheus package) says of it.
 #include "moecache/daemon/metrics.h"
+#include "moecache/build_info.h"
 #include "moecache/file_util.h"
 #include "run.h"
 #include "temp_dir.h"
@@ -81,6 +82,20 @@ DaemonStatus sample() {
 
 // The model label is what users call it (ModelStatus::name: an ollama tag, general.name); the file
 // label tells two files of one name apart. No label changes when a client registers it again.
+// What is running, for a dashboard and a bug report: the version and the commit built from, always
+// 1; and the same line as --version.
+TEST(Metrics, BuildInfoNamesTheVersionAndTheCommit) {
+    const std::string text = daemon::render_metrics(daemon::DaemonStatus{}, false);
+    const std::string want =
+        fmt::format("moecache_build_info{{version=\"{}\",commit=\"{}\"}} 1\n", build_version(), build_commit());
+    EXPECT_NE(text.find(want), std::string::npos) << text.substr(0, 400);
+    EXPECT_NE(std::string(build_commit()), "") << "a commit, or \"unknown\" for a tree without git";
+    const auto r = test::run({MOECACHE_CTL_BIN, "--version"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, "moecachectl " + version_line() + "\n");
+    EXPECT_NE(r.out.find(std::string("(commit ") + build_commit() + ")"), std::string::npos);
+}
+
 TEST(Metrics, AModelIsLabelledByItsNameAndFile) {
     auto s = sample();
     s.models[0].name = "qwen3:30b-a3b";

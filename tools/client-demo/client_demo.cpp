@@ -6,6 +6,7 @@
 //   moecache-client-demo MODEL.gguf [--socket PATH] [--seconds S] [--rate EVENTS_PER_S (0: as fast
 //                        as the ring takes)] [--skew S (0 uniform)] [--experts-per-token K]
 //                        [--name NAME] [--wait-ready SECONDS]
+#include "moecache/build_info.h"
 #include "moecache/client.h"
 #include "moecache/model.h"
 
@@ -67,7 +68,7 @@ int main(int argc, char** argv) {
         } else if (a == "--name") name = next();
         else if (a == "--wait-ready") number(wait_ready);
         else if (a == "--version") {
-            std::printf("moecache-client-demo %s\n", MOECACHE_VERSION_STRING);
+            std::printf("moecache-client-demo %s\n", moecache::version_line().c_str());
             return 0;
         } else if (a == "-h" || a == "--help") {
             std::printf("%s", kUsage);

@@ -1,4 +1,5 @@
 #include "moecache/daemon/metrics.h"
+#include "moecache/build_info.h"
 #include "moecache/file_util.h"
 #include "moecache/text.h"
 
@@ -71,6 +72,11 @@ std::string escape_label_value(std::string_view v) {
 std::string render_metrics(const DaemonStatus& s, bool paths) {
     const auto labels_of = [paths](const ModelStatus& m) { return model_labels(m, paths); };
     Writer w;
+    w.family("moecache_build_info", "gauge", "Always 1: the version of moecached and the commit it was built from.");
+    w.sample("moecache_build_info",
+             fmt::format("version=\"{}\",commit=\"{}\"", escape_label_value(build_version()),
+                         escape_label_value(build_commit())),
+             uint64_t{1});
     w.scalar("moecache_memory_bytes", "gauge",
              "RAM of the machine (MemTotal).", s.mem_total);
     w.scalar("moecache_lock_budget_bytes", "gauge",

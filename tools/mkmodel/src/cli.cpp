@@ -1,4 +1,5 @@
 #include "moecache/mkmodel/cli.h"
+#include "moecache/build_info.h"
 
 #include "moecache/mkmodel/gguf_writer.h"
 #include "moecache/mkmodel/router_skew.h"
@@ -70,7 +71,7 @@ std::optional<int> parse_options(int argc, char** argv, std::string_view program
             return 0;
         }
         if (a == "--version") {
-            fmt::print("{} {}\n", program, MOECACHE_VERSION_STRING);
+            fmt::print("{} {}\n", program, moecache::version_line());
             return 0;
         }
         if (flag(a)) continue;
