@@ -245,7 +245,10 @@ void Daemon::tick() {
     }
     decide_->request();
     trace_.flush();
-    if (metrics_) metrics_->publish(render_metrics(status(/*experts=*/false), config_.metrics_paths));  // the counts suffice
+    if (metrics_) {
+        const DaemonStatus s = status(/*experts=*/false);  // the counts suffice
+        metrics_->publish(render_metrics(s, config_.metrics_paths), health_problems(s));
+    }
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
     if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());
 }

@@ -1,6 +1,7 @@
 // The Prometheus text the daemon serves: names, types, escaping of hostile label values, and what
 // promtool (Debian's prometheus package) says of it.
 #include "moecache/daemon/metrics.h"
+#include "metrics/metrics_server.h"
 #include "moecache/build_info.h"
 #include "moecache/file_util.h"
 #include "run.h"
@@ -8,6 +9,11 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <set>
 #include <nlohmann/json.hpp>
@@ -94,6 +100,71 @@ TEST(Metrics, BuildInfoNamesTheVersionAndTheCommit) {
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_EQ(r.out, "moecachectl " + version_line() + "\n");
     EXPECT_NE(r.out.find(std::string("(commit ") + build_commit() + ")"), std::string::npos);
+}
+
+// /health names what keeps the daemon from helping, a line each, and says ok when nothing does; a
+// feature off by configuration (the bus, the page-cache telemetry) is no problem.
+TEST(Metrics, HealthNamesWhatKeepsTheDaemonFromHelping) {
+    DaemonStatus s;
+    s.bus = "";
+    s.page_cache.enabled = false;
+    ModelStatus fine;
+    fine.name = "fine";
+    fine.loaded = true;
+    s.models.push_back(fine);
+    EXPECT_TRUE(health_problems(s).empty());
+    ModelStatus broken;
+    broken.name = "qwen3";
+    broken.error = "not a GGUF file";
+    s.models.push_back(broken);
+    ModelStatus opening = broken;
+    opening.opening = true;
+    s.models.push_back(opening);
+    s.under_pressure = true;
+    s.clients_without_model = 2;
+    const auto p = health_problems(s);
+    ASSERT_EQ(p.size(), 3u);
+    EXPECT_EQ(p[0], "model qwen3 is not loaded: not a GGUF file") << "one being opened is not yet a problem";
+    EXPECT_NE(p[1].find("memory pressure"), std::string::npos);
+    EXPECT_NE(p[2].find("2 runtime(s) copy model-sized buffers from memory that maps no model"), std::string::npos);
+
+    auto server = MetricsServer::start("127.0.0.1:0", std::chrono::seconds(60));
+    ASSERT_TRUE(server) << server.error().what();
+    const auto get_health = [&] {
+        const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_in to{};
+        to.sin_family = AF_INET;
+        to.sin_port = htons(static_cast<uint16_t>((*server)->port()));
+        to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to), 0);
+        const std::string req = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+        EXPECT_EQ(::send(fd, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+        std::string got;
+        char buf[4096];
+        timeval tv{5, 0};
+        ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        // Until the header and as many body bytes as it announces have come (or the peer closes).
+        const auto complete = [&] {
+            const size_t end = got.find("\r\n\r\n");
+            if (end == std::string::npos) return false;
+            const size_t cl = got.find("Content-Length: ");
+            if (cl == std::string::npos || cl > end) return true;
+            return got.size() >= end + 4 + std::stoul(got.substr(cl + 16));
+        };
+        for (ssize_t n; !complete() && (n = ::recv(fd, buf, sizeof buf, 0)) > 0;)
+            got.append(buf, static_cast<size_t>(n));
+        ::close(fd);
+        return got;
+    };
+    (*server)->publish("moecache_x 1\n", p);
+    std::string got = get_health();
+    EXPECT_EQ(got.rfind("HTTP/1.1 200 OK", 0), 0u) << got;
+    EXPECT_NE(got.find("\r\n\r\ndegraded: model qwen3 is not loaded: not a GGUF file\ndegraded: memory pressure"),
+              std::string::npos)
+        << got;
+    (*server)->publish("moecache_x 1\n");
+    got = get_health();
+    EXPECT_NE(got.find("\r\n\r\nok\n"), std::string::npos) << got;
 }
 
 TEST(Metrics, AModelIsLabelledByItsNameAndFile) {

@@ -69,6 +69,20 @@ std::string escape_label_value(std::string_view v) {
     return out;
 }
 
+std::vector<std::string> health_problems(const DaemonStatus& s) {
+    std::vector<std::string> out;
+    for (const auto& m : s.models)
+        if (!m.loaded && !m.opening && !m.error.empty())
+            out.push_back(fmt::format("model {} is not loaded: {}", m.name.empty() ? m.path : m.name, m.error));
+    if (s.under_pressure) out.emplace_back("memory pressure: the lock cap is held down until it passes");
+    if (s.clients_without_model > 0)
+        out.push_back(
+            fmt::format("{} runtime(s) copy model-sized buffers from memory that maps no model: moecache "
+                        "cannot see their experts (moecachectl status)",
+                        s.clients_without_model));
+    return out;
+}
+
 std::string render_metrics(const DaemonStatus& s, bool paths) {
     const auto labels_of = [paths](const ModelStatus& m) { return model_labels(m, paths); };
     Writer w;

@@ -145,10 +145,14 @@ MetricsServer::~MetricsServer() {
     if (thread_.joinable()) thread_.join();
 }
 
-void MetricsServer::publish(std::string text) {
+void MetricsServer::publish(std::string text, const std::vector<std::string>& problems) {
     auto p = std::make_shared<const std::string>(std::move(text));
+    std::string body;
+    for (const auto& why : problems) body += "degraded: " + why + "\n";
+    auto h = std::make_shared<const std::string>(body.empty() ? "ok\n" : body);
     std::lock_guard lock(mu_);
     text_ = std::move(p);
+    health_ = std::move(h);
     published_ = Clock::now();
 }
 
@@ -157,11 +161,12 @@ std::string MetricsServer::answer(const std::string& method, const std::string& 
     if (method != "GET" && !head)
         return response(405, "Method Not Allowed", "text/plain", "GET or HEAD only\n", false, "Allow: GET, HEAD\r\n");
     const std::string path = target.substr(0, target.find('?'));
-    std::shared_ptr<const std::string> text;
+    std::shared_ptr<const std::string> text, health;
     Clock::time_point published;
     {
         std::lock_guard lock(mu_);
         text = text_;
+        health = health_;
         published = published_;
     }
     if (path == "/metrics") return response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", *text, head);
@@ -172,7 +177,7 @@ std::string MetricsServer::answer(const std::string& method, const std::string& 
                             "stalled: the daemon's loop has not turned for " +
                                 std::to_string(std::chrono::duration_cast<std::chrono::seconds>(quiet).count()) + " s\n",
                             head);
-        return response(200, "OK", "text/plain", "ok\n", head);
+        return response(200, "OK", "text/plain", health ? *health : std::string("ok\n"), head);
     }
     if (path == "/") return response(200, "OK", "text/plain", "moecached: metrics at /metrics, liveness at /health\n", head);
     return response(404, "Not Found", "text/plain", "no such page: /metrics or /health\n", head);

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace moecache::daemon {
 
@@ -32,14 +33,15 @@ public:
     static constexpr int kMaxPerAddress = 8;
 
     // Listens on "HOST:PORT" (an IP address, IPv6 in brackets; port 0: any free one). /health
-    // answers 503 once publish() has not been called for `stalled_after` (the loop stopped turning).
+    // answers 503 once publish() has not been called for `stalled_after` (the loop stopped turning);
+    // else 200, "ok", or a "degraded: WHY" line for each problem the last publish() named.
     static Result<std::unique_ptr<MetricsServer>> start(const std::string& listen,
                                                         std::chrono::steady_clock::duration stalled_after);
     ~MetricsServer();
     MetricsServer(const MetricsServer&) = delete;
     MetricsServer& operator=(const MetricsServer&) = delete;
 
-    void publish(std::string text);
+    void publish(std::string text, const std::vector<std::string>& problems = {});
     [[nodiscard]] int port() const { return port_; }
     [[nodiscard]] const std::string& host() const { return host_; }
 
@@ -52,6 +54,7 @@ private:
     std::thread thread_;
     mutable std::mutex mu_;
     std::shared_ptr<const std::string> text_;
+    std::shared_ptr<const std::string> health_;  // /health's body while the loop turns
     std::chrono::steady_clock::time_point published_;
     std::chrono::steady_clock::duration stalled_after_{};
     std::string host_;

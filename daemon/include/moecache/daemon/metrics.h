@@ -7,11 +7,18 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace moecache::daemon {
 
 // `paths`: the file label is the model's path; else its file name and a hash of the path.
 std::string render_metrics(const DaemonStatus& s, bool paths = true);
+
+// What keeps the daemon from helping, for /health's "degraded" lines (empty: ready): a configured
+// model that is not loaded, memory pressure holding the locks down, runtimes whose copies come from
+// memory that maps no model. A daemon that runs without the bus or the page-cache telemetry by
+// configuration is not degraded.
+std::vector<std::string> health_problems(const DaemonStatus& s);
 
 // A label value as the format wants it: backslash, double quote and newline escaped, and bytes that
 // are not UTF-8 replaced by U+FFFD (Prometheus rejects them).
