@@ -4,27 +4,21 @@
 
 namespace moecache::daemon {
 
-const char* to_string(Doing d) {
-    switch (d) {
-        case Doing::ReadingResidency:
-            return "reading the page cache's residency";
-        case Doing::ReadingExpert:
-            return "reading an expert into the page cache";
-        case Doing::LockingExpert:
-            return "locking an expert";
-        case Doing::LookingAtGlobMatch:
-            return "looking at a file a [[model]] glob matched";
-        case Doing::UnlockingClosedModel:
-            return "unlocking a closed model";
-        case Doing::UnwatchingFile:
-            return "unwatching a model file's page cache";
-        case Doing::SavingProfiles:
-            return "saving heat profiles";
-        case Doing::StoppingTrace:
-            return "stopping the routing trace";
-    }
-    return "unknown";
-}
+namespace {
+// By Doing, in its order.
+constexpr std::array<const char*, kEveryDoing.size()> kDoingNames = {
+    "reading the page cache's residency",
+    "reading an expert into the page cache",
+    "locking an expert",
+    "looking at a file a [[model]] glob matched",
+    "unlocking a closed model",
+    "unwatching a model file's page cache",
+    "saving heat profiles",
+    "stopping the routing trace",
+};
+}  // namespace
+
+const char* to_string(Doing d) { return kDoingNames[static_cast<size_t>(d)]; }
 
 bool ErrorLog::note(Doing d, const std::string& what, Clock::time_point now) {
     const char* doing = to_string(d);

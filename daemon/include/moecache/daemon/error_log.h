@@ -24,9 +24,12 @@ enum class Doing : uint8_t {
     SavingProfiles,        // the heat profiles, on the tick and at exit
     StoppingTrace,         // the routing trace, at exit
 };
-inline constexpr std::array kEveryDoing = {
-    Doing::ReadingResidency,     Doing::ReadingExpert,  Doing::LockingExpert,  Doing::LookingAtGlobMatch,
-    Doing::UnlockingClosedModel, Doing::UnwatchingFile, Doing::SavingProfiles, Doing::StoppingTrace};
+// Every kind, in order: the enum's values 0 .. StoppingTrace.
+inline constexpr auto kEveryDoing = [] {
+    std::array<Doing, static_cast<size_t>(Doing::StoppingTrace) + 1> all{};
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<Doing>(i);
+    return all;
+}();
 // As the log and the metric's label say it: "reading the page cache's residency" ...
 [[nodiscard]] const char* to_string(Doing d);
 
