@@ -10,7 +10,8 @@
 # LLAMA_TARGETS names others (llama-server llama-bench llama-completion llama-perplexity).
 # A machine kept warm between calls keeps the build and the models (/var/tmp).
 # Environment: STEPS (squeeze): what to run, in order, each a benchmark of bench/ with its own
-# environment: squeeze (gpu-squeeze.sh), serve (gpu-serve.sh), soak (gpu-soak.sh), each also with a
+# environment: squeeze (gpu-squeeze.sh), serve (gpu-serve.sh), soak (gpu-soak.sh), probe
+# (gpu-backend-probe.sh, the backend and mkmodel from CARRIED's bundle), each also with a
 # suffix (soak-old: another soak, its own work directory); a step's variables may be given as
 # STEP_VAR (SERVE_CONFIGS=..., SOAK_OLD_HOOK=...), which override VAR for it.
 # CALL_SECONDS (540, counted from the call's start, the build included): the step under way is
@@ -53,6 +54,9 @@ for step in "${steps[@]}"; do
     squeeze*) w=/var/tmp/gsq; cmd=(bench/gpu-squeeze.sh "$llama/bin" "$w") ;;
     serve*) w=/var/tmp/gsv-$step; cmd=(bench/gpu-serve.sh "$llama/bin" "$w") ;;
     soak*) w=/var/tmp/gsk-$step; cmd=(bench/gpu-soak.sh "$llama/bin" "$w") ;;
+    probe*) w=/var/tmp/gpr-$step
+      cmd=(env WORKDIR="$w" BACKEND="$g/bundle/lib/libmoecache-ggml.so" MKMODEL="$g/bundle/bin/moecache-mkmodel"
+        bench/gpu-backend-probe.sh "$llama/bin") ;;
     *) echo "== $step: unknown step"; continue ;;
   esac
   dirs+=("$w")

@@ -13,12 +13,21 @@ int cmd_completion(const Options&, const std::vector<std::string>& args) {
 int cmd_help(const Options&, const std::vector<std::string>& args);
 
 const std::vector<Command> kCommands = {
-    {"status", "", "the daemon at a glance: budgets, what is locked, pressure, prefetch, clients",
-     "Reads org.moecache1.Manager.GetStatus. --json prints every key (docs/dbus.md).", cmd_status},
+    {"status", "[--http HOST:PORT]",
+     "the daemon at a glance, and whether it helps: per model, where routed experts were, storage read a token",
+     "Reads org.moecache1.Manager.GetStatus. --json prints every key (docs/dbus.md). \"is it helping?\" has a line\n"
+     "per model (helping: where the experts its runtime routed in decode were, VRAM / RAM / storage, and what the\n"
+     "runtime read from storage a token; idle; blind: no runtime reports its routing; cannot help, and why) and one\n"
+     "per reason that holds for the daemon (the VRAM pools' savings per GPU, a slow miss path, runtimes without a\n"
+     "mapping of the model, memory pressure).\n"
+     "Without D-Bus (a container, the bundle) it reads moecached's /status over HTTP instead: --http names the\n"
+     "address ([metrics] listen), else MOECACHE_METRICS, else 127.0.0.1:8474.",
+     cmd_status},
     {"models", "", "the models moecached manages, with how much of their experts is cached and locked",
      "CACHED and LOCKED are shares of the routed experts' bytes; IN VRAM counts experts a CUDA hook's pool holds.",
      cmd_models},
-    {"inspect", "MODEL.gguf", "what a GGUF file holds: MoE layers, experts, bytes, what is cached now (no daemon needed)",
+    {"inspect", "MODEL.gguf",
+     "what a GGUF file holds: MoE layers, experts, bytes, what is cached now (no daemon needed)",
      "MODEL may be any part of a split model (NAME-00002-of-00005.gguf): all parts are opened as one.\n"
      "--json prints the stable form scripts read (docs/inspect-json.md).",
      cmd_inspect},

@@ -1,21 +1,13 @@
 #include "moecache/ctl/inspect.h"
 
 #include "moecache/page_cache.h"
+#include "moecache/text.h"
 
 #include <fmt/format.h>
 
 namespace moecache::ctl {
 
-std::string format_bytes(uint64_t bytes) {
-    static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-    double v = static_cast<double>(bytes);
-    size_t u = 0;
-    while (v >= 1024.0 && u + 1 < std::size(kUnits)) {
-        v /= 1024.0;
-        ++u;
-    }
-    return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", v, kUnits[u]);
-}
+std::string format_bytes(uint64_t bytes) { return human_bytes(bytes); }
 
 Result<InspectReport> inspect_model(const std::string& path) {
     InspectReport r;

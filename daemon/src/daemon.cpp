@@ -247,7 +247,7 @@ void Daemon::tick() {
     trace_.flush();
     if (metrics_) {
         const DaemonStatus s = status(/*experts=*/false);  // the counts suffice
-        metrics_->publish(render_metrics(s, config_.metrics_paths), health_problems(s));
+        metrics_->publish(render_metrics(s, config_.metrics_paths), health_problems(s), render_status_text(s));
     }
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).
     if (auto r = watchdog_.ping(); !r) MC_LOG(LOG_WARNING, "systemd watchdog: {}", r.error().what());

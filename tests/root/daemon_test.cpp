@@ -7,6 +7,7 @@
 #include "temp_dir.h"
 
 #include "moecache/daemon/daemon.h"
+#include "moecache/daemon/helping.h"
 #include "moecache/daemon/page_locker.h"
 #include "moecache/page_cache.h"
 
@@ -129,6 +130,48 @@ TEST_F(DaemonTest, LocksTheHotExpertsAndTheKernelAgrees) {
     EXPECT_GT(s.locked_bytes, 3 * expert(s, 0, 3).bytes - 1);
     EXPECT_EQ(s.vmlck_bytes - vmlck_before, s.locked_bytes);
     EXPECT_LE(s.locked_bytes, s.lock_cap);
+}
+
+// Is it helping: each decode routing is counted where its expert was when the report came (locked:
+// RAM; neither locked nor cached: storage), prompt batches as tokens only, and the model's verdict
+// says it in figures: mostly from storage first, helping once the locked experts are the ones used.
+TEST_F(DaemonTest, DecodeRoutingsAreCountedWhereTheirExpertsWere) {
+    auto d = Daemon::create(config());
+    ASSERT_TRUE(d) << d.error().what();
+    const uint32_t id = *(*d)->model_id(model_);
+    opened(**d);
+    auto s = (*d)->status();
+    ASSERT_EQ(s.models.size(), 1u);
+    EXPECT_EQ(model_verdict(s, s.models[0]).kind, ModelVerdict::Kind::Idle) << model_verdict(s, s.models[0]).line;
+    route(**d, id, 0, {3, 5});  // 3 tokens, nothing locked or cached yet
+    route(**d, id, 2, {7});
+    settle(**d);
+    s = (*d)->status();
+    const auto before = s.models[0].outcome;
+    EXPECT_EQ(before.decode_tokens, 3u) << "a token is counted at the first MoE layer's report";
+    EXPECT_EQ(before.routed[static_cast<size_t>(Reach::Storage)], 9u);
+    EXPECT_TRUE(s.models[0].routing_reported);
+    ASSERT_EQ(expert(s, 0, 3).tier, Tier::Locked);
+    const auto v = model_verdict(s, s.models[0]);
+    EXPECT_EQ(v.kind, ModelVerdict::Kind::CannotHelp) << v.line;
+    EXPECT_NE(v.line.find("100.0 % on storage"), std::string::npos) << v.line;
+    ASSERT_FALSE(s.helping.empty());
+    EXPECT_EQ(s.helping[0], v.line) << "the status carries the report";
+
+    route(**d, id, 0, {3, 5}, 1);                                     // both locked
+    route(**d, id, 1, {3}, 1);                                        // neither locked nor cached
+    (*d)->record_routing(id, 0, std::vector<uint32_t>{1, 2, 3}, 64);  // a prompt batch
+    auto after = (*d)->status().models[0].outcome;
+    EXPECT_EQ(after.decode_tokens, before.decode_tokens + 1);
+    EXPECT_EQ(after.prompt_tokens, before.prompt_tokens + 64);
+    EXPECT_EQ(after.routed[static_cast<size_t>(Reach::Ram)] - before.routed[static_cast<size_t>(Reach::Ram)], 2u);
+    EXPECT_EQ(after.routed[static_cast<size_t>(Reach::Storage)] - before.routed[static_cast<size_t>(Reach::Storage)],
+              1u);
+    EXPECT_EQ(after.routed[static_cast<size_t>(Reach::Vram)], 0u) << "no pool";
+
+    route(**d, id, 0, {3, 5}, 20);
+    s = (*d)->status();
+    EXPECT_EQ(model_verdict(s, s.models[0]).kind, ModelVerdict::Kind::Helping) << model_verdict(s, s.models[0]).line;
 }
 
 TEST_F(DaemonTest, NeverLocksMoreThanTheBudget) {

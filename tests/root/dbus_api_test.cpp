@@ -187,8 +187,12 @@ TEST_F(DbusApi, StatusSaysWhichHooksMakeDecodeSlowerAndWhy) {
         if (out.find("slower") != std::string::npos) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    EXPECT_NE(out.find("slower       llama-server-a (pid "), std::string::npos) << out;
-    EXPECT_NE(out.find("GPU 1: MOECACHE_CUDA_PIN=off: misses are copied from pageable memory"), std::string::npos) << out;
+    // Under "is it helping?", a line of its own.
+    EXPECT_NE(out.find("is it helping?\n"), std::string::npos) << out;
+    EXPECT_NE(out.find("\n  llama-server-a (pid "), std::string::npos) << out;
+    EXPECT_NE(out.find("GPU 1: slower than it could be: MOECACHE_CUDA_PIN=off: misses are copied from pageable memory"),
+              std::string::npos)
+        << out;
     EXPECT_NE(out.find("unset MOECACHE_CUDA_PIN (auto)"), std::string::npos) << out;
     EXPECT_EQ(out.find("llama-server-b"), std::string::npos) << "the registered path is no notice: " << out;
     const auto j = ctl_json({"status"}, kNobody);
@@ -393,8 +397,11 @@ TEST_F(DbusApi, ExitCodesSayWhatWentWrong) {
         EXPECT_EQ(r.exit_code, 2) << r.err;
         EXPECT_NE(r.err.find("larger than 32 MiB"), std::string::npos) << r.err;
     }
-    const auto unreachable = test::run({MOECACHE_CTL_BIN, "--bus", "unix:path=" + dir_.file("no-bus"), "status"});
+    // No bus, and no moecached's /status where MOECACHE_METRICS says (port 1: nothing listens).
+    const auto unreachable = test::run({MOECACHE_CTL_BIN, "--bus", "unix:path=" + dir_.file("no-bus"), "status"},
+                                       {"MOECACHE_METRICS=127.0.0.1:1"});
     EXPECT_EQ(unreachable.exit_code, 3) << unreachable.err;
+    EXPECT_NE(unreachable.err.find("nor does http://127.0.0.1:1/status answer"), std::string::npos) << unreachable.err;
     // A bus without the daemon on it.
     daemon_->signal(SIGTERM);
     EXPECT_EQ(daemon_->wait(20), 0);

@@ -250,6 +250,38 @@ TEST_F(Moecached, WithoutItsDbusModuleItRunsAndSaysSo) {
     EXPECT_EQ(d.wait(20), 0) << d.output();
 }
 
+// Without D-Bus (a container, the bundle: [dbus] bus = "off"), moecachectl status reads the daemon's
+// /status over HTTP: named by --http, or by MOECACHE_METRICS when the bus cannot be reached at all;
+// "is it helping" names the model.
+TEST_F(Moecached, WithoutABusStatusComesOverHttp) {
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config() +
+                              "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n"
+                              "[pressure]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    ASSERT_TRUE(d.wait_for("model " + model_ + " loaded", 20)) << d.output();
+    std::smatch found;
+    const std::string out = d.output();
+    ASSERT_TRUE(std::regex_search(out, found, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    const std::string address = "127.0.0.1:" + found[1].str();
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a few ticks publish /status
+    const auto direct = test::run({MOECACHE_CTL_BIN, "status", "--http", address});
+    EXPECT_EQ(direct.exit_code, 0) << direct.err;
+    EXPECT_NE(direct.out.find("is it helping?\n  model.gguf: idle: no runtime has used it"), std::string::npos)
+        << direct.out;
+    const auto fallback = test::run({MOECACHE_CTL_BIN, "--bus", "unix:path=" + dir_.file("no-bus"), "status"},
+                                    {"MOECACHE_METRICS=" + address});
+    EXPECT_EQ(fallback.exit_code, 0) << fallback.err;
+    EXPECT_NE(fallback.out.find("moecached's http://" + address + "/status instead"), std::string::npos)
+        << fallback.out;
+    EXPECT_NE(fallback.out.find("is it helping?"), std::string::npos) << fallback.out;
+    const auto json = test::run({MOECACHE_CTL_BIN, "--json", "status", "--http", address});
+    EXPECT_EQ(json.exit_code, 2) << "--json needs the bus: " << json.err;
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+}
+
 // Why the DaemonSet keeps the host's PID namespace: from another one (a pod's own) a client in
 // a third (an inference pod) has pid 0 to the daemon (SO_PEERCRED), so root clients, which are
 // counted per cgroup (read from /proc/PID/cgroup), fall back to one count for all of them. The

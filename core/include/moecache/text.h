@@ -27,6 +27,9 @@ inline constexpr size_t kMaxShownName = 256;
 uint64_t name_hash(std::string_view s);
 std::string shown_name(std::string_view s);
 
+// A size for people: "512 B", "1.5 KiB", "12.3 GiB" (powers of 1024, one decimal).
+std::string human_bytes(uint64_t bytes);
+
 // Calls f(line) for each line of text, without its newline (a last line without one too), until f
 // returns false. For /proc files and other line-oriented text read whole.
 template <class F>

@@ -1,6 +1,9 @@
 #include "moecache/text.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <iterator>
 
 #include <cstdint>
 #include <cstdio>
@@ -77,6 +80,17 @@ std::string shown_name(std::string_view s) {
     out += '~';
     for (int i = 15; i >= 0; --i) out += kHex[(h >> (4 * i)) & 15];
     return out;
+}
+
+std::string human_bytes(uint64_t bytes) {
+    static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+    double v = static_cast<double>(bytes);
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < std::size(kUnits)) {
+        v /= 1024.0;
+        ++u;
+    }
+    return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", v, kUnits[u]);
 }
 
 }  // namespace moecache

@@ -7,6 +7,7 @@
 // parse_config_text catches anything else (std::bad_alloc), so no exception leaves the library.
 #include "moecache/daemon/config.h"
 #include "moecache/device_list.h"
+#include "moecache/http.h"
 
 #include <fmt/ranges.h>
 #include <toml++/toml.h>

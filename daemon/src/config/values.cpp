@@ -178,22 +178,4 @@ std::string format_bytes(uint64_t bytes) {
     return fmt::format("{} bytes", bytes);
 }
 
-Result<std::pair<std::string, int>> parse_listen_address(std::string_view text) {
-    const auto colon = text.rfind(':');
-    if (colon == std::string::npos || colon + 1 == text.size())
-        return failf("'{}' is not HOST:PORT (for example \"127.0.0.1:8474\")", text);
-    std::string host(text.substr(0, colon));
-    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-    int port = -1;
-    const auto* first = text.data() + colon + 1;
-    const auto* last = text.data() + text.size();
-    auto [p, ec] = std::from_chars(first, last, port);
-    if (ec != std::errc() || p != last || port < 0 || port > 65535)
-        return failf("'{}': the port must be a number from 0 to 65535", text);
-    unsigned char buf[16];
-    if (inet_pton(AF_INET, host.c_str(), buf) != 1 && inet_pton(AF_INET6, host.c_str(), buf) != 1)
-        return failf("'{}': the host must be an IP address (127.0.0.1, ::1, 0.0.0.0), not a name", text);
-    return std::make_pair(host, port);
-}
-
 }  // namespace moecache::daemon

@@ -100,6 +100,12 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     d[dbus_keys::kPrefetchPendingBytes] = m.prefetch_pending_bytes;
     d[dbus_keys::kExpertsFetching] = m.experts_fetching;
     d[dbus_keys::kSettled] = m.settled;
+    d[dbus_keys::kDecodeTokens] = m.outcome.decode_tokens;
+    d[dbus_keys::kPromptTokens] = m.outcome.prompt_tokens;
+    d[dbus_keys::kRoutedInVram] = m.outcome.routed[static_cast<size_t>(Reach::Vram)];
+    d[dbus_keys::kRoutedInRam] = m.outcome.routed[static_cast<size_t>(Reach::Ram)];
+    d[dbus_keys::kRoutedFromStorage] = m.outcome.routed[static_cast<size_t>(Reach::Storage)];
+    d[dbus_keys::kRoutingReported] = m.routing_reported;
     return d;
 }
 
@@ -230,6 +236,9 @@ struct SdbusService::Impl::Manager : sdbus::AdaptorInterfaces<org::moecache1::Ma
                         notices.push_back(printable_utf8(fmt::format("{} (pid {}) GPU {}: {}. {}.", c.name, c.pid, device,
                                                                      protocol::reason_of(path), protocol::advice_for(path))));
             d[dbus_keys::kHookNotices] = notices;
+            std::vector<std::string> helping;
+            for (const auto& line : s.helping) helping.push_back(printable_utf8(line));
+            d[dbus_keys::kHelping] = helping;
             return d;
         });
     }

@@ -51,6 +51,7 @@ void Intake::routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> ex
         if (*layer == 0) {
             m.res->heat().advance_clock(tokens);
             decide_.routed(tokens, m.last_used);
+            (tokens == 1 ? m.outcome.decode_tokens : m.outcome.prompt_tokens) += tokens;
         }
         // A report of 0 tokens is more of the batch before it: its ranking (moecache/batch_report.h),
         // or the rest of a decision too large for one ring record whose start an earlier turn read
@@ -63,8 +64,22 @@ void Intake::routing(ModelEntry& m, uint32_t block, std::span<const uint32_t> ex
             return;
         }
         m.res->heat().record(*layer, experts);
+        if (tokens == 1) count_reach(m, *layer, experts);
         // A prompt batch's report is not one token's routing: the predictor learns only tokens.
         if (config_.predict && tokens == 1) predict(m, *layer, experts);
+    }
+}
+
+void Intake::count_reach(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts) {
+    const auto& r = *m.res;
+    const uint32_t ne = r.n_experts();
+    for (uint32_t e : experts) {
+        if (e >= ne) continue;
+        const uint32_t slot = layer * ne + e;
+        if (slot >= r.n_slots()) continue;
+        const auto& st = r.state(slot);
+        ++m.outcome.routed[static_cast<size_t>(
+            reach(st.tier(), r.vram_holders(slot), st.cached_bytes(), r.slot_bytes(slot)))];
     }
 }
 

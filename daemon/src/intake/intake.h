@@ -31,6 +31,8 @@ public:
                  bool continued = false);
 
 private:
+    // A decode token's experts counted by where each was (RoutingOutcome: "is it helping").
+    void count_reach(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts);
     // [policy] predict: scores the last prediction for this layer, learns, and predicts the next
     // token's experts there (handed to the decide step once the predictor is trusted).
     void predict(ModelEntry& m, uint32_t layer, std::span<const uint32_t> experts);

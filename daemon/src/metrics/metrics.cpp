@@ -83,6 +83,19 @@ std::vector<std::string> health_problems(const DaemonStatus& s) {
     return out;
 }
 
+std::string render_status_text(const DaemonStatus& s) {
+    std::string out = fmt::format("moecached {} (commit {})\n", build_version(), build_commit());
+    out += fmt::format("  locked       {} of {} allowed now; budget {}, reserve {}, RAM {}\n",
+                       human_bytes(s.locked_bytes), human_bytes(s.lock_cap), human_bytes(s.lock_budget),
+                       human_bytes(s.reserve), human_bytes(s.mem_total));
+    out += fmt::format("  models       {}, clients {}, page cache {}\n", s.models.size(), s.clients.size(),
+                       s.page_cache.enabled ? "watched by eBPF" : "not watched: " + s.page_cache.off_reason);
+    out += "is it helping?\n";
+    if (s.helping.empty()) out += "  nothing to say yet: no model and no runtime\n";
+    for (const auto& line : s.helping) out += "  " + line + "\n";
+    return out;
+}
+
 std::string render_metrics(const DaemonStatus& s, bool paths) {
     const auto labels_of = [paths](const ModelStatus& m) { return model_labels(m, paths); };
     Writer w;
@@ -149,6 +162,23 @@ std::string render_metrics(const DaemonStatus& s, bool paths) {
         for (const auto& [tier, n] : tiers)
             w.sample("moecache_experts", fmt::format("{},tier=\"{}\"", labels_of(m), tier), n);
     }
+    // Is it helping: every tier has a series from the start.
+    w.family("moecache_model_tokens_total", "counter",
+             "Tokens its runtimes reported routing for, by phase: decode (one token a report) or prompt (batches).");
+    for (const auto& m : s.models) {
+        w.sample("moecache_model_tokens_total", fmt::format("{},phase=\"decode\"", labels_of(m)),
+                 m.outcome.decode_tokens);
+        w.sample("moecache_model_tokens_total", fmt::format("{},phase=\"prompt\"", labels_of(m)),
+                 m.outcome.prompt_tokens);
+    }
+    w.family(
+        "moecache_model_routed_experts_total", "counter",
+        "Experts its runtimes routed in decode, by where each was when the report came: vram (a pool), ram (locked "
+        "or cached), ssd (read from storage). Their shares answer whether moecache helps (moecachectl status).");
+    for (const auto& m : s.models)
+        for (auto r : {Reach::Vram, Reach::Ram, Reach::Storage})
+            w.sample("moecache_model_routed_experts_total", fmt::format("{},tier=\"{}\"", labels_of(m), to_string(r)),
+                     m.outcome.routed[static_cast<size_t>(r)]);
     w.family("moecache_expert_bytes", "gauge", "Bytes of routed experts, per model.");
     for (const auto& m : s.models) w.sample("moecache_expert_bytes", labels_of(m), m.expert_bytes);
     w.family("moecache_expert_cached_bytes", "gauge", "Bytes of routed experts in the page cache at the last look.");
@@ -220,6 +250,16 @@ std::string render_metrics(const DaemonStatus& s, bool paths) {
             for (const auto& [device, at] : c.miss_paths) n += at == path ? 1 : 0;
         w.sample("moecache_hook_miss_path_devices", fmt::format("path=\"{}\"", protocol::to_string(path)), n);
     }
+
+    // The process_* families every Prometheus client library exports.
+    w.family("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.");
+    w.sample("process_cpu_seconds_total", "", s.process.cpu_seconds);
+    w.scalar("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", s.process.resident_bytes);
+    w.scalar("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", s.process.virtual_bytes);
+    w.scalar("process_open_fds", "gauge", "Number of open file descriptors.", s.process.open_fds);
+    w.scalar("process_max_fds", "gauge", "Maximum number of open file descriptors.", s.process.max_fds);
+    w.family("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.");
+    w.sample("process_start_time_seconds", "", s.process.start_time_seconds);
 
     w.family("moecache_daemon_errors_total", "counter",
              "Failures the daemon went on after, by what it was doing (the log has the first of each and then one a minute).");

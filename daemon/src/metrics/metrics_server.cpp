@@ -1,6 +1,7 @@
 #include "metrics_server.h"
 
 #include "moecache/daemon/config.h"
+#include "moecache/http.h"
 #include "moecache/log.h"
 
 #include <arpa/inet.h>
@@ -145,14 +146,16 @@ MetricsServer::~MetricsServer() {
     if (thread_.joinable()) thread_.join();
 }
 
-void MetricsServer::publish(std::string text, const std::vector<std::string>& problems) {
+void MetricsServer::publish(std::string text, const std::vector<std::string>& problems, std::string status) {
     auto p = std::make_shared<const std::string>(std::move(text));
+    auto st = status.empty() ? nullptr : std::make_shared<const std::string>(std::move(status));
     std::string body;
     for (const auto& why : problems) body += "degraded: " + why + "\n";
     auto h = std::make_shared<const std::string>(body.empty() ? "ok\n" : body);
     std::lock_guard lock(mu_);
     text_ = std::move(p);
     health_ = std::move(h);
+    status_ = std::move(st);
     published_ = Clock::now();
 }
 
@@ -161,12 +164,13 @@ std::string MetricsServer::answer(const std::string& method, const std::string& 
     if (method != "GET" && !head)
         return response(405, "Method Not Allowed", "text/plain", "GET or HEAD only\n", false, "Allow: GET, HEAD\r\n");
     const std::string path = target.substr(0, target.find('?'));
-    std::shared_ptr<const std::string> text, health;
+    std::shared_ptr<const std::string> text, health, status;
     Clock::time_point published;
     {
         std::lock_guard lock(mu_);
         text = text_;
         health = health_;
+        status = status_;
         published = published_;
     }
     if (path == "/metrics") return response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", *text, head);
@@ -179,8 +183,11 @@ std::string MetricsServer::answer(const std::string& method, const std::string& 
                             head);
         return response(200, "OK", "text/plain", health ? *health : std::string("ok\n"), head);
     }
-    if (path == "/") return response(200, "OK", "text/plain", "moecached: metrics at /metrics, liveness at /health\n", head);
-    return response(404, "Not Found", "text/plain", "no such page: /metrics or /health\n", head);
+    if (path == "/status" && status) return response(200, "OK", "text/plain; charset=utf-8", *status, head);
+    if (path == "/")
+        return response(200, "OK", "text/plain",
+                        "moecached: metrics at /metrics, liveness at /health, whether it helps at /status\n", head);
+    return response(404, "Not Found", "text/plain", "no such page: /metrics, /health or /status\n", head);
 }
 
 void MetricsServer::serve() {

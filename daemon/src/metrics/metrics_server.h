@@ -1,6 +1,6 @@
-// GET /metrics and /health over HTTP, on a thread of their own. The event loop renders the text and
-// hands it over with publish(); the HTTP thread only copies the latest text out (one shared pointer
-// under a mutex), so a request never touches the daemon's state.
+// GET /metrics, /health and /status (is it helping, as text: moecachectl status without D-Bus) over HTTP, on a thread
+// of their own. The event loop renders the text and hands it over with publish(); the HTTP thread only copies the
+// latest text out (one shared pointer under a mutex), so a request never touches the daemon's state.
 //
 // Everything a peer sends is bounded, whoever it is (the port may face a whole cluster): one
 // thread and epoll over non-blocking sockets; a request head of at most kMaxHeadBytes and no body
@@ -41,7 +41,8 @@ public:
     MetricsServer(const MetricsServer&) = delete;
     MetricsServer& operator=(const MetricsServer&) = delete;
 
-    void publish(std::string text, const std::vector<std::string>& problems = {});
+    // `status`: /status's body (render_status_text); "" leaves it unanswered (404).
+    void publish(std::string text, const std::vector<std::string>& problems = {}, std::string status = "");
     [[nodiscard]] int port() const { return port_; }
     [[nodiscard]] const std::string& host() const { return host_; }
 
@@ -55,6 +56,7 @@ private:
     mutable std::mutex mu_;
     std::shared_ptr<const std::string> text_;
     std::shared_ptr<const std::string> health_;  // /health's body while the loop turns
+    std::shared_ptr<const std::string> status_;  // /status's
     std::chrono::steady_clock::time_point published_;
     std::chrono::steady_clock::duration stalled_after_{};
     std::string host_;

@@ -32,4 +32,22 @@ const char* to_string(Placement p) {
     return "?";
 }
 
+Reach reach(Tier tier, uint32_t vram_holders, uint64_t cached_bytes, uint64_t bytes) {
+    if (vram_holders > 0) return Reach::Vram;
+    if (tier == Tier::Locked || (bytes > 0 && 10 * cached_bytes >= 9 * bytes)) return Reach::Ram;
+    return Reach::Storage;
+}
+
+const char* to_string(Reach r) {
+    switch (r) {
+        case Reach::Vram:
+            return "vram";
+        case Reach::Ram:
+            return "ram";
+        case Reach::Storage:
+            return "ssd";
+    }
+    return "?";
+}
+
 }  // namespace moecache::daemon

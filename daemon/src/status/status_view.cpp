@@ -1,6 +1,7 @@
 #include "status/status_view.h"
 
 #include "moecache/daemon/decide_step.h"
+#include "moecache/daemon/helping.h"
 #include "moecache/daemon/model_registry.h"
 #include "moecache/daemon/router_trace.h"
 #include "moecache/daemon/system_memory.h"
@@ -112,6 +113,8 @@ DaemonStatus StatusView::daemon(bool experts) const {
         s.clients.push_back(std::move(cs));
     }
     for (const auto& m : models.all()) s.models.push_back(model(*m, experts));
+    s.helping = helping_report(s);
+    s.process = read_process();
     return s;
 }
 
@@ -143,6 +146,8 @@ ModelStatus StatusView::model(const ModelEntry& me, bool experts) const {
     ms.owner_uid = m->owner_uid;
     ms.budget_bytes = m->config.budget ? m->config.budget->resolve(mem_total) : 0;
     ms.opening = m->opening;
+    ms.outcome = m->outcome;
+    ms.routing_reported = m->last_routed.has_value();
     if (m->res) {
         const auto& r = *m->res;
         ms.prefetching_experts = static_cast<uint32_t>(r.cache_reads().size());

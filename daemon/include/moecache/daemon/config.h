@@ -180,8 +180,6 @@ Result<void> validate_config(const Config& c, uint64_t mem_total,
 Result<ByteAmount> parse_byte_amount(std::string_view text);
 // "12" (all of layer 12), "12:3" (expert 3 of layer 12), "12:0-7" (experts 0..7 of layer 12).
 Result<ExpertPin> parse_expert_pin(std::string_view text);
-// "HOST:PORT" with an IP address (IPv6 in brackets) and a port 0-65535 -> (host, port).
-Result<std::pair<std::string, int>> parse_listen_address(std::string_view text);
 
 // "48 GiB" when a unit divides it, else "1000 bytes" / "51539607553 bytes (48.0 GiB)".
 std::string format_bytes(uint64_t bytes);

@@ -20,6 +20,10 @@ std::string render_metrics(const DaemonStatus& s, bool paths = true);
 // configuration is not degraded.
 std::vector<std::string> health_problems(const DaemonStatus& s);
 
+// /status's body: moecachectl status's answer where there is no D-Bus (a container, the bundle):
+// the daemon's version, what it holds, and the "is it helping" lines (helping.h), as text.
+std::string render_status_text(const DaemonStatus& s);
+
 // A label value as the format wants it: backslash, double quote and newline escaped, and bytes that
 // are not UTF-8 replaced by U+FFFD (Prometheus rejects them).
 std::string escape_label_value(std::string_view v);

@@ -4,6 +4,7 @@
 
 #include "moecache/client/protocol.h"
 #include "moecache/daemon/model_residency.h"
+#include "moecache/daemon/system_memory.h"
 
 #include <cstdint>
 #include <map>
@@ -53,6 +54,10 @@ struct ModelStatus {
     // directed it to keep. What `moecachectl wait` waits for (a runtime's readiness: a warm start,
     // the prompt-model swap).
     bool settled = false;
+    // Is it helping: what its runtime routed, by where the experts were (Intake); whether a runtime
+    // reports its routing at all (the CUDA hook, the ggml backend, a client of the library).
+    RoutingOutcome outcome;
+    bool routing_reported = false;
     Tier dense_tier = Tier::Storage;
     uint64_t dense_bytes = 0;
     SlotTelemetry dense_telemetry;
@@ -130,6 +135,9 @@ struct DaemonStatus {
     std::map<std::string, uint64_t> errors;
     std::vector<ClientStatus> clients;
     std::vector<ModelStatus> models;
+    // Is it helping: a line per model and per reason (helping.h), made with the rest.
+    std::vector<std::string> helping;
+    ProcessFigures process;  // the daemon's own process (the process_* metrics)
 };
 
 }  // namespace moecache::daemon

@@ -22,6 +22,19 @@ uint64_t read_locked_bytes(const std::string& status = "/proc/self/status");
 // no such line, its number is not one, or it does not fit in 64 bits once multiplied out.
 std::optional<uint64_t> proc_kib_field(std::string_view text, std::string_view key);
 
+// The figures every Prometheus exporter gives of its own process (process_* metrics).
+struct ProcessFigures {
+    double cpu_seconds = 0;         // user and system
+    double start_time_seconds = 0;  // since the epoch
+    uint64_t resident_bytes = 0, virtual_bytes = 0, open_fds = 0, max_fds = 0;
+};
+// From the texts of /proc/PID/stat and /proc/stat (btime): nullopt when stat is not one (its
+// command may hold spaces and parentheses: the fields start after the last ')').
+std::optional<ProcessFigures> parse_process_stat(std::string_view stat, std::string_view proc_stat,
+                                                 long ticks_per_second, long page_size);
+// This process's, from /proc (zeros where it cannot be read).
+ProcessFigures read_process();
+
 // Total and available RAM (MemTotal, MemAvailable) and this process's VmLck, from /proc.
 uint64_t mem_total_bytes();
 uint64_t vmlck_bytes();

@@ -18,4 +18,19 @@ enum class Placement : uint8_t { Storage, Fetching, Ram, Vram, VramAndRam };
 [[nodiscard]] Placement placement(Tier tier, uint32_t vram_holders);
 const char* to_string(Placement p);
 
+// Where a routed expert was when its runtime's routing report came, as the runtime reaches it: in
+// a VRAM pool, in RAM (locked, or cached nine tenths or more at the daemon's last look), or neither
+// (the runtime reads it from storage). The tiers "is it helping" counts (`moecachectl status`).
+enum class Reach : uint8_t { Vram, Ram, Storage };
+[[nodiscard]] Reach reach(Tier tier, uint32_t vram_holders, uint64_t cached_bytes, uint64_t bytes);
+const char* to_string(Reach r);
+
+// What a model's runtime routed, counted as reports arrive (Intake): its tokens, and each decode
+// token's experts by where they were. Counts since the daemon opened the model.
+struct RoutingOutcome {
+    uint64_t decode_tokens = 0, prompt_tokens = 0;
+    uint64_t routed[3] = {};  // decode routings, indexed by Reach
+    [[nodiscard]] uint64_t routed_total() const { return routed[0] + routed[1] + routed[2]; }
+};
+
 }  // namespace moecache::daemon

@@ -31,6 +31,14 @@ inline constexpr const char kPrefetchingExperts[] = "prefetching_experts";
 inline constexpr const char kPrefetchPendingBytes[] = "prefetch_pending_bytes";
 inline constexpr const char kExpertsFetching[] = "experts_fetching";
 inline constexpr const char kSettled[] = "settled";
+// Is it helping (daemon/include/moecache/daemon/helping.h): decode and prompt tokens its runtimes
+// reported, decode routings by where the expert was, whether a runtime reports its routing.
+inline constexpr const char kDecodeTokens[] = "decode_tokens";
+inline constexpr const char kPromptTokens[] = "prompt_tokens";
+inline constexpr const char kRoutedInVram[] = "routed_in_vram";
+inline constexpr const char kRoutedInRam[] = "routed_in_ram";
+inline constexpr const char kRoutedFromStorage[] = "routed_from_storage";
+inline constexpr const char kRoutingReported[] = "routing_reported";
 inline constexpr const char kVersion[] = "version";
 inline constexpr const char kPid[] = "pid";
 inline constexpr const char kMemTotalBytes[] = "mem_total_bytes";
@@ -65,5 +73,7 @@ inline constexpr const char kTraceRecords[] = "trace_records";
 // as: one line per device of a connected CUDA hook whose misses make decode slower than without
 // moecache: who, which device, why, and what to do.
 inline constexpr const char kHookNotices[] = "hook_notices";
+// as: is it helping, a line per model and per reason that holds (moecachectl status prints them).
+inline constexpr const char kHelping[] = "helping";
 
 }  // namespace moecache::dbus_keys

@@ -1,0 +1,112 @@
+#include "moecache/daemon/helping.h"
+
+#include "moecache/file_util.h"
+#include "moecache/text.h"
+
+#include <fmt/format.h>
+
+namespace moecache::daemon {
+namespace {
+
+std::string share(uint64_t part, uint64_t whole) {
+    return whole == 0 ? "-" : fmt::format("{:.1f} %", 100.0 * static_cast<double>(part) / static_cast<double>(whole));
+}
+
+// A routed expert read from storage in more than this share of decode routings: moecache keeps too
+// little of the model close to help much (a budget, or a model larger than what it may hold).
+constexpr double kMostlyFromStorage = 0.5;
+
+}  // namespace
+
+const char* to_string(ModelVerdict::Kind k) {
+    switch (k) {
+        case ModelVerdict::Kind::Helping:
+            return "helping";
+        case ModelVerdict::Kind::Idle:
+            return "idle";
+        case ModelVerdict::Kind::Blind:
+            return "blind";
+        case ModelVerdict::Kind::CannotHelp:
+            return "cannot help";
+    }
+    return "?";
+}
+
+ModelVerdict model_verdict(const DaemonStatus& s, const ModelStatus& m) {
+    const std::string name = printable_utf8(m.name.empty() ? base_name(m.path) : m.name);
+    ModelVerdict v;
+    const auto say = [&](ModelVerdict::Kind kind, const std::string& what) {
+        v.kind = kind;
+        v.line = fmt::format("{}: {}: {}", name, to_string(kind), what);
+        return v;
+    };
+    if (!m.loaded)
+        return m.opening ? say(ModelVerdict::Kind::Idle, "its header is being read")
+                         : say(ModelVerdict::Kind::CannotHelp,
+                               fmt::format("not loaded: {}", m.error.empty() ? "(no reason logged)" : m.error));
+    const uint64_t read = m.read_bytes, tokens = m.outcome.decode_tokens + m.outcome.prompt_tokens;
+    if (!m.routing_reported) {
+        if (read == 0 && m.expert_telemetry.faults == 0)
+            return say(ModelVerdict::Kind::Idle, "no runtime has used it since the daemon opened it");
+        return say(
+            ModelVerdict::Kind::Blind,
+            fmt::format("no runtime reports its routing, so the daemon sees only the page cache{} (runtimes read "
+                        "{} of it from storage so far): preload libmoecache-cuda.so (GPU, -ot exps=CPU), "
+                        "load libmoecache-ggml.so, or preload libmoecache-rearm.so (CPU) into the runtime",
+                        s.page_cache.enabled ? "" : ", and its telemetry is off", human_bytes(read)));
+    }
+    if (m.outcome.decode_tokens == 0 || m.outcome.routed_total() == 0)
+        return say(ModelVerdict::Kind::Idle,
+                   fmt::format("prompts only so far ({} tokens); runtimes read {} from storage",
+                               m.outcome.prompt_tokens, human_bytes(read)));
+    const auto& r = m.outcome.routed;
+    const uint64_t all = m.outcome.routed_total();
+    const uint64_t vram = r[static_cast<size_t>(Reach::Vram)], ram = r[static_cast<size_t>(Reach::Ram)],
+                   ssd = r[static_cast<size_t>(Reach::Storage)];
+    std::string figures = fmt::format(
+        "decode ({} tokens): of the experts routed {} were in VRAM, {} in RAM, {} on storage; "
+        "runtimes read {} a token from storage ({} in all)",
+        m.outcome.decode_tokens, share(vram, all), share(ram, all), share(ssd, all),
+        human_bytes(tokens ? read / tokens : 0), human_bytes(read));
+    if (static_cast<double>(ssd) > kMostlyFromStorage * static_cast<double>(all)) {
+        const uint64_t budget = m.budget_bytes ? std::min(m.budget_bytes, s.lock_cap) : s.lock_cap;
+        return say(
+            ModelVerdict::Kind::CannotHelp,
+            fmt::format("{}: most routed experts came from storage; the daemon may lock {} now against its {} of "
+                        "experts{}",
+                        figures, human_bytes(budget), human_bytes(m.expert_bytes),
+                        s.under_pressure ? ", and memory pressure holds the locks down"
+                                         : " (raise [budget] lock, or give it more RAM)"));
+    }
+    return say(ModelVerdict::Kind::Helping, figures);
+}
+
+std::vector<std::string> helping_report(const DaemonStatus& s) {
+    std::vector<std::string> out;
+    for (const auto& m : s.models) out.push_back(model_verdict(s, m).line);
+    for (const auto& p : s.vram_pools) {
+        const uint64_t copies = p.hits + p.misses;
+        if (copies == 0) continue;
+        out.push_back(
+            fmt::format("GPU {}: the VRAM pools ({} held now) served {} of the expert copies, {} that did not cross "
+                        "from host memory; {} did",
+                        p.device, human_bytes(p.pool_bytes), share(p.hits, copies), human_bytes(p.hit_bytes),
+                        human_bytes(p.miss_bytes)));
+    }
+    for (const auto& c : s.clients)
+        for (const auto& [device, path] : c.miss_paths)
+            if (!protocol::is_fast(path))
+                out.push_back(
+                    printable_utf8(fmt::format("{} (pid {}) GPU {}: slower than it could be: {}. {}.", c.name, c.pid,
+                                               device, protocol::reason_of(path), protocol::advice_for(path))));
+    if (s.clients_without_model > 0)
+        out.push_back(
+            fmt::format("{} runtime(s) copy model-sized buffers to the GPU from memory that maps no model "
+                        "(--load-mode none, --no-mmap, or ollama's own choice): moecache cannot see their "
+                        "experts; load with mmap (LLAMA_ARG_LOAD_MODE=mmap)",
+                        s.clients_without_model));
+    if (s.under_pressure) out.emplace_back("memory pressure: the daemon holds its locks down until it passes");
+    return out;
+}
+
+}  // namespace moecache::daemon
