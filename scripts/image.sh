@@ -32,6 +32,8 @@ cp -a "$work/moecache" "$root/opt/moecache"
 # libraries only they load (sdbus-c++, and libsystemd with its own) stay out.
 rm -rf "$root/opt/moecache/lib/moecache" "$root/opt/moecache/bin/moecachectl" "$root"/opt/moecache/lib/libsdbus-c++.so*
 install -m 0644 "$top/deploy/container/moecached.toml" "$root/etc/moecache/moecached.toml"
+# The seccomp profile the DaemonSet's init container installs on each node (deploy/kubernetes).
+install -D -m 0644 "$top/deploy/kubernetes/seccomp/moecached.json" "$root/opt/moecache/share/seccomp/moecached.json"
 # What the bundle leaves to the system (glibc, libstdc++, libgcc_s and the dynamic loader), at the
 # paths this machine has them: the bundle's programs were linked against exactly these.
 declare -A system=()

@@ -3,7 +3,10 @@
 // and @kubernetes-models/prometheus-operator), then the fields that make the deployment work:
 // capabilities, the seccomp profile, host paths shared with inference pods, the memory the budgets
 // need, and the labels that tie the Service, the ServiceMonitor and the dashboard together.
-//   node tests/k8s/validate.mjs RENDERED.yaml EXAMPLE.yaml... --source SOURCE_DIR
+// Pod Security admission as the API server applies it: each pod's level (the Pod Security Standards'
+// baseline and restricted checks, below) against its namespace's enforce label.
+//   node tests/k8s/validate.mjs RENDERED.yaml EXAMPLE.yaml... --source SOURCE_DIR [--release NAME]
+// --release: the ServiceMonitor must carry the label release=NAME (kube-prometheus-stack's selector).
 import { readFileSync, existsSync } from 'node:fs';
 import { parseAllDocuments } from 'yaml';
 import * as core from 'kubernetes-models/v1';
@@ -12,8 +15,10 @@ import * as networking from 'kubernetes-models/networking.k8s.io/v1';
 import * as monitoring from '@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1';
 
 const args = process.argv.slice(2);
-const src = args.includes('--source') ? args[args.indexOf('--source') + 1] : '.';
-const files = args.filter((a, i) => a !== '--source' && args[i - 1] !== '--source');
+const option = (name) => (args.includes(name) ? args[args.indexOf(name) + 1] : undefined);
+const src = option('--source') ?? '.';
+const release = option('--release');
+const files = args.filter((a, i) => !a.startsWith('--') && !args[i - 1]?.startsWith('--'));
 const failures = [];
 const fail = (what) => failures.push(what);
 const models = {
@@ -45,6 +50,77 @@ const bytes = (s) => {
   return Number(m[1]) * unit;
 };
 
+
+// ---- Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards) ----
+// What keeps a pod spec from a level: [] when it meets it.
+const baselineCaps = ['AUDIT_WRITE', 'CHOWN', 'DAC_OVERRIDE', 'FOWNER', 'FSETID', 'KILL', 'MKNOD', 'NET_BIND_SERVICE',
+  'SETFCAP', 'SETGID', 'SETPCAP', 'SETUID', 'SYS_CHROOT'];
+const safeSysctls = ['kernel.shm_rmid_forced', 'net.ipv4.ip_local_port_range', 'net.ipv4.ip_unprivileged_port_start',
+  'net.ipv4.tcp_syncookies', 'net.ipv4.ping_group_range', 'net.ipv4.ip_local_reserved_ports', 'net.ipv4.tcp_keepalive_time',
+  'net.ipv4.tcp_fin_timeout', 'net.ipv4.tcp_keepalive_intvl', 'net.ipv4.tcp_keepalive_probes'];
+const restrictedVolumes = ['configMap', 'csi', 'downwardAPI', 'emptyDir', 'ephemeral', 'persistentVolumeClaim', 'projected', 'secret'];
+function allContainers(spec) {
+  return [...(spec.initContainers ?? []), ...(spec.containers ?? []), ...(spec.ephemeralContainers ?? [])];
+}
+function baselineViolations(spec) {
+  const v = [];
+  const psc = spec.securityContext ?? {};
+  for (const ns of ['hostNetwork', 'hostPID', 'hostIPC']) if (spec[ns]) v.push(`${ns}`);
+  if (psc.windowsOptions?.hostProcess) v.push('hostProcess');
+  for (const vol of spec.volumes ?? []) if (vol.hostPath) v.push(`hostPath volume ${vol.name}`);
+  for (const s of psc.sysctls ?? []) if (!safeSysctls.includes(s.name)) v.push(`sysctl ${s.name}`);
+  const contexts = [['pod', psc], ...allContainers(spec).map((c) => [`container ${c.name}`, c.securityContext ?? {}])];
+  for (const [who, sc] of contexts) {
+    if (sc.privileged) v.push(`${who}: privileged`);
+    if (sc.windowsOptions?.hostProcess) v.push(`${who}: hostProcess`);
+    if (sc.seccompProfile?.type === 'Unconfined') v.push(`${who}: seccomp Unconfined`);
+    if (sc.appArmorProfile?.type === 'Unconfined') v.push(`${who}: AppArmor Unconfined`);
+    if (sc.procMount && sc.procMount !== 'Default') v.push(`${who}: procMount ${sc.procMount}`);
+    const se = sc.seLinuxOptions;
+    if (se && ((se.type && !['container_t', 'container_init_t', 'container_kvm_t', 'container_engine_t'].includes(se.type)) || se.user || se.role))
+      v.push(`${who}: seLinuxOptions`);
+    for (const cap of sc.capabilities?.add ?? []) if (!baselineCaps.includes(cap)) v.push(`${who}: capability ${cap}`);
+  }
+  for (const c of allContainers(spec)) for (const p of c.ports ?? []) if (p.hostPort) v.push(`container ${c.name}: hostPort ${p.hostPort}`);
+  return v;
+}
+function restrictedViolations(spec) {
+  const v = baselineViolations(spec);
+  const psc = spec.securityContext ?? {};
+  for (const vol of spec.volumes ?? []) {
+    const kind = Object.keys(vol).find((k) => k !== 'name');
+    if (!restrictedVolumes.includes(kind)) v.push(`volume ${vol.name} of type ${kind}`);
+  }
+  for (const c of allContainers(spec)) {
+    const sc = c.securityContext ?? {};
+    if (sc.allowPrivilegeEscalation !== false) v.push(`container ${c.name}: allowPrivilegeEscalation is not false`);
+    if (!(sc.runAsNonRoot ?? psc.runAsNonRoot)) v.push(`container ${c.name}: runAsNonRoot is not true`);
+    if ((sc.runAsUser ?? psc.runAsUser) === 0) v.push(`container ${c.name}: runAsUser 0`);
+    const seccomp = (sc.seccompProfile ?? psc.seccompProfile)?.type;
+    if (seccomp !== 'RuntimeDefault' && seccomp !== 'Localhost') v.push(`container ${c.name}: no RuntimeDefault or Localhost seccomp profile`);
+    if (!(sc.capabilities?.drop ?? []).includes('ALL')) v.push(`container ${c.name}: capabilities not dropped (ALL)`);
+    for (const cap of sc.capabilities?.add ?? []) if (cap !== 'NET_BIND_SERVICE') v.push(`container ${c.name}: capability ${cap} added`);
+  }
+  return v;
+}
+const levels = ['privileged', 'baseline', 'restricted'];
+function levelOf(spec) {
+  if (restrictedViolations(spec).length === 0) return 'restricted';
+  if (baselineViolations(spec).length === 0) return 'baseline';
+  return 'privileged';
+}
+// The evaluator itself, on pods whose levels are known.
+{
+  const tight = { containers: [{ name: 'a', securityContext: { allowPrivilegeEscalation: false, runAsNonRoot: true,
+    seccompProfile: { type: 'RuntimeDefault' }, capabilities: { drop: ['ALL'] } } }], volumes: [{ name: 'c', configMap: { name: 'x' } }] };
+  const loose = { containers: [{ name: 'a', securityContext: { capabilities: { add: ['CHOWN'] } } }] };
+  const host = { ...loose, volumes: [{ name: 'h', hostPath: { path: '/x' } }] };
+  const pid = { ...loose, hostPID: true };
+  const bpf = { containers: [{ name: 'a', securityContext: { capabilities: { add: ['BPF'] } } }] };
+  for (const [spec, want] of [[tight, 'restricted'], [loose, 'baseline'], [host, 'privileged'], [pid, 'privileged'], [bpf, 'privileged']])
+    if (levelOf(spec) !== want) fail(`the Pod Security check itself: a pod known to be ${want} is judged ${levelOf(spec)}`);
+}
+
 const ds = find('DaemonSet', 'moecached');
 if (!ds) fail('no DaemonSet moecached');
 else {
@@ -67,8 +143,29 @@ else {
   if (sp?.type !== 'Localhost') fail('DaemonSet: no Localhost seccomp profile (the runtime default denies io_uring)');
   else if (!existsSync(`${src}/deploy/kubernetes/seccomp/${String(sp.localhostProfile).split('/').pop()}`))
     fail(`DaemonSet: seccomp profile ${sp.localhostProfile} is not in deploy/kubernetes/seccomp/`);
+  else {
+    // Installed on the node by the init container, where the kubelet looks (its seccomp folder).
+    const profile = String(sp.localhostProfile);
+    const dir = `/var/lib/kubelet/seccomp/${profile.split('/').slice(0, -1).join('/')}`;
+    const vol = pod.volumes.find((v) => v.hostPath?.path === dir);
+    const initc = pod.initContainers?.find((x) => x.name === 'prepare-node');
+    const at = vol && initc?.volumeMounts?.find((m) => m.name === vol.name)?.mountPath;
+    const file = profile.split('/').pop();
+    if (!at || !initc.command.join(' ').includes(`${at}/${file}`))
+      fail(`DaemonSet: the init container does not install ${file} into the node's ${dir}`);
+    if (!readFileSync(`${src}/scripts/image.sh`, 'utf8').includes(`deploy/kubernetes/seccomp/${file}`))
+      fail(`the image (scripts/image.sh) does not carry seccomp/${file} for the init container`);
+  }
   if (pod.hostPID !== true) fail('DaemonSet: hostPID is not set (the runtimes\' pids are the host\'s)');
-  if (pod.nodeSelector?.['nvidia.com/gpu.present'] !== 'true') fail('DaemonSet: no GPU node selector');
+  // GPU nodes as NVIDIA's device plugin finds them: node-feature-discovery's PCI label, or GPU
+  // feature discovery's; and the taints the device plugin tolerates.
+  const terms = pod.affinity?.nodeAffinity?.requiredDuringSchedulingIgnoredDuringExecution?.nodeSelectorTerms ?? [];
+  const termFor = (key) => terms.some((t) => t.matchExpressions?.some((e) => e.key === key && e.operator === 'In' && e.values?.includes('true')));
+  if (!termFor('feature.node.kubernetes.io/pci-10de.present')) fail('DaemonSet: no node affinity for node-feature-discovery\'s NVIDIA PCI label');
+  if (!termFor('nvidia.com/gpu.present')) fail('DaemonSet: no node affinity for GPU feature discovery\'s label');
+  if (pod.nodeSelector) fail('DaemonSet: a nodeSelector as well (it would AND with the affinity\'s either-or)');
+  for (const key of ['nvidia.com/gpu', 'CriticalAddonsOnly'])
+    if (!(pod.tolerations ?? []).some((t) => t.key === key && t.operator === 'Exists')) fail(`DaemonSet: does not tolerate ${key}`);
   const hostPath = (name) => pod.volumes.find((v) => v.name === name)?.hostPath?.path;
   const mountOf = (container, name) => container.volumeMounts?.find((m) => m.name === name)?.mountPath;
   if (hostPath('socket') !== '/run/moecache' || mountOf(c, 'socket') !== '/run/moecache')
@@ -147,6 +244,28 @@ else {
 }
 for (const o of objects)
   if (o.kind !== 'Namespace' && o.kind !== 'Pod' && o.metadata.namespace !== 'moecache') fail(`${o.kind} ${o.metadata.name}: not in the moecache namespace`);
+
+// Pod Security admission: every pod (the DaemonSet's template, the example pods applied to the
+// moecache namespace) at or below what its namespace enforces, and the namespace says so.
+const ns = find('Namespace', 'moecache');
+const enforce = ns?.metadata.labels?.['pod-security.kubernetes.io/enforce'];
+if (!levels.includes(enforce)) fail('Namespace moecache: no pod-security.kubernetes.io/enforce label');
+for (const [name, spec] of [['DaemonSet moecached', ds?.spec.template.spec], ...objects.filter((o) => o.kind === 'Pod').map((o) => [`Pod ${o.metadata.name}`, o.spec])]) {
+  if (!spec) continue;
+  const level = levelOf(spec);
+  if (levels.indexOf(level) < levels.indexOf(enforce))
+    fail(`${name}: Pod Security admission at ${enforce} refuses it (${(enforce === 'restricted' ? restrictedViolations(spec) : baselineViolations(spec)).join('; ')})`);
+  console.log(`Pod Security: ${name} meets ${level}${level === 'privileged' ? ` (baseline refuses: ${baselineViolations(spec).slice(0, 3).join('; ')})` : ''}; namespace enforces ${enforce}`);
+}
+// Labels: on every object, never rewritten into selectors (commonLabels did, and a DaemonSet's is immutable).
+const kustomization = readFileSync(`${src}/deploy/kubernetes/kustomization.yaml`, 'utf8');
+if (/^commonLabels:/m.test(kustomization)) fail('kustomization.yaml: commonLabels (deprecated; rewrites selectors)');
+for (const o of objects)
+  if (o.kind !== 'Pod' && o.metadata.labels?.['app.kubernetes.io/part-of'] !== 'moecache') fail(`${o.kind} ${o.metadata.name}: no app.kubernetes.io/part-of label`);
+if (ds && Object.keys(ds.spec.selector.matchLabels).join() !== 'app.kubernetes.io/name')
+  fail(`DaemonSet: its selector is ${JSON.stringify(ds.spec.selector.matchLabels)}, not its name alone`);
+if (release !== undefined && sm?.metadata.labels?.release !== release)
+  fail(`ServiceMonitor: no label release=${release} (kube-prometheus-stack's serviceMonitorSelector)`);
 
 if (failures.length) {
   for (const f of failures) console.log(`FAIL: ${f}`);

@@ -35,4 +35,18 @@ if node "$src/tests/k8s/validate.mjs" "$t/bad-type.yaml" "$src/deploy/kubernetes
   echo "FAIL: hostPID: \"yes\" passed the schema"; exit 1
 fi
 grep -q 'hostPID must be boolean' "$t/out" || { cat "$t/out"; echo "FAIL: the wrong type was not what was refused"; exit 1; }
-echo "PASS: rendered, valid, and a broken manifest is refused"
+# Pod Security: a namespace that enforces baseline refuses the DaemonSet, and says why.
+sed 's/pod-security.kubernetes.io\/enforce: privileged/pod-security.kubernetes.io\/enforce: baseline/' "$t/rendered.yaml" > "$t/baseline.yaml"
+if node "$src/tests/k8s/validate.mjs" "$t/baseline.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" > "$t/out" 2>&1; then
+  echo "FAIL: the DaemonSet passed a namespace that enforces baseline"; exit 1
+fi
+grep -q 'Pod Security admission at baseline refuses it (hostPID' "$t/out" || { cat "$t/out"; echo "FAIL: the baseline refusal was not named"; exit 1; }
+# With kube-prometheus-stack (deploy/kube-prometheus-stack: the component that labels the
+# ServiceMonitor for its selector), and the base without that label checked for it.
+kubectl kustomize "$src/deploy/kube-prometheus-stack" > "$t/kps.yaml" 2> "$t/kustomize.err" ||
+  { cat "$t/kustomize.err"; echo "FAIL: kubectl kustomize deploy/kube-prometheus-stack"; exit 1; }
+node "$src/tests/k8s/validate.mjs" "$t/kps.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" --release kube-prometheus-stack
+if node "$src/tests/k8s/validate.mjs" "$t/rendered.yaml" "$src/deploy/kubernetes/examples/llama-server.yaml" --source "$src" --release kube-prometheus-stack > "$t/out" 2>&1; then
+  echo "FAIL: the base's ServiceMonitor passed as labelled for kube-prometheus-stack"; exit 1
+fi
+echo "PASS: rendered, valid, Pod Security admission at the namespace's level, and a broken manifest is refused"

@@ -255,6 +255,23 @@ TEST(Metrics, TheDashboardAsksOnlyForWhatIsServedInValidPromQL) {
     for (const auto& p : dash.at("panels"))
         for (const auto& t : p.value("targets", nlohmann::json::array())) exprs.push_back(t.at("expr").get<std::string>());
     ASSERT_GT(exprs.size(), 10u);
+    // Rates over Grafana's $__rate_interval (at least four scrapes whatever the zoom), no fixed window.
+    for (const auto& e : exprs)
+        EXPECT_FALSE(std::regex_search(e, std::regex("rate\\([^)]*\\[[0-9]+[smh]\\]"))) << "a fixed rate window: " << e;
+    // The row that says whether moecache helps comes first, with the diagnostics that say it does not.
+    const auto& first = dash.at("panels").at(0);
+    EXPECT_EQ(first.value("type", ""), "row");
+    EXPECT_EQ(first.value("title", ""), "Is it helping?");
+    std::string row;
+    for (const auto& p : dash.at("panels")) {
+        if (&p != &first && p.value("type", "") == "row") break;
+        for (const auto& t : p.value("targets", nlohmann::json::array())) row += t.at("expr").get<std::string>() + "\n";
+    }
+    for (const char* f :
+         {"moecache_model_routed_experts_total", "moecache_model_tokens_total", "moecache_storage_read_bytes_total",
+          "moecache_hook_clients_without_model_mapping", "moecache_hook_unmapped_copy_bytes_total",
+          "moecache_hook_miss_path_devices", "moecache_miss_fetches_total", "moecache_daemon_errors_total"})
+        EXPECT_NE(row.find(f), std::string::npos) << f << " is not in the \"Is it helping?\" row";
     const std::regex name("moecache_[a-z_]+");
     for (const auto& e : exprs)
         for (auto it = std::sregex_iterator(e.begin(), e.end(), name); it != std::sregex_iterator(); ++it)
@@ -264,7 +281,9 @@ TEST(Metrics, TheDashboardAsksOnlyForWhatIsServedInValidPromQL) {
     // Dashboard variables become a plain regex for the parser.
     std::string rules = "groups:\n- name: dashboard\n  rules:\n";
     for (size_t i = 0; i < exprs.size(); ++i) {
-        const std::string e = std::regex_replace(exprs[i], std::regex("\\$[a-z_]+"), ".*");
+        const std::string ranged =
+            std::regex_replace(exprs[i], std::regex("\\$__(rate_interval|interval|range)"), "5m");
+        const std::string e = std::regex_replace(ranged, std::regex("\\$[a-z_]+"), ".*");
         rules += fmt::format("  - record: dashboard:expr{}\n    expr: {}\n", i, nlohmann::json(e).dump());
     }
     test::TempDir dir;
