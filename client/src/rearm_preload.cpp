@@ -9,6 +9,7 @@
 #include "moecache/client/rearm.h"
 #include "moecache/model.h"
 #include "moecache/process_maps.h"
+#include "moecache/process_role.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -26,6 +27,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -165,6 +167,24 @@ bool env_number(const char* name, unsigned long max, const char* what, unsigned&
     }
     out = static_cast<unsigned>(v);
     return true;
+}
+
+// Main's arguments, as glibc gives them to a library's constructors: MOECACHE_KEEP_MAPPING=1 keeps a
+// runtime's model mapped where its command line asks for --load-mode none or dio (ollama's choice on
+// CPU-only hosts and under host memory pressure); without it, one line says why moecache cannot help.
+__attribute__((constructor)) void look_at_command_line(int argc, char** argv, char** /*envp*/) {
+    if (argc <= 0 || argv == nullptr) return;
+    const char* keep = std::getenv("MOECACHE_KEEP_MAPPING");
+    if (keep != nullptr && (!std::strcmp(keep, "1") || !std::strcmp(keep, "on") || !std::strcmp(keep, "yes"))) {
+        if (const std::string was = moecache::keep_mapping(argc, argv); !was.empty())
+            std::fprintf(stderr, "moecache-rearm: --load-mode %s became --load-mode mmap (MOECACHE_KEEP_MAPPING)\n",
+                         was.c_str());
+        return;
+    }
+    const auto role = moecache::process_role(std::vector<std::string>(argv, argv + argc),
+                                             std::getenv("LLAMA_ARG_LOAD_MODE"), std::getenv("LLAMA_ARG_MODEL"));
+    if (role.kind == moecache::ProcessRole::Kind::Runtime && role.private_copy())
+        std::fprintf(stderr, "moecache-rearm: %s\n", moecache::private_copy_advice(role).c_str());
 }
 
 __attribute__((constructor)) void start() {

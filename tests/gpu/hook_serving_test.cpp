@@ -13,9 +13,10 @@
 #include "temp_dir.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -610,6 +611,44 @@ TEST_F(Unclaimed, ARuntimeThatFillsFreeMemoryLeavesNoRoomForAnUnclaimedPool) {
     ASSERT_GE(hook_.sync(10000), 1);
     EXPECT_EQ(hook_.pool_bytes(0), 0u) << "300 MiB free is under the reserve of an unclaimed pool";
     destroy(s);
+}
+
+// A preload reaches every process of ollama's service, its GPU discovery too (`llama-server
+// --list-devices`, a model-less llama-server, `ollama gpu-discover`): the hook leaves those alone.
+// Started as `llama-server --list-devices`, this test's own program claims nothing of a pool of
+// 16 MiB (the driver's free memory as it is) and copies pass through unserved; as itself, a runtime,
+// it claims the pool.
+class LeftAlone : public Claimed {};
+
+TEST_F(LeftAlone, ADeviceProbeClaimsNothingAndARuntimeDoes) {
+    auto* limit = cu_.knob<unsigned long long>("fake_cuda_memory_limit");
+    if (limit == nullptr) GTEST_SKIP() << "needs the fake driver's memory limit";
+    *limit = 1ull << 30;
+    size_t free = 0, total = 0;
+    ASSERT_EQ(cu_.mem_get_info(&free, &total), CUDA_SUCCESS);
+    const uint64_t unclaimed = (1ull << 30) - 12 * (slice_ * 32 + 512);  // less the set-up's 12 buffers
+    if (getenv("MOECACHE_TEST_AS_PROBE") != nullptr) {
+        EXPECT_EQ(free, unclaimed) << "a probe claims nothing";
+        auto s = new_streams();
+        token(s, /*check=*/true);
+        token(s, /*check=*/true);
+        EXPECT_EQ(hook_.pool_bytes(0), 0u) << "and holds no pool";
+        destroy(s);
+        return;
+    }
+    EXPECT_EQ(free, unclaimed - (16ull << 20)) << "a runtime's pool is claimed";
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        setenv("MOECACHE_TEST_AS_PROBE", "1", 1);
+        execl("/proc/self/exe", "llama-server", "--list-devices",
+              "--gtest_filter=LeftAlone.ADeviceProbeClaimsNothingAndARuntimeDoes", static_cast<char*>(nullptr));
+        _exit(127);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "the probe's own test failed (status " << status << ")";
 }
 
 class PinAll : public TwoDevices {

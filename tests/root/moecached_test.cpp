@@ -312,6 +312,41 @@ TEST_F(Moecached, SaysWhenARootClientsPidCannotBeSeen) {
 // every id is the user's, of its capabilities only those it uses remain (none to switch back),
 // and it does its job as that user (the pinned experts locked, the profile saved where the user
 // may write). Not root, it refuses to switch, saying why.
+// ollama's blobs under a home of 0750 (as ollama's installer makes it on many systems): a glob
+// over them matches nothing for the daemon's own user, silently before; now it says which folder is
+// closed and the one ACL that opens it, once.
+TEST_F(Moecached, AGlobOverAFolderItCannotEnterSaysWhichAndHowToOpenIt) {
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
+    const std::string home = dir_.file("ollama");
+    ASSERT_EQ(::mkdir(home.c_str(), 0750), 0);  // root's, closed to uid 65534
+    const std::string blobs = home + "/models/blobs";
+    std::filesystem::create_directories(blobs);
+    ::chmod((home + "/models").c_str(), 0755);
+    ::chmod(blobs.c_str(), 0755);
+    test::write_model(test::small_spec(), blobs + "/sha256-0123");
+    const std::string own = dir_.file("own");
+    ASSERT_EQ(::mkdir(own.c_str(), 0700), 0);
+    ASSERT_EQ(::chown(own.c_str(), 65534, 65534), 0);
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, "[daemon]\nstate_dir = \"" + own + "/state\"\ntick_seconds = 0.1\nsocket = \"" + own +
+                              "/sock\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[dbus]\nbus = \"off\"\n"
+                              "[pressure]\nenabled = false\n[metrics]\nlisten = \"\"\n"
+                              "[[model]]\npath = \"" +
+                              blobs + "/sha256-*\"\nkeep = true\n");
+    ASSERT_EQ(::chmod(cfg.c_str(), 0644), 0);
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg, "--user", "65534:65534"});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    EXPECT_TRUE(d.wait_for("matches nothing: moecached (user nobody) cannot enter " + home +
+                               ". Give it that: `setfacl -m u:nobody:rx " + home + "`",
+                           10))
+        << d.output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // several refreshes
+    const std::string out = d.output();
+    EXPECT_EQ(out.find("cannot enter"), out.rfind("cannot enter")) << "said more than once: " << out;
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+}
+
 TEST_F(Moecached, SwitchesToItsUserKeepingOnlyTheCapabilitiesItUses) {
     const uint32_t nobody = 65534;
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);

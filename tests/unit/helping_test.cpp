@@ -113,17 +113,23 @@ TEST(Helping, TheReportAddsThePoolsSavingsAndWhatHoldsForTheDaemon) {
     c.pid = 42;
     c.miss_paths = {{0, protocol::MissPath::Registered}, {1, protocol::MissPath::PageableChosen}};
     s.clients.push_back(c);
+    ClientStatus runner;
+    runner.name = "moecache-cuda pid 77";
+    runner.pid = 77;
+    runner.command_line_problem = "this runtime was started with --load-mode none, ...";
+    s.clients.push_back(runner);
     s.clients_without_model = 1;
     s.under_pressure = true;
     const auto r = helping_report(s);
-    ASSERT_EQ(r.size(), 5u) << fmt::format("{}", fmt::join(r, "\n"));
+    ASSERT_EQ(r.size(), 6u) << fmt::format("{}", fmt::join(r, "\n"));
     EXPECT_EQ(r[0], "a: idle: no runtime has used it since the daemon opened it");
     EXPECT_EQ(r[1],
               "GPU 1: the VRAM pools (6.0 GiB held now) served 75.0 % of the expert copies, 3.0 GiB that did not "
               "cross from host memory; 1.0 GiB did");
     EXPECT_TRUE(has(r[2], "llama-server (pid 42) GPU 1: slower than it could be")) << "only the slow path: " << r[2];
-    EXPECT_TRUE(has(r[3], "1 runtime(s) copy model-sized buffers")) << r[3];
-    EXPECT_TRUE(has(r[4], "memory pressure")) << r[4];
+    EXPECT_EQ(r[3], "moecache-cuda pid 77 (pid 77): this runtime was started with --load-mode none, ...");
+    EXPECT_TRUE(has(r[4], "1 runtime(s) copy model-sized buffers")) << r[4];
+    EXPECT_TRUE(has(r[5], "memory pressure")) << r[5];
 }
 
 TEST(Helping, ProcessFiguresComeFromProcStatWhateverTheCommandIsCalled) {

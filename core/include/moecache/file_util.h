@@ -5,6 +5,7 @@
 #include "moecache/error.h"
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace moecache {
@@ -26,5 +27,10 @@ inline std::string base_name(const std::string& path) {
     const auto slash = path.rfind('/');
     return slash == std::string::npos ? path : path.substr(slash + 1);
 }
+
+// The first directory on the way to `path` (a file, or a glob: up to its first wildcard) that
+// `can_search` (access(X_OK | R_OK) for the caller) says is closed, or "" when none is: what to
+// open up for a daemon that cannot see into, say, ollama's 0750 home.
+std::string first_closed_directory(const std::string& path, const std::function<bool(const std::string&)>& can_search);
 
 }  // namespace moecache

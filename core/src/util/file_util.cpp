@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 
 namespace moecache {
@@ -78,6 +79,16 @@ Result<void> pread_exact(int fd, void* buf, size_t n, uint64_t offset, std::stri
         offset += static_cast<uint64_t>(got);
     }
     return {};
+}
+
+std::string first_closed_directory(const std::string& path, const std::function<bool(const std::string&)>& can_search) {
+    if (path.empty() || path[0] != '/') return "";
+    // The directories up to the last '/' before the first wildcard.
+    const std::string fixed = path.substr(0, std::min(path.find_first_of("*?["), path.size()));
+    const size_t last = fixed.rfind('/');
+    for (size_t p = fixed.find('/', 1); p != std::string::npos && p <= last; p = fixed.find('/', p + 1))
+        if (const std::string dir = fixed.substr(0, p); !can_search(dir)) return dir;
+    return "";
 }
 
 }  // namespace moecache

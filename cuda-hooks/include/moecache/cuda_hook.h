@@ -28,8 +28,10 @@
  *                            RAM holds the model; no one place)
  *   MOECACHE_CUDA_CLAIM=off  a pool given in bytes takes what the runtime leaves (default: it is
  *                            claimed from the start: free-memory queries report that much less
- *                            until the pool holds it, so that llama.cpp's --fit and ollama, which
- *                            fill free VRAM themselves, leave the room)
+ *                            until the pool holds it, so that a runtime that sizes its own use
+ *                            from free VRAM leaves the room. llama.cpp's --fit with --cpu-moe,
+ *                            -ot or -ngl given only shortens the context to leave it (it places
+ *                            no layers then); without those it moves layers off the GPU)
  *   MOECACHE_CUDA_PEER=off   a device's copies read only its own pool (default: other devices'
  *                            pools too, peer to peer, with peer access enabled between them)
  *   MOECACHE_CUDA_COPY_KERNEL=off  pool hits copied with the driver's device-to-device copies
@@ -44,7 +46,12 @@
  *                            hook, else ~/.cache/moecache/hook); the next run fills its pool from
  *                            it while no daemon directs the pool
  *   MOECACHE_CUDA_LOG=1      a summary on stderr at exit
- *   MOECACHE_SOCKET=PATH     the daemon's client socket; MOECACHE_CUDA_CLIENT=off: no daemon */
+ *   MOECACHE_SOCKET=PATH     the daemon's client socket; MOECACHE_CUDA_CLIENT=off: no daemon
+ *   MOECACHE_KEEP_MAPPING=1  read before main: a "--load-mode none" or "dio" on the runtime's
+ *                            command line (ollama passes one on CPU-only hosts, under host memory
+ *                            pressure and on integrated GPUs) becomes "mmap", and it says so
+ * Read from the command line before main: a device probe (llama-server --list-devices or without
+ * a model, ollama gpu-discover) and `ollama serve` are left alone: no pool, no claim, no daemon. */
 #ifndef MOECACHE_CUDA_HOOK_H
 #define MOECACHE_CUDA_HOOK_H
 

@@ -5,6 +5,7 @@
 #include "driver.h"
 #include "log.h"
 #include "moecache/client.h"
+#include "moecache/process_role.h"
 
 #include <poll.h>
 #include <pthread.h>
@@ -34,6 +35,34 @@ bool env_off(const char* name) {
     return v != nullptr && (!strcmp(v, "off") || !strcmp(v, "0") || !strcmp(v, "no") || !strcmp(v, "false"));
 }
 
+// What this process was started as (process_role.h), read from its command line before main: a
+// probe or ollama's server is left alone (no pool, no claim, no daemon link). Made at first use: a
+// library constructor may run before this file's static objects are constructed.
+ProcessRole& role() {
+    static ProcessRole r;
+    return r;
+}
+
+bool env_on(const char* name) {
+    const char* v = getenv(name);
+    return v != nullptr && (!strcmp(v, "on") || !strcmp(v, "1") || !strcmp(v, "yes") || !strcmp(v, "true"));
+}
+
+// glibc calls a library's constructors with main's arguments: the place to keep a runtime's mapping
+// (MOECACHE_KEEP_MAPPING) before it parses them, and to learn what the process is.
+__attribute__((constructor)) void read_command_line(int argc, char** argv, char** /*envp*/) {
+    if (argc <= 0 || argv == nullptr) return;
+    std::string kept;
+    if (env_on("MOECACHE_KEEP_MAPPING")) kept = keep_mapping(argc, argv);
+    role() = process_role(std::vector<std::string>(argv, argv + argc), getenv("LLAMA_ARG_LOAD_MODE"),
+                          getenv("LLAMA_ARG_MODEL"));
+    if (!kept.empty())
+        fprintf(
+            stderr,
+            "moecache-cuda: --load-mode %s became --load-mode mmap (MOECACHE_KEEP_MAPPING): the model stays mapped\n",
+            kept.c_str());
+}
+
 }  // namespace
 
 void say(const char* fmt, ...) {
@@ -48,6 +77,19 @@ void say(const char* fmt, ...) {
 Engine* Engine::get() {
     static Engine* engine = [] () -> Engine* {
         if (env_off("MOECACHE_CUDA")) return nullptr;
+        switch (role().kind) {
+            case ProcessRole::Kind::Probe:
+            case ProcessRole::Kind::OllamaServer:
+                if (env_on("MOECACHE_CUDA_LOG"))
+                    say("left alone: %s", role().why.empty() ? "ollama's server" : role().why.c_str());
+                return nullptr;
+            case ProcessRole::Kind::OldOllamaRunner:
+                say("%s", role().why.c_str());
+                break;
+            case ProcessRole::Kind::Runtime:
+                break;
+        }
+        if (role().private_copy()) say("%s", private_copy_advice(role()).c_str());
         pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); });
         auto* e = new Engine(hook_config_from([](const char* name) { return getenv(name); },
                                               [](const std::string& line) { say("%s", line.c_str()); }));

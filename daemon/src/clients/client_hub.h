@@ -10,6 +10,7 @@
 #include "moecache/client/protocol.h"
 #include "moecache/client/telemetry_ring.h"
 #include "moecache/daemon/config.h"
+#include "moecache/process_role.h"
 
 #include <chrono>
 #include <deque>
@@ -33,6 +34,9 @@ struct Client {
     bool hello = false;
     std::chrono::steady_clock::time_point connected;  // Hello is due within [clients] hello_seconds
     std::string name;
+    // What its process was started as (/proc/PID/cmdline at Hello; the default where the pid is
+    // not seen): a runtime that reads its model into private memory, ollama's old runner.
+    ProcessRole role;
     std::vector<uint32_t> models;  // model ids it registered
     std::unique_ptr<telemetry::TelemetryRing> ring;
     std::set<std::pair<uint32_t, uint32_t>> vram;  // (model id, slot) its VRAM pool holds, as it says

@@ -16,7 +16,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <pwd.h>
+#include <unistd.h>
 #include <algorithm>
+
 #include <climits>
 #include <cstring>
 #include <set>
@@ -132,11 +135,14 @@ void ModelRegistry::refresh() {
     // Globs may match new files. A model whose file changed or went away is closed and retried.
     std::set<std::string> matched;
     for (const auto& mc : config_.models)
-        if (mc.path.find_first_of("*?[") != std::string::npos)
-            for (const auto& p : expand(mc.path)) {
+        if (mc.path.find_first_of("*?[") != std::string::npos) {
+            const auto found = expand(mc.path);
+            for (const auto& p : found) {
                 matched.insert(p);
                 if (glob_match_is_moe(p)) add(mc, p);
             }
+            if (found.empty()) say_if_closed(mc);
+        }
     std::erase_if(glob_checked_, [&](const auto& v) { return !matched.count(v.first); });  // files gone
     for (auto& m : models_) {
         if (m->res) {
@@ -147,6 +153,21 @@ void ModelRegistry::refresh() {
         // by its name (which its owner may swap); the next registration opens it again.
         if (!m->res && (m->operator_added || !m->registered)) open(*m);  // not while it opens or is set aside
     }
+}
+
+void ModelRegistry::say_if_closed(const ModelConfig& mc) {
+    // A glob over a folder the daemon's user cannot enter matches nothing, silently: ollama's home
+    // (/usr/share/ollama) is 0750 on many systems, and moecached runs as its own user.
+    const std::string dir =
+        first_closed_directory(mc.path, [](const std::string& d) { return ::access(d.c_str(), R_OK | X_OK) == 0; });
+    if (dir.empty() || !glob_closed_told_.insert(mc.path).second) return;
+    const auto* pw = ::getpwuid(::geteuid());
+    const std::string user = pw ? pw->pw_name : std::to_string(::geteuid());
+    MC_LOG(LOG_WARNING,
+           "{}: [[model]] path \"{}\" matches nothing: moecached (user {}) cannot enter {}. Give it that: `setfacl -m "
+           "u:{}:rx {}` (and the same for any folder below it that is closed), or the runtime's own descriptors only "
+           "(no keep)",
+           mc.where, mc.path, user, dir, user, dir);
 }
 
 bool ModelRegistry::glob_match_is_moe(const std::string& path) {

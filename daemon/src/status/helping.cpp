@@ -99,6 +99,9 @@ std::vector<std::string> helping_report(const DaemonStatus& s) {
                 out.push_back(
                     printable_utf8(fmt::format("{} (pid {}) GPU {}: slower than it could be: {}. {}.", c.name, c.pid,
                                                device, protocol::reason_of(path), protocol::advice_for(path))));
+    for (const auto& c : s.clients)
+        if (!c.command_line_problem.empty())
+            out.push_back(printable_utf8(fmt::format("{} (pid {}): {}", c.name, c.pid, c.command_line_problem)));
     if (s.clients_without_model > 0)
         out.push_back(
             fmt::format("{} runtime(s) copy model-sized buffers to the GPU from memory that maps no model "

@@ -103,6 +103,10 @@ DaemonStatus StatusView::daemon(bool experts) const {
         cs.uid = c->peer.uid;
         cs.gid = c->peer.gid;
         cs.name = c->name;
+        if (c->role.private_copy())
+            cs.command_line_problem = private_copy_advice(c->role);
+        else if (c->role.kind == ProcessRole::Kind::OldOllamaRunner)
+            cs.command_line_problem = c->role.why;
         cs.models = c->models;
         cs.telemetry = c->ring != nullptr;
         cs.events = c->events;

@@ -155,6 +155,8 @@ private:
     // Whether a file a [[model]] glob matched is an MoE GGUF model (said once per file version when
     // it is not: an ollama blob directory also holds manifests' layers, dense models, projectors).
     bool glob_match_is_moe(const std::string& path);
+    // A glob that matches nothing because a folder on its way is closed to the daemon: logged once.
+    void say_if_closed(const ModelConfig& mc);
     void glob_looked_at(const std::string& path, const GlobVerdict& now);
     void opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res);
     void open_late(uint32_t id);
@@ -178,6 +180,7 @@ private:
     uint64_t set_aside_ = 0;                           // times a model's file stopped answering
     std::map<std::string, GlobVerdict> glob_checked_;  // by path: what glob_match_is_moe found
     std::set<std::string> glob_looking_;               // paths whose header is being looked at (OffLoop)
+    std::set<std::string> glob_closed_told_;           // globs whose closed directory was logged
 };
 
 }  // namespace moecache::daemon

@@ -90,6 +90,9 @@ struct ClientStatus {
     uint64_t overflow = 0;         // records its ring had no room for (the client's count)
     // How its VRAM pools' misses reach their devices, as it says (PoolStats): (device, path).
     std::vector<std::pair<uint32_t, protocol::MissPath>> miss_paths;
+    // Why moecache cannot help it, from its command line: a model read into private memory
+    // (--load-mode none or dio: ollama's choice), ollama's old runner; "" when nothing is wrong.
+    std::string command_line_problem;
 };
 
 // The VRAM pools of the CUDA hooks on one device, as they report it (PoolStats): counters since the
