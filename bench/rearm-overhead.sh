@@ -29,7 +29,7 @@ dpid=
 cleanup() { [ -n "$dpid" ] && kill "$dpid" 2>/dev/null && wait "$dpid" 2>/dev/null; rm -rf "$work"; }
 trap cleanup EXIT
 model=$work/ds.gguf
-"$mk" -o "$model" --preset deepseek-v4-flash --expert-type q8_0 >/dev/null
+"$mk" -o "$model" --preset deepseek-v4-flash --layers 8 --experts-used 4 --expert-type q8_0 >/dev/null
 cat > "$work/moecached.toml" <<TOML
 [daemon]
 state_dir = "$work/state"

@@ -99,5 +99,22 @@ install -m 0644 "$top/config/moecached.toml" "$out/share/moecache/moecached.toml
   echo
   echo "carried in lib/: $(ls "$out/lib" | grep -v -e '^libmoecache-' -e '^moecache$' | paste -sd' ' -)"
   echo "from the system: $(printf '%s\n' "${!from_system[@]}" | sort | paste -sd' ' -)"
+  echo
+  # Why each carried library is carried, and what input it reads: none parses data from a network,
+  # so none waits for a distribution's security updates the way libssl or libsystemd would.
+  echo "why each is carried (Debian 12's build; update the bundle with moecache's releases):"
+  for name in $(ls "$out/lib" | grep -v -e '^libmoecache-' -e '^moecache$'); do
+    case $name in
+      libbpf.so*) why="loads the daemon's own eBPF programs (page-cache telemetry): input is built into moecached" ;;
+      libelf.so*) why="libbpf's ELF reader, for those programs only" ;;
+      liburing.so*) why="io_uring for prefetch reads: no parsing" ;;
+      libnuma.so*) why="NUMA placement of prefetch reads: reads sysfs" ;;
+      libfmt.so*) why="text formatting: no input" ;;
+      libtomlplusplus.so*) why="parses moecached.toml, a root-owned file" ;;
+      libsdbus-c++.so*) why="D-Bus bindings (the daemon's module, moecachectl) over the system's libsystemd, which reads the bus: a fix in it needs a new bundle" ;;
+      *) why="needed by the programs above" ;;
+    esac
+    echo "  $name: $why"
+  done
 } > "$out/MANIFEST"
 echo "bundle: $out ($(du -sh "$out" | cut -f1)): $(ls "$out/bin" | paste -sd' ' -); $(ls "$out/lib" | grep -vc "^moecache$") libraries"

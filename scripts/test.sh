@@ -17,6 +17,18 @@ scripts/setup/install-deps.sh
 jobs=$(nproc)
 status=0
 
+# Why each skipped test skipped (ctest prints the reason only with -V): grouped by reason, from the
+# test log of BUILD_DIR's last ctest run (GTEST_SKIP's line after "Skipped", a script's "SKIP: ...").
+skip_reasons() {
+  local log=$1/Testing/Temporary/LastTest.log
+  [ -f "$log" ] || return 0
+  awk '/^[0-9]+\/[0-9]+ Testing: / { name = $3 }
+       /: Skipped$/ { if ((getline reason) > 0) add(reason) }
+       /^SKIP: / { add(substr($0, 7)) }
+       function add(r) { if (!((name, r) in seen)) { seen[name, r] = 1; n[r]++; if (n[r] <= 3) who[r] = who[r] ((n[r] > 1) ? ", " : "") name } }
+       END { for (r in n) printf "  %d skipped: %s (%s%s)\n", n[r], r, who[r], (n[r] > 3 ? ", ..." : "") }' "$log" | sort -rn
+}
+
 echo "== format (scripts/check-format.sh) =="
 scripts/check-format.sh || status=1
 
@@ -35,6 +47,8 @@ echo "== tests (gcc build) =="
 skip_systemd=(-LE systemd)
 [ "${MOECACHE_SYSTEMD_TEST:-0}" = 1 ] && skip_systemd=()
 ctest --test-dir build --output-on-failure -j "$jobs" "${skip_systemd[@]}" || status=1
+echo "== skipped tests and why =="
+skip_reasons build
 
 if [ "${MOECACHE_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== build (clang, ASan + UBSan, libFuzzer) =="
@@ -50,5 +64,7 @@ if [ "${MOECACHE_SKIP_SANITIZE:-0}" != 1 ]; then
   long+='|TraceGen\.PresetsLand|TraceGen\.RealLike|MkModel\.PresetsMeet|MkModel\.RealRouting|Baselines\.OnTheDeepSeekPreset'
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-sanitize --output-on-failure -L 'unit|fuzz' -E "$long" -j "$jobs" || status=1
+  echo "== skipped tests and why (sanitizer build) =="
+  skip_reasons build-sanitize
 fi
 exit $status

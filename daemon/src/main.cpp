@@ -15,7 +15,8 @@
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: moecached [--config FILE] [--user USER[:GROUP]] [--check] [--verbose]
+constexpr const char* kUsage =
+    R"(usage: moecached [--config FILE] [--user USER[:GROUP]] [--check] [--verbose] [--version]
 
 Keeps the hot experts of Mixture-of-Experts models resident: locks them in the page cache within
 budgets, prefetches them with io_uring, backs off under memory pressure, and saves their heat so

@@ -61,7 +61,8 @@ TEST(PageCacheHits, FaultsOfReArmedExpertsRankThemAsTheRouterDoes) {
     if (!f.faults) GTEST_SKIP() << "no page-fault tracepoints on this kernel: " << f.missing;
     test::TempDir dir;
     const std::string model = dir.file("ds.gguf");
-    const auto mk = test::run({MOECACHE_MKMODEL_BIN, "--output", model, "--preset", "deepseek-v4-flash", "--expert-type", "q8_0"});
+    const auto mk = test::run({MOECACHE_MKMODEL_BIN, "--output", model, "--preset", "deepseek-v4-flash", "--layers",
+                               "8", "--experts-used", "4", "--expert-type", "q8_0"});
     ASSERT_EQ(mk.exit_code, 0) << mk.err;
 
     Config c = test::daemon_config(model, dir.file("state"), 1u << 20);

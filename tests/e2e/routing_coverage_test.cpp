@@ -27,7 +27,8 @@ bool runtime_installed() {
 void measure(const test::TempDir& dir, const std::string& preset, int tokens, nlohmann::json& report) {
     const std::string model = dir.file(preset + ".gguf");
     const std::string out = dir.file(preset + ".routing.json");
-    const auto mk = test::run({MOECACHE_MKMODEL_BIN, "--output", model, "--preset", preset, "--expert-type", "q8_0"});
+    const auto mk = test::run({MOECACHE_MKMODEL_BIN, "--output", model, "--preset", preset, "--layers", "8",
+                               "--experts-used", "4", "--expert-type", "q8_0"});
     ASSERT_EQ(mk.exit_code, 0) << mk.err;
     const auto r = test::run({"node", std::string(MOECACHE_NODE_DIR) + "/generate.mjs", "--model", model, "--tokens",
                               std::to_string(tokens), "--threads", "1", "--seed", "1"},

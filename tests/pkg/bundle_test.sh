@@ -37,6 +37,10 @@ done
 for lib in libsystemd.so.0 libz.so.1 libzstd.so.1 liblzma.so.5 libgcrypt.so.20 libssl.so.3 libcrypto.so.3; do
   [[ " $carried " != *" $lib "* ]] || fail "$lib is carried: a frozen copy of the system's ($carried)"
 done
+# Each carried library has its reason in the MANIFEST.
+for lib in $carried; do
+  grep -q "^  $lib: ." "$b/MANIFEST" || fail "the MANIFEST does not say why $lib is carried"
+done
 [ -f "$b/lib/moecache/libmoecache-dbus.so" ] || fail "no D-Bus module in lib/moecache/"
 sed -e "s|@SOCKET@|$t/bus|" -e "s|@POLICY@|$src/dbus/org.moecache1.conf|" "$src/dbus/private-bus.conf.in" > "$t/bus.conf"
 

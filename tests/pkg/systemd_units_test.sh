@@ -52,4 +52,11 @@ if ! awk -v e="$exposure" -v m="$max" 'BEGIN { exit !(e + 0 <= m + 0) }'; then
   grep '✗' <<<"$report" || true
   status=1
 fi
+# The README quotes the figure: it must be the one measured here.
+src_readme=$(cd "$(dirname "$0")/../.." && pwd)/README.md
+quoted=$(sed -n 's/.*`systemd-analyze security` exposure \([0-9][0-9.]*\).*/\1/p' "$src_readme")
+if [ "$quoted" != "$exposure" ]; then
+  echo "FAIL: README.md quotes an exposure of ${quoted:-nothing}; systemd-analyze security says $exposure"
+  status=1
+fi
 exit $status

@@ -60,6 +60,18 @@ TEST(Helping, EachModelGetsAVerdictInWordsAndFigures) {
     EXPECT_TRUE(has(v.line, "3.0 GiB of it from storage")) << v.line;
     EXPECT_TRUE(has(v.line, "libmoecache-rearm.so")) << "says what to do: " << v.line;
 
+    // A CPU runtime with the re-arm preload reports no routing: its faults and reads are the figures.
+    auto cpu = loaded("cpu");
+    cpu.read_bytes = 1ull << 30;
+    cpu.outcome.touched[static_cast<size_t>(Reach::Ram)] = 90;
+    cpu.outcome.touched[static_cast<size_t>(Reach::Storage)] = 10;
+    v = model_verdict(s, cpu);
+    EXPECT_EQ(v.kind, ModelVerdict::Kind::Helping) << v.line;
+    EXPECT_TRUE(has(v.line, "seen through the page cache")) << v.line;
+    EXPECT_TRUE(has(v.line, "90.0 % were in RAM, 10.0 % read from storage")) << v.line;
+    cpu.outcome.touched[static_cast<size_t>(Reach::Storage)] = 100;
+    EXPECT_EQ(model_verdict(s, cpu).kind, ModelVerdict::Kind::CannotHelp) << model_verdict(s, cpu).line;
+
     auto prompts = loaded("prompts");
     prompts.routing_reported = true;
     prompts.outcome.prompt_tokens = 512;
@@ -86,7 +98,7 @@ TEST(Helping, EachModelGetsAVerdictInWordsAndFigures) {
     starved.outcome.routed[static_cast<size_t>(Reach::Storage)] = 1000;
     v = model_verdict(s, starved);
     EXPECT_EQ(v.kind, ModelVerdict::Kind::CannotHelp);
-    EXPECT_TRUE(has(v.line, "most routed experts came from storage")) << v.line;
+    EXPECT_TRUE(has(v.line, "most experts came from storage")) << v.line;
     EXPECT_TRUE(has(v.line, "may lock 8.0 GiB now against its 40.0 GiB of experts")) << v.line;
     EXPECT_TRUE(has(v.line, "raise [budget] lock")) << v.line;
     s.under_pressure = true;

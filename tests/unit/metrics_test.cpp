@@ -90,6 +90,14 @@ DaemonStatus sample() {
 // label tells two files of one name apart. No label changes when a client registers it again.
 // What is running, for a dashboard and a bug report: the version and the commit built from, always
 // 1; and the same line as --version.
+// The changelog's newest version is the one the programs say.
+TEST(Metrics, TheChangelogsNewestVersionIsTheBuilds) {
+    const std::string log = test::read_file(std::string(MOECACHE_SOURCE_DIR) + "/CHANGELOG.md");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(log, m, std::regex("\n## ([0-9]+\\.[0-9]+\\.[0-9]+)"))) << "no version heading";
+    EXPECT_EQ(m[1].str(), build_version());
+}
+
 TEST(Metrics, BuildInfoNamesTheVersionAndTheCommit) {
     const std::string text = daemon::render_metrics(daemon::DaemonStatus{}, false);
     const std::string want =

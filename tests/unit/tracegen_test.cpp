@@ -1,5 +1,6 @@
 // Synthetic router traces: well-formed, reproducible, each control moving the statistic it is
 // for, the presets landing on their published figures, and the file in docs/trace.md's format.
+#include "run.h"
 #include "temp_dir.h"
 
 #include "moecache/tracegen/tracegen.h"
@@ -464,6 +465,37 @@ TEST(TraceGen, RealLikePresetsLandWithinAFifthOfTheirFigures) {
     near(d.top_quarter, 0.71, "deepseek-like: the hottest 25 %");
     // Their noise carries over: no bound to hold the policy to.
     EXPECT_FALSE(bound_hit_rates(q, std::vector<double>{0.25}));
+}
+
+}  // namespace
+}  // namespace moecache::tracegen
+
+namespace moecache::tracegen {
+namespace {
+
+// One meaning per preset name: a model moecache-mkmodel writes with a preset and no shape options
+// has the shape moecache-tracegen's preset of that name generates (a user compares the two).
+TEST(PresetShape, EachPresetNameMeansOneShapeInBothTools) {
+    test::TempDir dir;
+    size_t shared = 0;
+    for (const auto& mk : mkmodel::presets()) {
+        const Preset* tg = find_preset(mk.name);
+        if (tg == nullptr) continue;
+        ++shared;
+        // moecache-tracegen --preset NAME: the family's own counts where it has them (as its CLI does).
+        Spec want;
+        if (tg->family.experts != 0) want.n_experts = tg->family.experts;
+        if (tg->family.used != 0) want.n_used = tg->family.used;
+        const Spec* spec = &want;  // fit() keeps the shape it is given
+        const auto r = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file(mk.name + ".gguf"), "--preset", mk.name,
+                                  "--embd", "64", "--ff", "32", "--vocab", "512", "--json"});
+        ASSERT_EQ(r.exit_code, 0) << r.err;
+        const auto j = nlohmann::json::parse(r.out);
+        EXPECT_EQ(j.at("n_layers").get<uint32_t>(), spec->n_layers) << mk.name;
+        EXPECT_EQ(j.at("n_experts").get<uint32_t>(), spec->n_experts) << mk.name;
+        EXPECT_EQ(j.at("n_experts_used").get<uint32_t>(), spec->n_used) << mk.name;
+    }
+    EXPECT_GE(shared, 6u) << "deepseek-v4-flash, low-skew, uniform and the three real-like presets";
 }
 
 }  // namespace

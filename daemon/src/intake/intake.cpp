@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 
 namespace moecache::daemon {
 
@@ -23,6 +24,7 @@ void Intake::page_cache() {
     auto batch = page_cache_.consume(resolve);
     decide_.missed(batch.missed);
     if (batch.used.empty()) return;
+    const std::set<std::pair<uint32_t, uint32_t>> read(batch.missed.begin(), batch.missed.end());
     const auto now = std::chrono::steady_clock::now();
     for (auto& m : models_.all()) {
         if (!m->res) continue;
@@ -32,6 +34,7 @@ void Intake::page_cache() {
             if (id != m->id || slot >= m->res->n_slots()) continue;
             m->last_used = now;
             if (routed) continue;  // the routing reports are its heat (ModelEntry::last_routed)
+            ++m->outcome.touched[static_cast<size_t>(read.count({id, slot}) ? Reach::Storage : Reach::Ram)];
             const uint32_t expert = slot % n;
             m->res->heat().record(slot / n, std::span<const uint32_t>(&expert, 1));
         }

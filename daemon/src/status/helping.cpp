@@ -45,7 +45,28 @@ ModelVerdict model_verdict(const DaemonStatus& s, const ModelStatus& m) {
                          : say(ModelVerdict::Kind::CannotHelp,
                                fmt::format("not loaded: {}", m.error.empty() ? "(no reason logged)" : m.error));
     const uint64_t read = m.read_bytes, tokens = m.outcome.decode_tokens + m.outcome.prompt_tokens;
+    const auto of = [](const uint64_t(&by)[3], Reach r) { return by[static_cast<size_t>(r)]; };
+    // Helping, or not where most experts came from storage: what the daemon may lock against them.
+    const auto judged = [&](const std::string& figures, uint64_t from_storage, uint64_t all) {
+        if (static_cast<double>(from_storage) <= kMostlyFromStorage * static_cast<double>(all))
+            return say(ModelVerdict::Kind::Helping, figures);
+        const uint64_t budget = m.budget_bytes ? std::min(m.budget_bytes, s.lock_cap) : s.lock_cap;
+        return say(
+            ModelVerdict::Kind::CannotHelp,
+            fmt::format("{}: most experts came from storage; the daemon may lock {} now against its {} of experts{}",
+                        figures, human_bytes(budget), human_bytes(m.expert_bytes),
+                        s.under_pressure ? ", and memory pressure holds the locks down"
+                                         : " (raise [budget] lock, or give it more RAM)"));
+    };
     if (!m.routing_reported) {
+        const uint64_t touched = m.outcome.touched_total();
+        if (touched > 0)
+            return judged(fmt::format("seen through the page cache (no runtime reports its routing; a CPU runtime's "
+                                      "re-armed faults): of the experts runtimes touched {} were in RAM, {} read from "
+                                      "storage; runtimes read {} from storage in all",
+                                      share(of(m.outcome.touched, Reach::Ram), touched),
+                                      share(of(m.outcome.touched, Reach::Storage), touched), human_bytes(read)),
+                          of(m.outcome.touched, Reach::Storage), touched);
         if (read == 0 && m.expert_telemetry.faults == 0)
             return say(ModelVerdict::Kind::Idle, "no runtime has used it since the daemon opened it");
         return say(
@@ -55,30 +76,18 @@ ModelVerdict model_verdict(const DaemonStatus& s, const ModelStatus& m) {
                         "load libmoecache-ggml.so, or preload libmoecache-rearm.so (CPU) into the runtime",
                         s.page_cache.enabled ? "" : ", and its telemetry is off", human_bytes(read)));
     }
-    if (m.outcome.decode_tokens == 0 || m.outcome.routed_total() == 0)
+    const uint64_t all = m.outcome.routed_total();
+    if (m.outcome.decode_tokens == 0 || all == 0)
         return say(ModelVerdict::Kind::Idle,
                    fmt::format("prompts only so far ({} tokens); runtimes read {} from storage",
                                m.outcome.prompt_tokens, human_bytes(read)));
-    const auto& r = m.outcome.routed;
-    const uint64_t all = m.outcome.routed_total();
-    const uint64_t vram = r[static_cast<size_t>(Reach::Vram)], ram = r[static_cast<size_t>(Reach::Ram)],
-                   ssd = r[static_cast<size_t>(Reach::Storage)];
-    std::string figures = fmt::format(
-        "decode ({} tokens): of the experts routed {} were in VRAM, {} in RAM, {} on storage; "
-        "runtimes read {} a token from storage ({} in all)",
-        m.outcome.decode_tokens, share(vram, all), share(ram, all), share(ssd, all),
-        human_bytes(tokens ? read / tokens : 0), human_bytes(read));
-    if (static_cast<double>(ssd) > kMostlyFromStorage * static_cast<double>(all)) {
-        const uint64_t budget = m.budget_bytes ? std::min(m.budget_bytes, s.lock_cap) : s.lock_cap;
-        return say(
-            ModelVerdict::Kind::CannotHelp,
-            fmt::format("{}: most routed experts came from storage; the daemon may lock {} now against its {} of "
-                        "experts{}",
-                        figures, human_bytes(budget), human_bytes(m.expert_bytes),
-                        s.under_pressure ? ", and memory pressure holds the locks down"
-                                         : " (raise [budget] lock, or give it more RAM)"));
-    }
-    return say(ModelVerdict::Kind::Helping, figures);
+    return judged(
+        fmt::format("decode ({} tokens): of the experts routed {} were in VRAM, {} in RAM, {} on storage; "
+                    "runtimes read {} a token from storage ({} in all)",
+                    m.outcome.decode_tokens, share(of(m.outcome.routed, Reach::Vram), all),
+                    share(of(m.outcome.routed, Reach::Ram), all), share(of(m.outcome.routed, Reach::Storage), all),
+                    human_bytes(tokens ? read / tokens : 0), human_bytes(read)),
+        of(m.outcome.routed, Reach::Storage), all);
 }
 
 std::vector<std::string> helping_report(const DaemonStatus& s) {

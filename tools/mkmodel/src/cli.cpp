@@ -33,7 +33,9 @@ Routing:
   --preset NAME       uniform | deepseek-v4-flash | low-skew: fits the router skew to the
                       preset's published coverage for this expert count; mixtral-like |
                       qwen3-next-like | deepseek-like: routing as real models' router logs show
-                      it (docs/routing.md), with their expert counts unless given, and reuse
+                      it (docs/routing.md), with reuse. A preset brings the shape it has in
+                      moecache-tracegen where the options above do not say: 16 layers, its own
+                      experts and top-k (the first three: 64, top-8)
   --skew S            router bias -S*ln(rank)^P; 0 routes uniformly (0)
   --skew-shape P      (1)
   --context-weight W  reuse between neighbouring tokens, made by the model: layer 0's attention
@@ -97,7 +99,8 @@ int run_cli(int argc, char** argv) {
     ModelSpec spec;
     WriteOptions opt;
     std::string output;
-    bool json = false, skew_given = false, context_given = false, experts_given = false, used_given = false;
+    bool json = false, skew_given = false, context_given = false, experts_given = false, used_given = false,
+         layers_given = false;
     auto die = [](const std::string& m) { return usage_error("moecache-mkmodel", m); };
     auto flag = [&](const std::string& a) {
         if (a == "--json") return json = true;
@@ -108,10 +111,17 @@ int run_cli(int argc, char** argv) {
         auto u32 = [&](uint32_t& out) { return parse_number(v, out); };
         bool ok = true;
         if (a == "--output" || a == "-o") output = v;
-        else if (a == "--layers") ok = u32(spec.n_layers);
-        else if (a == "--experts") { ok = u32(spec.n_experts); experts_given = true; }
-        else if (a == "--experts-used") { ok = u32(spec.n_experts_used); used_given = true; }
-        else if (a == "--embd") ok = u32(spec.n_embd);
+        else if (a == "--layers") {
+            ok = u32(spec.n_layers);
+            layers_given = true;
+        } else if (a == "--experts") {
+            ok = u32(spec.n_experts);
+            experts_given = true;
+        } else if (a == "--experts-used") {
+            ok = u32(spec.n_experts_used);
+            used_given = true;
+        } else if (a == "--embd")
+            ok = u32(spec.n_embd);
         else if (a == "--ff") ok = u32(spec.n_ff_exp);
         else if (a == "--heads") ok = u32(spec.n_head);
         else if (a == "--heads-kv") ok = u32(spec.n_head_kv);
@@ -146,9 +156,12 @@ int run_cli(int argc, char** argv) {
     if (output.empty()) return die("--output FILE.gguf is required");
     if (!spec.preset.empty() && skew_given) return die("--preset and --skew exclude each other");
     if (!spec.preset.empty()) {  // the preset's shape and reuse where the options do not say
+        // A preset means one shape in moecache-mkmodel and moecache-tracegen alike: its own expert
+        // count, else tracegen's 16 layers x 64 experts, top-8 (kPresetShape).
         const Preset& p = *find_preset(spec.preset);
-        if (p.experts != 0 && !experts_given) spec.n_experts = p.experts;
-        if (p.used != 0 && !used_given) spec.n_experts_used = p.used;
+        if (!layers_given) spec.n_layers = kPresetShape.layers;
+        if (!experts_given) spec.n_experts = p.experts != 0 ? p.experts : kPresetShape.experts;
+        if (!used_given) spec.n_experts_used = p.used != 0 ? p.used : kPresetShape.used;
         if (!context_given) spec.context = p.context;
     }
     if (auto r = validate(spec); !r) return die(r.error().what());

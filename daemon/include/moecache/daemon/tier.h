@@ -31,6 +31,11 @@ struct RoutingOutcome {
     uint64_t decode_tokens = 0, prompt_tokens = 0;
     uint64_t routed[3] = {};  // decode routings, indexed by Reach
     [[nodiscard]] uint64_t routed_total() const { return routed[0] + routed[1] + routed[2]; }
+    // Where no runtime reports routing (a CPU runtime with the re-arm preload), the page cache's
+    // view: experts runtimes touched (a fault or a read, once a batch), indexed by Reach (Ram: the
+    // pages were there; Storage: read from storage).
+    uint64_t touched[3] = {};
+    [[nodiscard]] uint64_t touched_total() const { return touched[0] + touched[1] + touched[2]; }
 };
 
 }  // namespace moecache::daemon

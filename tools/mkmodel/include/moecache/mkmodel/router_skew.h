@@ -36,6 +36,13 @@ struct Preset {
 const std::vector<Preset>& presets();
 const Preset* find_preset(const std::string& name);
 
+// The shape a preset means where it has no expert count of its own and the options do not say:
+// moecache-mkmodel's and moecache-tracegen's alike (one meaning per preset name).
+struct PresetShape {
+    uint32_t layers, experts, used;
+};
+inline constexpr PresetShape kPresetShape{16, 64, 8};
+
 // Fits S and P so that the simulated coverage matches the preset's targets for this expert count.
 RouterSkew fit_skew(const Preset& preset, uint32_t n_experts, uint32_t n_used);
 

@@ -24,6 +24,7 @@
 
 #include "moecache/batch_report.h"
 #include "moecache/error.h"
+#include "moecache/mkmodel/router_skew.h"
 #include "moecache/mkmodel/synth_model.h"
 
 #include <cstdint>
@@ -34,9 +35,10 @@
 namespace moecache::tracegen {
 
 struct Spec {
-    uint32_t n_layers = 16;
-    uint32_t n_experts = 64;
-    uint32_t n_used = 8;
+    // mkmodel's preset shape: a preset name means one model shape in both tools.
+    uint32_t n_layers = mkmodel::kPresetShape.layers;
+    uint32_t n_experts = mkmodel::kPresetShape.experts;
+    uint32_t n_used = mkmodel::kPresetShape.used;
     uint64_t tokens = 2000;
     mkmodel::RouterSkew skew;  // S = 0: every expert equally likely
     double reuse = 0;          // [0, 1)
