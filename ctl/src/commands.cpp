@@ -1,12 +1,22 @@
-// moecachectl's verb table, help and bash completion; the verbs themselves are in verbs/.
+// moecachectl's verb table, help and completion for bash, zsh and fish; the verbs themselves are in verbs/.
 #include "verbs.h"
+
+#include <algorithm>
+#include <ranges>
 
 namespace moecache::ctl {
 namespace {
 
 int cmd_completion(const Options&, const std::vector<std::string>& args) {
-    if (args.size() != 1 || args[0] != "bash") return usage_error("usage: moecachectl completion bash");
-    fmt::print("{}", bash_completion());
+    if (args.size() != 1) return usage_error("usage: moecachectl completion bash|zsh|fish");
+    if (args[0] == "bash")
+        fmt::print("{}", bash_completion());
+    else if (args[0] == "zsh")
+        fmt::print("{}", zsh_completion());
+    else if (args[0] == "fish")
+        fmt::print("{}", fish_completion());
+    else
+        return usage_error("usage: moecachectl completion bash|zsh|fish");
     return kExitOk;
 }
 
@@ -75,8 +85,12 @@ const std::vector<Command> kCommands = {
      "Configured models go by removing them from the configuration (and systemctl reload moecached);\n"
      "models a runtime registered go with the runtime.",
      cmd_unregister},
-    {"completion", "bash", "print the bash completion script",
-     "Installed as /usr/share/bash-completion/completions/moecachectl; or: source <(moecachectl completion bash)",
+    {"completion", "bash|zsh|fish", "print the completion script for a shell",
+     "Installed for bash (/usr/share/bash-completion/completions/moecachectl), zsh\n"
+     "(/usr/share/zsh/vendor-completions/_moecachectl) and fish "
+     "(/usr/share/fish/vendor_completions.d/moecachectl.fish);\n"
+     "or: source <(moecachectl completion bash), moecachectl completion fish | source, and for zsh\n"
+     "moecachectl completion zsh > ~/.zfunc/_moecachectl with ~/.zfunc in fpath.",
      cmd_completion},
     {"help", "[COMMAND]", "this text, or more about one command", "", cmd_help},
 };
@@ -154,13 +168,138 @@ _moecachectl() {{
             elif ((n == 1)); then COMPREPLY=($(compgen -W "$(_moecachectl_models)" -- "$cur"));
             else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
         trace) if ((n == 0)); then COMPREPLY=($(compgen -W "start stop" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
-        completion) COMPREPLY=($(compgen -W "bash" -- "$cur")) ;;
+        completion) COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur")) ;;
+        status) COMPREPLY=($(compgen -W "--http" -- "$cur")) ;;
         help) COMPREPLY=($(compgen -W "$verbs" -- "$cur")) ;;
     esac
 }}
 complete -F _moecachectl moecachectl
 )BASH",
                        verbs);
+}
+
+namespace {
+
+// Text inside a shell's single quotes: each ' closed, escaped and reopened.
+std::string single_quoted(std::string_view text, std::string_view quote_escape) {
+    std::string out;
+    for (char c : text) {
+        if (c == '\'')
+            out += quote_escape;
+        else
+            out += c;
+    }
+    return out;
+}
+
+// The verbs that take a model first, and the options each verb takes after it.
+constexpr const char* kModelVerbs = "experts pin unpin prefetch wait evict unregister";
+struct VerbOptions {
+    const char* verb;
+    const char* options;  // "--name" or "--name=" (takes a value)
+};
+constexpr VerbOptions kVerbOptions[] = {
+    {"status", "--http="},
+    {"experts", "--top="},
+    {"evict", "--all"},
+    {"prefetch", "--no-wait --timeout="},
+    {"wait", "--timeout= --settle="},
+};
+
+}  // namespace
+
+std::string zsh_completion() {
+    std::string verbs, options;
+    for (const auto& c : kCommands) verbs += fmt::format("    '{}:{}'\n", c.name, single_quoted(c.summary, "'\\''"));
+    for (const auto& v : kVerbOptions) {
+        std::string specs;
+        for (std::string_view o :
+             std::string_view(v.options) | std::views::split(' ') |
+                 std::views::transform([](auto r) { return std::string_view(r.begin(), r.end()); }))
+            specs += o.back() == '='
+                         ? fmt::format(" '{}[{}]:value:'", o.substr(0, o.size() - 1), o.substr(2, o.size() - 3))
+                         : fmt::format(" '{}'", o);
+        options += fmt::format("        {}) _arguments{} ;;\n", v.verb, specs);
+    }
+    std::string model_verbs = kModelVerbs;
+    std::replace(model_verbs.begin(), model_verbs.end(), ' ', '|');
+    return fmt::format(R"ZSH(#compdef moecachectl
+# zsh completion for moecachectl (moecachectl completion zsh)
+_moecachectl_models() {{
+    local -a models
+    models=(${{(f)"$(moecachectl --json models 2>/dev/null | sed -n 's/^ *"path": "\(.*\)",*$/\1/p')"}})
+    compadd -a models
+}}
+_moecachectl() {{
+    local -a verbs
+    verbs=(
+{}    )
+    local state
+    _arguments -C \
+        '--json[print JSON for scripts]' \
+        '--bus[the D-Bus bus moecached is on]:bus:(system session)' \
+        '--no-progress[no progress bars]' \
+        '1: :->verb' \
+        '*:: :->args'
+    case $state in
+    verb) _describe -t commands 'moecachectl command' verbs ;;
+    args)
+        case $words[1] in
+        inspect|register) _files -g '*.gguf' ;;
+        {})
+            if (( CURRENT == 2 )); then _moecachectl_models
+            else case $words[1] in
+{}            esac; fi ;;
+        budget) (( CURRENT == 2 )) && {{ compadd lock reserve; _moecachectl_models }} ;;
+        profile) case $CURRENT in 2) compadd export import ;; 3) _moecachectl_models ;; *) _files ;; esac ;;
+        trace) (( CURRENT == 2 )) && compadd start stop || _files ;;
+        completion) compadd bash zsh fish ;;
+        status) _arguments '--http[moecached'\''s metrics address, without D-Bus]:HOST\:PORT:' ;;
+        help) _describe -t commands 'moecachectl command' verbs ;;
+        esac ;;
+    esac
+}}
+_moecachectl "$@"
+)ZSH",
+                       verbs, model_verbs, options);
+}
+
+std::string fish_completion() {
+    std::string out = R"FISH(# fish completion for moecachectl (moecachectl completion fish)
+function __moecachectl_models
+    moecachectl --json models 2>/dev/null | string match -r -g '^\s*"path": "(.*)",?$'
+end
+complete -c moecachectl -f
+complete -c moecachectl -l json -d 'print JSON for scripts'
+complete -c moecachectl -l bus -x -a 'system session' -d 'the D-Bus bus moecached is on'
+complete -c moecachectl -l no-progress -d 'no progress bars'
+)FISH";
+    std::string all;
+    for (const auto& c : kCommands) {
+        out += fmt::format("complete -c moecachectl -n __fish_use_subcommand -a {} -d '{}'\n", c.name,
+                           single_quoted(c.summary, "\\'"));
+        all += std::string(all.empty() ? "" : " ") + c.name;
+    }
+    out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from {}' -a '(__moecachectl_models)'\n",
+                       kModelVerbs);
+    out += "complete -c moecachectl -n '__fish_seen_subcommand_from inspect register' -F\n";
+    out += "complete -c moecachectl -n '__fish_seen_subcommand_from budget' -a 'lock reserve (__moecachectl_models)'\n";
+    out +=
+        "complete -c moecachectl -n '__fish_seen_subcommand_from profile' -a 'export import (__moecachectl_models)' "
+        "-F\n";
+    out += "complete -c moecachectl -n '__fish_seen_subcommand_from trace' -a 'start stop' -F\n";
+    out += "complete -c moecachectl -n '__fish_seen_subcommand_from completion' -a 'bash zsh fish'\n";
+    out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from help' -a '{}'\n", all);
+    for (const auto& v : kVerbOptions)
+        for (std::string_view o :
+             std::string_view(v.options) | std::views::split(' ') |
+                 std::views::transform([](auto r) { return std::string_view(r.begin(), r.end()); })) {
+            const bool value = o.back() == '=';
+            const auto name = o.substr(2, o.size() - 2 - (value ? 1 : 0));
+            out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from {}' -l {}{}\n", v.verb, name,
+                               value ? " -x" : "");
+        }
+    return out;
 }
 
 }  // namespace moecache::ctl

@@ -14,7 +14,7 @@ debs=(
   libfmt-dev libexpected-dev nlohmann-json3-dev libtomlplusplus-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev
   nodejs npm
-  fio vmtouch bc curl dbus jq
+  fio vmtouch bc curl dbus jq zsh fish
   prometheus
   systemd
   systemd-container debootstrap patchelf groff-base

@@ -381,11 +381,20 @@ TEST_F(DaemonTest, AWarmStartReadsTheProfilesNextTierWithoutLockingIt) {
         SCOPED_TRACE(warm ? "warm_start auto" : "warm_start off");
         test::drop_page_cache(model_);
         c.warm_start = warm;
+        testing::internal::CaptureStderr();
         auto d = Daemon::create(c);
         ASSERT_TRUE(d) << d.error().what();
         settle(**d);
         (void)(*d)->tick();
+        const std::string log = testing::internal::GetCapturedStderr();
         const auto s = (*d)->status();
+        // Its progress, by quarters, to the end (moecachectl wait shows the same from the status).
+        EXPECT_EQ(log.find("warm start 100 % ("), warm ? log.find("warm start 100 % (") : std::string::npos) << log;
+        if (warm) {
+            EXPECT_NE(log.find(" MiB read, "), std::string::npos) << log;
+            EXPECT_NE(log.find("s): done"), std::string::npos) << log;
+        }
+        EXPECT_EQ(s.models.at(0).warm_total_bytes, 0u) << "done: no warm start under way";
         EXPECT_EQ(expert(s, 0, 1).tier, Tier::Locked);
         EXPECT_EQ(expert(s, 0, 9).tier, Tier::Locked);
         for (auto [b, e] : {std::pair{3u, 4u}, {1u, 2u}}) {

@@ -23,12 +23,31 @@ int cmd_wait(const Options& o, const std::vector<std::string>& args) {
         };
         auto settled_at = start;  // when it last became settled (valid while `settled`)
         bool settled = false;
+        // A warm start's progress (warm_total_bytes, warm_done_bytes): a line redrawn on a terminal,
+        // else a line at each quarter.
+        const bool tty = o.progress && ::isatty(STDERR_FILENO);
+        int shown = -1;
+        const auto show_warm = [&](const std::map<std::string, sdbus::Variant>& st) {
+            const auto total = field<uint64_t>(st, dbus_keys::kWarmTotalBytes),
+                       done = field<uint64_t>(st, dbus_keys::kWarmDoneBytes);
+            if (total == 0) return;
+            const int pct = static_cast<int>(100 * std::min(done, total) / total);
+            if (tty) {
+                if (pct != shown)
+                    fmt::print(stderr, "\r  warm start: {:3d} % ({} of {})", pct, format_bytes(done),
+                               format_bytes(total));
+            } else if (pct / 25 > shown / 25 || shown < 0) {
+                fmt::print(stderr, "  warm start: {} % ({} of {})\n", pct, format_bytes(done), format_bytes(total));
+            }
+            shown = pct;
+        };
         std::map<std::string, sdbus::Variant> s;
         for (;;) {
             s = model.GetStatus();
             if (!s.count(dbus_keys::kSettled)) throw Failure{kExitFailed, "the daemon does not say whether a model is settled: it is older than this moecachectl"};
             if (!field<bool>(s, dbus_keys::kLoaded))
                 throw Failure{kExitFailed, fmt::format("model {} is not loaded: {}", ref.id, field<std::string>(s, dbus_keys::kError))};
+            show_warm(s);
             if (field<bool>(s, dbus_keys::kSettled)) {
                 if (!settled) settled_at = std::chrono::steady_clock::now();
                 settled = true;
@@ -43,6 +62,7 @@ int cmd_wait(const Options& o, const std::vector<std::string>& args) {
                                           field<uint32_t>(s, dbus_keys::kExpertsLocked), field<uint32_t>(s, dbus_keys::kExpertsInVram))};
             std::this_thread::sleep_for(std::chrono::milliseconds(200));
         }
+        if (tty && shown >= 0) fmt::print(stderr, "\n");
         const double waited = std::chrono::duration<double>(settled_at - start).count();
         const auto locked = field<uint32_t>(s, dbus_keys::kExpertsLocked);
         const auto vram = field<uint32_t>(s, dbus_keys::kExpertsInVram);

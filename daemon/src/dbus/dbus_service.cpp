@@ -106,6 +106,8 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     d[dbus_keys::kRoutedInRam] = m.outcome.routed[static_cast<size_t>(Reach::Ram)];
     d[dbus_keys::kRoutedFromStorage] = m.outcome.routed[static_cast<size_t>(Reach::Storage)];
     d[dbus_keys::kRoutingReported] = m.routing_reported;
+    d[dbus_keys::kWarmTotalBytes] = m.warm_total_bytes;
+    d[dbus_keys::kWarmDoneBytes] = m.warm_done_bytes;
     return d;
 }
 

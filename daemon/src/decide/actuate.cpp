@@ -55,6 +55,8 @@ void DecideStep::apply(const TurnActions& a, const std::vector<ModelEntry*>& loa
         if (queued > 0)
             MC_LOG(LOG_INFO, "model {}: warm start: reading {} MiB of {} experts beyond the locks ({} MiB free for it)",
                    m->path, queued >> 20, w.chosen, w.room >> 20);
+        // Its progress, from what is to be read now (the locks' reads included), logged by quarters.
+        m->warm_start = {m->res->reads_pending_bytes(), 0, std::chrono::steady_clock::now()};
     }
     if (auto r = prefetcher_.submit(); !r) MC_LOG(LOG_WARNING, "prefetch: {}", r.error().what());
     for (uint32_t i = 0; i < loaded.size(); ++i)

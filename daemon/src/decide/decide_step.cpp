@@ -56,6 +56,7 @@ uint64_t DecideStep::on_pressure() {
 }
 
 bool DecideStep::tick(double quiet) {
+    warm_progress();
     cgroup_ = own_memory_cgroup_limit();
     for (auto& m : models_.all())
         if (m->res) {
@@ -72,6 +73,22 @@ bool DecideStep::tick(double quiet) {
         return false;
     pressure_cap_ = UINT64_MAX;
     return true;
+}
+
+void DecideStep::warm_progress() {
+    for (auto& m : models_.all()) {
+        auto& w = m->warm_start;
+        if (!m->res || w.total == 0) continue;
+        const uint64_t pending = m->res->reads_pending_bytes();
+        const uint64_t done = w.total > pending ? w.total - pending : 0;
+        const int quarter = pending == 0 ? 4 : static_cast<int>(4 * done / w.total);
+        if (quarter <= w.said) continue;
+        w.said = quarter;
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - w.since).count();
+        MC_LOG(LOG_INFO, "model {}: warm start {} % ({} of {} MiB read, {:.1f} s){}", m->path, quarter * 25, done >> 20,
+               w.total >> 20, secs, quarter == 4 ? ": done" : "");
+        if (quarter == 4) w.total = 0;
+    }
 }
 
 void DecideStep::read_memory() {

@@ -239,4 +239,11 @@ ModelView ModelResidency::view(uint64_t budget) const {
     return v;
 }
 
+uint64_t ModelResidency::reads_pending_bytes() const {
+    uint64_t b = 0;
+    for (uint32_t s = 0; s < n_slots(); ++s)
+        if (state(s).tier() == Tier::Fetching || cache_reads_.count(s)) b += slot_length(s);
+    return b;
+}
+
 }  // namespace moecache::daemon

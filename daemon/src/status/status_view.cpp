@@ -200,6 +200,11 @@ ModelStatus StatusView::model(const ModelEntry& me, bool experts) const {
             if (experts) ms.experts.push_back(e);
         }
         ms.settled = r.cache_reads().empty() && ms.experts_fetching == 0 && pools_settled(*m);
+        if (m->warm_start.total > 0) {
+            const uint64_t pending = r.reads_pending_bytes();
+            ms.warm_total_bytes = m->warm_start.total;
+            ms.warm_done_bytes = m->warm_start.total > pending ? m->warm_start.total - pending : 0;
+        }
     }
     return ms;
 }

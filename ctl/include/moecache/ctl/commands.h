@@ -33,8 +33,10 @@ struct Command {
 const std::vector<Command>& commands();
 const Command* find_command(const std::string& name);
 
-// The bash completion script (moecachectl completion bash).
+// The completion scripts (moecachectl completion bash|zsh|fish), made from the verb table.
 std::string bash_completion();
+std::string zsh_completion();
+std::string fish_completion();
 
 int usage_error(const std::string& message);
 

@@ -68,6 +68,8 @@ public:
     // released dropped again (fault-around maps it back), and the pressure cap lifted after
     // `quiet` seconds without pressure (true when it was).
     bool tick(double quiet);
+    // A warm start's progress, logged at each quarter of what it had to read (ModelEntry::warm_start).
+    void warm_progress();
     // Facts that wait for the turn's decisions.
     [[nodiscard]] bool facts_pending() const {
         return !missed_.empty() || !predicted_.empty() || !one_place_due_.empty();

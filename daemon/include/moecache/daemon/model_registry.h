@@ -66,7 +66,14 @@ struct ModelEntry {
     // When the last client holding it went (unset while one holds it, or none ever did): of two
     // members of a family that no client holds, the one left last waits for the other (DecideStep).
     std::optional<std::chrono::steady_clock::time_point> runtime_left;
-    RoutingOutcome outcome;     // its routing reports counted by where the experts were (Intake)
+    RoutingOutcome outcome;  // its routing reports counted by where the experts were (Intake)
+    // A warm start under way: the bytes it had to read when it began, and the last quarter logged
+    // (DecideStep::warm_progress; moecachectl wait shows it).
+    struct WarmStart {
+        uint64_t total = 0;  // 0: none under way
+        int said = 0;        // quarters logged, 0..4
+        std::chrono::steady_clock::time_point since{};
+    } warm_start;
     bool warm_pending = false;  // a profile was loaded: read its hot experts beyond the locks at the next placement
     // One place for its experts in VRAM pools: while the lock cap cannot hold its experts (and
     // those of the other models in use) anyway (one_place_needed; DecideStep).

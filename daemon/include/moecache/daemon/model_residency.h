@@ -125,6 +125,8 @@ public:
         FetchReason reason = FetchReason::Operator;
     };
     [[nodiscard]] const std::map<uint32_t, CacheRead>& cache_reads() const { return cache_reads_; }
+    // Bytes still to be read for it: slots being read for a lock and reads into the page cache.
+    [[nodiscard]] uint64_t reads_pending_bytes() const;
     void cache_read_queued(uint32_t slot, FetchReason reason, uint32_t reads);
     void cache_read_done(uint32_t slot);
     bool forget_cache_read(uint32_t slot);  // its reads were cancelled: true if it had any

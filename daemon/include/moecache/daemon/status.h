@@ -58,6 +58,8 @@ struct ModelStatus {
     // reports its routing at all (the CUDA hook, the ggml backend, a client of the library).
     RoutingOutcome outcome;
     bool routing_reported = false;
+    // A warm start under way: what it had to read, and how much of it is read (0, 0: none).
+    uint64_t warm_total_bytes = 0, warm_done_bytes = 0;
     Tier dense_tier = Tier::Storage;
     uint64_t dense_bytes = 0;
     SlotTelemetry dense_telemetry;

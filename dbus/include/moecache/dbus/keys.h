@@ -39,6 +39,9 @@ inline constexpr const char kRoutedInVram[] = "routed_in_vram";
 inline constexpr const char kRoutedInRam[] = "routed_in_ram";
 inline constexpr const char kRoutedFromStorage[] = "routed_from_storage";
 inline constexpr const char kRoutingReported[] = "routing_reported";
+// A warm start under way: the bytes it had to read and those read so far (0 and 0: none).
+inline constexpr const char kWarmTotalBytes[] = "warm_total_bytes";
+inline constexpr const char kWarmDoneBytes[] = "warm_done_bytes";
 inline constexpr const char kVersion[] = "version";
 inline constexpr const char kPid[] = "pid";
 inline constexpr const char kMemTotalBytes[] = "mem_total_bytes";
