@@ -9,6 +9,7 @@
 #include "moecache/client.h"
 #include "moecache/daemon/privileges.h"
 #include "moecache/ggml_type.h"
+#include "moecache/http.h"
 #include "moecache/mkmodel/gguf_writer.h"
 
 #include <gtest/gtest.h>
@@ -278,6 +279,45 @@ TEST_F(Moecached, WithoutABusStatusComesOverHttp) {
     EXPECT_NE(fallback.out.find("is it helping?"), std::string::npos) << fallback.out;
     const auto json = test::run({MOECACHE_CTL_BIN, "--json", "status", "--http", address});
     EXPECT_EQ(json.exit_code, 2) << "--json needs the bus: " << json.err;
+    d.signal(SIGTERM);
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+}
+
+// A runtime whose command line reads its model into private memory (ollama's --load-mode none):
+// the daemon reads each client's command line at Hello and says so under "is it helping?". The
+// client is this test's own program, started again as `llama-server -m ... --load-mode none`.
+TEST_F(Moecached, AClientStartedWithoutAMappingIsNamedUnderIsItHelping) {
+    if (const char* sock = std::getenv("MOECACHE_TEST_CLIENT_SOCKET")) {  // the client
+        moecache_client* c = moecache_client_open(sock, "llama-server");
+        ASSERT_NE(c, nullptr);
+        std::this_thread::sleep_for(std::chrono::seconds(6));
+        moecache_client_close(c);
+        GTEST_SKIP() << "the client's half";
+    }
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config() +
+                              "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n"
+                              "[pressure]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    std::smatch found;
+    const std::string out = d.output();
+    ASSERT_TRUE(std::regex_search(out, found, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
+    const std::string address = "127.0.0.1:" + found[1].str();
+    char self[4096] = {};
+    ASSERT_GT(::readlink("/proc/self/exe", self, sizeof self - 1), 0);
+    test::Background client({"env", "MOECACHE_TEST_CLIENT_SOCKET=" + dir_.file("sock"), "bash", "-c",
+                             "exec -a llama-server \"$0\" -m /models/m.gguf --load-mode none "
+                             "--gtest_filter=Moecached.AClientStartedWithoutAMappingIsNamedUnderIsItHelping",
+                             self});
+    std::string body;
+    for (int i = 0; i < 50 && body.find("--load-mode none") == std::string::npos; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (auto r = http_get(address, "/status", std::chrono::seconds(2)); r) body = r->body;
+    }
+    EXPECT_NE(body.find("llama-server (pid "), std::string::npos) << body;
+    EXPECT_NE(body.find("this runtime was started with --load-mode none"), std::string::npos) << body;
+    EXPECT_TRUE(d.wait_for("this runtime was started with --load-mode none", 5)) << "and in the log: " << d.output();
     d.signal(SIGTERM);
     EXPECT_EQ(d.wait(20), 0) << d.output();
 }
