@@ -48,6 +48,7 @@ Files:
   --splits N          write NAME-0000i-of-0000N.gguf parts, as llama.cpp splits models (1)
   --alignment N       data alignment, a power of two (32)
   --drop-cache        drop written pages from the page cache (a cold model, less memory)
+  --dry-run           write nothing: say how many bytes the tensors would take
   --seed N            (1)                          --name TEXT        general.name
   --json              print what was written as JSON on stdout
 )";
@@ -99,12 +100,14 @@ int run_cli(int argc, char** argv) {
     ModelSpec spec;
     WriteOptions opt;
     std::string output;
+    bool dry_run = false;
     bool json = false, skew_given = false, context_given = false, experts_given = false, used_given = false,
          layers_given = false;
     auto die = [](const std::string& m) { return usage_error("moecache-mkmodel", m); };
     auto flag = [&](const std::string& a) {
         if (a == "--json") return json = true;
         if (a == "--drop-cache") return opt.drop_cache = true;
+        if (a == "--dry-run") return dry_run = true;
         return false;
     };
     auto option = [&](const std::string& a, const std::string& v) -> Result<bool> {
@@ -170,6 +173,22 @@ int run_cli(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     GgufWriter w;
     if (auto r = build_model(spec, w); !r) return die(r.error().what());
+    if (dry_run) {  // what it would write: the tensors' bytes (the headers add a few KiB)
+        const uint64_t bytes = w.tensor_bytes(opt.alignment);
+        if (json)
+            fmt::print("{}\n",
+                       nlohmann::json{{"dry_run", true},
+                                      {"bytes", bytes},
+                                      {"n_layers", spec.n_layers},
+                                      {"n_experts", spec.n_experts},
+                                      {"n_experts_used", spec.n_experts_used},
+                                      {"expert_bytes_total", bytes_per_expert(spec) * spec.n_experts * spec.n_layers}}
+                           .dump(2));
+        else
+            fmt::print("would write {} bytes ({:.2f} GiB) of tensors; nothing written\n", bytes,
+                       static_cast<double>(bytes) / (1ull << 30));
+        return 0;
+    }
     auto files = w.write(output, opt);
     if (!files) return die(files.error().what());
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

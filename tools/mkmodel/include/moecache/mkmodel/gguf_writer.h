@@ -70,6 +70,13 @@ public:
 
     // `path` ends in .gguf; with splits > 1 it is the prefix of the NAME-0000i-of-0000N.gguf names.
     Result<std::vector<WrittenFile>> write(const std::string& path, const WriteOptions& opt);
+    // The tensors' bytes as write() lays them out (each padded to the alignment), headers aside:
+    // what a file would weigh, without writing it (moecache-mkmodel --dry-run).
+    [[nodiscard]] uint64_t tensor_bytes(uint32_t alignment) const {
+        uint64_t b = 0;
+        for (const auto& t : tensors_) b += (t.nbytes() + alignment - 1) / alignment * alignment;
+        return b;
+    }
 
 private:
     std::vector<std::pair<std::string, KvValue>> kvs_;
