@@ -50,6 +50,14 @@ uint64_t locked_bytes(const std::string& daemon_output, std::string* body) {
     return bytes;
 }
 
+// "127.0.0.1:PORT" where the daemon's output says its metrics answer ("" when it does not say).
+std::string metrics_address(const std::string& daemon_output) {
+    std::smatch found;
+    if (!std::regex_search(daemon_output, found, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics")))
+        return "";
+    return "127.0.0.1:" + found[1].str();
+}
+
 class Moecached : public testing::Test {
 protected:
     void SetUp() override {
@@ -62,6 +70,20 @@ protected:
                dir_.file("sock") + "\"\n"
                "[budget]\nlock = \"" + lock + "\"\nreserve = \"1GiB\"\n"
                "[[model]]\npath = \"" + model_ + "\"\npin = [\"0:0-3\"]\n";
+    }
+    // moecached without a bus ([dbus] bus = "off"), its metrics on a free port, running; null (and a
+    // test failure) when it does not start.
+    std::unique_ptr<test::Background> start_without_bus() {
+        const std::string cfg = dir_.file("moecached.toml");
+        test::write_file(cfg, config() +
+                                  "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n"
+                                  "[pressure]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
+        auto d = std::make_unique<test::Background>(std::vector<std::string>{MOECACHE_DAEMON_BIN, "--config", cfg});
+        if (!d->wait_for("moecached running", 20)) {
+            ADD_FAILURE() << d->output();
+            return nullptr;
+        }
+        return d;
     }
     test::TempDir dir_;
     std::string model_;
@@ -255,17 +277,12 @@ TEST_F(Moecached, WithoutItsDbusModuleItRunsAndSaysSo) {
 // /status over HTTP: named by --http, or by MOECACHE_METRICS when the bus cannot be reached at all;
 // "is it helping" names the model.
 TEST_F(Moecached, WithoutABusStatusComesOverHttp) {
-    const std::string cfg = dir_.file("moecached.toml");
-    test::write_file(cfg, config() +
-                              "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n"
-                              "[pressure]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
-    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
-    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    auto daemon = start_without_bus();
+    ASSERT_TRUE(daemon);
+    test::Background& d = *daemon;
     ASSERT_TRUE(d.wait_for("model " + model_ + " loaded", 20)) << d.output();
-    std::smatch found;
-    const std::string out = d.output();
-    ASSERT_TRUE(std::regex_search(out, found, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
-    const std::string address = "127.0.0.1:" + found[1].str();
+    const std::string address = metrics_address(d.output());
+    ASSERT_FALSE(address.empty()) << d.output();
     std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a few ticks publish /status
     const auto direct = test::run({MOECACHE_CTL_BIN, "status", "--http", address});
     EXPECT_EQ(direct.exit_code, 0) << direct.err;
@@ -294,16 +311,11 @@ TEST_F(Moecached, AClientStartedWithoutAMappingIsNamedUnderIsItHelping) {
         moecache_client_close(c);
         GTEST_SKIP() << "the client's half";
     }
-    const std::string cfg = dir_.file("moecached.toml");
-    test::write_file(cfg, config() +
-                              "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n"
-                              "[pressure]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n");
-    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
-    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
-    std::smatch found;
-    const std::string out = d.output();
-    ASSERT_TRUE(std::regex_search(out, found, std::regex("metrics at http://127\\.0\\.0\\.1:(\\d+)/metrics"))) << out;
-    const std::string address = "127.0.0.1:" + found[1].str();
+    auto daemon = start_without_bus();
+    ASSERT_TRUE(daemon);
+    test::Background& d = *daemon;
+    const std::string address = metrics_address(d.output());
+    ASSERT_FALSE(address.empty()) << d.output();
     char self[4096] = {};
     ASSERT_GT(::readlink("/proc/self/exe", self, sizeof self - 1), 0);
     test::Background client({"env", "MOECACHE_TEST_CLIENT_SOCKET=" + dir_.file("sock"), "bash", "-c",
