@@ -22,7 +22,8 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 hook=()
-if [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/cuda.h" ] && ! grep -qs '^MOECACHE_CUDA_HOOK:BOOL=ON' build/CMakeCache.txt; then
+if [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/cuda.h" ] && [ ! -f /usr/include/cuda.h ] &&
+  ! grep -qs '^MOECACHE_CUDA_HOOK:BOOL=ON' build/CMakeCache.txt; then
   echo "No CUDA toolkit headers here (${CUDA_HOME:-/usr/local/cuda}/include/cuda.h): building without the CUDA hook," \
     "which this demo (llama.cpp on the CPU) does not use."
   hook=(-DMOECACHE_CUDA_HOOK=OFF)
