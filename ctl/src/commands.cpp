@@ -2,7 +2,7 @@
 #include "verbs.h"
 
 #include <algorithm>
-#include <ranges>
+#include <string_view>
 
 namespace moecache::ctl {
 namespace {
@@ -192,6 +192,17 @@ std::string single_quoted(std::string_view text, std::string_view quote_escape) 
     return out;
 }
 
+// The space-separated words of `text`.
+std::vector<std::string_view> words(std::string_view text) {
+    std::vector<std::string_view> out;
+    for (size_t at = 0; at < text.size();) {
+        const size_t end = std::min(text.find(' ', at), text.size());
+        if (end > at) out.push_back(text.substr(at, end - at));
+        at = end + 1;
+    }
+    return out;
+}
+
 // The verbs that take a model first, and the options each verb takes after it.
 constexpr const char* kModelVerbs = "experts pin unpin prefetch wait evict unregister";
 struct VerbOptions {
@@ -213,9 +224,7 @@ std::string zsh_completion() {
     for (const auto& c : kCommands) verbs += fmt::format("    '{}:{}'\n", c.name, single_quoted(c.summary, "'\\''"));
     for (const auto& v : kVerbOptions) {
         std::string specs;
-        for (std::string_view o :
-             std::string_view(v.options) | std::views::split(' ') |
-                 std::views::transform([](auto r) { return std::string_view(r.begin(), r.end()); }))
+        for (std::string_view o : words(v.options))
             specs += o.back() == '='
                          ? fmt::format(" '{}[{}]:value:'", o.substr(0, o.size() - 1), o.substr(2, o.size() - 3))
                          : fmt::format(" '{}'", o);
@@ -291,9 +300,7 @@ complete -c moecachectl -l no-progress -d 'no progress bars'
     out += "complete -c moecachectl -n '__fish_seen_subcommand_from completion' -a 'bash zsh fish'\n";
     out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from help' -a '{}'\n", all);
     for (const auto& v : kVerbOptions)
-        for (std::string_view o :
-             std::string_view(v.options) | std::views::split(' ') |
-                 std::views::transform([](auto r) { return std::string_view(r.begin(), r.end()); })) {
+        for (std::string_view o : words(v.options)) {
             const bool value = o.back() == '=';
             const auto name = o.substr(2, o.size() - 2 - (value ? 1 : 0));
             out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from {}' -l {}{}\n", v.verb, name,
