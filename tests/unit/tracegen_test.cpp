@@ -488,7 +488,7 @@ TEST(PresetShape, EachPresetNameMeansOneShapeInBothTools) {
         if (tg->family.used != 0) want.n_used = tg->family.used;
         const Spec* spec = &want;  // fit() keeps the shape it is given
         const auto r = test::run({MOECACHE_MKMODEL_BIN, "-o", dir.file(mk.name + ".gguf"), "--preset", mk.name,
-                                  "--embd", "64", "--ff", "32", "--vocab", "512", "--json"});
+                                  "--embd", "64", "--ff", "32", "--vocab", "512", "--dry-run", "--json"});
         ASSERT_EQ(r.exit_code, 0) << r.err;
         const auto j = nlohmann::json::parse(r.out);
         EXPECT_EQ(j.at("n_layers").get<uint32_t>(), spec->n_layers) << mk.name;

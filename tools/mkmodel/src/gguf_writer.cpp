@@ -62,18 +62,23 @@ public:
     [[nodiscard]] size_t free_bytes() const { return buf_.size() - len_; }
     [[nodiscard]] uint64_t pos() const { return written_ + len_; }
 
-    Result<void> flush() {
+    // Writes what the buffer holds; all but the last pos() % kKeptAlignment bytes unless `all`, which
+    // move to the buffer's start: a place in the buffer stays as aligned as its place in the file,
+    // so a tensor's rows, aligned in the file, are aligned for the fill that writes floats into them.
+    Result<void> flush(bool all = false) {
+        const size_t out = all ? len_ : len_ / kKeptAlignment * kKeptAlignment;
         size_t off = 0;
-        while (off < len_) {
-            const ssize_t n = ::write(fd_, buf_.data() + off, len_ - off);
+        while (off < out) {
+            const ssize_t n = ::write(fd_, buf_.data() + off, out - off);
             if (n < 0) {
                 if (errno == EINTR) continue;
                 return fail_errno("{}: write at byte {}", path_, written_ + off);
             }
             off += static_cast<size_t>(n);
         }
-        written_ += len_;
-        len_ = 0;
+        written_ += out;
+        std::memmove(buf_.data(), buf_.data() + out, len_ - out);
+        len_ -= out;
         // Keep dirty pages bounded: start writeback of each full window, wait for the one before.
         while (written_ >= synced_ + kWritebackWindow) {
             ::sync_file_range(fd_, static_cast<off_t>(synced_), kWritebackWindow, SYNC_FILE_RANGE_WRITE);
@@ -87,8 +92,9 @@ public:
         }
         return {};
     }
+    static constexpr size_t kKeptAlignment = 64;
     Result<void> finish() {
-        MC_TRY_VOID(flush());
+        MC_TRY_VOID(flush(/*all=*/true));
         if (::fdatasync(fd_) != 0) return fail_errno("{}: fdatasync", path_);
         if (drop_) ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
         return {};
@@ -227,7 +233,7 @@ Result<std::vector<WrittenFile>> GgufWriter::write(const std::string& path, cons
             for (uint64_t row = 0; row < rows;) {
                 uint64_t n = std::min<uint64_t>(rows - row, s.free_bytes() / rb);
                 if (n == 0) {
-                    if (rb <= kBufferBytes) {  // buffer nearly full: flush and go on
+                    if (rb <= kBufferBytes - Sink::kKeptAlignment) {  // buffer nearly full: flush and go on
                         MC_TRY_VOID(s.flush());
                         continue;
                     }
