@@ -105,6 +105,23 @@ TEST(Helping, EachModelGetsAVerdictInWordsAndFigures) {
     EXPECT_TRUE(has(model_verdict(s, starved).line, "memory pressure holds the locks down"));
 }
 
+// A model's name and a client's come from files and peers: what they hold is shown, never sent raw.
+TEST(Helping, HostileNamesAreShownPrintable) {
+    DaemonStatus s;
+    auto m = loaded("x");
+    m.name = "evil\xff\nname";
+    s.models.push_back(m);
+    ClientStatus c;
+    c.name = "client\xfe";
+    c.command_line_problem = "ollama's own runner";
+    s.clients.push_back(c);
+    for (const auto& line : helping_report(s)) {
+        EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+        EXPECT_EQ(line.find('\xff'), std::string::npos) << line;
+        EXPECT_EQ(line.find('\xfe'), std::string::npos) << line;
+    }
+}
+
 TEST(Helping, TheReportAddsThePoolsSavingsAndWhatHoldsForTheDaemon) {
     DaemonStatus s;
     EXPECT_TRUE(helping_report(s).empty()) << "nothing to say";

@@ -8,6 +8,20 @@
 namespace moecache::daemon {
 namespace {
 
+// A line as shown: valid UTF-8 (printable_utf8) and no control characters (a model's name or a
+// client's may hold a newline, which would split a reason in two on /status and in moecachectl).
+std::string one_line(std::string_view text) {
+    std::string out;
+    for (char c : printable_utf8(text)) {
+        const auto u = static_cast<unsigned char>(c);
+        if (u < 0x20 || u == 0x7f)
+            out += fmt::format("\\x{:02x}", u);
+        else
+            out += c;
+    }
+    return out;
+}
+
 std::string share(uint64_t part, uint64_t whole) {
     return whole == 0 ? "-" : fmt::format("{:.1f} %", 100.0 * static_cast<double>(part) / static_cast<double>(whole));
 }
@@ -33,11 +47,11 @@ const char* to_string(ModelVerdict::Kind k) {
 }
 
 ModelVerdict model_verdict(const DaemonStatus& s, const ModelStatus& m) {
-    const std::string name = printable_utf8(m.name.empty() ? base_name(m.path) : m.name);
+    const std::string& name = m.name.empty() ? base_name(m.path) : m.name;
     ModelVerdict v;
     const auto say = [&](ModelVerdict::Kind kind, const std::string& what) {
         v.kind = kind;
-        v.line = fmt::format("{}: {}: {}", name, to_string(kind), what);
+        v.line = one_line(fmt::format("{}: {}: {}", name, to_string(kind), what));
         return v;
     };
     if (!m.loaded)
@@ -106,11 +120,11 @@ std::vector<std::string> helping_report(const DaemonStatus& s) {
         for (const auto& [device, path] : c.miss_paths)
             if (!protocol::is_fast(path))
                 out.push_back(
-                    printable_utf8(fmt::format("{} (pid {}) GPU {}: slower than it could be: {}. {}.", c.name, c.pid,
-                                               device, protocol::reason_of(path), protocol::advice_for(path))));
+                    one_line(fmt::format("{} (pid {}) GPU {}: slower than it could be: {}. {}.", c.name, c.pid, device,
+                                         protocol::reason_of(path), protocol::advice_for(path))));
     for (const auto& c : s.clients)
         if (!c.command_line_problem.empty())
-            out.push_back(printable_utf8(fmt::format("{} (pid {}): {}", c.name, c.pid, c.command_line_problem)));
+            out.push_back(one_line(fmt::format("{} (pid {}): {}", c.name, c.pid, c.command_line_problem)));
     if (s.clients_without_model > 0)
         out.push_back(
             fmt::format("{} runtime(s) copy model-sized buffers to the GPU from memory that maps no model "
