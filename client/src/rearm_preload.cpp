@@ -175,8 +175,8 @@ bool env_number(const char* name, unsigned long max, const char* what, unsigned&
 __attribute__((constructor)) void look_at_command_line(int argc, char** argv, char** /*envp*/) {
     if (argc <= 0 || argv == nullptr) return;
     const char* keep = std::getenv("MOECACHE_KEEP_MAPPING");
-    if (keep != nullptr && (!std::strcmp(keep, "1") || !std::strcmp(keep, "on") || !std::strcmp(keep, "yes"))) {
-        if (const std::string was = moecache::keep_mapping(argc, argv); !was.empty())
+    if (moecache::keep_mapping_asked(keep)) {
+        if (const std::string was = moecache::keep_mapping(argc, argv, keep); !was.empty())
             std::fprintf(stderr, "moecache-rearm: --load-mode %s became --load-mode mmap (MOECACHE_KEEP_MAPPING)\n",
                          was.c_str());
         return;

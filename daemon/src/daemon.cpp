@@ -246,7 +246,8 @@ void Daemon::tick() {
     decide_->request();
     trace_.flush();
     if (metrics_) {
-        const DaemonStatus s = status(/*experts=*/false);  // the counts suffice
+        DaemonStatus s = status(/*experts=*/false);  // the counts suffice
+        s.process = read_process();                  // for the process_* families alone
         metrics_->publish(render_metrics(s, config_.metrics_paths), health_problems(s), render_status_text(s));
     }
     // The tick is the daemon's heartbeat: systemd restarts a daemon whose ticks stop (WatchdogSec=).

@@ -42,11 +42,17 @@ std::vector<std::string> split_cmdline(std::string_view text);
 // model sets use_mmap, and reads with dio on integrated GPUs).
 std::string private_copy_advice(const ProcessRole& role);
 
+// Why moecache cannot help a process, from its command line ("" when nothing is wrong): a model read
+// into private memory (private_copy_advice), or ollama's old runner.
+std::string command_line_problem(const ProcessRole& role);
+
 // MOECACHE_KEEP_MAPPING=1: turns `--load-mode none|dio` (or -lm) on a runtime's command line into
 // `--load-mode mmap` in place (argv's pointers, before main reads them); returns what it replaced
 // ("" for nothing). A preload's constructor calls it: ollama passes --load-mode none itself, and a
 // command-line argument wins over LLAMA_ARG_LOAD_MODE. `mlock` (read into locked memory) is left as
 // asked: mapping it would drop a lock the user chose.
-std::string keep_mapping(int argc, char** argv);
+// `asked`: MOECACHE_KEEP_MAPPING's value; anything but 1, on, yes or true (or unset) rewrites nothing.
+std::string keep_mapping(int argc, char** argv, const char* asked = "1");
+[[nodiscard]] bool keep_mapping_asked(const char* asked);
 
 }  // namespace moecache

@@ -98,8 +98,19 @@ std::string private_copy_advice(const ProcessRole& role) {
            "request's options), or MOECACHE_KEEP_MAPPING=1 in the runner's environment";
 }
 
-std::string keep_mapping(int argc, char** argv) {
+std::string command_line_problem(const ProcessRole& role) {
+    if (role.private_copy()) return private_copy_advice(role);
+    return role.kind == ProcessRole::Kind::OldOllamaRunner ? role.why : "";
+}
+
+bool keep_mapping_asked(const char* asked) {
+    return asked != nullptr && (std::strcmp(asked, "1") == 0 || std::strcmp(asked, "on") == 0 ||
+                                std::strcmp(asked, "yes") == 0 || std::strcmp(asked, "true") == 0);
+}
+
+std::string keep_mapping(int argc, char** argv, const char* asked) {
     static char kMmap[] = "mmap";
+    if (!keep_mapping_asked(asked)) return "";
     for (int i = 1; i + 1 < argc; ++i) {
         if (std::strcmp(argv[i], "--load-mode") != 0 && std::strcmp(argv[i], "-lm") != 0) continue;
         const char* v = argv[i + 1];

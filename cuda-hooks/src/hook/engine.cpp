@@ -52,8 +52,7 @@ bool env_on(const char* name) {
 // (MOECACHE_KEEP_MAPPING) before it parses them, and to learn what the process is.
 __attribute__((constructor)) void read_command_line(int argc, char** argv, char** /*envp*/) {
     if (argc <= 0 || argv == nullptr) return;
-    std::string kept;
-    if (env_on("MOECACHE_KEEP_MAPPING")) kept = keep_mapping(argc, argv);
+    const std::string kept = keep_mapping(argc, argv, getenv("MOECACHE_KEEP_MAPPING"));
     role() = process_role(std::vector<std::string>(argv, argv + argc), getenv("LLAMA_ARG_LOAD_MODE"),
                           getenv("LLAMA_ARG_MODEL"));
     if (!kept.empty())

@@ -102,9 +102,9 @@ std::map<std::string, sdbus::Variant> model_dict(const ModelStatus& m) {
     d[dbus_keys::kSettled] = m.settled;
     d[dbus_keys::kDecodeTokens] = m.outcome.decode_tokens;
     d[dbus_keys::kPromptTokens] = m.outcome.prompt_tokens;
-    d[dbus_keys::kRoutedInVram] = m.outcome.routed[static_cast<size_t>(Reach::Vram)];
-    d[dbus_keys::kRoutedInRam] = m.outcome.routed[static_cast<size_t>(Reach::Ram)];
-    d[dbus_keys::kRoutedFromStorage] = m.outcome.routed[static_cast<size_t>(Reach::Storage)];
+    d[dbus_keys::kRoutedInVram] = m.outcome.routed[Reach::Vram];
+    d[dbus_keys::kRoutedInRam] = m.outcome.routed[Reach::Ram];
+    d[dbus_keys::kRoutedFromStorage] = m.outcome.routed[Reach::Storage];
     d[dbus_keys::kRoutingReported] = m.routing_reported;
     d[dbus_keys::kWarmTotalBytes] = m.warm_total_bytes;
     d[dbus_keys::kWarmDoneBytes] = m.warm_done_bytes;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <set>
 
 namespace moecache::daemon {
@@ -24,7 +25,9 @@ void Intake::page_cache() {
     auto batch = page_cache_.consume(resolve);
     decide_.missed(batch.missed);
     if (batch.used.empty()) return;
-    const std::set<std::pair<uint32_t, uint32_t>> read(batch.missed.begin(), batch.missed.end());
+    // The slots read from storage, for the page cache's view of where touched experts were: made at
+    // the first model without routing reports (a CPU runtime), not for every batch.
+    std::optional<std::set<std::pair<uint32_t, uint32_t>>> read;
     const auto now = std::chrono::steady_clock::now();
     for (auto& m : models_.all()) {
         if (!m->res) continue;
@@ -34,7 +37,8 @@ void Intake::page_cache() {
             if (id != m->id || slot >= m->res->n_slots()) continue;
             m->last_used = now;
             if (routed) continue;  // the routing reports are its heat (ModelEntry::last_routed)
-            ++m->outcome.touched[static_cast<size_t>(read.count({id, slot}) ? Reach::Storage : Reach::Ram)];
+            if (!read) read.emplace(batch.missed.begin(), batch.missed.end());
+            ++m->outcome.touched[read->count({id, slot}) ? Reach::Storage : Reach::Ram];
             const uint32_t expert = slot % n;
             m->res->heat().record(slot / n, std::span<const uint32_t>(&expert, 1));
         }
@@ -81,8 +85,7 @@ void Intake::count_reach(ModelEntry& m, uint32_t layer, std::span<const uint32_t
         const uint32_t slot = layer * ne + e;
         if (slot >= r.n_slots()) continue;
         const auto& st = r.state(slot);
-        ++m.outcome.routed[static_cast<size_t>(
-            reach(st.tier(), r.vram_holders(slot), st.cached_bytes(), r.slot_bytes(slot)))];
+        ++m.outcome.routed[reach(st.tier(), r.vram_holders(slot), st.cached_bytes(), r.slot_bytes(slot))];
     }
 }
 

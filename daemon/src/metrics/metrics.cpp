@@ -178,7 +178,7 @@ std::string render_metrics(const DaemonStatus& s, bool paths) {
     for (const auto& m : s.models)
         for (auto r : {Reach::Vram, Reach::Ram, Reach::Storage})
             w.sample("moecache_model_routed_experts_total", fmt::format("{},tier=\"{}\"", labels_of(m), to_string(r)),
-                     m.outcome.routed[static_cast<size_t>(r)]);
+                     m.outcome.routed[r]);
     w.family("moecache_expert_bytes", "gauge", "Bytes of routed experts, per model.");
     for (const auto& m : s.models) w.sample("moecache_expert_bytes", labels_of(m), m.expert_bytes);
     w.family("moecache_expert_cached_bytes", "gauge", "Bytes of routed experts in the page cache at the last look.");

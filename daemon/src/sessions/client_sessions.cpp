@@ -92,9 +92,8 @@ bool ClientSessions::on_packet(Client& c, Packet& p) {
         if (c.peer.pid > 0)
             if (auto cmdline = read_whole_file(fmt::format("/proc/{}/cmdline", c.peer.pid), 1 << 16, "command line"))
                 c.role = process_role(split_cmdline(*cmdline), nullptr, nullptr);
-        if (c.role.private_copy() || c.role.kind == ProcessRole::Kind::OldOllamaRunner)
-            MC_LOG(LOG_WARNING, "client {} ({}, pid {}): {}", c.id, printable_utf8(c.name), c.peer.pid,
-                   c.role.private_copy() ? private_copy_advice(c.role) : c.role.why);
+        if (const std::string problem = command_line_problem(c.role); !problem.empty())
+            MC_LOG(LOG_WARNING, "client {} ({}, pid {}): {}", c.id, printable_utf8(c.name), c.peer.pid, problem);
         hub_.reply(c, rq, HelloReply{kVersion, c.id});
         c.one_place_told = !config_.keep_ram_copy;
         decide_.send_vram_policy(c);

@@ -59,7 +59,6 @@ ModelVerdict model_verdict(const DaemonStatus& s, const ModelStatus& m) {
                          : say(ModelVerdict::Kind::CannotHelp,
                                fmt::format("not loaded: {}", m.error.empty() ? "(no reason logged)" : m.error));
     const uint64_t read = m.read_bytes, tokens = m.outcome.decode_tokens + m.outcome.prompt_tokens;
-    const auto of = [](const uint64_t(&by)[3], Reach r) { return by[static_cast<size_t>(r)]; };
     // Helping, or not where most experts came from storage: what the daemon may lock against them.
     const auto judged = [&](const std::string& figures, uint64_t from_storage, uint64_t all) {
         if (static_cast<double>(from_storage) <= kMostlyFromStorage * static_cast<double>(all))
@@ -73,14 +72,14 @@ ModelVerdict model_verdict(const DaemonStatus& s, const ModelStatus& m) {
                                          : " (raise [budget] lock, or give it more RAM)"));
     };
     if (!m.routing_reported) {
-        const uint64_t touched = m.outcome.touched_total();
+        const uint64_t touched = m.outcome.touched.total();
         if (touched > 0)
             return judged(fmt::format("seen through the page cache (no runtime reports its routing; a CPU runtime's "
                                       "re-armed faults): of the experts runtimes touched {} were in RAM, {} read from "
                                       "storage; runtimes read {} from storage in all",
-                                      share(of(m.outcome.touched, Reach::Ram), touched),
-                                      share(of(m.outcome.touched, Reach::Storage), touched), human_bytes(read)),
-                          of(m.outcome.touched, Reach::Storage), touched);
+                                      share(m.outcome.touched[Reach::Ram], touched),
+                                      share(m.outcome.touched[Reach::Storage], touched), human_bytes(read)),
+                          m.outcome.touched[Reach::Storage], touched);
         if (read == 0 && m.expert_telemetry.faults == 0)
             return say(ModelVerdict::Kind::Idle, "no runtime has used it since the daemon opened it");
         return say(
@@ -90,18 +89,17 @@ ModelVerdict model_verdict(const DaemonStatus& s, const ModelStatus& m) {
                         "load libmoecache-ggml.so, or preload libmoecache-rearm.so (CPU) into the runtime",
                         s.page_cache.enabled ? "" : ", and its telemetry is off", human_bytes(read)));
     }
-    const uint64_t all = m.outcome.routed_total();
+    const uint64_t all = m.outcome.routed.total();
     if (m.outcome.decode_tokens == 0 || all == 0)
         return say(ModelVerdict::Kind::Idle,
                    fmt::format("prompts only so far ({} tokens); runtimes read {} from storage",
                                m.outcome.prompt_tokens, human_bytes(read)));
-    return judged(
-        fmt::format("decode ({} tokens): of the experts routed {} were in VRAM, {} in RAM, {} on storage; "
-                    "runtimes read {} a token from storage ({} in all)",
-                    m.outcome.decode_tokens, share(of(m.outcome.routed, Reach::Vram), all),
-                    share(of(m.outcome.routed, Reach::Ram), all), share(of(m.outcome.routed, Reach::Storage), all),
-                    human_bytes(tokens ? read / tokens : 0), human_bytes(read)),
-        of(m.outcome.routed, Reach::Storage), all);
+    return judged(fmt::format("decode ({} tokens): of the experts routed {} were in VRAM, {} in RAM, {} on storage; "
+                              "runtimes read {} a token from storage ({} in all)",
+                              m.outcome.decode_tokens, share(m.outcome.routed[Reach::Vram], all),
+                              share(m.outcome.routed[Reach::Ram], all), share(m.outcome.routed[Reach::Storage], all),
+                              human_bytes(tokens ? read / tokens : 0), human_bytes(read)),
+                  m.outcome.routed[Reach::Storage], all);
 }
 
 std::vector<std::string> helping_report(const DaemonStatus& s) {

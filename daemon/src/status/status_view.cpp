@@ -103,10 +103,7 @@ DaemonStatus StatusView::daemon(bool experts) const {
         cs.uid = c->peer.uid;
         cs.gid = c->peer.gid;
         cs.name = c->name;
-        if (c->role.private_copy())
-            cs.command_line_problem = private_copy_advice(c->role);
-        else if (c->role.kind == ProcessRole::Kind::OldOllamaRunner)
-            cs.command_line_problem = c->role.why;
+        cs.command_line_problem = command_line_problem(c->role);
         cs.models = c->models;
         cs.telemetry = c->ring != nullptr;
         cs.events = c->events;
@@ -118,7 +115,6 @@ DaemonStatus StatusView::daemon(bool experts) const {
     }
     for (const auto& m : models.all()) s.models.push_back(model(*m, experts));
     s.helping = helping_report(s);
-    s.process = read_process();
     return s;
 }
 
@@ -167,6 +163,7 @@ ModelStatus StatusView::model(const ModelEntry& me, bool experts) const {
         const auto& map = r.model().map();
         ms.n_experts_total = r.n_slots();
         if (experts) ms.experts.reserve(r.n_slots());
+        uint64_t reads_pending = 0;  // what ModelResidency::reads_pending_bytes() counts, in this walk
         for (uint32_t slot = 0; slot < r.n_slots(); ++slot) {
             ExpertStatus e;
             const uint32_t layer = slot / map.n_experts;
@@ -196,14 +193,15 @@ ModelStatus StatusView::model(const ModelEntry& me, bool experts) const {
             ms.expert_locked_bytes += e.locked_bytes;
             ms.read_bytes += e.telemetry.read_bytes;
             ms.evicted_bytes += e.telemetry.evicted_bytes;
-            if (r.cache_reads().count(slot)) ms.prefetch_pending_bytes += r.slot_length(slot);
+            const bool cache_read = r.cache_reads().count(slot) != 0;
+            if (cache_read) ms.prefetch_pending_bytes += r.slot_length(slot);
+            if (cache_read || e.tier == Tier::Fetching) reads_pending += r.slot_length(slot);
             if (experts) ms.experts.push_back(e);
         }
         ms.settled = r.cache_reads().empty() && ms.experts_fetching == 0 && pools_settled(*m);
         if (m->warm_start.total > 0) {
-            const uint64_t pending = r.reads_pending_bytes();
             ms.warm_total_bytes = m->warm_start.total;
-            ms.warm_done_bytes = m->warm_start.total > pending ? m->warm_start.total - pending : 0;
+            ms.warm_done_bytes = m->warm_start.total > reads_pending ? m->warm_start.total - reads_pending : 0;
         }
     }
     return ms;

@@ -3,6 +3,7 @@
 // ModelResidency's (model_residency.h); decide.h reads tiers as facts.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace moecache::daemon {
@@ -27,15 +28,23 @@ const char* to_string(Reach r);
 
 // What a model's runtime routed, counted as reports arrive (Intake): its tokens, and each decode
 // token's experts by where they were. Counts since the daemon opened the model.
+// Counts by Reach (indexed by the Reach or its value), and their total.
+struct ByReach {
+    uint64_t n[3] = {};
+    uint64_t& operator[](Reach r) { return n[static_cast<size_t>(r)]; }
+    uint64_t operator[](Reach r) const { return n[static_cast<size_t>(r)]; }
+    uint64_t& operator[](size_t i) { return n[i]; }
+    uint64_t operator[](size_t i) const { return n[i]; }
+    [[nodiscard]] uint64_t total() const { return n[0] + n[1] + n[2]; }
+};
+
 struct RoutingOutcome {
     uint64_t decode_tokens = 0, prompt_tokens = 0;
-    uint64_t routed[3] = {};  // decode routings, indexed by Reach
-    [[nodiscard]] uint64_t routed_total() const { return routed[0] + routed[1] + routed[2]; }
+    ByReach routed;  // decode routings
     // Where no runtime reports routing (a CPU runtime with the re-arm preload), the page cache's
-    // view: experts runtimes touched (a fault or a read, once a batch), indexed by Reach (Ram: the
-    // pages were there; Storage: read from storage).
-    uint64_t touched[3] = {};
-    [[nodiscard]] uint64_t touched_total() const { return touched[0] + touched[1] + touched[2]; }
+    // view: experts runtimes touched (a fault or a read, once a batch; Ram: the pages were there,
+    // Storage: read from storage).
+    ByReach touched;
 };
 
 }  // namespace moecache::daemon
