@@ -93,8 +93,21 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     e.name = t->name;
     // Whether its mapping reads at random: smaps once per mapping (a model's tensors share one).
     const auto at = reinterpret_cast<uintptr_t>(t->data);
-    if (!reads_ || at < reads_->start || at >= reads_->end) reads_ = own_mapping_reads(t->data);
+    if (!reads_ || at < reads_->start || at >= reads_->end) {
+        reads_ = own_mapping_reads(t->data);
+        reads_fd_ = -1;
+        if (reads_ && reads_->random) {
+            if (UniqueFd fd = open_mapped_file(*reads_)) {
+                reads_fd_ = fd.get();
+                files_.push_back(std::move(fd));
+            }
+        }
+    }
     e.random_reads = reads_ && reads_->random;
+    if (e.random_reads && reads_fd_ >= 0) {
+        e.fd = reads_fd_;
+        e.file_offset = reads_->offset + (at - reads_->start);
+    }
     heat_.add_model(e.group, static_cast<uint32_t>(e.n_expert));
     const auto* stored = &tensors_.emplace(t->data, std::move(e)).first->second;
     groups_[stored->group].push_back(stored);
@@ -106,9 +119,10 @@ void ExpertPool::read_ahead(uint32_t group, const std::vector<int32_t>& experts)
         if (!t->random_reads) continue;
         for (const int32_t e : experts) {
             if (e < 0 || e >= t->n_expert) continue;
-            if (backend::read_ahead(t->data + static_cast<size_t>(e) * t->slice_bytes, t->slice_bytes)) {
+            const size_t at = static_cast<size_t>(e) * t->slice_bytes;
+            if (const uint64_t read = backend::read_ahead(t->data + at, t->slice_bytes, t->fd, t->file_offset + at)) {
                 ++stats_.read_ahead;
-                stats_.read_ahead_bytes += t->slice_bytes;
+                stats_.read_ahead_bytes += read;
             }
         }
     }
@@ -138,6 +152,15 @@ void ExpertPool::forget(const char* base, size_t size) {
         }
         for (const auto* t : groups_[g]) tensors_.erase(t->data);
         groups_[g].clear();
+    }
+    // The files no tensor reads ahead from any more are closed (a server that loads model after model).
+    std::erase_if(files_, [&](const UniqueFd& f) {
+        return std::none_of(tensors_.begin(), tensors_.end(), [&](const auto& kv) { return kv.second.fd == f.get(); });
+    });
+    if (reads_fd_ >= 0 &&
+        std::none_of(files_.begin(), files_.end(), [&](const UniqueFd& f) { return f.get() == reads_fd_; })) {
+        reads_.reset();
+        reads_fd_ = -1;
     }
     if (fills_.empty() && !copying_) drained_cv_.notify_all();
 }
@@ -650,7 +673,8 @@ void ExpertPool::fill_loop() {
             // The slot is nobody's until committed: no compute reads it, and no crossing copies into
             // it while copying_ names it (admit_here).
             const ExpertTensor& t = *f.tensor;
-            if (t.random_reads) (void)backend::read_ahead(t.data + static_cast<size_t>(f.expert) * t.slice_bytes, t.slice_bytes);
+            const size_t at = static_cast<size_t>(f.expert) * t.slice_bytes;
+            if (t.random_reads) (void)backend::read_ahead(t.data + at, t.slice_bytes, t.fd, t.file_offset + at);
             ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
                                     t.slice_bytes);
             lock.lock();

@@ -36,8 +36,11 @@ struct ExpertTensor {
     uint32_t group = 0, index = 0;
     uint32_t block = 0;  // the layer: N of blk.N (what the daemon's expert map numbers)
     // Its mapping reads at random (a lazily loaded model): what is read of it from the mapping is
-    // read ahead first (read_ahead.h), not faulted in a page at a time.
+    // read ahead first (read_ahead.h), not faulted in a page at a time: from the file (`fd`, the
+    // pool's, at file_offset) where it can be opened.
     bool random_reads = false;
+    int fd = -1;
+    uint64_t file_offset = 0;  // of data
     std::string name;
 };
 
@@ -64,7 +67,7 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
     uint64_t cpu_alone = 0, cpu_fillers = 0;  // CPU halves computed as their rows alone, or with fillers
     uint64_t crossed = 0, crossed_admitted = 0;  // small batches' misses copied over for the compute (into the pool)
-    uint64_t read_ahead = 0, read_ahead_bytes = 0;  // slices not in the page cache, read ahead of their use
+    uint64_t read_ahead = 0, read_ahead_bytes = 0;  // slices the page cache lacked pages of, the bytes read for them
     bool registered = false;                // the expert tensors are pinned for DMA
     // Where the computes' time went (MOECACHE_GGML_LOG's figures), in nanoseconds: all of the
     // backend's computes and the pinning; and for a layer's chain, by batch (0: small ones, decode;
@@ -235,6 +238,8 @@ private:
     std::unordered_map<const void*, ExpertTensor> tensors_;
     std::vector<std::vector<const ExpertTensor*>> groups_;  // by group: its tensors, by index
     std::optional<MappingReads> reads_;  // the mapping add_tensor looked up last (smaps)
+    int reads_fd_ = -1;                  // its file, opened (one of files_), or -1
+    std::vector<UniqueFd> files_;        // the files of random-read mappings, for their reads ahead
     std::unordered_map<std::string, uint32_t> group_of_;     // "blk.N." -> group
     std::unique_ptr<DaemonLink> link_;
     std::vector<uint32_t> group_model_;  // by group: the daemon link's model handle (UINT32_MAX: none)

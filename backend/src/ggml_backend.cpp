@@ -1086,9 +1086,9 @@ void say_stats(const PoolStats& s) {
     say("%llu computes in %.0f ms; pinning took %.0f ms", static_cast<unsigned long long>(s.computes), ms(s.compute_ns),
         ms(s.register_ns));
     if (s.read_ahead > 0) {
-        say("%llu slices of misses read ahead of their use (%.2f GiB): the mapping reads at random (lazy load) and "
-            "the page cache did not hold them", static_cast<unsigned long long>(s.read_ahead),
-            static_cast<double>(s.read_ahead_bytes) / (1 << 30));
+        say("%llu slices of misses read ahead of their use (%.2f GiB read): the mapping reads at random (lazy load) "
+            "and the page cache lacked pages of them",
+            static_cast<unsigned long long>(s.read_ahead), static_cast<double>(s.read_ahead_bytes) / (1 << 30));
     }
     for (int large = 0; large < 2; ++large) {
         const auto& p = s.phases[large];

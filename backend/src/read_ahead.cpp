@@ -4,11 +4,16 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace moecache::backend {
 
@@ -28,7 +33,34 @@ std::optional<MappingReads> mapping_reads(std::string_view text, uintptr_t addre
             char* end_b = nullptr;
             const auto start = static_cast<uintptr_t>(strtoull(a.c_str(), &end_a, 16));
             const auto end = static_cast<uintptr_t>(strtoull(b.c_str(), &end_b, 16));
-            if (*end_a == '\0' && *end_b == '\0' && address >= start && address < end) found = MappingReads{start, end, false};
+            if (*end_a == '\0' && *end_b == '\0' && address >= start && address < end) {
+                found.emplace();
+                found->start = start;
+                found->end = end;
+                // Then: perms offset dev inode [path] (the path may hold spaces: the rest of the line).
+                std::string_view rest = line.substr(space + 1);
+                const auto field = [&rest]() {
+                    while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
+                    const size_t sp = rest.find(' ');
+                    const std::string_view f = rest.substr(0, sp);
+                    rest.remove_prefix(sp == std::string_view::npos ? rest.size() : sp);
+                    return std::string(f);
+                };
+                (void)field();  // perms
+                const std::string offset = field();
+                (void)field();  // dev
+                const std::string inode = field();
+                while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
+                char* e1 = nullptr;
+                char* e2 = nullptr;
+                const auto off = strtoull(offset.c_str(), &e1, 16);
+                const auto ino = strtoull(inode.c_str(), &e2, 10);
+                if (!offset.empty() && *e1 == '\0' && !inode.empty() && *e2 == '\0') {
+                    found->offset = off;
+                    found->inode = ino;
+                    if (ino != 0) found->path = std::string(rest);
+                }
+            }
             return true;
         }
         if (found && line.rfind("VmFlags:", 0) == 0) {
@@ -60,23 +92,57 @@ std::optional<MappingReads> own_mapping_reads(const void* address) {
     return mapping_reads(text, reinterpret_cast<uintptr_t>(address));
 }
 
-bool read_ahead(const void* p, size_t n) {
-    if (n == 0) return false;
+UniqueFd open_mapped_file(const MappingReads& reads) {
+    if (reads.inode == 0 || reads.path.empty() || reads.path.front() != '/') return UniqueFd();
+    UniqueFd fd(open(reads.path.c_str(), O_RDONLY | O_CLOEXEC));
+    struct stat st {};
+    if (!fd || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_ino) != reads.inode)
+        return UniqueFd();
+    return fd;
+}
+
+uint64_t read_ahead(const void* p, size_t n, int fd, uint64_t file_offset) {
+    if (n == 0) return 0;
     static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
-    const uintptr_t last = (reinterpret_cast<uintptr_t>(p) + n - 1) & ~(page - 1);
-    const uintptr_t middle = (first + (last - first) / 2) & ~(page - 1);
-    bool cached = true;
-    for (const uintptr_t a : {first, middle, last}) {
-        unsigned char in = 0;
-        if (mincore(reinterpret_cast<void*>(a), page, &in) != 0) return false;  // not a mapping to read
-        if ((in & 1) == 0) {
-            cached = false;
-            break;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n + page - 1) & ~(page - 1);
+    const size_t pages = (end - first) / page;
+    thread_local std::vector<unsigned char> in;
+    in.resize(pages);
+    if (mincore(reinterpret_cast<void*>(first), end - first, in.data()) != 0) return 0;  // not a mapping to read
+    const uint64_t lead = reinterpret_cast<uintptr_t>(p) - first;
+    if (file_offset < lead) fd = -1;                 // cannot be where p is in the file
+    const uint64_t file_first = file_offset - lead;  // the file offset of page `first`
+    constexpr size_t kChunk = 2u << 20;
+    constexpr size_t kGap = 16;  // cached pages between two runs read with them: one request
+    thread_local std::unique_ptr<char[]> buffer;
+    uint64_t done = 0;
+    for (size_t i = 0; i < pages;) {
+        if ((in[i] & 1) != 0) {
+            ++i;
+            continue;
         }
+        size_t j = i + 1, last = i + 1;  // [i, last): the run, with gaps of cached pages inside
+        for (; j < pages && j - last <= kGap; ++j)
+            if ((in[j] & 1) == 0) last = j + 1;
+        const uint64_t bytes = (last - i) * page;
+        if (fd < 0) {
+            if (syscall(SYS_madvise, reinterpret_cast<void*>(first + i * page), bytes, MADV_WILLNEED) == 0)
+                done += bytes;
+        } else {
+            if (!buffer) buffer = std::make_unique<char[]>(kChunk);
+            for (uint64_t at = 0; at < bytes;) {
+                const ssize_t r = pread(fd, buffer.get(), std::min<uint64_t>(kChunk, bytes - at),
+                                        static_cast<off_t>(file_first + i * page + at));
+                if (r < 0 && errno == EINTR) continue;
+                if (r <= 0) break;  // an error or the file's end: the compute faults in what is left
+                at += static_cast<uint64_t>(r);
+                done += static_cast<uint64_t>(r);
+            }
+        }
+        i = last;
     }
-    if (cached) return false;
-    return syscall(SYS_madvise, reinterpret_cast<void*>(first), last + page - first, MADV_WILLNEED) == 0;
+    return done;
 }
 
 }  // namespace moecache::backend

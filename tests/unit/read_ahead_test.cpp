@@ -20,7 +20,7 @@ namespace {
 
 TEST(ReadAhead, FindsTheMappingThatHoldsAnAddressAndWhetherItReadsAtRandom) {
     const std::string smaps =
-        "7f0000000000-7f0000100000 r--s 00000000 fe:01 1234 /models/m.gguf\n"
+        "7f0000000000-7f0000100000 r--s 00a00000 fe:01 1234 /models/my model.gguf\n"
         "Size:               1024 kB\n"
         "VmFlags: rd sh mr mw me ms rr sd\n"
         "7f0000200000-7f0000300000 r--p 00000000 fe:01 99 /usr/lib/libc.so.6\n"
@@ -33,12 +33,18 @@ TEST(ReadAhead, FindsTheMappingThatHoldsAnAddressAndWhetherItReadsAtRandom) {
     EXPECT_EQ(m->start, 0x7f0000000000u);
     EXPECT_EQ(m->end, 0x7f0000100000u);
     EXPECT_TRUE(m->random);
+    EXPECT_EQ(m->offset, 0xa00000u) << "the file offset the mapping starts at (hex in smaps)";
+    EXPECT_EQ(m->inode, 1234u);
+    EXPECT_EQ(m->path, "/models/my model.gguf") << "a path with a space is the rest of the line";
     const auto lib = mapping_reads(smaps, 0x7f0000200000);
     ASSERT_TRUE(lib);
     EXPECT_FALSE(lib->random) << "rd mr mw me sd has no rr";
     const auto anon = mapping_reads(smaps, 0x7ffff010);
     ASSERT_TRUE(anon) << "a mapping without a VmFlags line is still found";
     EXPECT_FALSE(anon->random);
+    EXPECT_EQ(anon->inode, 0u);
+    EXPECT_TRUE(anon->path.empty());
+    EXPECT_FALSE(open_mapped_file(*anon)) << "anonymous memory has no file to read ahead from";
     EXPECT_FALSE(mapping_reads(smaps, 0x7f0000100000)) << "one past a mapping's end is not in it";
     EXPECT_FALSE(mapping_reads("garbage\n-\n12-zz rw\nVmFlags: rr\n", 0x12));
 }
@@ -72,17 +78,40 @@ TEST(ReadAhead, ReadsARangeTheCacheDoesNotHoldWithoutTouchingIt) {
     EXPECT_LE(reads->start, reinterpret_cast<uintptr_t>(base));
     EXPECT_GE(reads->end, reinterpret_cast<uintptr_t>(base + kBytes));
 
-    // The second quarter: asked for, read in with nothing touching it; the rest stays out.
+    // The file behind the mapping, opened by its smaps path; a path whose inode is another file's is not.
+    const UniqueFd file = open_mapped_file(*reads);
+    ASSERT_TRUE(file);
+    MappingReads moved = *reads;
+    moved.inode += 1;
+    EXPECT_FALSE(open_mapped_file(moved)) << "the path names another file now";
+
+    // The second quarter: read in from the file (pread), with nothing touching it; the rest stays out.
     char* part = base + kBytes / 4;
     if (all_cached(part, kBytes / 4)) GTEST_SKIP() << "the page cache kept the file after it was dropped";
-    EXPECT_TRUE(read_ahead(part, kBytes / 4));
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!all_cached(part, kBytes / 4) && std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    EXPECT_TRUE(all_cached(part, kBytes / 4)) << "the range was not read within 10 s";
+    const uint64_t file_at = reads->offset + (reinterpret_cast<uintptr_t>(part) - reads->start);
+    EXPECT_EQ(read_ahead(part, kBytes / 4, file.get(), file_at), kBytes / 4);
+    EXPECT_TRUE(all_cached(part, kBytes / 4)) << "a pread is done when read_ahead returns";
     EXPECT_FALSE(all_cached(base + kBytes * 3 / 4, kBytes / 4)) << "more than the range was read";
-    EXPECT_FALSE(read_ahead(part, kBytes / 4)) << "a cached range is not asked for again";
-    EXPECT_FALSE(read_ahead(part, 0));
+    EXPECT_EQ(read_ahead(part, kBytes / 4, file.get(), file_at), 0u) << "a cached range is not read again";
+    EXPECT_EQ(read_ahead(part, 0, file.get(), file_at), 0u);
+
+    // Only what is not cached is read: a piece dropped from the middle of the range is what is read.
+    const int own = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(own, 0);
+    ASSERT_EQ(posix_fadvise(own, static_cast<off_t>(kBytes / 4 + kBytes / 16), 256 << 10, POSIX_FADV_DONTNEED), 0);
+    close(own);
+    if (all_cached(part, kBytes / 4)) GTEST_SKIP() << "the page cache kept a piece it was told to drop";
+    EXPECT_EQ(read_ahead(part, kBytes / 4, file.get(), file_at), 256u << 10);
+    EXPECT_TRUE(all_cached(part, kBytes / 4));
+
+    // Without a descriptor the kernel is asked (MADV_WILLNEED): asynchronous, so waited for here.
+    char* last = base + kBytes * 3 / 4;
+    EXPECT_EQ(read_ahead(last, kBytes / 4), kBytes / 4);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!all_cached(last, kBytes / 4) && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_TRUE(all_cached(last, kBytes / 4)) << "the range was not read within 10 s";
+    EXPECT_FALSE(all_cached(base, kBytes / 4)) << "more than the ranges asked for was read";
 
     // A mapping without MADV_RANDOM is not taken for a lazily loaded one.
     void* plain = mmap(nullptr, 1 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
