@@ -115,16 +115,20 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
 
 void ExpertPool::read_ahead(uint32_t group, const std::vector<int32_t>& experts) {
     if (group >= groups_.size()) return;
+    std::vector<ReadRange> ranges;
     for (const ExpertTensor* t : groups_[group]) {
         if (!t->random_reads) continue;
         for (const int32_t e : experts) {
             if (e < 0 || e >= t->n_expert) continue;
             const size_t at = static_cast<size_t>(e) * t->slice_bytes;
-            if (const uint64_t read = backend::read_ahead(t->data + at, t->slice_bytes, t->fd, t->file_offset + at)) {
-                ++stats_.read_ahead;
-                stats_.read_ahead_bytes += read;
-            }
+            ranges.push_back(ReadRange{t->data + at, t->slice_bytes, t->fd, t->file_offset + at});
         }
+    }
+    if (ranges.empty()) return;
+    for (const uint64_t read : read_ahead_all(ranges)) {
+        if (read == 0) continue;
+        ++stats_.read_ahead;
+        stats_.read_ahead_bytes += read;
     }
 }
 

@@ -41,6 +41,8 @@ The table:
   is over 4 points.
 Both:
   --tick S              how often the daemon plans, in trace seconds (1)
+  --hysteresis H        how much hotter a newcomer must be than what it displaces ([policy]
+                        hysteresis: 0.25)
   --pool-directed F     the share of the VRAM pool the daemon directs and the hook fills ahead (0.9,
                         as [vram] directed; 0: nothing directed, as the daemon does)
   --storage-gbs G --h2d-gbs G --h2d-pinned-gbs G --d2d-gbs G --host-memory-gbs G --device-memory-gbs G
@@ -110,6 +112,9 @@ int main(int argc, char** argv) {
         else if (a == "--ram") ram = v;
         else if (a == "--predict") predict_mode = v;
         else if (a == "--pool-directed") ok = mkmodel::parse_double(v, base.pool_directed) && base.pool_directed >= 0 && base.pool_directed <= 1;
+        else if (a == "--hysteresis")
+            ok = mkmodel::parse_double(v, base.planner.hysteresis) && base.planner.hysteresis >= 0 &&
+                 base.planner.hysteresis <= 100;
         else if (a == "--tick") ok = mkmodel::parse_double(v, base.tick_seconds) && base.tick_seconds > 0 && base.tick_seconds < 1e6;
         else if (a == "--layers") ok = mkmodel::parse_number(v, shape.n_layers);
         else if (a == "--experts") ok = mkmodel::parse_number(v, shape.n_experts), experts_given = true;

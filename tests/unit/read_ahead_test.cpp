@@ -123,5 +123,42 @@ TEST(ReadAhead, ReadsARangeTheCacheDoesNotHoldWithoutTouchingIt) {
     munmap(map, kBytes);
 }
 
+TEST(ReadAhead, ALayersMissesAreReadTogetherEachRangeItsOwnCount) {
+    test::TempDir dir;
+    const std::string path = dir.file("layer.bin");
+    constexpr size_t kSlice = 3u << 20, kSlices = 8;  // 24 MiB: shared among threads
+    {
+        std::string bytes(kSlice * kSlices, '\0');
+        for (size_t i = 0; i < bytes.size(); i += 4096) bytes[i] = static_cast<char>(i >> 12);
+        test::write_file(path, bytes);
+    }
+    test::drop_page_cache(path);
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    void* map = mmap(nullptr, kSlice * kSlices, PROT_READ, MAP_SHARED, fd, 0);
+    ASSERT_NE(map, MAP_FAILED);
+    ASSERT_EQ(madvise(map, kSlice * kSlices, MADV_RANDOM), 0);
+    auto* base = static_cast<char*>(map);
+    if (all_cached(base, kSlice)) GTEST_SKIP() << "the page cache kept the file after it was dropped";
+    // Slices 1, 3, 4 and 6 missed; 4 is asked for twice (read for its first range only).
+    std::vector<ReadRange> ranges;
+    for (const size_t e : {1, 3, 4, 6, 4}) ranges.push_back(ReadRange{base + e * kSlice, kSlice, fd, e * kSlice});
+    ranges.push_back(ReadRange{base, 0, fd, 0});  // an empty range reads nothing
+    const auto read = read_ahead_all(ranges, 4);
+    ASSERT_EQ(read.size(), ranges.size());
+    EXPECT_EQ(read[0], kSlice);
+    EXPECT_EQ(read[1], kSlice);
+    EXPECT_EQ(read[3], kSlice);
+    EXPECT_EQ(read[2], kSlice);
+    EXPECT_EQ(read[4], 0u) << "a slice asked for twice is read for its first range";
+    EXPECT_EQ(read[5], 0u);
+    for (const size_t e : {1, 3, 4, 6}) EXPECT_TRUE(all_cached(base + e * kSlice, kSlice)) << "slice " << e;
+    for (const size_t e : {0, 7})
+        EXPECT_FALSE(all_cached(base + e * kSlice, kSlice)) << "slice " << e << " was not asked for";
+    EXPECT_EQ(read_ahead_all(ranges, 4), std::vector<uint64_t>(ranges.size(), 0)) << "cached now: nothing read";
+    munmap(map, kSlice * kSlices);
+    close(fd);
+}
+
 }  // namespace
 }  // namespace moecache::backend
