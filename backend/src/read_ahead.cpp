@@ -102,6 +102,10 @@ UniqueFd open_mapped_file(const MappingReads& reads) {
     struct stat st {};
     if (!fd || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_ino) != reads.inode)
         return UniqueFd();
+    // Its reads are the runs asked for, no more: no readahead around them into experts nobody asked
+    // for, which a squeezed page cache would make room for by dropping others (this descriptor's
+    // own state; the runtime's is left alone). Several requests at once keep storage busy instead.
+    (void)posix_fadvise(fd.get(), 0, 0, POSIX_FADV_RANDOM);
     return fd;
 }
 

@@ -140,10 +140,15 @@ TEST(ReadAhead, ALayersMissesAreReadTogetherEachRangeItsOwnCount) {
     ASSERT_EQ(madvise(map, kSlice * kSlices, MADV_RANDOM), 0);
     auto* base = static_cast<char*>(map);
     if (all_cached(base, kSlice)) GTEST_SKIP() << "the page cache kept the file after it was dropped";
+    const auto reads = own_mapping_reads(base);
+    ASSERT_TRUE(reads);
+    const UniqueFd file = open_mapped_file(*reads);  // as the pool opens it: reads no more than asked
+    ASSERT_TRUE(file);
     // Slices 1, 3, 4 and 6 missed; 4 is asked for twice (read for its first range only).
     std::vector<ReadRange> ranges;
-    for (const size_t e : {1, 3, 4, 6, 4}) ranges.push_back(ReadRange{base + e * kSlice, kSlice, fd, e * kSlice});
-    ranges.push_back(ReadRange{base, 0, fd, 0});  // an empty range reads nothing
+    for (const size_t e : {1, 3, 4, 6, 4})
+        ranges.push_back(ReadRange{base + e * kSlice, kSlice, file.get(), e * kSlice});
+    ranges.push_back(ReadRange{base, 0, file.get(), 0});  // an empty range reads nothing
     const auto read = read_ahead_all(ranges, 4);
     ASSERT_EQ(read.size(), ranges.size());
     EXPECT_EQ(read[0], kSlice);

@@ -37,7 +37,8 @@ std::optional<MappingReads> mapping_reads(std::string_view smaps_text, uintptr_t
 std::optional<MappingReads> own_mapping_reads(const void* address);
 
 // The mapped file of `reads` opened for reading, where it is still the file mapped (same inode);
-// an invalid descriptor where not (deleted, replaced, unreadable).
+// an invalid descriptor where not (deleted, replaced, unreadable). Its reads read only what they
+// ask for (POSIX_FADV_RANDOM on it: no readahead into the next experts).
 UniqueFd open_mapped_file(const MappingReads& reads);
 
 // Reads into the page cache, now, the pages of [p, p + n) (a file mapping) that it does not hold
@@ -53,8 +54,10 @@ uint64_t read_ahead(const void* p, size_t n, int fd = -1, uint64_t file_offset =
 
 // The same for several ranges (a layer's misses): where there is 8 MiB or more to read, its preads
 // are shared among `threads` threads (the caller and helpers started for the call): storage
-// serves several requests at once faster than one after another (2.4x with 2-8 threads on this
-// project's build machine). The bytes read (or asked for) of each range, in order.
+// serves several requests at once faster than one after another (on the build machine's disk,
+// 40 MiB slices through a descriptor of open_mapped_file: 3.1 GB/s from four threads, 2.1 from
+// one; 1.7 and 1.3 in a 300 MiB cgroup). The bytes read (or asked for) of each range, in order; a
+// range asked for twice is read for the first.
 struct ReadRange {
     const void* p = nullptr;
     size_t bytes = 0;
