@@ -179,7 +179,7 @@ std::vector<uint64_t> read_ahead_all(std::span<const ReadRange> ranges, unsigned
         }
     }
     std::atomic<size_t> next{0};
-    const size_t helpers = to_read < kShared ? 0 : std::min<size_t>(threads, chunks.size()) - 1;
+    const size_t helpers = to_read < kShared || threads < 2 ? 0 : std::min<size_t>(threads, chunks.size()) - 1;
     std::vector<std::thread> pool;
     for (size_t t = 0; t < helpers; ++t) {
         try {

@@ -149,6 +149,7 @@ TEST(ReadAhead, ALayersMissesAreReadTogetherEachRangeItsOwnCount) {
     for (const size_t e : {1, 3, 4, 6, 4})
         ranges.push_back(ReadRange{base + e * kSlice, kSlice, file.get(), e * kSlice});
     ranges.push_back(ReadRange{base, 0, file.get(), 0});  // an empty range reads nothing
+    EXPECT_EQ(read_ahead_all({}, 4), std::vector<uint64_t>{});
     const auto read = read_ahead_all(ranges, 4);
     ASSERT_EQ(read.size(), ranges.size());
     EXPECT_EQ(read[0], kSlice);
@@ -161,6 +162,10 @@ TEST(ReadAhead, ALayersMissesAreReadTogetherEachRangeItsOwnCount) {
     for (const size_t e : {0, 7})
         EXPECT_FALSE(all_cached(base + e * kSlice, kSlice)) << "slice " << e << " was not asked for";
     EXPECT_EQ(read_ahead_all(ranges, 4), std::vector<uint64_t>(ranges.size(), 0)) << "cached now: nothing read";
+    // No helper asked for (0 threads), 9 MiB to read: the caller reads it alone.
+    std::vector<ReadRange> rest;
+    for (const size_t e : {0, 2, 5}) rest.push_back(ReadRange{base + e * kSlice, kSlice, file.get(), e * kSlice});
+    EXPECT_EQ(read_ahead_all(rest, 0), std::vector<uint64_t>(rest.size(), kSlice));
     munmap(map, kSlice * kSlices);
     close(fd);
 }
