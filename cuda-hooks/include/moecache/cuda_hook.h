@@ -45,7 +45,8 @@
  *                            across runs: a folder, or "off" (default: $XDG_CACHE_HOME/moecache/
  *                            hook, else ~/.cache/moecache/hook); the next run fills its pool from
  *                            it while no daemon directs the pool
- *   MOECACHE_CUDA_LOG=1      a summary on stderr at exit
+ *   MOECACHE_CUDA_LOG=1      a summary on stderr at exit, with where the hook's time for expert
+ *                            copies went (finding each, the pools, host pieces, admissions, launches)
  *   MOECACHE_SOCKET=PATH     the daemon's client socket; MOECACHE_CUDA_CLIENT=off: no daemon
  *   MOECACHE_KEEP_MAPPING=1  read before main: a "--load-mode none" or "dio" on the runtime's
  *                            command line (ollama passes one on CPU-only hosts, under host memory

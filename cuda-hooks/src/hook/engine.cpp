@@ -266,6 +266,11 @@ void Engine::shutdown() {
             static_cast<double>(s.serve_ns) / 1e6,
             static_cast<double>(s.serve_ns) / 1e3 / static_cast<double>(std::max<uint64_t>(s.expert_copies, 1)), s.pieces,
             kernel_copies_.load());
+        const auto ms = [&](Phase p) { return static_cast<double>(phase_ns_[p].load()) / 1e6; };
+        say("of the hook's time for expert copies: %.1f ms finding what each copy is (the driver's answers on its "
+            "stream and device among it), %.1f ms this device's and its peers' pools (lookups, copies queued), %.1f ms "
+            "the host's pieces, %.1f ms admissions; of these, %.1f ms launching device-to-device copies",
+            ms(kPrepare), ms(kPool), ms(kHost), ms(kAdmit), ms(kLaunch));
     }
     if (cfg_.log)
         for (auto& p : pools_)

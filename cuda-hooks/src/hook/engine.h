@@ -402,6 +402,13 @@ private:
         yielded_{0}, n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0}, joins_{0},
         unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0}, peer_hits_{0}, bytes_peer_{0}, kernel_copies_{0},
         filled_{0};
+    // Where serve_ns_ goes, with MOECACHE_CUDA_LOG only (each costs two clock reads a copy): what the
+    // copy is and the driver's answers on its stream and device (prepare); this device's pool, its
+    // lookups and copies queued (pool); the host's pieces (host); admissions, slots taken and
+    // filled (admit); of pool and admit, the device-to-device copies' launches (launch).
+    enum Phase : size_t { kPrepare, kPool, kHost, kAdmit, kLaunch, kPhases };
+    std::array<std::atomic<uint64_t>, kPhases> phase_ns_{};
+    void add_phase(Phase p, uint64_t ns) { phase_ns_[p].fetch_add(ns, std::memory_order_relaxed); }
 };
 
 }  // namespace moecache::cuda::hook

@@ -48,15 +48,25 @@ void Engine::settle(DevicePool& dp, const Driver* drv, StreamId sid) {
 
 CUresult Engine::copy_in_device(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     const Driver* drv = driver();
+    const auto t0 = cfg_.log ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    const auto launched = [&] {
+        if (cfg_.log)
+            add_phase(kLaunch, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                         std::chrono::steady_clock::now() - t0)
+                                                         .count()));
+    };
     if (dp.copy_fn != nullptr) {
         const CUresult r = launch_copy(drv, dp.copy_fn, dst, src, bytes, stream);
         if (r == CUDA_SUCCESS) {
             kernel_copies_.fetch_add(1, std::memory_order_relaxed);
+            launched();
             return r;
         }
         // Unaligned, or a context the kernel was not loaded into: the driver's copy.
     }
-    return drv->memcpy_dtod_async(dst, src, bytes, stream);
+    const CUresult r = drv->memcpy_dtod_async(dst, src, bytes, stream);
+    launched();
+    return r;
 }
 
 // Through the staging buffers where they are faster (measured when the pool was made) or where the
@@ -210,14 +220,26 @@ struct Engine::Serving {
 // 2. those another device's pool holds; 3. slots taken for the misses the pool admits; 4. the rest
 // from the host; 5. the admitted slices committed to their slots; then the counts.
 bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
+    const bool timed = cfg_.log;  // where the time goes (shutdown's line): two clock reads a step
+    auto t = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    const auto lap = [&](Phase p) {
+        if (!timed) return;
+        const auto now = std::chrono::steady_clock::now();
+        add_phase(p, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count()));
+        t = now;
+    };
     Serving s(c);
-    if (!prepare_serving(s)) return false;
+    const bool prepared = prepare_serving(s);
+    lap(kPrepare);
+    if (!prepared) return false;
     Serving::Admit admits[kMaxAdmits];
     s.admits = admits;
     serve_from_pool(s);
     if (s.missed > 0 && s.rc == CUDA_SUCCESS) serve_from_peers(s);
     joins_.fetch_add(s.joins, std::memory_order_relaxed);
+    lap(kPool);
     if (s.missed > 0 && s.rc == CUDA_SUCCESS) take_admission_slots(s);
+    lap(kAdmit);
     if (s.hit_slices + s.peer_slices == 0 && s.from_pool + s.from_peers == 0 && s.n_admits == 0 &&
         !s.dp->staged.load(std::memory_order_relaxed) && !cfg_.registers()) {
         // Nothing to do but the runtime's own copy.
@@ -229,7 +251,9 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         return false;
     }
     serve_from_host(s);
+    lap(kHost);
     if (s.n_admits > 0) commit_admissions(s);
+    lap(kAdmit);
     if (s.rc != CUDA_SUCCESS) {
         fallbacks_.fetch_add(1, std::memory_order_relaxed);
         return false;  // the runtime's own copy, issued after ours, writes every byte again
