@@ -83,6 +83,9 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
         // The chains' rows: pooled when they came, crossed over for the compute, computed on the
         // CPU; and the distinct experts the CPU computed (its weight bytes).
         uint64_t hit_rows = 0, crossed_rows = 0, cpu_rows = 0, cpu_experts = 0;
+        // Chains with misses by how they were computed: every miss crossing, or split between the
+        // CPU and the link (Crossing's two arms), and their time from the misses' reads to the results.
+        uint64_t all_units = 0, all_chain_ns = 0, split_units = 0, split_chain_ns = 0;
     } phases[2];
 };
 

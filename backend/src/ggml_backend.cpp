@@ -143,10 +143,25 @@ bool buft_is_host(ggml_backend_buffer_type_t) { return true; }
 // rest of the misses), learnt from how long the device kept the CPU waiting; or a share the user
 // fixed (MOECACHE_GGML_CROSS). Each link to memory then carries its part at once: the CPU reads
 // the misses it computes from RAM while the link brings others to the device.
+// Levelling the halves misses one case: a CPU half has a cost of its own whatever it computes
+// (its threads woken, its graph run: about 0.1 ms a chain on the GPU machine for 1.5 experts of
+// 0.7 MB, qwen3-next-like), so with small experts every miss crossing can beat any split. So a
+// second arm, every miss crossing, is tried on about one compute in 16, and whichever arm's
+// chains took less time (a running mean of each) is the one used; the other keeps being tried.
 class Crossing {
 public:
-    explicit Crossing(double fixed, double start = 0.25) : fixed_(fixed >= 0), share_(fixed >= 0 ? fixed : start) {}
+    explicit Crossing(double fixed, double start = 0.25, bool all_arm = false)
+        : fixed_(fixed >= 0), all_arm_(all_arm && fixed < 0), share_(fixed >= 0 ? fixed : start) {}
     size_t count(size_t misses) {
+        all_now_ = false;
+        if (all_arm_) {
+            rng_ ^= rng_ << 13;
+            rng_ ^= rng_ >> 7;
+            rng_ ^= rng_ << 17;
+            const bool explore = (rng_ & (kExplore - 1)) == 0;
+            all_now_ = all_best() != explore;
+            if (all_now_) return misses;
+        }
         carry_ += share_ * static_cast<double>(misses);
         const auto k = static_cast<size_t>(carry_);
         carry_ -= static_cast<double>(k);
@@ -155,8 +170,16 @@ public:
     // After a compute that had misses: the CPU's half took cpu_ns; the device's cost it did not hide
     // was wait_ns: the wait for it after the CPU's half, and the crossings' copies as far as they
     // held the CPU before it (a pageable copy returns only when done; a pinned one at once).
-    void learn(uint64_t cpu_ns, uint64_t wait_ns) {
+    // chain_ns: the whole chain, from its misses' reads ahead to the device's results.
+    void learn(uint64_t cpu_ns, uint64_t wait_ns, uint64_t chain_ns) {
         if (fixed_) return;
+        const bool all = std::exchange(all_now_, false);  // count() says again for the next compute
+        if (all_arm_) {
+            Arm& a = arms_[all ? 1 : 0];
+            a.mean +=
+                (static_cast<double>(chain_ns) - a.mean) / static_cast<double>(std::min<uint64_t>(++a.n, kWindow));
+        }
+        if (all) return;  // the share is learnt from the split's own computes
         if (wait_ns > kSlack + cpu_ns / 8) {
             share_ = std::max(0.0, share_ - kDown);
         } else {
@@ -164,17 +187,34 @@ public:
         }
     }
     [[nodiscard]] double share() const { return share_; }
+    // Whether this compute's misses all cross (the arm count() chose; until learn()).
+    [[nodiscard]] bool all_now() const { return all_now_; }
+    // Whether every miss crossing has been the faster arm (enough of both seen).
+    [[nodiscard]] bool all_best() const {
+        return arms_[0].n >= kSeen && arms_[1].n >= kSeen && arms_[1].mean < arms_[0].mean * (1 - kMargin);
+    }
 
 private:
+    struct Arm {
+        double mean = 0;
+        uint64_t n = 0;
+    };
     static constexpr double kDown = 0.05, kUp = 0.02;
     static constexpr uint64_t kSlack = 20'000;  // a device's wait that is only its copy back and sync
-    bool fixed_;
+    static constexpr uint64_t kExplore = 16;    // one compute in this many tries the other arm (a power of 2)
+    static constexpr uint64_t kWindow = 64;     // each arm's mean: of about its last this many chains
+    static constexpr uint64_t kSeen = 16;       // chains of each arm before the other is chosen
+    static constexpr double kMargin = 0.03;     // every miss crossing must be this much faster
+    bool fixed_, all_arm_;
     double share_, carry_ = 0;
+    bool all_now_ = false;
+    Arm arms_[2];  // 0: the share, 1: every miss crossing
+    uint64_t rng_ = 0x9e3779b97f4a7c15ull;
 };
 
 struct Backend {
     Settings settings;
-    Crossing crossing{-1};  // set from settings when the backend is made
+    Crossing crossing{-1, 0.25, true};  // set from settings when the backend is made
     // A large batch's misses: all of them cross at first (as llama.cpp offloads a prompt's CPU
     // experts), fewer where the CPU, computing the rest, keeps the device level.
     Crossing crossing_large{-1, 1.0};
@@ -560,6 +600,11 @@ std::unordered_set<int32_t> cross_misses(ggml_backend_t acc, ExpertPool& pool, c
     return crossed;
 }
 
+void note_chain(PoolStats::Phases& timing, bool all, uint64_t ns) {
+    ++(all ? timing.all_units : timing.split_units);
+    (all ? timing.all_chain_ns : timing.split_chain_ns) += ns;
+}
+
 // The unit's pooled rows on the pool's device (a copy of its chain over the pool's slots), the
 // rest on the CPU (the chain itself, the MUL_MAT_IDs routed to the CPU's experts), at once.
 std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
@@ -595,6 +640,7 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         timing.cpu_experts += split->cpu_experts.size();
     };
     auto t0 = Clock::now();
+    const auto t_chain = t0;  // the chain's time, for the crossing's choice of arm
     // Misses cross the link to the device while the CPU computes the rest (Crossing): for a small
     // batch (decode) the hottest, into the pool where the policy admits them (the admission's one
     // copy), else into staging slots; for a large batch (a prompt, which reads nearly every expert
@@ -653,7 +699,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         timing.cpu_major_faults += after.major - before.major;
         if (st != GGML_STATUS_SUCCESS) return st;
         timing.cpu_ns += ns_since(t0);
-        crossing.learn(ns_since(t0), 0);
+        note_chain(timing, crossing.all_now(), ns_since(t_chain));
+        crossing.learn(ns_since(t0), 0, ns_since(t_chain));
         rows_at_end();
         pool.count_rows(0, split->cpu_rows);
         pool.used(group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
@@ -820,7 +867,10 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     if (st != GGML_STATUS_SUCCESS) return st;
     for (const auto& [e, slices] : admitted) pool.settle(e, slices, true);
     admitted.clear();
-    if (!missed.empty()) crossing.learn(cpu_ns, waited + cross_ns);
+    if (!missed.empty()) {
+        note_chain(timing, crossing.all_now(), ns_since(t_chain));
+        crossing.learn(cpu_ns, waited + cross_ns, ns_since(t_chain));
+    }
     if (!direct) {
         size_t at = 0;
         for (size_t i = 0; i < outs.size(); ++i) {
@@ -982,7 +1032,7 @@ void dev_props(ggml_backend_dev_t dev, ggml_backend_dev_props* props) {
 ggml_backend_t dev_init_backend(ggml_backend_dev_t dev, const char*) {
     auto* be = new Backend;
     be->settings = registry->settings;
-    be->crossing = Crossing(be->settings.cross);
+    be->crossing = Crossing(be->settings.cross, 0.25, true);
     ggml_backend_dev_t cpu = cpu_device();
     be->cpu = cpu != nullptr ? ggml_backend_dev_init(cpu, nullptr) : nullptr;
     if (be->cpu == nullptr) {
@@ -1109,6 +1159,13 @@ void say_stats(const PoolStats& s) {
                 100.0 * static_cast<double>(p.hit_rows) / all, 100.0 * static_cast<double>(p.crossed_rows) / all,
                 100.0 * static_cast<double>(p.cpu_rows) / all,
                 static_cast<double>(p.cpu_experts) / static_cast<double>(p.units));
+        }
+        if (p.all_units > 0) {
+            say("    chains with misses: %llu with every miss crossing, %.3f ms each; %llu split between the CPU and "
+                "the link, %.3f ms each",
+                static_cast<unsigned long long>(p.all_units), ms(p.all_chain_ns) / static_cast<double>(p.all_units),
+                static_cast<unsigned long long>(p.split_units),
+                p.split_units > 0 ? ms(p.split_chain_ns) / static_cast<double>(p.split_units) : 0.0);
         }
     }
 }

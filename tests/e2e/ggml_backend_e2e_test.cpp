@@ -104,6 +104,13 @@ TEST_F(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExper
         << split.err;
     EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
     EXPECT_EQ(std::stoul(m[2]), 0u) << split.err;
+    // Both ways of computing a small batch's misses were tried and timed: every miss crossing (about
+    // one chain in 16 while the split is faster) and the split between the CPU and the link.
+    ASSERT_TRUE(std::regex_search(
+        split.err, m, std::regex(R"(chains with misses: (\d+) with every miss crossing, [\d.]+ ms each; (\d+) split)")))
+        << split.err;
+    EXPECT_GT(std::stoul(m[1]), 0u) << split.err;
+    EXPECT_GT(std::stoul(m[2]), 0u) << split.err;
 
     // None crossing: every miss on the CPU, the same text; the CPU half on the threads asked for.
     const auto kept = generate(model, {lib, "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%",
