@@ -8,6 +8,7 @@
 #include "say.h"
 
 #include <dlfcn.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -95,17 +96,12 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     const auto at = reinterpret_cast<uintptr_t>(t->data);
     if (!reads_ || at < reads_->start || at >= reads_->end) {
         reads_ = own_mapping_reads(t->data);
-        reads_fd_ = -1;
-        if (reads_ && reads_->random) {
-            if (UniqueFd fd = open_mapped_file(*reads_)) {
-                reads_fd_ = fd.get();
-                files_.push_back(std::move(fd));
-            }
-        }
+        reads_file_.reset();
+        if (reads_ && reads_->random) reads_file_ = mapped_file(*reads_);
     }
     e.random_reads = reads_ && reads_->random;
-    if (e.random_reads && reads_fd_ >= 0) {
-        e.fd = reads_fd_;
+    if (e.random_reads && reads_file_) {
+        e.file = reads_file_;
         e.file_offset = reads_->offset + (at - reads_->start);
     }
     heat_.add_model(e.group, static_cast<uint32_t>(e.n_expert));
@@ -113,23 +109,44 @@ void ExpertPool::add_tensor(const ggml_tensor* t) {
     groups_[stored->group].push_back(stored);
 }
 
-void ExpertPool::read_ahead(uint32_t group, const std::vector<int32_t>& experts) {
-    if (group >= groups_.size()) return;
+// The file a random-read mapping maps: the descriptor the pool has for it already (a model split
+// in files maps each, and its tensors alternate between mappings), else newly opened.
+std::shared_ptr<const UniqueFd> ExpertPool::mapped_file(const MappingReads& reads) {
+    UniqueFd fd = open_mapped_file(reads);
+    if (!fd) return nullptr;
+    struct stat st {};
+    if (fstat(fd.get(), &st) != 0) return nullptr;
+    for (const auto& f : files_) {
+        struct stat other {};
+        if (fstat(f->get(), &other) == 0 && other.st_dev == st.st_dev && other.st_ino == st.st_ino) return f;
+    }
+    files_.push_back(std::make_shared<const UniqueFd>(std::move(fd)));
+    return files_.back();
+}
+
+bool ExpertPool::read_ahead(uint32_t group, const std::vector<int32_t>& experts, std::unique_lock<std::mutex>& lock) {
+    if (group >= groups_.size()) return false;
     std::vector<ReadRange> ranges;
+    std::vector<std::shared_ptr<const UniqueFd>> open;  // kept open while the lock is released
     for (const ExpertTensor* t : groups_[group]) {
         if (!t->random_reads) continue;
+        if (t->file && std::find(open.begin(), open.end(), t->file) == open.end()) open.push_back(t->file);
         for (const int32_t e : experts) {
             if (e < 0 || e >= t->n_expert) continue;
             const size_t at = static_cast<size_t>(e) * t->slice_bytes;
-            ranges.push_back(ReadRange{t->data + at, t->slice_bytes, t->fd, t->file_offset + at});
+            ranges.push_back(ReadRange{t->data + at, t->slice_bytes, t->fd(), t->file_offset + at});
         }
     }
-    if (ranges.empty()) return;
-    for (const uint64_t read : read_ahead_all(ranges)) {
-        if (read == 0) continue;
+    if (ranges.empty()) return false;
+    lock.unlock();
+    const auto read = read_ahead_all(ranges);
+    lock.lock();
+    for (const uint64_t bytes : read) {
+        if (bytes == 0) continue;
         ++stats_.read_ahead;
-        stats_.read_ahead_bytes += read;
+        stats_.read_ahead_bytes += bytes;
     }
+    return true;
 }
 
 void ExpertPool::forget(const char* base, size_t size) {
@@ -157,15 +174,14 @@ void ExpertPool::forget(const char* base, size_t size) {
         for (const auto* t : groups_[g]) tensors_.erase(t->data);
         groups_[g].clear();
     }
-    // The files no tensor reads ahead from any more are closed (a server that loads model after model).
-    std::erase_if(files_, [&](const UniqueFd& f) {
-        return std::none_of(tensors_.begin(), tensors_.end(), [&](const auto& kv) { return kv.second.fd == f.get(); });
+    // The files no tensor reads ahead from any more are closed (a server that loads model after
+    // model; a read under way keeps its own reference), and the next tensor looks its mapping up
+    // anew: another model may be mapped where this one was.
+    std::erase_if(files_, [&](const auto& f) {
+        return std::none_of(tensors_.begin(), tensors_.end(), [&](const auto& kv) { return kv.second.file == f; });
     });
-    if (reads_fd_ >= 0 &&
-        std::none_of(files_.begin(), files_.end(), [&](const UniqueFd& f) { return f.get() == reads_fd_; })) {
-        reads_.reset();
-        reads_fd_ = -1;
-    }
+    reads_.reset();
+    reads_file_.reset();
     if (fills_.empty() && !copying_) drained_cv_.notify_all();
 }
 
@@ -678,7 +694,7 @@ void ExpertPool::fill_loop() {
             // it while copying_ names it (admit_here).
             const ExpertTensor& t = *f.tensor;
             const size_t at = static_cast<size_t>(f.expert) * t.slice_bytes;
-            if (t.random_reads) (void)backend::read_ahead(t.data + at, t.slice_bytes, t.fd, t.file_offset + at);
+            if (t.random_reads) (void)backend::read_ahead(t.data + at, t.slice_bytes, t.fd(), t.file_offset + at);
             ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
                                     t.slice_bytes);
             lock.lock();

@@ -36,11 +36,12 @@ struct ExpertTensor {
     uint32_t group = 0, index = 0;
     uint32_t block = 0;  // the layer: N of blk.N (what the daemon's expert map numbers)
     // Its mapping reads at random (a lazily loaded model): what is read of it from the mapping is
-    // read ahead first (read_ahead.h), not faulted in a page at a time: from the file (`fd`, the
-    // pool's, at file_offset) where it can be opened.
+    // read ahead first (read_ahead.h), not faulted in a page at a time: from the file (`file`,
+    // shared with the pool's list, so that a read under way keeps it open) where it can be opened.
     bool random_reads = false;
-    int fd = -1;
+    std::shared_ptr<const UniqueFd> file;
     uint64_t file_offset = 0;  // of data
+    [[nodiscard]] int fd() const { return file ? file->get() : -1; }
     std::string name;
 };
 
@@ -156,8 +157,10 @@ public:
     void settle(uint32_t expert, const std::vector<Placed>& placed, bool done);
     // Under mu: the experts' slices in the group that are about to be read from the host (computed
     // on the CPU, copied to a device) and that a lazily loaded mapping would fault in a page at a
-    // time: read ahead now, in large requests (read_ahead.h).
-    void read_ahead(uint32_t group, const std::vector<int32_t>& experts);
+    // time: read ahead now, in large requests (read_ahead.h), with `lock` (of mu) released while
+    // reading. True when it was released (the pool may have changed meanwhile).
+    bool read_ahead(uint32_t group, const std::vector<int32_t>& experts, std::unique_lock<std::mutex>& lock);
+    std::shared_ptr<const UniqueFd> mapped_file(const MappingReads& reads);  // under mu
     // Under mu: how hot the expert is to the local policy (what admissions compare).
     [[nodiscard]] uint32_t heat(uint32_t group, int32_t expert) const {
         return heat_.heat(group, static_cast<uint32_t>(expert));
@@ -241,8 +244,9 @@ private:
     std::unordered_map<const void*, ExpertTensor> tensors_;
     std::vector<std::vector<const ExpertTensor*>> groups_;  // by group: its tensors, by index
     std::optional<MappingReads> reads_;  // the mapping add_tensor looked up last (smaps)
-    int reads_fd_ = -1;                  // its file, opened (one of files_), or -1
-    std::vector<UniqueFd> files_;        // the files of random-read mappings, for their reads ahead
+    std::shared_ptr<const UniqueFd> reads_file_;  // its file, opened (one of files_), or none
+    // The files of random-read mappings, for their reads ahead: one descriptor a file.
+    std::vector<std::shared_ptr<const UniqueFd>> files_;
     std::unordered_map<std::string, uint32_t> group_of_;     // "blk.N." -> group
     std::unique_ptr<DaemonLink> link_;
     std::vector<uint32_t> group_model_;  // by group: the daemon link's model handle (UINT32_MAX: none)

@@ -629,9 +629,23 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         return std::nullopt;
     }
 
+    auto t0 = Clock::now();
+    const auto t_chain = t0;  // the chain's time, for the crossing's choice of arm
+    // What of the misses a lazily loaded mapping does not hold is read now, in large requests, before
+    // the CPU or a copy faults it in a page at a time; without the pool's lock (a layer's misses can
+    // be hundreds of MB from storage), so the pool may change meanwhile: split again after.
+    const auto t_read = Clock::now();
+    if (pool.read_ahead(group, split->cpu_experts, lock)) {
+        split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
+                           unit->weights[0]->n_expert, 1, [&](int32_t e) { return pool.pooled(group, e) ? 0 : -1; });
+        if (!split) return std::nullopt;  // as above, for ids that did not change: cannot happen
+    }
+    const uint64_t read_ns = ns_since(t_read);
+
     auto& timing = pool.timing().phases[ids->ne[1] >= kLargeBatch ? 1 : 0];
     ++timing.units;
-    timing.prep_ns += ns_since(entered);
+    timing.prep_ns += ns_since(entered) - read_ns;
+    timing.read_ahead_ns += read_ns;
     timing.hit_rows += split->pool_rows;
     const uint32_t hit_rows = split->pool_rows;
     const auto rows_at_end = [&] {
@@ -639,8 +653,6 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         timing.cpu_rows += split->cpu_rows;
         timing.cpu_experts += split->cpu_experts.size();
     };
-    auto t0 = Clock::now();
-    const auto t_chain = t0;  // the chain's time, for the crossing's choice of arm
     // Misses cross the link to the device while the CPU computes the rest (Crossing): for a small
     // batch (decode) the hottest, into the pool where the policy admits them (the admission's one
     // copy), else into staging slots; for a large batch (a prompt, which reads nearly every expert
@@ -649,11 +661,6 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     std::vector<std::unordered_map<int32_t, int32_t>> staged(unit->mmids.size());
     const std::vector<int32_t> missed = split->cpu_experts;
     const bool large = ids->ne[1] >= kLargeBatch;
-    // What of the misses a lazily loaded mapping does not hold is read now, in large requests, before
-    // the CPU or a copy faults it in a page at a time.
-    const auto t_read = Clock::now();
-    pool.read_ahead(group, missed);
-    timing.read_ahead_ns += ns_since(t_read);
     uint64_t cross_ns = 0;  // the crossings' copies, as far as they held the CPU (pageable ones do)
     Admitted admitted;
     struct Unsettled {  // what a failed compute gives back

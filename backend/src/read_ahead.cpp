@@ -98,7 +98,8 @@ std::optional<MappingReads> own_mapping_reads(const void* address) {
 
 UniqueFd open_mapped_file(const MappingReads& reads) {
     if (reads.inode == 0 || reads.path.empty() || reads.path.front() != '/') return UniqueFd();
-    UniqueFd fd(open(reads.path.c_str(), O_RDONLY | O_CLOEXEC));
+    // O_NONBLOCK: a path replaced by a FIFO does not block the open (its type is checked next).
+    UniqueFd fd(open(reads.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
     struct stat st {};
     if (!fd || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_ino) != reads.inode)
         return UniqueFd();
@@ -122,12 +123,17 @@ struct Chunk {
 };
 
 // Reads the chunks from `next` on until none is left; the bytes read added to done[chunk.range].
+// Never throws (a helper thread's exception would end the process): without a buffer, no reads.
 void read_chunks(const std::vector<Chunk>& chunks, std::atomic<size_t>& next,
-                 std::vector<std::atomic<uint64_t>>& done) {
+                 std::vector<std::atomic<uint64_t>>& done) noexcept {
     std::unique_ptr<char[]> buffer;
+    try {
+        buffer = std::make_unique_for_overwrite<char[]>(kChunk);
+    } catch (const std::bad_alloc&) {
+        return;  // the other readers, or the compute's faults, take what is left
+    }
     for (size_t k = next.fetch_add(1); k < chunks.size(); k = next.fetch_add(1)) {
         const Chunk& c = chunks[k];
-        if (!buffer) buffer = std::make_unique<char[]>(kChunk);
         for (uint64_t at = 0; at < c.bytes;) {
             const ssize_t r = pread(c.fd, buffer.get(), c.bytes - at, static_cast<off_t>(c.offset + at));
             if (r < 0 && errno == EINTR) continue;
@@ -181,6 +187,7 @@ std::vector<uint64_t> read_ahead_all(std::span<const ReadRange> ranges, unsigned
     std::atomic<size_t> next{0};
     const size_t helpers = to_read < kShared || threads < 2 ? 0 : std::min<size_t>(threads, chunks.size()) - 1;
     std::vector<std::thread> pool;
+    pool.reserve(helpers);  // no reallocation with threads in it
     for (size_t t = 0; t < helpers; ++t) {
         try {
             pool.emplace_back([&] { read_chunks(chunks, next, done); });

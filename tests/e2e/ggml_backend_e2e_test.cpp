@@ -121,6 +121,29 @@ TEST_F(GgmlBackendRuntime, LlamaCppGeneratesTheSameTextWithAPoolAsWithEveryExper
     EXPECT_TRUE(std::regex_search(kept.err, std::regex(R"(on 1 threads of the runtime's \d+)"))) << kept.err;
 }
 
+// A lazily loaded model (the re-arm preload's MOECACHE_LOAD=lazy: the mapping reads at random, a
+// fault is one 4 KiB read): the misses the CPU computes are read ahead from the file, without the
+// pool's lock, and the text is the CPU's.
+TEST_F(GgmlBackendRuntime, ALazilyLoadedModelsMissesAreReadAheadAndTheTextIsTheSame) {
+    test::TempDir dir;
+    const auto model = small_model(dir);
+    const std::string lib = std::string("GGML_BACKEND_PATH=") + MOECACHE_GGML_BACKEND_SO;
+    const auto cpu = generate(model, {lib, "MOECACHE_GGML_DEVICE=none"});
+    ASSERT_FALSE(cpu.text.empty());
+
+    test::drop_page_cache(model);
+    const auto lazy = generate(
+        model, {lib, std::string("LD_PRELOAD=") + MOECACHE_REARM_LIB, "MOECACHE_REARM_EXE=node", "MOECACHE_LOAD=lazy",
+                "MOECACHE_GGML_DEVICE=CPU", "MOECACHE_GGML_POOL=50%", "MOECACHE_GGML_PIN=off", "MOECACHE_GGML_LOG=1"});
+    EXPECT_EQ(lazy.text, cpu.text) << lazy.err;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(
+        lazy.err, m, std::regex(R"((\d+) slices of misses read ahead of their use \(([\d.]+) GiB read\))")))
+        << "no miss was read ahead: was the mapping read at random (lazy)?\n"
+        << lazy.err;
+    EXPECT_GT(std::stoul(m[1]), 0u) << lazy.err;
+}
+
 // A restart keeps the hot set: the first run saves its heat as a hot profile (the hook's format,
 // named by the model's content) when llama.cpp frees the model; the next run's pool starts from it,
 // its hottest experts queued to fill the pool before any miss; the text is the same. A profile that

@@ -233,6 +233,7 @@ private:
     class Joiner;
     // A device-to-device copy within dp's device: the copy kernel where it can, else the driver's.
     CUresult copy_in_device(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
+    CUresult copy_for_runtime(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
     static constexpr size_t kPlacementQueue = 8192;
     // Room after each pool slot for the next slice's head: llama.cpp copies a slice with 512 bytes
     // of padding that are the next one's head, which a hit then serves from one slot in one copy.

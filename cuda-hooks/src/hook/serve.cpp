@@ -48,24 +48,27 @@ void Engine::settle(DevicePool& dp, const Driver* drv, StreamId sid) {
 
 CUresult Engine::copy_in_device(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     const Driver* drv = driver();
-    const auto t0 = cfg_.log ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-    const auto launched = [&] {
-        if (cfg_.log)
-            add_phase(kLaunch, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                         std::chrono::steady_clock::now() - t0)
-                                                         .count()));
-    };
     if (dp.copy_fn != nullptr) {
         const CUresult r = launch_copy(drv, dp.copy_fn, dst, src, bytes, stream);
         if (r == CUDA_SUCCESS) {
             kernel_copies_.fetch_add(1, std::memory_order_relaxed);
-            launched();
             return r;
         }
         // Unaligned, or a context the kernel was not loaded into: the driver's copy.
     }
-    const CUresult r = drv->memcpy_dtod_async(dst, src, bytes, stream);
-    launched();
+    return drv->memcpy_dtod_async(dst, src, bytes, stream);
+}
+
+// The same for a copy the runtime asked for (a hit, an admission's fill), its launch timed for the
+// log (the background thread's fills ahead are not the runtime's time).
+CUresult Engine::copy_for_runtime(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes,
+                                  CUstream stream) {
+    if (!cfg_.log) return copy_in_device(dp, dst, src, bytes, stream);
+    const auto t0 = std::chrono::steady_clock::now();
+    const CUresult r = copy_in_device(dp, dst, src, bytes, stream);
+    add_phase(kLaunch,
+              static_cast<uint64_t>(
+                  std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
     return r;
 }
 
@@ -386,7 +389,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
             tail_served = true;
         }
         if (s.rc == CUDA_SUCCESS)
-            s.rc = copy_in_device(*dp, s.c.dst + uint64_t{i} * cls.slice_bytes, s.from_slot[i], bytes, s.stream);
+            s.rc = copy_for_runtime(*dp, s.c.dst + uint64_t{i} * cls.slice_bytes, s.from_slot[i], bytes, s.stream);
         s.from_pool += s.piece_bytes(i);
         ++s.n_calls;
         s.hit_slices += i < cls.n_experts ? 1 : 0;
@@ -510,7 +513,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         const auto tail = static_cast<uint32_t>(std::min<uint64_t>(follows, tail_room));
         const uint64_t slot = dp->pool.commit(s.admits[i].ref, tail);
         if (slot == 0) continue;  // taken away meanwhile (the pool shrank or yielded)
-        s.rc = copy_in_device(*dp, slot, s.c.dst + s.admits[i].offset, cls.slice_bytes + tail, s.stream);
+        s.rc = copy_for_runtime(*dp, slot, s.c.dst + s.admits[i].offset, cls.slice_bytes + tail, s.stream);
         ++s.n_calls;
         if (s.rc != CUDA_SUCCESS) dp->pool.drop(s.m->id, s.admits[i].ref.slice);
     }
