@@ -17,7 +17,8 @@
 # EXPERTS, USED, EMBD, FF and SEED change it; the real-like presets (mixtral-like, qwen3-next-like,
 # deepseek-like: docs/routing.md) bring their own expert counts unless EXPERTS and USED are given.
 #
-#   bench/gpu-backend-probe.sh LLAMA_BIN
+#   bench/gpu-backend-probe.sh LLAMA_BIN          (ends with a summary: per configuration and test,
+#                                                 the median of its runs and its ratio to cpu's)
 # LLAMA_BIN: a CUDA llama.cpp build (bench/build-llama-cuda.sh) with llama-bench and
 # llama-completion. Environment: CONFIGS ("cpu mc60 static60-none"), ARGS ("-p 512 -n 32": what
 # llama-bench runs), REPS (2), LAYERS (8), PRESET, EXPERTS, USED, EMBD, FF, SEED (the model, above),
@@ -71,6 +72,7 @@ setup() {
   esac
   return 0
 }
+rows=$(mktemp /tmp/moecache-probe-rows.XXXXXX)
 words=(the of and to in is was for on that)
 prompt=
 for ((i = 0; i < ${PROMPT_WORDS:-10}; ++i)); do prompt+="${words[i % 10]} "; done
@@ -88,7 +90,29 @@ for c in ${CONFIGS:-cpu mc60 static60-none}; do
   else
     # ';' joins overrides in llama-bench's -ot (',' would make another test).
     timeout "${TIMEOUT:-120}" env "${env_[@]}" "$bin/llama-bench" -m "$model" "${args_[@]}" -fa 0 -r "${REPS:-2}" \
-      ${ARGS:--p 512 -n 32} 2>&1 | grep -E "^\| [a-z]|moecache-ggml|error|abort" | grep -v "^| model\|no daemon"
+      ${ARGS:--p 512 -n 32} 2>&1 | grep -E "^\| [a-z]|moecache-ggml|error|abort" | grep -v "^| model\|no daemon" |
+      tee >(awk -F'|' -v c="$c" '/^\| [a-z]/ { t = $(NF - 2); v = $(NF - 1); gsub(/ /, "", t); split(v, a, " ");
+                                                 print c "\t" t "\t" a[1] }' >>"$rows")
   fi
   echo "   ($((SECONDS - t0)) s)"
 done
+# The runs' figures in one table (the tail of a long log keeps it): per configuration and test, the
+# median of its runs (a configuration named more than once: each a run) and its ratio to cpu's.
+sleep 1  # the last tee's reader
+echo "== summary: tokens/s, medians over the runs of each configuration (x cpu: against cpu's median)"
+sort -k1,1 -k2,2 "$rows" | awk -F'\t' '
+  { key = $1 "\t" $2; n[key]++; v[key, n[key]] = $3; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
+  END {
+    for (i = 1; i <= k; i++) {
+      key = order[i]; m = n[key]
+      for (a = 1; a <= m; a++) for (b = a + 1; b <= m; b++) if (v[key, b] < v[key, a]) { t = v[key, a]; v[key, a] = v[key, b]; v[key, b] = t }
+      med[key] = m % 2 ? v[key, (m + 1) / 2] : (v[key, m / 2] + v[key, m / 2 + 1]) / 2
+      runs[key] = ""; for (a = 1; a <= m; a++) runs[key] = runs[key] (a > 1 ? " / " : "") v[key, a]
+    }
+    for (i = 1; i <= k; i++) {
+      key = order[i]; split(key, p, "\t"); c = "cpu\t" p[2]
+      ratio = (c in med && med[c] > 0) ? sprintf("%.2fx", med[key] / med[c]) : "-"
+      printf "  %-22s %-8s %9.1f  %6s   (%s)\n", p[1], p[2], med[key], ratio, runs[key]
+    }
+  }'
+rm -f "$rows"
