@@ -127,10 +127,10 @@ std::shared_ptr<const UniqueFd> ExpertPool::mapped_file(const MappingReads& read
 bool ExpertPool::read_ahead(uint32_t group, const std::vector<int32_t>& experts, std::unique_lock<std::mutex>& lock) {
     if (group >= groups_.size()) return false;
     std::vector<ReadRange> ranges;
-    std::vector<std::shared_ptr<const UniqueFd>> open;  // kept open while the lock is released
+    std::vector<std::shared_ptr<const UniqueFd>> kept;  // open while the lock is released
     for (const ExpertTensor* t : groups_[group]) {
         if (!t->random_reads) continue;
-        if (t->file && std::find(open.begin(), open.end(), t->file) == open.end()) open.push_back(t->file);
+        if (t->file && std::find(kept.begin(), kept.end(), t->file) == kept.end()) kept.push_back(t->file);
         for (const int32_t e : experts) {
             if (e < 0 || e >= t->n_expert) continue;
             const size_t at = static_cast<size_t>(e) * t->slice_bytes;
