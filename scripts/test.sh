@@ -26,7 +26,7 @@ skip_reasons() {
        /: Skipped$/ { if ((getline reason) > 0) add(reason) }
        /^SKIP: / { add(substr($0, 7)) }
        function add(r) { if (!((name, r) in seen)) { seen[name, r] = 1; n[r]++; if (n[r] <= 3) who[r] = who[r] ((n[r] > 1) ? ", " : "") name } }
-       END { for (r in n) printf "  %d skipped: %s (%s%s)\n", n[r], r, who[r], (n[r] > 3 ? ", ..." : "") }' "$log" | sort -rn
+       END { for (r in n) { more = n[r] > 3 ? ", ..." : ""; printf "  %d skipped: %s (%s%s)\n", n[r], r, who[r], more } }' "$log" | sort -rn
 }
 
 echo "== format (scripts/check-format.sh) =="
