@@ -155,10 +155,7 @@ public:
     size_t count(size_t misses) {
         all_now_ = false;
         if (all_arm_) {
-            rng_ ^= rng_ << 13;
-            rng_ ^= rng_ >> 7;
-            rng_ ^= rng_ << 17;
-            const bool explore = (rng_ & (kExplore - 1)) == 0;
+            const bool explore = (cuda::next_draw(rng_) & (kExplore - 1)) == 0;
             all_now_ = all_best() != explore;
             if (all_now_) return misses;
         }
@@ -170,25 +167,25 @@ public:
     // After a compute that had misses: the CPU's half took cpu_ns; the device's cost it did not hide
     // was wait_ns: the wait for it after the CPU's half, and the crossings' copies as far as they
     // held the CPU before it (a pageable copy returns only when done; a pinned one at once).
-    // chain_ns: the whole chain, from its misses' reads ahead to the device's results.
-    void learn(uint64_t cpu_ns, uint64_t wait_ns, uint64_t chain_ns) {
-        if (fixed_) return;
+    // chain_ns: the whole chain, from its misses' reads ahead to the device's results. Returns
+    // whether its misses all crossed (the arm count() chose).
+    bool learn(uint64_t cpu_ns, uint64_t wait_ns, uint64_t chain_ns) {
         const bool all = std::exchange(all_now_, false);  // count() says again for the next compute
+        if (fixed_) return all;
         if (all_arm_) {
             Arm& a = arms_[all ? 1 : 0];
             a.mean +=
                 (static_cast<double>(chain_ns) - a.mean) / static_cast<double>(std::min<uint64_t>(++a.n, kWindow));
         }
-        if (all) return;  // the share is learnt from the split's own computes
+        if (all) return all;  // the share is learnt from the split's own computes
         if (wait_ns > kSlack + cpu_ns / 8) {
             share_ = std::max(0.0, share_ - kDown);
         } else {
             share_ = std::min(1.0, share_ + kUp);
         }
+        return all;
     }
     [[nodiscard]] double share() const { return share_; }
-    // Whether this compute's misses all cross (the arm count() chose; until learn()).
-    [[nodiscard]] bool all_now() const { return all_now_; }
     // Whether every miss crossing has been the faster arm (enough of both seen).
     [[nodiscard]] bool all_best() const {
         return arms_[0].n >= kSeen && arms_[1].n >= kSeen && arms_[1].mean < arms_[0].mean * (1 - kMargin);
@@ -630,17 +627,16 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     }
 
     auto t0 = Clock::now();
-    const auto t_chain = t0;  // the chain's time, for the crossing's choice of arm
+    const auto t_chain = t0;  // the chain's time (the crossing's choice of arm), its reads ahead first
     // What of the misses a lazily loaded mapping does not hold is read now, in large requests, before
     // the CPU or a copy faults it in a page at a time; without the pool's lock (a layer's misses can
     // be hundreds of MB from storage), so the pool may change meanwhile: split again after.
-    const auto t_read = Clock::now();
     if (pool.read_ahead(group, split->cpu_experts, lock)) {
         split = split_rows(static_cast<const char*>(ids->data), ids->nb[0], ids->nb[1], ids->ne[0], ids->ne[1],
                            unit->weights[0]->n_expert, 1, [&](int32_t e) { return pool.pooled(group, e) ? 0 : -1; });
         if (!split) return std::nullopt;  // as above, for ids that did not change: cannot happen
     }
-    const uint64_t read_ns = ns_since(t_read);
+    const uint64_t read_ns = ns_since(t_chain);
 
     auto& timing = pool.timing().phases[ids->ne[1] >= kLargeBatch ? 1 : 0];
     ++timing.units;
@@ -706,8 +702,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
         timing.cpu_major_faults += after.major - before.major;
         if (st != GGML_STATUS_SUCCESS) return st;
         timing.cpu_ns += ns_since(t0);
-        note_chain(timing, crossing.all_now(), ns_since(t_chain));
-        crossing.learn(ns_since(t0), 0, ns_since(t_chain));
+        const uint64_t chain_ns = ns_since(t_chain);
+        note_chain(timing, crossing.learn(ns_since(t0), 0, chain_ns), chain_ns);
         rows_at_end();
         pool.count_rows(0, split->cpu_rows);
         pool.used(group, {}, split->cpu_experts, static_cast<uint32_t>(ids->ne[1]));
@@ -875,8 +871,8 @@ std::optional<ggml_status> compute_unit(Backend& be, ggml_cgraph* graph) {
     for (const auto& [e, slices] : admitted) pool.settle(e, slices, true);
     admitted.clear();
     if (!missed.empty()) {
-        note_chain(timing, crossing.all_now(), ns_since(t_chain));
-        crossing.learn(cpu_ns, waited + cross_ns, ns_since(t_chain));
+        const uint64_t chain_ns = ns_since(t_chain);
+        note_chain(timing, crossing.learn(cpu_ns, waited + cross_ns, chain_ns), chain_ns);
     }
     if (!direct) {
         size_t at = 0;

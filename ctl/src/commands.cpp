@@ -192,29 +192,19 @@ std::string single_quoted(std::string_view text, std::string_view quote_escape) 
     return out;
 }
 
-// The space-separated words of `text`.
-std::vector<std::string_view> words(std::string_view text) {
-    std::vector<std::string_view> out;
-    for (size_t at = 0; at < text.size();) {
-        const size_t end = std::min(text.find(' ', at), text.size());
-        if (end > at) out.push_back(text.substr(at, end - at));
-        at = end + 1;
-    }
-    return out;
-}
-
-// The verbs that take a model first, and the options each verb takes after it.
+// The verbs that take a model first, and the options verbs take ("--name", or "--name=" where it
+// takes a value).
 constexpr const char* kModelVerbs = "experts pin unpin prefetch wait evict unregister";
 struct VerbOptions {
-    const char* verb;
-    const char* options;  // "--name" or "--name=" (takes a value)
+    std::string_view verb;
+    std::vector<std::string_view> options;
 };
-constexpr VerbOptions kVerbOptions[] = {
-    {"status", "--http="},
-    {"experts", "--top="},
-    {"evict", "--all"},
-    {"prefetch", "--no-wait --timeout="},
-    {"wait", "--timeout= --settle="},
+const std::vector<VerbOptions> kVerbOptions = {
+    {"status", {"--http="}},
+    {"experts", {"--top="}},
+    {"evict", {"--all"}},
+    {"prefetch", {"--no-wait", "--timeout="}},
+    {"wait", {"--timeout=", "--settle="}},
 };
 
 }  // namespace
@@ -223,8 +213,10 @@ std::string zsh_completion() {
     std::string verbs, options;
     for (const auto& c : kCommands) verbs += fmt::format("    '{}:{}'\n", c.name, single_quoted(c.summary, "'\\''"));
     for (const auto& v : kVerbOptions) {
+        // Here the model verbs' options (status, no model verb, has its own line below).
+        if (std::string_view(kModelVerbs).find(v.verb) == std::string_view::npos) continue;
         std::string specs;
-        for (std::string_view o : words(v.options))
+        for (std::string_view o : v.options)
             specs += o.back() == '='
                          ? fmt::format(" '{}[{}]:value:'", o.substr(0, o.size() - 1), o.substr(2, o.size() - 3))
                          : fmt::format(" '{}'", o);
@@ -300,7 +292,7 @@ complete -c moecachectl -l no-progress -d 'no progress bars'
     out += "complete -c moecachectl -n '__fish_seen_subcommand_from completion' -a 'bash zsh fish'\n";
     out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from help' -a '{}'\n", all);
     for (const auto& v : kVerbOptions)
-        for (std::string_view o : words(v.options)) {
+        for (std::string_view o : v.options) {
             const bool value = o.back() == '=';
             const auto name = o.substr(2, o.size() - 2 - (value ? 1 : 0));
             out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from {}' -l {}{}\n", v.verb, name,

@@ -6,15 +6,12 @@
 
 namespace moecache::cuda {
 
-namespace {
-// The draws of the pool's sampled evictions and of the heat's ghosts (xorshift64).
 uint64_t next_draw(uint64_t& state) {
     state ^= state << 13;
     state ^= state >> 7;
     state ^= state << 17;
     return state;
 }
-}  // namespace
 
 void ExpertHeat::add_model(uint32_t model, uint32_t n_experts) {
     if (heat_.size() <= model) heat_.resize(model + 1);

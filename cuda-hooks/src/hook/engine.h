@@ -403,7 +403,7 @@ private:
         yielded_{0}, n_models_{0}, dropped_host_bytes_{0}, placements_lost_{0}, directives_{0}, joins_{0},
         unmapped_copies_{0}, unmapped_bytes_{0}, serve_ns_{0}, pieces_{0}, peer_hits_{0}, bytes_peer_{0}, kernel_copies_{0},
         filled_{0};
-    // Where serve_ns_ goes, with MOECACHE_CUDA_LOG only (each costs two clock reads a copy): what the
+    // Where serve_ns_ goes, with MOECACHE_CUDA_LOG only (a clock read a step of each copy): what the
     // copy is and the driver's answers on its stream and device (prepare); this device's pool, its
     // lookups and copies queued (pool); the host's pieces (host); admissions, slots taken and
     // filled (admit); of pool and admit, the device-to-device copies' launches (launch).

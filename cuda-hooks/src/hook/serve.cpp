@@ -18,7 +18,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 
 namespace moecache::cuda::hook {
 namespace {
@@ -64,11 +63,9 @@ CUresult Engine::copy_in_device(const DevicePool& dp, CUdeviceptr dst, CUdevicep
 CUresult Engine::copy_for_runtime(const DevicePool& dp, CUdeviceptr dst, CUdeviceptr src, size_t bytes,
                                   CUstream stream) {
     if (!cfg_.log) return copy_in_device(dp, dst, src, bytes, stream);
-    const auto t0 = std::chrono::steady_clock::now();
+    const uint64_t t0 = now_ns();
     const CUresult r = copy_in_device(dp, dst, src, bytes, stream);
-    add_phase(kLaunch,
-              static_cast<uint64_t>(
-                  std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
+    add_phase(kLaunch, now_ns() - t0);
     return r;
 }
 
@@ -171,11 +168,9 @@ void Engine::want_pool_here() {
 }
 
 bool Engine::serve(const HostToDeviceCopy& c, CUresult* result) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const uint64_t t0 = now_ns();
     const bool served = serve_copy(c, result);
-    serve_ns_.fetch_add(static_cast<uint64_t>(
-                            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()),
-                        std::memory_order_relaxed);
+    serve_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return served;
 }
 
@@ -223,12 +218,12 @@ struct Engine::Serving {
 // 2. those another device's pool holds; 3. slots taken for the misses the pool admits; 4. the rest
 // from the host; 5. the admitted slices committed to their slots; then the counts.
 bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
-    const bool timed = cfg_.log;  // where the time goes (shutdown's line): two clock reads a step
-    auto t = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    const bool timed = cfg_.log;  // where the time goes (shutdown's line): a clock read a step
+    uint64_t t = timed ? now_ns() : 0;
     const auto lap = [&](Phase p) {
         if (!timed) return;
-        const auto now = std::chrono::steady_clock::now();
-        add_phase(p, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count()));
+        const uint64_t now = now_ns();
+        add_phase(p, now - t);
         t = now;
     };
     Serving s(c);

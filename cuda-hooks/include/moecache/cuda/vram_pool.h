@@ -15,6 +15,10 @@
 
 namespace moecache::cuda {
 
+// The next of a cheap pseudo-random sequence (xorshift64; `state` nonzero): the draws of the pool's
+// sampled evictions, of the heat's ghosts, and of the backend's arm to try.
+uint64_t next_draw(uint64_t& state);
+
 inline constexpr uint32_t kNoSlot = UINT32_MAX;
 
 // Decayed use counts per expert: what the local policy knows. Counts halve after 64 uses per
