@@ -20,7 +20,8 @@
 #               all, staging; default: the hook's default); hookP-MODE-b the same with HOOK_B, another
 #               build of the hook (an A/B). Each run starts without a hot profile (a first run);
 #               hookP-MODE-warm keeps the profile its previous runs saved (a restart), after one run
-#               of `llama-bench -p 0 -n 128` that is not counted
+#               of `llama-bench -p 0 -n 128` that is not counted; hookP-MODE-noahead without copies
+#               ahead (MOECACHE_CUDA_AHEAD=off: each pool hit its own launch, as before them)
 #   mcP         the ggml backend route: libmoecache-ggml.so loaded (GGML_BACKEND_PATH) and given the
 #               experts (-ot exps=MOECACHE), a pool of P % of them on the GPU; pooled experts are
 #               computed there, the rest on the CPU at once (BACKEND: the library; it must be built
@@ -92,6 +93,8 @@ setup() {
   warm_=0
   if [[ $c == *-warm ]]; then warm_=1; c=${c%-warm}; fi
   if [[ $c == *-none ]]; then lm_=(none); c=${c%-none}; fi
+  local ahead=on
+  if [[ $c == *-noahead ]]; then ahead=off; c=${c%-noahead}; fi
   case $c in
     limit) ot_=() ;;
     cpu) ;;
@@ -104,7 +107,8 @@ setup() {
       mode=${p#*-}; p=${p%%-*}
       env_=(LD_PRELOAD="$lib" GGML_OP_OFFLOAD_MIN_BATCH=1 MOECACHE_CUDA_POOL="$p%" MOECACHE_CUDA_LOG=1 MOECACHE_CUDA_CLIENT=off
             MOECACHE_CUDA_PROFILE="$work/profiles/$1")
-      [ "$mode" = default ] || env_+=(MOECACHE_CUDA_PIN="$mode") ;;
+      [ "$mode" = default ] || env_+=(MOECACHE_CUDA_PIN="$mode")
+      [ "$ahead" = on ] || env_+=(MOECACHE_CUDA_AHEAD=off) ;;
     mc[0-9]*) ot_=(exps=MOECACHE)
       env_=(GGML_BACKEND_PATH="$(realpath "$backend")" MOECACHE_GGML_POOL="${c#mc}%" MOECACHE_GGML_LOG=1
             MOECACHE_GGML_PROFILE="$work/profiles/$1") ;;

@@ -120,6 +120,8 @@ HookConfig hook_config_from(const std::function<const char*(const char*)>& get,
     c.claim = claim == nullptr || !off_value(claim);
     const char* kernel = get("MOECACHE_CUDA_COPY_KERNEL");
     c.copy_kernel = kernel == nullptr || !off_value(kernel);
+    const char* ahead = get("MOECACHE_CUDA_AHEAD");
+    c.ahead = ahead == nullptr || !off_value(ahead);
     const char* one = get("MOECACHE_CUDA_ONE_PLACE");
     c.one_place = one == nullptr || !off_value(one);
     const char* from_files = get("MOECACHE_CUDA_FILL_FROM_FILES");

@@ -484,6 +484,114 @@ TEST_F(WholePoolNoKernel, AHitSliceIsOneDriverCopyWhenTheKernelCannotLoad) {
     destroy(s);
 }
 
+// llama.cpp reads a decode step's router ids back, then copies the experts they name, tensor by
+// tensor, one call a group, each to the place the host tensor's layout gives it. Once the hook has
+// seen copies laid out so, a run's first copy queues the rest of the run's hits from the ids in
+// one launch, and the runtime's later copies of them cost no launch: the same bytes land where
+// they would have, and nothing else changes.
+class Ahead : public WholePool {
+protected:
+    void SetUp() override {
+        WholePool::SetUp();
+        if (!HasFatalFailure() && !IsSkipped()) {
+            ASSERT_EQ(cu_.mem_alloc(&ids_dev_, 4096), CUDA_SUCCESS);
+        }
+    }
+    // The runtime's read-back of one token's ids for a layer, into memory it keeps (as llama.cpp
+    // keeps its ids buffer: the hook reads it when the copies come).
+    void read_back(const std::vector<uint32_t>& ids) {
+        std::vector<int32_t> v(ids.begin(), ids.end());
+        ids_back_.resize(ids.size());
+        ASSERT_EQ(cu_.htod(ids_dev_, v.data(), v.size() * 4), CUDA_SUCCESS);
+        ASSERT_EQ(cu_.dtoh(ids_back_.data(), ids_dev_, ids_back_.size() * 4), CUDA_SUCCESS);
+    }
+    // Decoded tokens, each layer's ids read back and then copied (each copy checked byte for byte).
+    void decode(int tokens, const std::vector<CUstream>& s, const std::vector<uint32_t>& ids = {3, 9, 17, 30}) {
+        for (int i = 0; i < tokens && !HasFailure(); ++i)
+            for (uint32_t l = 0; l < 4; ++l) {
+                read_back(ids);
+                for (uint32_t t = 0; t < 3; ++t) ASSERT_EQ(copy_and_check(cu_, model_, dst_[l][t], l, t, ids, s[0]), 4);
+            }
+    }
+    CUdeviceptr ids_dev_ = 0;
+    std::vector<int32_t> ids_back_ = std::vector<int32_t>(64);
+};
+
+TEST_F(Ahead, ADecodeStepsHitsOfATensorAreOneLaunchAtItsFirstCopy) {
+    if (!cu_.fake()) GTEST_SKIP() << "counts driver calls: the fake driver's counters";
+    auto s = new_streams();
+    warm_up(s);
+    pool_every_slice(s);
+    decode(3, s);  // the hook learns the runtime's layout (16 runs of several copies)
+    const auto before = hook_.stats();
+    ASSERT_GT(before.copied_ahead, 0u) << "nothing was copied ahead after 3 tokens";
+    const auto calls = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    decode(10, s);
+    const auto after = hook_.stats();
+    const auto counted = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    // Each of a token's 12 runs (4 layers x 3 tensors, 4 groups each): its first group's copy,
+    // then one launch for the other three.
+    EXPECT_EQ(counted.kernel_launches - calls.kernel_launches, 10ull * 12ull * 2ull)
+        << "four launches a run without copies ahead";
+    EXPECT_EQ(after.copied_ahead - before.copied_ahead, 10u * 12u * 3u);
+    EXPECT_EQ(after.slice_hits - before.slice_hits, 10u * 12u * 4u) << "every slice is still a hit";
+    EXPECT_EQ(after.slice_misses, before.slice_misses);
+    EXPECT_EQ(after.ahead_unclaimed, 0u);
+    EXPECT_EQ(counted.htod_calls - calls.htod_calls, 10ull * 12ull + 10ull * 4ull)
+        << "the checks' poison, one a tensor, and the ids, one a layer; nothing from the host";
+    destroy(s);
+}
+
+// A runtime that puts the experts it copies one after another (not where the tensor's layout
+// has them) is never copied for ahead: the hook would write where that runtime keeps other data.
+TEST_F(Ahead, ARuntimeThatPacksItsCopiesGetsNoneAhead) {
+    auto s = new_streams();
+    warm_up(s);
+    pool_every_slice(s);
+    const std::vector<uint32_t> ids = {3, 9, 17, 30};
+    for (int token = 0; token < 6; ++token)
+        for (uint32_t l = 0; l < 4; ++l) {
+            read_back(ids);
+            for (uint32_t t = 0; t < 3; ++t) {
+                const auto& tensor = model_.map.layers[l].tensors[t];
+                const uint64_t slice = tensor.bytes_per_expert;
+                for (size_t i = 0; i < ids.size(); ++i)
+                    ASSERT_EQ(cu_.htod_async(dst_[l][t] + i * slice, model_.base + tensor.offset + ids[i] * slice,
+                                             slice + 512, s[0]),
+                              CUDA_SUCCESS);
+                ASSERT_EQ(cu_.ctx_synchronize(), CUDA_SUCCESS);
+                std::vector<uint8_t> back(slice * ids.size());
+                ASSERT_EQ(cu_.dtoh(back.data(), dst_[l][t], back.size()), CUDA_SUCCESS);
+                for (size_t i = 0; i < ids.size(); ++i)
+                    ASSERT_EQ(memcmp(back.data() + i * slice, model_.base + tensor.offset + ids[i] * slice, slice), 0)
+                        << "layer " << l << " tensor " << t << " expert " << ids[i];
+            }
+        }
+    const auto st = hook_.stats();
+    EXPECT_EQ(st.copied_ahead, 0u);
+    EXPECT_GT(st.slice_hits, 6u * 12u * 4u - 1u) << "served from the pool all the same";
+    destroy(s);
+}
+
+// A runtime that copies fewer experts than its ids name (after the hook learnt its layout) leaves
+// slices queued ahead unclaimed: the hook stops copying ahead for good.
+TEST_F(Ahead, ASliceQueuedAheadAndNotAskedForTurnsCopiesAheadOff) {
+    auto s = new_streams();
+    warm_up(s);
+    pool_every_slice(s);
+    decode(3, s);
+    ASSERT_GT(hook_.stats().copied_ahead, 0u);
+    for (uint32_t l = 0; l < 4; ++l) {
+        read_back({3, 9, 17, 30});
+        for (uint32_t t = 0; t < 3; ++t) ASSERT_TRUE(copy_experts(cu_, model_, dst_[l][t], l, t, {3, 9}, s[0]));
+    }
+    const auto off = hook_.stats();
+    EXPECT_GT(off.ahead_unclaimed, 0u);
+    decode(3, s);  // still byte for byte, and nothing more ahead
+    EXPECT_EQ(hook_.stats().copied_ahead, off.copied_ahead);
+    destroy(s);
+}
+
 class TwoDevices : public HookServing {
     int devices() const override { return 2; }
     std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "50%"}}; }

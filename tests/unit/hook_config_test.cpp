@@ -97,6 +97,7 @@ TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
     EXPECT_EQ(c.pin_budget, 8ull << 30);
     EXPECT_FALSE(c.peers);
     EXPECT_TRUE(c.copy_kernel) << "on unless turned off";
+    EXPECT_TRUE(c.ahead) << "on unless turned off";
     EXPECT_TRUE(c.claim) << "on unless turned off";
     EXPECT_EQ(c.claim_bytes(0), 0u) << "a share of the experts is not claimed: its size is not known ahead";
     env = {{"MOECACHE_CUDA_POOL", "25%,1:2G"}};
@@ -106,6 +107,9 @@ TEST(HookConfig, VariablesWithDefaultsAndALineForWhatIsWrong) {
     EXPECT_EQ(read().claim_bytes(0), 0u);
     env = {{"MOECACHE_CUDA_COPY_KERNEL", "off"}};
     EXPECT_FALSE(read().copy_kernel);
+    env = {{"MOECACHE_CUDA_AHEAD", "off"}};
+    EXPECT_FALSE(read().ahead);
+    EXPECT_TRUE(read().copy_kernel);
     env = {{"MOECACHE_CUDA_PIN", "staging"}, {"MOECACHE_CUDA_STAGING_THREADS", "4"}};
     EXPECT_EQ(read().pin, PinMode::Staging);
     EXPECT_FALSE(read().registers());

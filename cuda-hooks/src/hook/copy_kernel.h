@@ -7,6 +7,9 @@
 #pragma once
 
 #include "driver.h"
+#include "moecache/cuda/copy_kernel_ptx.h"
+
+#include <cstdint>
 
 namespace moecache::cuda::hook {
 
@@ -14,6 +17,7 @@ namespace moecache::cuda::hook {
 struct CopyKernel {
     CUmodule module = nullptr;
     CUfunction function = nullptr;
+    CUfunction function_n = nullptr;  // several ranges a launch (null: a driver that lacks it)
 };
 
 // Loads the kernel into the current context. false when the driver cannot (no module functions,
@@ -24,5 +28,14 @@ bool load_copy_kernel(const Driver* drv, CopyKernel* out);
 // with the kernel; CUDA_ERROR_NOT_SUPPORTED when the addresses or the size are not multiples of
 // 16 bytes (the caller copies the driver's way).
 CUresult launch_copy(const Driver* drv, CUfunction fn, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
+
+// One range of a launch of several.
+struct CopyRange {
+    CUdeviceptr dst = 0, src = 0;
+    uint64_t bytes = 0;
+};
+// Queues up to kCopyKernelNRanges copies with one launch of the kernel's several-range form
+// (`fn_n`); the same refusal as launch_copy where any range is not of 16-byte multiples.
+CUresult launch_copies(const Driver* drv, CUfunction fn_n, const CopyRange* ranges, unsigned n, CUstream stream);
 
 }  // namespace moecache::cuda::hook

@@ -217,6 +217,8 @@ void Engine::stats(moecache_cuda_stats* out) {
     out->bytes_from_peers = bytes_peer_.load();
     out->bytes_read_from_files = host_bytes_read_from_files();
     out->filled_ahead = filled_.load();
+    out->copied_ahead = copied_ahead_.load();
+    out->ahead_unclaimed = ahead_unclaimed_.load();
     for (auto& p : pools_)
         if (auto* dp = p.load()) {
             std::lock_guard lock(dp->mu);
@@ -271,6 +273,11 @@ void Engine::shutdown() {
             "stream and device among it), %.1f ms this device's and its peers' pools (lookups, copies queued), %.1f ms "
             "the host's pieces, %.1f ms admissions; of these, %.1f ms launching device-to-device copies",
             ms(kPrepare), ms(kPool), ms(kHost), ms(kAdmit), ms(kLaunch));
+        if (cfg_.ahead)
+            say("copies ahead: %" PRIu64 " slices queued at the first copy of their tensor's run, %" PRIu64
+                " of them not asked for; %" PRIu64 " runs laid out as the host tensor%s",
+                s.copied_ahead, s.ahead_unclaimed, mirrored_runs_.load(),
+                ahead_off_.load() ? " (off: a run laid out otherwise, or a slice not asked for)" : "");
     }
     if (cfg_.log)
         for (auto& p : pools_)

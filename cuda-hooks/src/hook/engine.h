@@ -191,6 +191,7 @@ private:
         // The hook's copy kernel in the device's primary context (copy_kernel.h); null: the
         // driver's device-to-device copies. Set by the background thread before the pool is published.
         CUfunction copy_fn = nullptr;
+        CUfunction copy_n_fn = nullptr;  // its several-range form: copies ahead (null: none)
         CUmodule copy_module = nullptr;
         std::unique_ptr<StagingRing> staging; // set by the background thread before `staged`
         // Host-to-device speed from pinned memory, measured when the pool was made (0: not measured).
@@ -345,6 +346,11 @@ private:
     void serve_from_host(Serving& s);
     void commit_admissions(Serving& s);
     void count_served(Serving& s);
+    // Copies ahead (serve.cpp): the run of copies of one expert tensor this call belongs to, and
+    // this device's hits of the rest of that run queued at its first copy.
+    void follow_run(Serving& s);
+    [[nodiscard]] bool claim_ahead(Serving& s, uint32_t i, bool* with_padding);
+    void copy_ahead(Serving& s, StreamId sid, Joiner& order);
     void settle(DevicePool& dp, const Driver* drv, StreamId sid);  // under dp.mu
     CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const HostBytes& src, size_t bytes, CUstream stream);
 
@@ -373,6 +379,15 @@ private:
     bool ahead_told_ = false;
     std::chrono::steady_clock::time_point ahead_retry_{};
     std::atomic<uint64_t> readback_reports_{0}, readbacks_refused_{0};  // routes.cpp
+    // This thread's last read-back of the router's ids where it checked out for (m, block) and was
+    // a decode step (few tokens): how many of its tokens chose each expert; null otherwise.
+    [[nodiscard]] static const std::vector<uint32_t>* decode_readback(const Model& m, uint32_t block);
+    // Copies ahead (serve.cpp): runs of one tensor's copies whose destinations mirrored the host
+    // tensor (each slice where the tensor's layout puts it: llama.cpp's copies of used experts),
+    // and whether a run did not (then never again: the runtime lays its copies out otherwise).
+    std::atomic<uint64_t> mirrored_runs_{0}, copied_ahead_{0}, ahead_unclaimed_{0};
+    std::atomic<bool> ahead_off_{false};
+    static constexpr uint64_t kMirroredRunsToTrust = 16;
     std::vector<std::pair<uintptr_t, size_t>> unregistering_;  // background thread: slices let go, not yet unregistered
     moecache_client* client_ = nullptr;
     CopyCrew crew_;

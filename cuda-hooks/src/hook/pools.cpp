@@ -156,6 +156,7 @@ bool Engine::allocate_pool(int device) {
         CopyKernel k;
         if (ctx.ok() && load_copy_kernel(driver(), &k)) {
             dp->copy_fn = k.function;
+            dp->copy_n_fn = k.function_n;
             dp->copy_module = k.module;
         } else if (cfg_.log) {
             say("device %d: the copy kernel did not load; pool hits are the driver's copies", device);

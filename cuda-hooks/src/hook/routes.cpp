@@ -101,6 +101,14 @@ void Engine::report_copy(Model& m, const ExpertCopy& cls, bool routing) {
     });
 }
 
+const std::vector<uint32_t>* Engine::decode_readback(const Model& m, uint32_t block) {
+    const Readback& rb = t_readback;
+    if (rb.dst == nullptr || rb.seq != rb.used || rb.model != m.id || rb.block != block || rb.tokens == 0 ||
+        rb.tokens > kPerTokenReports || rb.count.size() != m.map.n_experts)
+        return nullptr;
+    return &rb.count;
+}
+
 bool Engine::readback_is_batch(const Model& m, uint32_t block) {
     const Readback& rb = t_readback;
     return rb.dst != nullptr && rb.seq == rb.used && rb.model == m.id && rb.block == block && rb.tokens > kPerTokenReports;

@@ -33,6 +33,28 @@ CUstream effective_stream(const HostToDeviceCopy& c) {
     return c.per_thread && c.stream == nullptr ? CU_STREAM_PER_THREAD : c.stream;
 }
 
+// The run of copies of one expert tensor that this thread is making (a runtime copies a decode
+// step's experts of one tensor one group after another, nothing else between them on its stream),
+// for copies ahead.
+struct CopyRun {
+    CUstream stream = nullptr;
+    int device = -1;
+    uint32_t model = UINT32_MAX, tensor = UINT32_MAX;  // tensor: its index within the layer
+    int32_t ls = -1;
+    CUdeviceptr base = 0;  // where the run's first copy puts expert 0, laid out as the host tensor
+    uint32_t calls = 0;
+    bool mirrored = true;  // every copy of the run so far put its slices where `base` says
+    // Slices queued ahead and not asked for yet: the expert, the slot read, and the bytes after
+    // the slice that came with it (the next slice's head, the runtime's padding).
+    struct Ahead {
+        uint32_t expert;
+        uint64_t slot;
+        uint64_t padding;
+    };
+    std::vector<Ahead> ahead;
+};
+thread_local CopyRun t_run;
+
 }  // namespace
 
 // After a copy queued work on pool slots: the stream is dirty (another stream must order after it),
@@ -193,6 +215,7 @@ struct Engine::Serving {
     DevicePool* dp = nullptr;
     uint32_t nexp = 0, n_slices = 0, tensor_id = 0;
     bool pad_next = false;
+    bool run_first = false;  // the first copy of a run of one tensor's copies (copies ahead)
     StreamId sid = 0;
     uint64_t from_slot[kMaxSlices];  // nonzero: queued from a pool slot (this device's or a peer's)
     // kMaxAdmits of them, made by serve_copy once the copy is one to serve (constructing them costs
@@ -365,11 +388,19 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         for (uint32_t i = 0; i < cls.n_experts; ++i) dp->heat.touch(m.id, m.expert(s.ls, cls.first_expert + i));
         if (cls.tensor == 0) m.routed.fetch_add(cls.n_experts, std::memory_order_relaxed);
     }
+    follow_run(s);
     bool tail_served = false;  // the padding came with the last slice, from its slot's tail
     for (uint32_t i = 0; i < s.n_slices; ++i) {
         if (tail_served) {  // i == n_experts
             s.from_slot[i] = s.from_slot[i - 1] + cls.slice_bytes;
             s.from_pool += s.piece_bytes(i);
+            continue;
+        }
+        bool with_padding = false;
+        if (i < cls.n_experts && claim_ahead(s, i, &with_padding)) {  // queued at the run's first copy
+            s.from_pool += s.piece_bytes(i);
+            ++s.hit_slices;
+            tail_served = s.pad_next && i + 1 == cls.n_experts && with_padding;
             continue;
         }
         uint32_t tail = 0;
@@ -389,8 +420,122 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         ++s.n_calls;
         s.hit_slices += i < cls.n_experts ? 1 : 0;
     }
+    if (s.run_first) copy_ahead(s, sid, order);
     if (s.hit_slices > 0 || s.from_pool > 0) settle(*dp, s.drv, sid);
     s.joins += order.joins;
+}
+
+// Copies ahead. llama.cpp reads a decode step's router ids back, then copies the experts they
+// name tensor by tensor, one call a group of neighbouring experts, each into the place the host
+// tensor's layout gives it in a device copy of the whole tensor; a hit costs its thread a launch
+// of its own (~3.3 us on an H200: 24 a layer). At a run's first copy the ids say which experts
+// the rest of the run will ask for: this device's pool's hits among them are queued now, in
+// launches of up to eight slices, and the runtime's later copies of them are done already (the
+// same bytes, where it would have put them, on its own stream before anything it queues after).
+// Only where the runtime is seen to lay its copies out that way (kMirroredRunsToTrust runs, each
+// copy of a run at the place its first gives; one run otherwise, or a slice queued ahead that is
+// not asked for, and never again), inside the allocation the run's first copy writes to.
+void Engine::follow_run(Serving& s) {
+    CopyRun& r = t_run;
+    const CUdeviceptr base = s.c.dst - uint64_t{s.cls.first_expert} * s.cls.slice_bytes;
+    if (r.stream == s.stream && r.device == s.device && r.model == s.m->id && r.ls == s.ls &&
+        r.tensor == s.cls.tensor) {
+        ++r.calls;
+        r.mirrored = r.mirrored && base == r.base;
+        return;
+    }
+    if (!r.ahead.empty()) {
+        ahead_unclaimed_.fetch_add(r.ahead.size(), std::memory_order_relaxed);
+        ahead_off_.store(true, std::memory_order_relaxed);
+    }
+    if (r.calls >= 2) {
+        if (r.mirrored)
+            mirrored_runs_.fetch_add(1, std::memory_order_relaxed);
+        else
+            ahead_off_.store(true, std::memory_order_relaxed);
+    }
+    r.stream = s.stream;
+    r.device = s.device;
+    r.model = s.m->id;
+    r.ls = s.ls;
+    r.tensor = s.cls.tensor;
+    r.base = base;
+    r.calls = 1;
+    r.mirrored = true;
+    r.ahead.clear();
+    s.run_first = true;
+}
+
+// Slice i of this copy was queued ahead: nothing to copy (with_padding: the bytes after it too).
+bool Engine::claim_ahead(Serving& s, uint32_t i, bool* with_padding) {
+    CopyRun& r = t_run;
+    if (r.ahead.empty() || !r.mirrored) return false;
+    const uint32_t e = s.cls.first_expert + i;
+    for (size_t k = 0; k < r.ahead.size(); ++k)
+        if (r.ahead[k].expert == e) {
+            s.from_slot[i] = r.ahead[k].slot;
+            *with_padding = r.ahead[k].padding >= s.cls.padding;
+            r.ahead[k] = r.ahead.back();
+            r.ahead.pop_back();
+            return true;
+        }
+    return false;
+}
+
+void Engine::copy_ahead(Serving& s, StreamId sid, Joiner& order) {
+    DevicePool* dp = s.dp;
+    const ExpertCopy& cls = s.cls;
+    if (!cfg_.ahead || !s.routing || s.batch || s.rc != CUDA_SUCCESS || dp->copy_n_fn == nullptr ||
+        s.drv->mem_get_address_range == nullptr || ahead_off_.load(std::memory_order_relaxed) ||
+        mirrored_runs_.load(std::memory_order_relaxed) < kMirroredRunsToTrust)
+        return;
+    const std::vector<uint32_t>* count = decode_readback(*s.m, cls.block);
+    if (count == nullptr) return;
+    // This copy is the first group the ids name: none before it, all of it, and it ends there.
+    const uint32_t first = cls.first_expert, end = first + cls.n_experts;
+    if (end > s.nexp) return;
+    for (uint32_t e = 0; e < first; ++e)
+        if ((*count)[e] != 0) return;
+    for (uint32_t e = first; e < end; ++e)
+        if ((*count)[e] == 0) return;
+    if (end < s.nexp && (*count)[end] != 0) return;
+    CopyRun& r = t_run;
+    CUdeviceptr alloc = 0;
+    size_t size = 0;
+    if (s.drv->mem_get_address_range(&alloc, &size, s.c.dst) != CUDA_SUCCESS || r.base < alloc ||
+        r.base + uint64_t{s.nexp} * cls.slice_bytes > alloc + size)
+        return;
+    const uint64_t t0 = cfg_.log ? now_ns() : 0;
+    CopyRange ranges[kCopyKernelNRanges];
+    CopyRun::Ahead queued[kCopyKernelNRanges];
+    unsigned n = 0;
+    bool any = false;
+    const auto flush = [&] {
+        if (n > 0 && launch_copies(s.drv, dp->copy_n_fn, ranges, n, s.stream) == CUDA_SUCCESS) {
+            r.ahead.insert(r.ahead.end(), queued, queued + n);
+            copied_ahead_.fetch_add(n, std::memory_order_relaxed);
+            kernel_copies_.fetch_add(1, std::memory_order_relaxed);
+            any = true;
+        }
+        n = 0;
+    };
+    for (uint32_t e = end + 1; e < s.nexp; ++e) {
+        if ((*count)[e] == 0) continue;
+        uint32_t tail = 0;
+        const uint64_t slot = dp->pool.lookup(SliceRef{s.m->id, s.m->slice(s.ls, cls.tensor, e), s.m->expert(s.ls, e)},
+                                              sid, order, &tail);
+        if (slot == 0) continue;
+        // The runtime's padding after the slice (the next one's head) where the slot keeps it.
+        const uint64_t padding = cls.padding > 0 && e + 1 < s.nexp && tail >= cls.padding ? cls.padding : 0;
+        const CopyRange range{r.base + uint64_t{e} * cls.slice_bytes, slot, cls.slice_bytes + padding};
+        if (((range.dst | range.src | range.bytes) & 15) != 0) continue;
+        ranges[n] = range;
+        queued[n] = CopyRun::Ahead{e, slot, padding};
+        if (++n == kCopyKernelNRanges) flush();
+    }
+    flush();
+    if (any) settle(*dp, s.drv, sid);
+    if (cfg_.log) add_phase(kLaunch, now_ns() - t0);
 }
 
 // 2. Other devices' pools, one lock at a time: what this device missed may be pooled there.

@@ -500,6 +500,8 @@ namespace {
 struct Module {
     int device = 0;
     bool loaded = true;
+    // Its functions' handles: the hook's copy kernel and its several-range form.
+    char copy = 0, copy_n = 0;
 };
 std::vector<std::unique_ptr<Module>> modules;
 }  // namespace
@@ -528,8 +530,12 @@ API cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
     if (f == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
     for (auto& x : modules)
         if (reinterpret_cast<CUmodule>(x.get()) == m && x->loaded) {
-            if (strcmp(name, "moecache_copy16") != 0) return CUDA_ERROR_NOT_FOUND;
-            *f = reinterpret_cast<CUfunction>(x.get());
+            if (strcmp(name, "moecache_copy16") == 0)
+                *f = reinterpret_cast<CUfunction>(&x->copy);
+            else if (strcmp(name, "moecache_copy16_n") == 0)
+                *f = reinterpret_cast<CUfunction>(&x->copy_n);
+            else
+                return CUDA_ERROR_NOT_FOUND;
             return CUDA_SUCCESS;
         }
     return CUDA_ERROR_INVALID_HANDLE;
@@ -538,27 +544,49 @@ API cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned
                    CUstream st, void** params, void** extra) {
     std::lock_guard lock(mu);
     Module* mod = nullptr;
+    bool several = false;  // copy16_n: a range a row of the grid
     for (auto& x : modules)
-        if (reinterpret_cast<CUfunction>(x.get()) == f && x->loaded) mod = x.get();
+        if (x->loaded &&
+            (reinterpret_cast<CUfunction>(&x->copy) == f || reinterpret_cast<CUfunction>(&x->copy_n) == f)) {
+            mod = x.get();
+            several = reinterpret_cast<CUfunction>(&x->copy_n) == f;
+        }
     if (mod == nullptr) return CUDA_ERROR_INVALID_HANDLE;
     if (no_context() || mod->device != current_device()) return CUDA_ERROR_INVALID_CONTEXT;
-    if (params == nullptr || extra != nullptr || gx == 0 || gy != 1 || gz != 1 || bx == 0 || by != 1 || bz != 1)
+    if (params == nullptr || extra != nullptr || gx == 0 || gy == 0 || gy > (several ? 8u : 1u) || gz != 1 || bx == 0 ||
+        by != 1 || bz != 1)
         return CUDA_ERROR_INVALID_VALUE;
-    CUdeviceptr d = 0, src = 0;
-    unsigned long long words = 0;
-    memcpy(&d, params[0], sizeof d);
-    memcpy(&src, params[1], sizeof src);
-    memcpy(&words, params[2], sizeof words);
-    const size_t n = words * 16;
-    if (((d | src) & 15) != 0) return CUDA_ERROR_MISALIGNED_ADDRESS;
-    if (n == 0) return CUDA_SUCCESS;
-    const Allocation* da = allocation_of(d, n);
-    const Allocation* sa = allocation_of(src, n);
-    if (da == nullptr || sa == nullptr || da->device != mod->device || sa->device != mod->device)
-        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    std::vector<Op> ops;
+    for (unsigned y = 0; y < gy; ++y) {
+        CUdeviceptr d = 0, src = 0;
+        unsigned long long words = 0;
+        memcpy(&d, params[y * 3], sizeof d);
+        memcpy(&src, params[y * 3 + 1], sizeof src);
+        memcpy(&words, params[y * 3 + 2], sizeof words);
+        const size_t n = words * 16;
+        if (((d | src) & 15) != 0) return CUDA_ERROR_MISALIGNED_ADDRESS;
+        if (n == 0) continue;
+        const Allocation* da = allocation_of(d, n);
+        const Allocation* sa = allocation_of(src, n);
+        if (da == nullptr || sa == nullptr || da->device != mod->device || sa->device != mod->device)
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        ops.push_back(Op{Op::Copy, d, reinterpret_cast<const void*>(src), nullptr, n});
+    }
     ++fake_cuda_counts.kernel_launches;
-    fake_cuda_counts.kernel_bytes += n;
-    return enqueue(st, Op{Op::Copy, d, reinterpret_cast<const void*>(src), nullptr, n});
+    for (const Op& op : ops) {
+        fake_cuda_counts.kernel_bytes += op.n;
+        if (const CUresult r = enqueue(st, op); r != CUDA_SUCCESS) return r;
+    }
+    return CUDA_SUCCESS;
+}
+API cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
+    std::lock_guard lock(mu);
+    const Allocation* a = allocation_of(p);
+    if (a == nullptr) return CUDA_ERROR_NOT_FOUND;
+    const auto it = std::prev(allocations.upper_bound(p));
+    if (base != nullptr) *base = it->first;
+    if (size != nullptr) *size = a->bytes;
+    return CUDA_SUCCESS;
 }
 API cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) {
     std::lock_guard lock(mu);
@@ -611,20 +639,55 @@ struct Entry {
 CUresult CUDAAPI get_proc(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 CUresult CUDAAPI get_proc_v1(const char* s, void** p, int v, cuuint64_t f) { return get_proc(s, p, v, f, nullptr); }
 const Entry table[] = {
-    E(cuInit), E(cuDriverGetVersion), E(cuDeviceGet), E(cuDeviceGetCount), E(cuDevicePrimaryCtxRetain),
-    V("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2), E(cuCtxSetCurrent), E(cuCtxGetCurrent),
-    E(cuCtxGetDevice), V("cuCtxPushCurrent", cuCtxPushCurrent_v2), V("cuCtxPopCurrent", cuCtxPopCurrent_v2),
-    E(cuCtxSynchronize), E(cuStreamCreate), V("cuStreamDestroy", cuStreamDestroy_v2), E(cuStreamSynchronize),
-    E(cuStreamIsCapturing), E(cuEventCreate), V("cuEventDestroy", cuEventDestroy_v2), E(cuEventRecord),
-    E(cuEventQuery), E(cuEventSynchronize), E(cuStreamWaitEvent), V("cuMemAlloc", cuMemAlloc_v2),
-    V("cuMemFree", cuMemFree_v2), V("cuMemGetInfo", cuMemGetInfo_v2), E(cuMemHostAlloc), E(cuMemFreeHost),
-    V("cuMemcpyHtoD", cuMemcpyHtoD_v2), P("cuMemcpyHtoD", cuMemcpyHtoD_v2_ptds),
-    V("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2), P("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2_ptsz),
-    V("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2), V("cuMemcpyDtoH", cuMemcpyDtoH_v2), E(cuMemcpy),
-    P("cuMemcpy", cuMemcpy_ptds), E(cuMemcpyAsync), P("cuMemcpyAsync", cuMemcpyAsync_ptsz),
-    V("cuMemHostRegister", cuMemHostRegister_v2), E(cuMemHostUnregister), E(cuPointerGetAttributes),
-    E(cuDeviceCanAccessPeer), E(cuCtxEnablePeerAccess), E(cuMemcpyPeerAsync), E(cuModuleLoadData), E(cuModuleUnload),
-    E(cuModuleGetFunction), E(cuLaunchKernel), V("cuStreamBeginCapture", cuStreamBeginCapture_v2),
+    E(cuInit),
+    E(cuDriverGetVersion),
+    E(cuDeviceGet),
+    E(cuDeviceGetCount),
+    E(cuDevicePrimaryCtxRetain),
+    V("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2),
+    E(cuCtxSetCurrent),
+    E(cuCtxGetCurrent),
+    E(cuCtxGetDevice),
+    V("cuCtxPushCurrent", cuCtxPushCurrent_v2),
+    V("cuCtxPopCurrent", cuCtxPopCurrent_v2),
+    E(cuCtxSynchronize),
+    E(cuStreamCreate),
+    V("cuStreamDestroy", cuStreamDestroy_v2),
+    E(cuStreamSynchronize),
+    E(cuStreamIsCapturing),
+    E(cuEventCreate),
+    V("cuEventDestroy", cuEventDestroy_v2),
+    E(cuEventRecord),
+    E(cuEventQuery),
+    E(cuEventSynchronize),
+    E(cuStreamWaitEvent),
+    V("cuMemAlloc", cuMemAlloc_v2),
+    V("cuMemFree", cuMemFree_v2),
+    V("cuMemGetInfo", cuMemGetInfo_v2),
+    E(cuMemHostAlloc),
+    E(cuMemFreeHost),
+    V("cuMemcpyHtoD", cuMemcpyHtoD_v2),
+    P("cuMemcpyHtoD", cuMemcpyHtoD_v2_ptds),
+    V("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2),
+    P("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2_ptsz),
+    V("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2),
+    V("cuMemcpyDtoH", cuMemcpyDtoH_v2),
+    E(cuMemcpy),
+    P("cuMemcpy", cuMemcpy_ptds),
+    E(cuMemcpyAsync),
+    P("cuMemcpyAsync", cuMemcpyAsync_ptsz),
+    V("cuMemHostRegister", cuMemHostRegister_v2),
+    E(cuMemHostUnregister),
+    E(cuPointerGetAttributes),
+    E(cuDeviceCanAccessPeer),
+    E(cuCtxEnablePeerAccess),
+    E(cuMemcpyPeerAsync),
+    E(cuModuleLoadData),
+    E(cuModuleUnload),
+    E(cuModuleGetFunction),
+    E(cuLaunchKernel),
+    V("cuStreamBeginCapture", cuStreamBeginCapture_v2),
+    V("cuMemGetAddressRange", cuMemGetAddressRange_v2),
     E(cuStreamEndCapture),
 };
 

@@ -59,6 +59,10 @@ struct HookConfig {
     bool client = true;
     bool peers = true;      // a device's copies read other devices' pools (peer access); MOECACHE_CUDA_PEER=off
     bool copy_kernel = true;  // pool hits copied by the hook's kernel; MOECACHE_CUDA_COPY_KERNEL=off: the driver's copies
+    // A decode step's pool hits of one expert tensor queued together at its first copy, from the
+    // router's ids the runtime read back (serve.cpp, "copies ahead"); MOECACHE_CUDA_AHEAD=off: each
+    // when the runtime asks for it.
+    bool ahead = true;
     bool one_place = true;  // drop this process's page-table mappings of experts its pool holds
     // A pool's first fill reads what the daemon directs from the model files, not only from its
     // locks (MOECACHE_CUDA_FILL_FROM_FILES=1, with the daemon's [vram] fill_from_files).
