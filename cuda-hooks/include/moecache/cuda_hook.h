@@ -36,6 +36,10 @@
  *                            pools too, peer to peer, with peer access enabled between them)
  *   MOECACHE_CUDA_COPY_KERNEL=off  pool hits copied with the driver's device-to-device copies
  *                            (default: a copy kernel of the hook's own, cheaper to queue)
+ *   MOECACHE_CUDA_AHEAD=off  each pool hit copied when the runtime asks for it (default: a decode
+ *                            step's hits of a tensor queued together at its first copy, from the
+ *                            router ids the runtime read back, where its copies are seen to follow
+ *                            the host tensor's layout)
  *   MOECACHE_CUDA_STAGING_THREADS=N  threads that copy misses into pinned buffers (the caller
  *                            included; default: every core but one, at most 16)
  *   MOECACHE_CUDA_ONE_PLACE=off  keep this process's mapping of experts the pool holds even
