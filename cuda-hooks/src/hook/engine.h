@@ -16,6 +16,7 @@
 // still read it: snapshots, models and device pools live until exit.
 #pragma once
 
+#include "copy_kernel.h"
 #include "cuda_api.h"
 #include "moecache/cuda/copy_classifier.h"
 #include "moecache/cuda/hook_config.h"
@@ -350,6 +351,9 @@ private:
     // this device's hits of the rest of that run queued at its first copy.
     void follow_run(Serving& s);
     [[nodiscard]] bool claim_ahead(Serving& s, uint32_t i, bool* with_padding);
+    [[nodiscard]] bool ahead_ready(Serving& s);
+    bool queue_range(Serving& s, const CopyRange& range, uint32_t expert, uint64_t padding);
+    void launch_ranges(Serving& s);
     void copy_ahead(Serving& s, StreamId sid, Joiner& order);
     void settle(DevicePool& dp, const Driver* drv, StreamId sid);  // under dp.mu
     CUresult copy_from_host(DevicePool& dp, CUdeviceptr dst, const HostBytes& src, size_t bytes, CUstream stream);

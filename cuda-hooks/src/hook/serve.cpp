@@ -216,6 +216,13 @@ struct Engine::Serving {
     uint32_t nexp = 0, n_slices = 0, tensor_id = 0;
     bool pad_next = false;
     bool run_first = false;  // the first copy of a run of one tensor's copies (copies ahead)
+    bool ahead = false;      // ... whose hits and the rest of the run's go in launches of several
+    // Ranges queued for the next such launch, the expert each is ahead for (UINT32_MAX: this
+    // copy's own) and the padding after it.
+    CopyRange ranges[kCopyKernelNRanges];
+    uint32_t range_expert[kCopyKernelNRanges];
+    uint64_t range_padding[kCopyKernelNRanges];
+    unsigned n_ranges = 0;
     StreamId sid = 0;
     uint64_t from_slot[kMaxSlices];  // nonzero: queued from a pool slot (this device's or a peer's)
     // kMaxAdmits of them, made by serve_copy once the copy is one to serve (constructing them costs
@@ -389,6 +396,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         if (cls.tensor == 0) m.routed.fetch_add(cls.n_experts, std::memory_order_relaxed);
     }
     follow_run(s);
+    s.ahead = s.run_first && ahead_ready(s);
     bool tail_served = false;  // the padding came with the last slice, from its slot's tail
     for (uint32_t i = 0; i < s.n_slices; ++i) {
         if (tail_served) {  // i == n_experts
@@ -414,13 +422,16 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
             bytes += cls.padding;
             tail_served = true;
         }
-        if (s.rc == CUDA_SUCCESS)
-            s.rc = copy_for_runtime(*dp, s.c.dst + uint64_t{i} * cls.slice_bytes, s.from_slot[i], bytes, s.stream);
+        if (s.rc == CUDA_SUCCESS) {
+            const CUdeviceptr dst = s.c.dst + uint64_t{i} * cls.slice_bytes;
+            if (!s.ahead || !queue_range(s, CopyRange{dst, s.from_slot[i], bytes}, UINT32_MAX, 0))
+                s.rc = copy_for_runtime(*dp, dst, s.from_slot[i], bytes, s.stream);
+        }
         s.from_pool += s.piece_bytes(i);
         ++s.n_calls;
         s.hit_slices += i < cls.n_experts ? 1 : 0;
     }
-    if (s.run_first) copy_ahead(s, sid, order);
+    if (s.ahead) copy_ahead(s, sid, order);
     if (s.hit_slices > 0 || s.from_pool > 0) settle(*dp, s.drv, sid);
     s.joins += order.joins;
 }
@@ -482,60 +493,78 @@ bool Engine::claim_ahead(Serving& s, uint32_t i, bool* with_padding) {
     return false;
 }
 
-void Engine::copy_ahead(Serving& s, StreamId sid, Joiner& order) {
-    DevicePool* dp = s.dp;
+// Whether this run's first copy can go ahead: the runtime's layout trusted, a decode step whose
+// ids checked out and name this copy's group first, the run's tensor inside one allocation.
+bool Engine::ahead_ready(Serving& s) {
     const ExpertCopy& cls = s.cls;
-    if (!cfg_.ahead || !s.routing || s.batch || s.rc != CUDA_SUCCESS || dp->copy_n_fn == nullptr ||
-        s.drv->mem_get_address_range == nullptr || ahead_off_.load(std::memory_order_relaxed) ||
+    if (!cfg_.ahead || !s.routing || s.batch || s.dp->copy_n_fn == nullptr || s.drv->mem_get_address_range == nullptr ||
+        ahead_off_.load(std::memory_order_relaxed) ||
         mirrored_runs_.load(std::memory_order_relaxed) < kMirroredRunsToTrust)
-        return;
+        return false;
     const std::vector<uint32_t>* count = decode_readback(*s.m, cls.block);
-    if (count == nullptr) return;
-    // This copy is the first group the ids name: none before it, all of it, and it ends there.
     const uint32_t first = cls.first_expert, end = first + cls.n_experts;
-    if (end > s.nexp) return;
+    if (count == nullptr || end > s.nexp) return false;
     for (uint32_t e = 0; e < first; ++e)
-        if ((*count)[e] != 0) return;
+        if ((*count)[e] != 0) return false;
     for (uint32_t e = first; e < end; ++e)
-        if ((*count)[e] == 0) return;
-    if (end < s.nexp && (*count)[end] != 0) return;
-    CopyRun& r = t_run;
+        if ((*count)[e] == 0) return false;
+    if (end < s.nexp && (*count)[end] != 0) return false;
     CUdeviceptr alloc = 0;
     size_t size = 0;
-    if (s.drv->mem_get_address_range(&alloc, &size, s.c.dst) != CUDA_SUCCESS || r.base < alloc ||
-        r.base + uint64_t{s.nexp} * cls.slice_bytes > alloc + size)
-        return;
+    const CUdeviceptr base = t_run.base;
+    return s.drv->mem_get_address_range(&alloc, &size, s.c.dst) == CUDA_SUCCESS && base >= alloc &&
+           base + uint64_t{s.nexp} * cls.slice_bytes <= alloc + size;
+}
+
+// Queues a range for the next launch of several (launched when full); false where the kernel
+// cannot copy it (not of 16-byte multiples) and it was not queued.
+bool Engine::queue_range(Serving& s, const CopyRange& range, uint32_t expert, uint64_t padding) {
+    if (((range.dst | range.src | range.bytes) & 15) != 0 || range.bytes == 0) return false;
+    s.ranges[s.n_ranges] = range;
+    s.range_expert[s.n_ranges] = expert;
+    s.range_padding[s.n_ranges] = padding;
+    if (++s.n_ranges == kCopyKernelNRanges) launch_ranges(s);
+    return true;
+}
+
+// One launch for the ranges queued. Those ahead are the run's to claim once it is queued; where it
+// is refused this copy's own are the runtime's to copy again (a fallback), and those ahead are not.
+void Engine::launch_ranges(Serving& s) {
+    if (s.n_ranges == 0) return;
     const uint64_t t0 = cfg_.log ? now_ns() : 0;
-    CopyRange ranges[kCopyKernelNRanges];
-    CopyRun::Ahead queued[kCopyKernelNRanges];
-    unsigned n = 0;
-    bool any = false;
-    const auto flush = [&] {
-        if (n > 0 && launch_copies(s.drv, dp->copy_n_fn, ranges, n, s.stream) == CUDA_SUCCESS) {
-            r.ahead.insert(r.ahead.end(), queued, queued + n);
-            copied_ahead_.fetch_add(n, std::memory_order_relaxed);
-            kernel_copies_.fetch_add(1, std::memory_order_relaxed);
-            any = true;
-        }
-        n = 0;
-    };
-    for (uint32_t e = end + 1; e < s.nexp; ++e) {
-        if ((*count)[e] == 0) continue;
+    const CUresult r = launch_copies(s.drv, s.dp->copy_n_fn, s.ranges, s.n_ranges, s.stream);
+    if (cfg_.log) add_phase(kLaunch, now_ns() - t0);
+    if (r == CUDA_SUCCESS) {
+        kernel_copies_.fetch_add(1, std::memory_order_relaxed);
+        for (unsigned k = 0; k < s.n_ranges; ++k)
+            if (s.range_expert[k] != UINT32_MAX) {
+                t_run.ahead.push_back(CopyRun::Ahead{s.range_expert[k], s.ranges[k].src, s.range_padding[k]});
+                copied_ahead_.fetch_add(1, std::memory_order_relaxed);
+            }
+    } else {
+        for (unsigned k = 0; k < s.n_ranges; ++k)
+            if (s.range_expert[k] == UINT32_MAX && s.rc == CUDA_SUCCESS) s.rc = r;
+    }
+    s.n_ranges = 0;
+}
+
+// This device's hits among the rest of the run's ids, queued with this copy's own.
+void Engine::copy_ahead(Serving& s, StreamId sid, Joiner& order) {
+    const ExpertCopy& cls = s.cls;
+    const std::vector<uint32_t>& count = *decode_readback(*s.m, cls.block);
+    const CUdeviceptr base = t_run.base;
+    for (uint32_t e = cls.first_expert + cls.n_experts + 1; e < s.nexp && s.rc == CUDA_SUCCESS; ++e) {
+        if (count[e] == 0) continue;
         uint32_t tail = 0;
-        const uint64_t slot = dp->pool.lookup(SliceRef{s.m->id, s.m->slice(s.ls, cls.tensor, e), s.m->expert(s.ls, e)},
-                                              sid, order, &tail);
+        const uint64_t slot = s.dp->pool.lookup(
+            SliceRef{s.m->id, s.m->slice(s.ls, cls.tensor, e), s.m->expert(s.ls, e)}, sid, order, &tail);
         if (slot == 0) continue;
         // The runtime's padding after the slice (the next one's head) where the slot keeps it.
         const uint64_t padding = cls.padding > 0 && e + 1 < s.nexp && tail >= cls.padding ? cls.padding : 0;
-        const CopyRange range{r.base + uint64_t{e} * cls.slice_bytes, slot, cls.slice_bytes + padding};
-        if (((range.dst | range.src | range.bytes) & 15) != 0) continue;
-        ranges[n] = range;
-        queued[n] = CopyRun::Ahead{e, slot, padding};
-        if (++n == kCopyKernelNRanges) flush();
+        (void)queue_range(s, CopyRange{base + uint64_t{e} * cls.slice_bytes, slot, cls.slice_bytes + padding}, e,
+                          padding);
     }
-    flush();
-    if (any) settle(*dp, s.drv, sid);
-    if (cfg_.log) add_phase(kLaunch, now_ns() - t0);
+    launch_ranges(s);
 }
 
 // 2. Other devices' pools, one lock at a time: what this device missed may be pooled there.
