@@ -542,6 +542,30 @@ TEST_F(Ahead, ADecodeStepsHitsOfATensorAreOneLaunchAtItsFirstCopy) {
     destroy(s);
 }
 
+// A device whose compiler got the several-range kernel wrong (the fake driver's leaves a launch's
+// last range out): the hook's check at load finds it, and every hit is a launch of its own.
+class AheadBrokenKernel : public Ahead {
+protected:
+    void SetUp() override {
+        Ahead::SetUp();
+        if (auto* k = cu_.knob<int>("fake_cuda_kernel_n_broken")) *k = 1;
+    }
+};
+
+TEST_F(AheadBrokenKernel, AKernelThatFailsItsCheckCopiesNothingAhead) {
+    if (!cu_.fake()) GTEST_SKIP() << "needs a driver whose kernel is wrong: the fake driver";
+    auto s = new_streams();
+    warm_up(s);
+    pool_every_slice(s);
+    decode(3, s);
+    const auto calls = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    decode(2, s);
+    const auto counted = *cu_.knob<FakeCounts>("fake_cuda_counts");
+    EXPECT_EQ(hook_.stats().copied_ahead, 0u);
+    EXPECT_EQ(counted.kernel_launches - calls.kernel_launches, 2ull * 12ull * 4ull) << "one launch a hit";
+    destroy(s);
+}
+
 // A runtime that puts the experts it copies one after another (not where the tensor's layout
 // has them) is never copied for ahead: the hook would write where that runtime keeps other data.
 TEST_F(Ahead, ARuntimeThatPacksItsCopiesGetsNoneAhead) {

@@ -21,7 +21,8 @@ struct CopyKernel {
 };
 
 // Loads the kernel into the current context. false when the driver cannot (no module functions,
-// a PTX JIT that refuses it); copies then stay the driver's.
+// a PTX JIT that refuses it); copies then stay the driver's. The several-range form is kept only
+// where a launch of it on scratch memory copied exactly its ranges (function_n null otherwise).
 bool load_copy_kernel(const Driver* drv, CopyKernel* out);
 
 // Queues a copy of `bytes` from `src` to `dst` (device memory of the current context) on `stream`

@@ -49,6 +49,7 @@ const Driver* driver() {
         d.device_can_access_peer = reinterpret_cast<decltype(d.device_can_access_peer)>(real_dlsym(lib, "cuDeviceCanAccessPeer"));
         d.ctx_enable_peer_access = reinterpret_cast<decltype(d.ctx_enable_peer_access)>(real_dlsym(lib, "cuCtxEnablePeerAccess"));
         d.memcpy_peer_async = reinterpret_cast<decltype(d.memcpy_peer_async)>(real_dlsym(lib, "cuMemcpyPeerAsync"));
+        d.memcpy_dtoh = reinterpret_cast<decltype(d.memcpy_dtoh)>(real_dlsym(lib, "cuMemcpyDtoH_v2"));
         d.mem_get_address_range =
             reinterpret_cast<decltype(d.mem_get_address_range)>(real_dlsym(lib, "cuMemGetAddressRange_v2"));
         d.module_load_data = reinterpret_cast<decltype(d.module_load_data)>(real_dlsym(lib, "cuModuleLoadData"));

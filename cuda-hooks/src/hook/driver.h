@@ -41,6 +41,8 @@ struct Driver {
     CUresult (*device_can_access_peer)(int*, CUdevice, CUdevice);
     CUresult (*ctx_enable_peer_access)(CUcontext, unsigned int);
     CUresult (*memcpy_peer_async)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+    // Optional: a synchronous device-to-host copy (the check of the copy kernel's several-range form).
+    CUresult (*memcpy_dtoh)(void*, CUdeviceptr, size_t);
     // Optional: the allocation a device address lies in (copies ahead stay inside it).
     CUresult (*mem_get_address_range)(CUdeviceptr*, size_t*, CUdeviceptr);
     // Optional: the hook's copy kernel (copy_kernel.h).
