@@ -542,6 +542,47 @@ TEST_F(Ahead, ADecodeStepsHitsOfATensorAreOneLaunchAtItsFirstCopy) {
     destroy(s);
 }
 
+// A pool that holds some of the experts: a step's groups of neighbouring experts (two tokens' ids
+// read back together) mix hits and misses, some slices are claimed inside a group copied in part
+// from the host, admissions evict what was queued ahead: every destination stays the file's bytes.
+class AheadPartial : public Ahead {
+protected:
+    std::vector<std::pair<const char*, const char*>> env() const override { return {{"MOECACHE_CUDA_POOL", "40%"}}; }
+};
+
+TEST_F(AheadPartial, HitsAndMissesOfGroupsStayByteIdentical) {
+    auto s = new_streams();
+    warm_up(s);
+    std::mt19937 rng(11);
+    std::geometric_distribution<uint32_t> pick(0.12);
+    const auto two_tokens = [&] {
+        std::vector<uint32_t> ids;
+        for (int t = 0; t < 2; ++t) {
+            std::vector<uint32_t> one;
+            while (one.size() < 4) {
+                // Neighbours often: an expert and the one after it.
+                const uint32_t e = std::min<uint32_t>(pick(rng), 30) + (rng() % 3 == 0 ? 1 : 0);
+                if (std::find(one.begin(), one.end(), e) == one.end()) one.push_back(e);
+            }
+            ids.insert(ids.end(), one.begin(), one.end());
+        }
+        return ids;
+    };
+    for (int token = 0; token < 40 && !HasFailure(); ++token)
+        for (uint32_t l = 0; l < 4 && !HasFailure(); ++l) {
+            const auto ids = two_tokens();
+            read_back(ids);
+            for (uint32_t t = 0; t < 3; ++t) ASSERT_GE(copy_and_check(cu_, model_, dst_[l][t], l, t, ids, s[0]), 1);
+        }
+    const auto st = hook_.stats();
+    EXPECT_GT(st.copied_ahead, 0u) << "nothing was copied ahead";
+    EXPECT_GT(st.slice_misses, 0u) << "the pool held every expert: no mix to test";
+    EXPECT_GT(st.admitted, 0u);
+    EXPECT_EQ(st.ahead_unclaimed, 0u);
+    EXPECT_EQ(st.fallbacks, 0u);
+    destroy(s);
+}
+
 // A device whose compiler got the several-range kernel wrong (the fake driver's leaves a launch's
 // last range out): the hook's check at load finds it, and every hit is a launch of its own.
 class AheadBrokenKernel : public Ahead {

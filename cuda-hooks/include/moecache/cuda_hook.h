@@ -99,7 +99,7 @@ typedef struct moecache_cuda_stats {
     uint64_t filled_ahead;    /* slices put in a pool ahead of use, as the daemon directed (Promote) */
     uint64_t miss_path;       /* how misses reach the first device with a pool: MOECACHE_MISS_PATH_*
                                  of moecache/client.h (0: not known yet) */
-    uint64_t copied_ahead;    /* of slice_hits, queued at the first copy of their tensor's run (copies ahead) */
+    uint64_t copied_ahead;    /* slices queued at the first copy of their tensor's run (copies ahead) */
     uint64_t ahead_unclaimed; /* slices queued ahead that the runtime then did not ask for */
 } moecache_cuda_stats;
 

@@ -21,7 +21,11 @@ constexpr unsigned kMaxBlocks = 264;  // two waves of an H200's SMs: the fastest
 bool copies_verified(const Driver* drv, CUfunction fn_n) {
     if (drv->memcpy_dtoh == nullptr) return false;
     constexpr size_t kBytes = 64 << 10;
-    constexpr CopyRange kRanges[] = {{0, 4096, 1600}, {8192, 0, 4096}, {32768, 16384, 16384}};
+    // As many ranges as a launch takes (each row's parameters are loaded its own way), of sizes
+    // and places of every kind.
+    constexpr CopyRange kRanges[kCopyKernelNRanges] = {{0, 4096, 1600},     {8192, 0, 4096},     {32768, 16384, 16384},
+                                                       {2048, 60000, 16},   {4096, 48000, 2048}, {16384, 40000, 8192},
+                                                       {50000, 30000, 160}, {60000, 20000, 5520}};
     std::vector<uint8_t> src(kBytes), zero(kBytes, 0), back(kBytes, 0xFF), want(kBytes, 0);
     for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i * 131 + 7 + (i >> 8));
     CUdeviceptr a = 0, b = 0;
@@ -49,7 +53,7 @@ bool copies_verified(const Driver* drv, CUfunction fn_n) {
 
 }  // namespace
 
-bool load_copy_kernel(const Driver* drv, CopyKernel* out) {
+bool load_copy_kernel(const Driver* drv, CopyKernel* out, bool several) {
     if (drv->module_load_data == nullptr || drv->module_get_function == nullptr || drv->launch_kernel == nullptr) return false;
     CUmodule module = nullptr;
     // Loading a module may synchronise the context: never while a runtime captures a graph.
@@ -64,7 +68,7 @@ bool load_copy_kernel(const Driver* drv, CopyKernel* out) {
     out->module = module;
     out->function = fn;
     CUfunction fn_n = nullptr;
-    if (drv->module_get_function(&fn_n, module, kCopyKernelNName) == CUDA_SUCCESS && fn_n != nullptr) {
+    if (several && drv->module_get_function(&fn_n, module, kCopyKernelNName) == CUDA_SUCCESS && fn_n != nullptr) {
         bool verified = false;
         capture_gate().exclusive([&] { verified = copies_verified(drv, fn_n); });
         if (verified) out->function_n = fn_n;

@@ -21,9 +21,10 @@ struct CopyKernel {
 };
 
 // Loads the kernel into the current context. false when the driver cannot (no module functions,
-// a PTX JIT that refuses it); copies then stay the driver's. The several-range form is kept only
-// where a launch of it on scratch memory copied exactly its ranges (function_n null otherwise).
-bool load_copy_kernel(const Driver* drv, CopyKernel* out);
+// a PTX JIT that refuses it); copies then stay the driver's. With `several`, the several-range
+// form too, kept only where a launch of it on scratch memory copied exactly its ranges
+// (function_n null otherwise).
+bool load_copy_kernel(const Driver* drv, CopyKernel* out, bool several);
 
 // Queues a copy of `bytes` from `src` to `dst` (device memory of the current context) on `stream`
 // with the kernel; CUDA_ERROR_NOT_SUPPORTED when the addresses or the size are not multiples of

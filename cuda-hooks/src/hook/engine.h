@@ -118,6 +118,10 @@ private:
         std::vector<uint32_t> prior;
         std::vector<uint8_t> prior_wanted;
         std::atomic<uint64_t> routed{0};  // decode routings this run (experts, not slices)
+        // Copies ahead (serve.cpp), per model: runs of its copies laid out as the host tensor, and
+        // whether one was not (or a slice queued ahead was not asked for): then never again.
+        std::atomic<uint32_t> mirrored_runs{0};
+        std::atomic<bool> ahead_off{false};
         uint64_t routed_saved = 0;        // of them, those in the profile last saved (under profile_mu_)
         // How many experts are promoted now (read by the copy path: the daemon directs this
         // model's pools, and a prompt's batches admit only what it promoted).
@@ -386,12 +390,13 @@ private:
     // This thread's last read-back of the router's ids where it checked out for (m, block) and was
     // a decode step (few tokens): how many of its tokens chose each expert; null otherwise.
     [[nodiscard]] static const std::vector<uint32_t>* decode_readback(const Model& m, uint32_t block);
+    [[nodiscard]] static uint64_t readback_seq();  // this thread's read-backs so far
     // Copies ahead (serve.cpp): runs of one tensor's copies whose destinations mirrored the host
     // tensor (each slice where the tensor's layout puts it: llama.cpp's copies of used experts),
-    // and whether a run did not (then never again: the runtime lays its copies out otherwise).
+    // over every model (each model's own decide: Model::mirrored_runs, Model::ahead_off).
     std::atomic<uint64_t> mirrored_runs_{0}, copied_ahead_{0}, ahead_unclaimed_{0};
-    std::atomic<bool> ahead_off_{false};
-    static constexpr uint64_t kMirroredRunsToTrust = 16;
+    std::atomic<bool> ahead_off_{false};  // for some model
+    static constexpr uint32_t kMirroredRunsToTrust = 16;
     std::vector<std::pair<uintptr_t, size_t>> unregistering_;  // background thread: slices let go, not yet unregistered
     moecache_client* client_ = nullptr;
     CopyCrew crew_;

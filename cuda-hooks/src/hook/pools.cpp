@@ -154,9 +154,13 @@ bool Engine::allocate_pool(int device) {
     if (cfg_.copy_kernel) {
         DeviceContext ctx(driver(), device);
         CopyKernel k;
-        if (ctx.ok() && load_copy_kernel(driver(), &k)) {
+        if (ctx.ok() && load_copy_kernel(driver(), &k, cfg_.ahead)) {
             dp->copy_fn = k.function;
             dp->copy_n_fn = k.function_n;
+            if (cfg_.ahead && k.function_n == nullptr && cfg_.log)
+                say("device %d: the copy kernel's several-range form did not load or copied wrong on scratch memory; "
+                    "no copies ahead (each pool hit its own launch)",
+                    device);
             dp->copy_module = k.module;
         } else if (cfg_.log) {
             say("device %d: the copy kernel did not load; pool hits are the driver's copies", device);

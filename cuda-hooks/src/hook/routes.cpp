@@ -109,6 +109,8 @@ const std::vector<uint32_t>* Engine::decode_readback(const Model& m, uint32_t bl
     return &rb.count;
 }
 
+uint64_t Engine::readback_seq() { return t_readback.seq; }
+
 bool Engine::readback_is_batch(const Model& m, uint32_t block) {
     const Readback& rb = t_readback;
     return rb.dst != nullptr && rb.seq == rb.used && rb.model == m.id && rb.block == block && rb.tokens > kPerTokenReports;

@@ -41,7 +41,8 @@ struct CopyRun {
     int device = -1;
     uint32_t model = UINT32_MAX, tensor = UINT32_MAX;  // tensor: its index within the layer
     int32_t ls = -1;
-    CUdeviceptr base = 0;  // where the run's first copy puts expert 0, laid out as the host tensor
+    uint64_t readback = 0;  // the thread's read-backs before it: a new one is another step's run
+    CUdeviceptr base = 0;   // where the run's first copy puts expert 0, laid out as the host tensor
     uint32_t calls = 0;
     bool mirrored = true;  // every copy of the run so far put its slices where `base` says
     // Slices queued ahead and not asked for yet: the expert, the slot read, and the bytes after
@@ -217,6 +218,7 @@ struct Engine::Serving {
     bool pad_next = false;
     bool run_first = false;  // the first copy of a run of one tensor's copies (copies ahead)
     bool ahead = false;      // ... whose hits and the rest of the run's go in launches of several
+    bool launched = false;   // a launch of several read pool slots: the stream is to be settled
     // Ranges queued for the next such launch, the expert each is ahead for (UINT32_MAX: this
     // copy's own) and the padding after it.
     CopyRange ranges[kCopyKernelNRanges];
@@ -432,7 +434,7 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
         s.hit_slices += i < cls.n_experts ? 1 : 0;
     }
     if (s.ahead) copy_ahead(s, sid, order);
-    if (s.hit_slices > 0 || s.from_pool > 0) settle(*dp, s.drv, sid);
+    if (s.hit_slices > 0 || s.from_pool > 0 || s.launched) settle(*dp, s.drv, sid);
     s.joins += order.joins;
 }
 
@@ -449,22 +451,31 @@ bool Engine::serve_copy(const HostToDeviceCopy& c, CUresult* result) {
 void Engine::follow_run(Serving& s) {
     CopyRun& r = t_run;
     const CUdeviceptr base = s.c.dst - uint64_t{s.cls.first_expert} * s.cls.slice_bytes;
+    const uint64_t readback = readback_seq();
     if (r.stream == s.stream && r.device == s.device && r.model == s.m->id && r.ls == s.ls &&
-        r.tensor == s.cls.tensor) {
+        r.tensor == s.cls.tensor && r.readback == readback) {
         ++r.calls;
         r.mirrored = r.mirrored && base == r.base;
         return;
     }
+    Model* was = r.model < s.snap->models.size() ? s.snap->models[r.model] : nullptr;
+    const auto turn_off = [&] {
+        if (was != nullptr) was->ahead_off.store(true, std::memory_order_relaxed);
+        ahead_off_.store(true, std::memory_order_relaxed);
+    };
     if (!r.ahead.empty()) {
         ahead_unclaimed_.fetch_add(r.ahead.size(), std::memory_order_relaxed);
-        ahead_off_.store(true, std::memory_order_relaxed);
+        turn_off();
     }
     if (r.calls >= 2) {
-        if (r.mirrored)
+        if (!r.mirrored) {
+            turn_off();
+        } else if (was != nullptr) {
+            was->mirrored_runs.fetch_add(1, std::memory_order_relaxed);
             mirrored_runs_.fetch_add(1, std::memory_order_relaxed);
-        else
-            ahead_off_.store(true, std::memory_order_relaxed);
+        }
     }
+    r.readback = readback;
     r.stream = s.stream;
     r.device = s.device;
     r.model = s.m->id;
@@ -498,8 +509,8 @@ bool Engine::claim_ahead(Serving& s, uint32_t i, bool* with_padding) {
 bool Engine::ahead_ready(Serving& s) {
     const ExpertCopy& cls = s.cls;
     if (!cfg_.ahead || !s.routing || s.batch || s.dp->copy_n_fn == nullptr || s.drv->mem_get_address_range == nullptr ||
-        ahead_off_.load(std::memory_order_relaxed) ||
-        mirrored_runs_.load(std::memory_order_relaxed) < kMirroredRunsToTrust)
+        s.m->ahead_off.load(std::memory_order_relaxed) ||
+        s.m->mirrored_runs.load(std::memory_order_relaxed) < kMirroredRunsToTrust)
         return false;
     const std::vector<uint32_t>* count = decode_readback(*s.m, cls.block);
     const uint32_t first = cls.first_expert, end = first + cls.n_experts;
@@ -535,6 +546,7 @@ void Engine::launch_ranges(Serving& s) {
     const CUresult r = launch_copies(s.drv, s.dp->copy_n_fn, s.ranges, s.n_ranges, s.stream);
     if (cfg_.log) add_phase(kLaunch, now_ns() - t0);
     if (r == CUDA_SUCCESS) {
+        s.launched = true;
         kernel_copies_.fetch_add(1, std::memory_order_relaxed);
         for (unsigned k = 0; k < s.n_ranges; ++k)
             if (s.range_expert[k] != UINT32_MAX) {
@@ -542,8 +554,13 @@ void Engine::launch_ranges(Serving& s) {
                 copied_ahead_.fetch_add(1, std::memory_order_relaxed);
             }
     } else {
-        for (unsigned k = 0; k < s.n_ranges; ++k)
-            if (s.range_expert[k] == UINT32_MAX && s.rc == CUDA_SUCCESS) s.rc = r;
+        // Refused (a context the kernel was not loaded into, say): this copy's own pieces each the
+        // usual way, and no more launches of several for this model.
+        s.m->ahead_off.store(true, std::memory_order_relaxed);
+        ahead_off_.store(true, std::memory_order_relaxed);
+        for (unsigned k = 0; k < s.n_ranges && s.rc == CUDA_SUCCESS; ++k)
+            if (s.range_expert[k] == UINT32_MAX)
+                s.rc = copy_for_runtime(*s.dp, s.ranges[k].dst, s.ranges[k].src, s.ranges[k].bytes, s.stream);
     }
     s.n_ranges = 0;
 }

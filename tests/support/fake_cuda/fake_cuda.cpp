@@ -28,7 +28,8 @@
 //                          current context when its PTX has the hook's copy kernel
 //                          (moecache_copy16), and launching it there queues its copy (16-byte
 //                          words); from another context the launch fails, as a real one would
-//   fake_cuda_kernel_n_broken  1: its several-range form leaves each launch's last range out
+//   fake_cuda_kernel_n_broken  1: its several-range form leaves out the last range of a launch
+//                          of eight (a row of the parameters loaded wrong)
 //   fake_cuda_peer         0: devices cannot access each other (cuDeviceCanAccessPeer says no);
 //                          else they can once cuCtxEnablePeerAccess enabled it, and peer copies
 //                          (cuMemcpyPeerAsync) check that each side lies on its context's device
@@ -62,8 +63,9 @@ struct fake_cuda_counters {
 };
 __attribute__((visibility("default"))) fake_cuda_counters fake_cuda_counts;
 __attribute__((visibility("default"))) int fake_cuda_kernels = 1;
-// 1: the several-range copy kernel (moecache_copy16_n) leaves its last range out, as a kernel the
-// device's compiler got wrong would: the hook's check of it at load must catch it.
+// 1: the several-range copy kernel (moecache_copy16_n) leaves out the eighth range of a launch of
+// eight, as a kernel whose last row's parameters were loaded wrong would: the hook's check of it at
+// load must catch it (a check of fewer ranges would not).
 __attribute__((visibility("default"))) int fake_cuda_kernel_n_broken = 0;
 __attribute__((visibility("default"))) int fake_cuda_capturing = 0;
 __attribute__((visibility("default"))) int fake_cuda_async = 0;
@@ -561,7 +563,7 @@ API cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned
         by != 1 || bz != 1)
         return CUDA_ERROR_INVALID_VALUE;
     std::vector<Op> ops;
-    const unsigned rows = several && fake_cuda_kernel_n_broken && gy > 1 ? gy - 1 : gy;
+    const unsigned rows = several && fake_cuda_kernel_n_broken && gy == 8 ? gy - 1 : gy;
     for (unsigned y = 0; y < rows; ++y) {
         CUdeviceptr d = 0, src = 0;
         unsigned long long words = 0;
