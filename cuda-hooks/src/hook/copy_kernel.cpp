@@ -100,9 +100,9 @@ CUresult launch_copies(const Driver* drv, CUfunction fn_n, const CopyRange* rang
     void* args[kCopyKernelNRanges * 3];
     for (unsigned i = 0; i < kCopyKernelNRanges; ++i)
         for (unsigned j = 0; j < 3; ++j) args[i * 3 + j] = &p[i][j];
-    // Each range gets as many blocks as a copy of its own would, up to two waves of the SMs in all.
+    // The ranges share two waves of the SMs, as many blocks as a copy of one range would take.
     const auto blocks = static_cast<unsigned>(std::max<unsigned long long>(
-        1, std::min<unsigned long long>(kMaxBlocks / n + 1, (most + kThreads - 1) / kThreads)));
+        1, std::min<unsigned long long>(std::max(1u, kMaxBlocks / n), (most + kThreads - 1) / kThreads)));
     return drv->launch_kernel(fn_n, blocks, n, 1, kThreads, 1, 1, 0, stream, args, nullptr);
 }
 
