@@ -187,6 +187,12 @@ for c in configs:
                 got.setdefault("host_gib", []).append(float(h.group(4)))
             b = re.findall(r"expert rows computed: ([\d.]+) % from the pool", err)
             if b: got.setdefault("hit", []).append(float(b[-1]))
+            u = re.search(r"in the hook for expert copies \(([\d.]+) us each\)", err)
+            if u: got.setdefault("us", []).append(float(u.group(1)))
+            a = re.search(r"copies ahead: (\d+) slices queued [^,]*, (\d+) of them not asked for", err)
+            if a:
+                got.setdefault("ahead", []).append(int(a.group(1)))
+                got.setdefault("unclaimed", []).append(int(a.group(2)))
             d = re.findall(r"in decode steps (\d+) / (\d+)", err)
             if d:
                 dh, dm = sum(int(a) for a, _ in d), sum(int(b) for _, b in d)
@@ -216,4 +222,14 @@ for c in configs:
           (f"{host * 1024 / tokens:.1f}" if host == host and tokens else "-") + f" | {same} |")
 if "compl" in workloads:
     print(f"(compl: prompt of {rows.get(('cpu', 'compl'), {}).get('prompt_tokens', '?')} tokens)")
+hooks = [c for c in configs if c.startswith("hook")]
+if hooks:
+    print("\nThe hook's own time (its exit summary, MOECACHE_CUDA_LOG=1), medians over its runs:")
+    print("| config | workload | hook us per expert copy | slices copied ahead | of them not asked for |")
+    print("|---|---|---|---|---|")
+    for c in hooks:
+        for w in workloads:
+            g = rows.get((c, w), {})
+            f = lambda k, fmt: fmt.format(med(g[k])) if g.get(k) else "-"
+            print(f"| {c} | {w} | {f('us', '{:.2f}')} | {f('ahead', '{:.0f}')} | {f('unclaimed', '{:.0f}')} |")
 EOF
