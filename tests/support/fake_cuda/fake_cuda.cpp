@@ -580,6 +580,9 @@ API cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned
         ops.push_back(Op{Op::Copy, d, reinterpret_cast<const void*>(src), nullptr, n});
     }
     ++fake_cuda_counts.kernel_launches;
+    // A real launch's rows run at once, in no order: where two ranges overlap (a slice's padding
+    // is the next slice's head) the result must not depend on it. The fake runs them last first.
+    std::reverse(ops.begin(), ops.end());
     for (const Op& op : ops) {
         fake_cuda_counts.kernel_bytes += op.n;
         if (const CUresult r = enqueue(st, op); r != CUDA_SUCCESS) return r;
