@@ -224,7 +224,7 @@ Result<std::vector<WrittenFile>> GgufWriter::write(const std::string& path, cons
             for (int64_t d : t.ne) MC_TRY_VOID(s.put_le<int64_t>(d));
             MC_TRY_VOID(s.put_le<uint32_t>(t.type.id));
             MC_TRY_VOID(s.put_le<uint64_t>(offset));
-            offset += (t.nbytes() + opt.alignment - 1) / opt.alignment * opt.alignment;
+            offset += padded(t.nbytes(), opt.alignment);
         }
         MC_TRY_VOID(s.pad_to(opt.alignment));
         for (size_t i = t0; i < t1; ++i) {

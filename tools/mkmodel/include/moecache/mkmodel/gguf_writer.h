@@ -63,6 +63,11 @@ struct WrittenFile {
     uint64_t bytes = 0;
 };
 
+// `bytes` rounded up to a multiple of `alignment`: a tensor's room in the file.
+[[nodiscard]] constexpr uint64_t padded(uint64_t bytes, uint32_t alignment) {
+    return (bytes + alignment - 1) / alignment * alignment;
+}
+
 class GgufWriter {
 public:
     void add(std::string key, KvValue value) { kvs_.emplace_back(std::move(key), std::move(value)); }
@@ -74,7 +79,7 @@ public:
     // what a file would weigh, without writing it (moecache-mkmodel --dry-run).
     [[nodiscard]] uint64_t tensor_bytes(uint32_t alignment) const {
         uint64_t b = 0;
-        for (const auto& t : tensors_) b += (t.nbytes() + alignment - 1) / alignment * alignment;
+        for (const auto& t : tensors_) b += padded(t.nbytes(), alignment);
         return b;
     }
 
