@@ -195,6 +195,16 @@ std::string single_quoted(std::string_view text, std::string_view quote_escape) 
 // The verbs that take a model first, and the options verbs take ("--name", or "--name=" where it
 // takes a value).
 constexpr const char* kModelVerbs = "experts pin unpin prefetch wait evict unregister";
+// Whether `verb` is one of kModelVerbs (a whole word of it, not a piece of one).
+bool is_model_verb(std::string_view verb) {
+    const std::string_view all = kModelVerbs;
+    for (size_t at = 0; at < all.size();) {
+        const size_t end = std::min(all.find(' ', at), all.size());
+        if (all.substr(at, end - at) == verb) return true;
+        at = end + 1;
+    }
+    return false;
+}
 struct VerbOptions {
     std::string_view verb;
     std::vector<std::string_view> options;
@@ -214,7 +224,7 @@ std::string zsh_completion() {
     for (const auto& c : kCommands) verbs += fmt::format("    '{}:{}'\n", c.name, single_quoted(c.summary, "'\\''"));
     for (const auto& v : kVerbOptions) {
         // Here the model verbs' options (status, no model verb, has its own line below).
-        if (std::string_view(kModelVerbs).find(v.verb) == std::string_view::npos) continue;
+        if (!is_model_verb(v.verb)) continue;
         std::string specs;
         for (std::string_view o : v.options)
             specs += o.back() == '='
