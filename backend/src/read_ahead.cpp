@@ -1,5 +1,6 @@
 #include "moecache/backend/read_ahead.h"
 
+#include "moecache/process_maps.h"
 #include "moecache/text.h"
 
 #include <fcntl.h>
@@ -22,48 +23,18 @@
 namespace moecache::backend {
 
 std::optional<MappingReads> mapping_reads(std::string_view text, uintptr_t address) {
-    // Each mapping: a header "start-end perms offset dev inode [path]", then "Key: value" lines,
-    // VmFlags among them.
+    // Each mapping: a header as in /proc/PID/maps, then "Key: value" lines, VmFlags among them.
     std::optional<MappingReads> found;
     for_each_line(text, [&](std::string_view line) {
-        const size_t dash = line.find('-');
-        const size_t space = line.find(' ');
-        const bool header = dash != std::string_view::npos && space != std::string_view::npos && dash < space &&
-                            line.substr(0, dash).find_first_not_of("0123456789abcdef") == std::string_view::npos;
-        if (header) {
+        if (const auto header = parse_maps_line(line)) {
             if (found) return false;  // the mapping had no VmFlags line: not random
-            const std::string a(line.substr(0, dash)), b(line.substr(dash + 1, space - dash - 1));
-            char* end_a = nullptr;
-            char* end_b = nullptr;
-            const auto start = static_cast<uintptr_t>(strtoull(a.c_str(), &end_a, 16));
-            const auto end = static_cast<uintptr_t>(strtoull(b.c_str(), &end_b, 16));
-            if (*end_a == '\0' && *end_b == '\0' && address >= start && address < end) {
+            if (address >= header->mapping.start && address < header->mapping.end) {
                 found.emplace();
-                found->start = start;
-                found->end = end;
-                // Then: perms offset dev inode [path] (the path may hold spaces: the rest of the line).
-                std::string_view rest = line.substr(space + 1);
-                const auto field = [&rest]() {
-                    while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
-                    const size_t sp = rest.find(' ');
-                    const std::string_view f = rest.substr(0, sp);
-                    rest.remove_prefix(sp == std::string_view::npos ? rest.size() : sp);
-                    return std::string(f);
-                };
-                (void)field();  // perms
-                const std::string offset = field();
-                (void)field();  // dev
-                const std::string inode = field();
-                while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
-                char* e1 = nullptr;
-                char* e2 = nullptr;
-                const auto off = strtoull(offset.c_str(), &e1, 16);
-                const auto ino = strtoull(inode.c_str(), &e2, 10);
-                if (!offset.empty() && *e1 == '\0' && !inode.empty() && *e2 == '\0') {
-                    found->offset = off;
-                    found->inode = ino;
-                    if (ino != 0) found->path = std::string(rest);
-                }
+                found->start = header->mapping.start;
+                found->end = header->mapping.end;
+                found->offset = header->mapping.file_offset;
+                found->inode = header->file.inode;
+                if (found->inode != 0) found->path = header->path;
             }
             return true;
         }
@@ -78,22 +49,9 @@ std::optional<MappingReads> mapping_reads(std::string_view text, uintptr_t addre
 }
 
 std::optional<MappingReads> own_mapping_reads(const void* address) {
-    const int fd = open("/proc/self/smaps", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return std::nullopt;
-    std::string text;
-    char buf[1 << 16];
-    for (;;) {
-        const ssize_t r = read(fd, buf, sizeof buf);
-        if (r > 0) {
-            text.append(buf, static_cast<size_t>(r));
-        } else if (r < 0 && errno == EINTR) {
-            continue;
-        } else {
-            break;
-        }
-    }
-    close(fd);
-    return mapping_reads(text, reinterpret_cast<uintptr_t>(address));
+    const auto text = read_proc_text("/proc/self/smaps");
+    if (!text) return std::nullopt;
+    return mapping_reads(*text, reinterpret_cast<uintptr_t>(address));
 }
 
 UniqueFd open_mapped_file(const MappingReads& reads) {

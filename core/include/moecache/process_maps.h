@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,6 +46,9 @@ struct MapsEntry {
 // Every file-backed mapping (inode != 0) in the text of a /proc/PID/maps, in its order. Lines that
 // do not parse are skipped.
 std::vector<MapsEntry> parse_maps(std::string_view maps_text);
+// One line of it (or a mapping's first line in /proc/PID/smaps), anonymous memory included
+// (file.ino 0, path "" or the kernel's name such as "[heap]"); nullopt where it does not parse.
+std::optional<MapsEntry> parse_maps_line(std::string_view line);
 
 // The entry whose mapping holds `address`, or null (memory no file backs).
 const MapsEntry* entry_at(const std::vector<MapsEntry>& entries, uintptr_t address);

@@ -41,27 +41,31 @@ Result<InodeId> identify_file(const std::string& path) {
 }
 
 // A line: "7f12a000-7f12c000 r--s 00001000 fe:01 1234567   /path/to/model.gguf"
+std::optional<MapsEntry> parse_maps_line(std::string_view line) {
+    uint64_t start = 0, end = 0, offset = 0, dmaj = 0, dmin = 0, inode = 0;
+    if (!hex_field(line, start, '-') || !hex_field(line, end, ' ')) return std::nullopt;
+    const auto perms = next_word(line);
+    const auto off_s = next_word(line);
+    if (std::from_chars(off_s.data(), off_s.data() + off_s.size(), offset, 16).ec != std::errc()) return std::nullopt;
+    auto dev = next_word(line);
+    if (!hex_field(dev, dmaj, ':')) return std::nullopt;
+    if (std::from_chars(dev.data(), dev.data() + dev.size(), dmin, 16).ec != std::errc()) return std::nullopt;
+    const auto ino_s = next_word(line);
+    if (std::from_chars(ino_s.data(), ino_s.data() + ino_s.size(), inode, 10).ec != std::errc()) return std::nullopt;
+    if (end <= start) return std::nullopt;
+    while (!line.empty() && line.front() == ' ') line.remove_prefix(1);
+    return MapsEntry{{static_cast<uintptr_t>(start), static_cast<uintptr_t>(end), offset, std::string(perms)},
+                     {static_cast<uint32_t>(dmaj), static_cast<uint32_t>(dmin), inode},
+                     std::string(line)};
+}
+
 std::vector<MapsEntry> parse_maps(std::string_view text) {
     std::vector<MapsEntry> out;
     while (!text.empty()) {
         const size_t eol = std::min(text.find('\n'), text.size());
-        std::string_view line = text.substr(0, eol);
+        auto entry = parse_maps_line(text.substr(0, eol));
         text.remove_prefix(std::min(eol + 1, text.size()));
-        uint64_t start = 0, end = 0, offset = 0, dmaj = 0, dmin = 0, inode = 0;
-        if (!hex_field(line, start, '-') || !hex_field(line, end, ' ')) continue;
-        const auto perms = next_word(line);
-        const auto off_s = next_word(line);
-        if (std::from_chars(off_s.data(), off_s.data() + off_s.size(), offset, 16).ec != std::errc()) continue;
-        auto dev = next_word(line);
-        if (!hex_field(dev, dmaj, ':')) continue;
-        if (std::from_chars(dev.data(), dev.data() + dev.size(), dmin, 16).ec != std::errc()) continue;
-        const auto ino_s = next_word(line);
-        if (std::from_chars(ino_s.data(), ino_s.data() + ino_s.size(), inode, 10).ec != std::errc()) continue;
-        if (inode == 0 || end <= start) continue;
-        while (!line.empty() && line.front() == ' ') line.remove_prefix(1);
-        out.push_back({{static_cast<uintptr_t>(start), static_cast<uintptr_t>(end), offset, std::string(perms)},
-                       {static_cast<uint32_t>(dmaj), static_cast<uint32_t>(dmin), inode},
-                       std::string(line)});
+        if (entry && entry->file.inode != 0) out.push_back(std::move(*entry));
     }
     return out;
 }
