@@ -391,6 +391,9 @@ private:
     // a decode step (few tokens): how many of its tokens chose each expert; null otherwise.
     [[nodiscard]] static const std::vector<uint32_t>* decode_readback(const Model& m, uint32_t block);
     [[nodiscard]] static uint64_t readback_seq();  // this thread's read-backs so far
+    // Whether experts [first, first + n) are the first group the ids name (by expert: how many
+    // tokens chose it): none chosen before them, each of them chosen, and the group ends there.
+    [[nodiscard]] static bool first_group_of(const std::vector<uint32_t>& count, uint32_t first, uint32_t n);
     // Copies ahead (serve.cpp): runs of one tensor's copies whose destinations mirrored the host
     // tensor (each slice where the tensor's layout puts it: llama.cpp's copies of used experts),
     // over every model (each model's own decide: Model::mirrored_runs, Model::ahead_off).

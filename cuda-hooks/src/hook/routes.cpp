@@ -68,12 +68,7 @@ void Engine::report_copy(Model& m, const ExpertCopy& cls, bool routing) {
         ok = id >= 0 && static_cast<uint32_t>(id) < ne;
         if (ok) ++rb.count[static_cast<size_t>(id)];
     }
-    // The copy is the first group of what the ids name: nothing before it, all of it, and the run
-    // ends where it ends.
-    const uint32_t first = cls.first_expert, end = first + cls.n_experts;
-    for (uint32_t e = 0; ok && e < first; ++e) ok = rb.count[e] == 0;
-    for (uint32_t e = first; ok && e < end && e < ne; ++e) ok = rb.count[e] != 0;
-    ok = ok && end <= ne && (end == ne || rb.count[end] == 0);
+    ok = ok && first_group_of(rb.count, cls.first_expert, cls.n_experts);
     if (!ok) {
         readbacks_refused_.fetch_add(1, std::memory_order_relaxed);
         if (routing) report(m, cls.block, cls.first_expert, cls.n_experts);
@@ -110,6 +105,16 @@ const std::vector<uint32_t>* Engine::decode_readback(const Model& m, uint32_t bl
 }
 
 uint64_t Engine::readback_seq() { return t_readback.seq; }
+
+bool Engine::first_group_of(const std::vector<uint32_t>& count, uint32_t first, uint32_t n) {
+    const uint32_t end = first + n, ne = static_cast<uint32_t>(count.size());
+    if (end > ne) return false;
+    for (uint32_t e = 0; e < first; ++e)
+        if (count[e] != 0) return false;
+    for (uint32_t e = first; e < end; ++e)
+        if (count[e] == 0) return false;
+    return end == ne || count[end] == 0;
+}
 
 bool Engine::readback_is_batch(const Model& m, uint32_t block) {
     const Readback& rb = t_readback;

@@ -513,13 +513,7 @@ bool Engine::ahead_ready(Serving& s) {
         s.m->mirrored_runs.load(std::memory_order_relaxed) < kMirroredRunsToTrust)
         return false;
     const std::vector<uint32_t>* count = decode_readback(*s.m, cls.block);
-    const uint32_t first = cls.first_expert, end = first + cls.n_experts;
-    if (count == nullptr || end > s.nexp) return false;
-    for (uint32_t e = 0; e < first; ++e)
-        if ((*count)[e] != 0) return false;
-    for (uint32_t e = first; e < end; ++e)
-        if ((*count)[e] == 0) return false;
-    if (end < s.nexp && (*count)[end] != 0) return false;
+    if (count == nullptr || !first_group_of(*count, cls.first_expert, cls.n_experts)) return false;
     CUdeviceptr alloc = 0;
     size_t size = 0;
     const CUdeviceptr base = t_run.base;
