@@ -695,8 +695,7 @@ void ExpertPool::fill_loop() {
             const ExpertTensor& t = *f.tensor;
             const size_t at = static_cast<size_t>(f.expert) * t.slice_bytes;
             if (t.random_reads) (void)backend::read_ahead(t.data + at, t.slice_bytes, t.fd(), t.file_offset + at);
-            ggml_backend_tensor_set(f.arena->whole, t.data + static_cast<size_t>(f.expert) * t.slice_bytes, f.offset,
-                                    t.slice_bytes);
+            ggml_backend_tensor_set(f.arena->whole, t.data + at, f.offset, t.slice_bytes);
             lock.lock();
             copying_.reset();
             if (vram.filling_address(f.slice()) == f.slot() && vram.commit(f.slice()) != 0) committed(t, f.expert);
