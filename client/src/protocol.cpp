@@ -238,9 +238,9 @@ void wire(M& x, V& v) {
         v.u32("files", x.files);
     } else if constexpr (std::is_same_v<T, Directive>) {
         v.u8("action", x.action);
-        v.check([&] { return x.action >= Action::Promote && x.action <= Action::Unpromote; },
+        v.check([&] { return x.action >= Action::Promote && x.action <= Action::Shifted; },
                 [&](size_t) {
-                    return fmt::format("at byte {}: Directive action {} is not one of 1 (promote) .. 5 (unpromote)",
+                    return fmt::format("at byte {}: Directive action {} is not one of 1 (promote) .. 6 (shifted)",
                                        kHeaderBytes, static_cast<unsigned>(x.action));
                 });
         v.u32("model", x.model);

@@ -123,6 +123,12 @@ void ExpertHeat::set_promoted(uint32_t model, uint32_t expert, bool promoted) {
     p = promoted ? 1 : 0;
 }
 
+void ExpertHeat::forget(uint32_t model, double keep) {
+    if (model >= heat_.size()) return;
+    keep = std::clamp(keep, 0.0, 1.0);
+    for (auto& v : heat_[model]) v = static_cast<uint32_t>(static_cast<double>(v) * keep);
+}
+
 uint32_t ExpertHeat::heat(uint32_t model, uint32_t expert) const {
     if (model >= heat_.size() || expert >= heat_[model].size()) return 0;
     if (promoted_[model][expert]) return heat_[model][expert] + kPromoted;

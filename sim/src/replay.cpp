@@ -15,6 +15,9 @@ namespace {
 
 enum class Where { Vram, Ram, Staged, Storage };
 
+static_assert(cuda::ExpertHeat::kKeepAtShift == daemon::ShiftDetector::kKeepAtShift,
+              "the hook cuts its counts at a shift as the daemon cuts its heat");
+
 // A daemon's loop turns between two ticks, at most (its turns are milliseconds apart).
 constexpr int kMaxTurnsPerTick = 4096;
 
@@ -323,6 +326,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
     // them as a daemon's finished reads ask it to; at most lock_bytes_per_turn are locked a turn,
     // and turns follow until nothing waits.
     std::vector<uint8_t> reading(n_slots, 0);
+    uint64_t shifts_told = 0;
     auto plan = [&] {
         std::vector<uint32_t> waiting;
         for (int turn = 0; turn < kMaxTurnsPerTick; ++turn) {
@@ -379,6 +383,12 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
         }
         fit_cache();
         if (setup.device()) {
+            // A shift the daemon's heat saw since: the hook is told (a Shifted directive, sent with
+            // the turn's pool direction) and cuts its own counts of the model as the heat was cut.
+            if (heat.shifts() != shifts_told) {
+                shifts_told = heat.shifts();
+                hook_heat.forget(0, cuda::ExpertHeat::kKeepAtShift);
+            }
             std::vector<uint8_t> want(n_slots, 0);
             // The daemon directs the pool's frequency part; the hook keeps the rest as an LRU
             // once the split gives recency a share.

@@ -344,6 +344,55 @@ TEST_F(HookDaemonRoomy, WhereTheLockCapHoldsTheModelAnExpertInVramKeepsItsRamCop
     EXPECT_NE(log().find("keep their RAM copy: the lock cap holds every expert"), std::string::npos) << log();
 }
 
+// A routing that shifts: the daemon's heat sees it (here another runtime's routing of the model
+// moves to other experts) and tells every pool of the model; the hook cuts its own use counts, so
+// that an expert used a few times now takes the slot of one used a hundred times before the shift.
+// Without the cut the old counts hold the slot for the ~1000 tokens they take to halve.
+class HookDaemonShift : public HookDaemon {
+    [[nodiscard]] bool keep_both() const override { return true; }
+    [[nodiscard]] std::string directed() const override { return "0"; }  // the hook's own counts rank
+};
+
+TEST_F(HookDaemonShift, AShiftTheDaemonSeesCutsThePoolsCounts) {
+    constexpr uint32_t kA = 3, kB = 9;
+    use(kA, 1);
+    ASSERT_GE(sync(10000), 1);
+    // The daemon's budget applied: a pool of one expert, which A holds, used a hundred times.
+    ASSERT_TRUE(
+        until([&] { return stats().experts_in_vram == 1 && stats().pool_bytes == 3 * (slice_ + 512); }, kA, 1, kA, 0))
+        << log();
+    use(kA, 100);
+    auto b_is_a_hit = [&] {
+        const uint64_t before = stats().slice_hits;
+        use(kB, 1);
+        return stats().slice_hits >= before + 3;
+    };
+    use(kB, 3);
+    ASSERT_FALSE(b_is_a_hit()) << "three uses displaced one hundred before any shift";
+    const uint64_t directives = stats().directives;
+
+    moecache_client* other = moecache_client_open(dir_.file("moecached.sock").c_str(), "other-runtime");
+    ASSERT_NE(other, nullptr);
+    uint32_t h = 0;
+    ASSERT_EQ(moecache_client_register_model(other, model_.c_str(), &h), 0);
+    ASSERT_EQ(moecache_client_wait_ready(other, 10000), 1);
+    // Past the detector's first 4096 routings on one routing, then another (paced within the ring).
+    const uint32_t block = map_.layers[0].index;
+    for (int t = 0; t < 4800; ++t) {
+        const uint32_t e[2] = {t < 4200 ? 0u + t % 2 : 12u + t % 2, t < 4200 ? 5u : 14u};
+        (void)moecache_client_report(other, h, block, e, 2, 1);
+        if (t % 32 == 31) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while (stats().directives == directives && std::chrono::steady_clock::now() < end)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_GT(stats().directives, directives) << "no shift told\n" << log();
+    EXPECT_NE(log().find("its routing shifted"), std::string::npos) << log();
+    use(kB, 3);
+    EXPECT_TRUE(b_is_a_hit()) << "the pool still ranks by the counts learnt before the shift";
+    moecache_client_close(other);
+}
+
 // ... and misses come at DMA speed in one piece each: the hook registers every run of expert
 // tensors whole, as it does without a daemon when its budget holds the model, rather than each
 // expert the daemon locks on its own (whose edge pages then went as the runtime asked: three

@@ -1279,6 +1279,63 @@ TEST_F(ClientSocketTest, ARoutingThatReusesWhatItUsedGivesThePoolARecencyShare) 
                       << (WIFEXITED(status) ? WEXITSTATUS(status) : -1) << ")";
 }
 
+// A routing that moves to experts it did not use: once the daemon's heat sees the shift, each client
+// with a pool of the model is told (a Shifted directive), so that its pool's own counts are cut as
+// the heat was; never while the routing stays.
+TEST_F(ClientSocketTest, ARoutingThatShiftsTellsThePoolToCutItsCounts) {
+    const uint64_t expert = mean_expert_bytes();
+    ASSERT_GT(expert, 0u);
+    start();
+    const std::string sock = d_->status().socket_path, model = model_;
+    int ready = -1;
+    const pid_t pid = spawn_as(
+        0,
+        [=] {
+            uint32_t h = 0;
+            moecache_client* cl = pooled_client(sock, model, "shifting", h, 16 * expert);
+            ::usleep(300000);  // the daemon places: the pool is directed from here on
+            std::mt19937 rng(11);
+            std::uniform_int_distribution<uint32_t> four(0, 3);
+            moecache_directive d[64];
+            auto shifted = [&] {
+                bool seen = false;
+                for (size_t n; (n = moecache_client_poll(cl, d, 64)) > 0;)
+                    seen = seen || std::any_of(d, d + n, [](const moecache_directive& x) {
+                               return x.action == MOECACHE_SHIFTED;
+                           });
+                return seen;
+            };
+            // The same four experts of each layer for 1200 tokens (the detector looks after 4096
+            // routings), then four others.
+            for (int t = 0; t < 1400; ++t) {
+                const uint32_t base = t < 1200 ? 0 : 8;
+                for (uint32_t block = 0; block < 4; ++block) {
+                    uint32_t e[2] = {base + four(rng), 0};
+                    do e[1] = base + four(rng);
+                    while (e[1] == e[0]);
+                    (void)moecache_client_report(cl, h, block, e, 2, 1);
+                }
+                if (t % 8 == 7) {
+                    ::usleep(2000);  // within what the ring holds
+                    if (t < 1200 && shifted()) ::_exit(7);
+                }
+            }
+            for (int i = 0; i < 200; ++i) {
+                if (shifted()) return;
+                ::usleep(50000);
+            }
+            ::_exit(8);
+        },
+        ready);
+    ASSERT_GT(pid, 0);
+    const bool told = until_ready(ready);
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(told) << "child " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1)
+                      << " (7: told of a shift while the routing stayed; 8: never told after it shifted)";
+}
+
 // `settled` (moecachectl wait): a model whose pool was directed to hold experts it does not hold is
 // not settled, however done its reads are; once that pool's client goes, it is.
 TEST_F(ClientSocketTest, AModelIsNotSettledUntilItsPoolHoldsWhatItWasDirected) {

@@ -27,6 +27,7 @@ std::vector<Message> samples() {
         {3, Failure{EACCES, "the descriptor is not readable"}},
         {4, ModelRegistered{9, 61, 256, 5}},
         {0, Directive{Action::Unlock, 9, 12, 255}},
+        {0, Directive{Action::Shifted, 9, 0, 0}},
         {0, ExpertPlacement{9, 12, 255, 0}},
         {0, ExpertPlacement{9, 12, 255, kHostTier}},
         {0, PoolStats{0, 90, 10, 9000, 1000, 1ull << 30}},
@@ -142,6 +143,10 @@ TEST(Protocol, BodiesAreCheckedFieldByField) {
     auto action = encode({0, Directive{Action::Lock, 1, 2, 3}});
     action[16] = 9;
     expect_refused(action, 0, {"Directive action 9"});
+    action[16] = 7;  // one past Shifted
+    expect_refused(action, 0, {"Directive action 7", "6 (shifted)"});
+    action[16] = 0;
+    expect_refused(action, 0, {"Directive action 0"});
     // Devices bound the daemon's metrics labels.
     expect_refused(encode({0, PoolStats{kMaxPoolDevices, 1, 1, 1, 1, 1}}), 0, {"PoolStats device 64", "below 64"});
     auto unmapped = encode({0, Unmapped{1, 1, true}});

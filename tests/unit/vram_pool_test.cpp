@@ -254,6 +254,26 @@ TEST(ExpertHeat, HalvesAfterSixtyFourUsesPerExpert) {
     EXPECT_EQ(h.heat(3, 3), 0u) << "unknown model";
 }
 
+// A shift the daemon saw (a Shifted directive): the model's counts learnt before it are cut to a
+// hundredth, so that a few uses of the new routing outrank them; another model's stay, and a
+// promotion still ranks above everything.
+TEST(ExpertHeat, AShiftCutsThatModelsCountsToAHundredth) {
+    ExpertHeat h;
+    h.add_model(0, 4);
+    h.add_model(1, 4);
+    for (int i = 0; i < 200; ++i) h.touch(0, 0);
+    for (int i = 0; i < 200; ++i) h.touch(1, 0);
+    h.set_promoted(0, 3, true);
+    h.forget(0, ExpertHeat::kKeepAtShift);
+    EXPECT_EQ(h.count(0, 0), 2u);
+    EXPECT_EQ(h.count(1, 0), 200u) << "another model's routing did not shift";
+    for (int i = 0; i < 3; ++i) h.touch(0, 1);
+    EXPECT_GT(h.heat(0, 1), h.heat(0, 0)) << "three uses of the new routing outrank two hundred of the old";
+    EXPECT_GT(h.heat(0, 3), h.heat(0, 1)) << "a promotion still ranks first";
+    h.forget(7, 0.0);  // a model never added: nothing happens
+    EXPECT_EQ(h.count(1, 0), 200u);
+}
+
 // Where the daemon's split gives recency a share, what it did not promote ranks by its last touch:
 // a pool of four with two promoted keeps the two experts used last beside them, however often
 // the others were used before.

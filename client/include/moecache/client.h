@@ -26,7 +26,8 @@ enum moecache_action {
     MOECACHE_DEMOTE = 2,    /* take it out of the VRAM pool */
     MOECACHE_LOCK = 3,      /* the daemon locked it in RAM */
     MOECACHE_UNLOCK = 4,    /* the daemon let it go from RAM */
-    MOECACHE_UNPROMOTE = 5  /* the pool's own policy decides again */
+    MOECACHE_UNPROMOTE = 5, /* the pool's own policy decides again */
+    MOECACHE_SHIFTED = 6    /* the model's routing shifted: cut the pool's use counts of it (block, expert 0) */
 };
 
 typedef struct moecache_directive {

@@ -292,6 +292,17 @@ void Engine::poll_directives() {
         Model* m = nullptr;
         for (auto* x : models_)
             if (x->client_handle.load() == d[i].model) m = x;
+        if (m != nullptr && d[i].action == MOECACHE_SHIFTED) {
+            // The daemon saw the model's routing shift: the counts its pool's own part ranks by were
+            // learnt on the old routing.
+            directives_.fetch_add(1, std::memory_order_relaxed);
+            for (auto& p : pools_)
+                if (DevicePool* dp = p.load()) {
+                    std::lock_guard lock(dp->mu);
+                    dp->heat.forget(m->id, ExpertHeat::kKeepAtShift);
+                }
+            continue;
+        }
         if (m == nullptr || d[i].block >= m->layer_slot.size() || m->layer_slot[d[i].block] < 0 ||
             d[i].expert >= m->map.n_experts)
             continue;

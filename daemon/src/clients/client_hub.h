@@ -52,6 +52,9 @@ struct Client {
     bool one_place_told = true;      // the one_place of the last VramPolicy it was sent
     bool recency_told = false;       // ... and its recency (direct_pools: its pool's split)
     uint32_t directed_capacity = 0;  // experts its pool is directed to hold, over its models (direct_pools)
+    // By model id: the routing shifts of that model's heat it was last told of (a Shifted directive
+    // each; direct_pools). Shifts before it held a pool are not told: its counts began after them.
+    std::map<uint32_t, uint64_t> shifts_told;
     std::chrono::steady_clock::time_point pool_since;  // when it first reported its pool
     std::map<uint32_t, protocol::PoolStats> pools;     // by device: the last PoolStats it sent
     protocol::Unmapped unmapped;                       // the last Unmapped it sent

@@ -142,8 +142,10 @@ struct ModelRegistered {
 };
 // Lock/Unlock: the daemon locked or let go of an expert in RAM. Promote: keep the expert in the VRAM
 // pool (admit it at its next miss, over anything not promoted); Unpromote: the pool's own policy
-// decides again; Demote: take it out of the pool now.
-enum class Action : uint8_t { Promote = 1, Demote = 2, Lock = 3, Unlock = 4, Unpromote = 5 };
+// decides again; Demote: take it out of the pool now. Shifted: the model's routing shifted (the
+// daemon's heat saw it and cut what it learnt before): the pool cuts its own use counts of the model
+// as well (block and expert 0).
+enum class Action : uint8_t { Promote = 1, Demote = 2, Lock = 3, Unlock = 4, Unpromote = 5, Shifted = 6 };
 struct Directive {
     Action action = Action::Lock;
     uint32_t model = 0, block = 0, expert = 0;
