@@ -226,6 +226,16 @@ protected:
         return done;
     }
 
+    // until_ready, then the child killed and reaped: `ready` whether it said so, and its exit code
+    // (-1 where it was killed, as it is once ready).
+    int reap_when_ready(pid_t pid, int ready_fd, bool& ready) {
+        ready = until_ready(ready_fd);
+        ::kill(pid, SIGKILL);
+        int status = 0;
+        ::waitpid(pid, &status, 0);
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    }
+
     test::TempDir dir_;
     std::string model_;
     std::unique_ptr<Daemon> d_;
@@ -1271,12 +1281,9 @@ TEST_F(ClientSocketTest, ARoutingThatReusesWhatItUsedGivesThePoolARecencyShare) 
         if (moecache_client_pool_recency(cl, 0) != 1) ::_exit(8);
     }, ready);
     ASSERT_GT(pid, 0);
-    const bool told = until_ready(ready);
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    EXPECT_TRUE(told) << "the client was not told to keep its pool's rest by recency (child "
-                      << (WIFEXITED(status) ? WEXITSTATUS(status) : -1) << ")";
+    bool told = false;
+    const int code = reap_when_ready(pid, ready, told);
+    EXPECT_TRUE(told) << "the client was not told to keep its pool's rest by recency (child " << code << ")";
 }
 
 // A routing that moves to experts it did not use: once the daemon's heat sees the shift, each client
@@ -1328,11 +1335,9 @@ TEST_F(ClientSocketTest, ARoutingThatShiftsTellsThePoolToCutItsCounts) {
         },
         ready);
     ASSERT_GT(pid, 0);
-    const bool told = until_ready(ready);
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    EXPECT_TRUE(told) << "child " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1)
+    bool told = false;
+    const int code = reap_when_ready(pid, ready, told);
+    EXPECT_TRUE(told) << "child " << code
                       << " (7: told of a shift while the routing stayed; 8: never told after it shifted)";
 }
 
