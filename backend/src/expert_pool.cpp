@@ -427,8 +427,14 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
 }
 
 // The daemon's word on an expert: promoted ones rank above every other and are admitted now;
-// demoted ones leave the pool.
+// demoted ones leave the pool. On the model's routing shifting (no expert named): every layer's
+// counts learnt before it are cut, as the daemon cut its heat.
 void ExpertPool::follow(const moecache_directive& d) {
+    if (d.action == MOECACHE_SHIFTED) {
+        for (uint32_t g = 0; g < groups_.size(); ++g)
+            if (live(g) && group_model_[g] == d.model) heat_.forget(g, cuda::ExpertHeat::kKeepAtShift);
+        return;
+    }
     for (uint32_t g = 0; g < groups_.size(); ++g) {
         if (!live(g) || group_model_[g] != d.model || groups_[g].front()->block != d.block) continue;
         if (d.expert >= static_cast<uint32_t>(groups_[g].front()->n_expert)) return;

@@ -84,7 +84,7 @@ typedef struct moecache_cuda_stats {
     uint64_t experts_in_vram; /* experts with every slice in a pool */
     uint64_t yielded_bytes;   /* pool memory given back to the runtime's allocations */
     uint64_t dropped_host_bytes; /* of experts in a pool, unmapped here (the one-place rule) */
-    uint64_t directives;      /* VRAM directives from the daemon (promote, unpromote, demote) */
+    uint64_t directives;         /* VRAM directives from the daemon (promote, unpromote, demote, shifted) */
     uint64_t bytes_staged;    /* of bytes_from_host, through pinned staging buffers */
     uint64_t stream_joins;    /* pool slots taken over by another stream (a new context, say) */
     uint64_t devices;         /* devices with a pool */

@@ -520,11 +520,16 @@ void DecideStep::direct_pools() {
                 if (mid == m->id && slot < held.size()) held[slot] = 1;
             // A shift its heat saw since: the pool's own part ranks by the client's counts, learnt
             // on the old routing (they halve over ~1000 tokens); the client cuts them as the heat was.
+            // A count that went down is a heat begun anew (the model reopened under its id): nothing
+            // shifted, and the count is followed from there.
             const uint64_t shifts = m->res->heat().shifts();
             if (auto [told, fresh] = c.shifts_told.try_emplace(m->id, shifts); !fresh && told->second != shifts) {
+                const bool shifted = shifts > told->second;
                 told->second = shifts;
-                c.outbox.push_back(Directive{Action::Shifted, m->id, 0, 0});
-                MC_LOG(LOG_INFO, "{}: its routing shifted: client {} cuts its pool's use counts", m->path, c.id);
+                if (shifted) {
+                    c.outbox.push_back(Directive{Action::Shifted, m->id, 0, 0});
+                    MC_LOG(LOG_INFO, "{}: its routing shifted: client {} cuts its pool's use counts", m->path, c.id);
+                }
             }
             const PoolDirected d =
                 direct_pool(m->res->heat(), settings, m->one_place, config_.pool_directed, pool_experts, held);

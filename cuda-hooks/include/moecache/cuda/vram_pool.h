@@ -41,7 +41,7 @@ public:
     // learnt before are cut to `keep` of what they were, as the daemon cuts its heat
     // (daemon/shift_detector.h), so that what the new routing uses outranks the old hot set within
     // tens of tokens instead of the counts' halving's thousand (moecache-sim --table, topic-shift,
-    // VRAM 10/25/50 %: 52.1/71.0/85.2 -> 52.8/71.6/85.5).
+    // VRAM 10/25/50 %, with the daemon's 128-event shift window: 52.1/71.0/85.2 -> 52.8/71.6/85.5).
     static constexpr double kKeepAtShift = 0.01;
     void forget(uint32_t model, double keep);
     // Recency for what was not promoted: where the daemon directs the pool by frequency (the
