@@ -584,8 +584,8 @@ bool ExpertPool::admit(uint32_t group, uint32_t expert) {
     return true;
 }
 
-bool ExpertPool::admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed) {
-    if (devs_.empty() || group >= groups_.size() || !admit_slots(group, expert, placed)) return false;
+bool ExpertPool::admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed, bool evict) {
+    if (devs_.empty() || group >= groups_.size() || !admit_slots(group, expert, placed, evict)) return false;
     // A slot the pool's own thread is still copying a dropped slice into: not this one.
     const bool busy = std::any_of(placed->begin(), placed->end(), [&](const Placed& p) {
         return copying_ && reinterpret_cast<uint64_t>(p.arena->base) + p.offset == copying_->slot();

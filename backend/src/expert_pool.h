@@ -66,6 +66,7 @@ struct PoolStats {  // the leading fields up to `staged` keep their places (moec
     uint64_t forgotten = 0;  // queued fills dropped: the runtime freed their model's memory (forget)
     uint64_t units = 0, nodes = 0;  // splits computed as a layer's chain, and node by node
     uint64_t staged = 0, staged_bytes = 0;  // slices a large batch copied to the device for itself
+    uint64_t staged_admitted = 0;           // of them, copied into a free slot of the pool (kept there)
     uint64_t cpu_alone = 0, cpu_fillers = 0;  // CPU halves computed as their rows alone, or with fillers
     uint64_t crossed = 0, crossed_admitted = 0;  // small batches' misses copied over for the compute (into the pool)
     uint64_t read_ahead = 0, read_ahead_bytes = 0;  // slices the page cache lacked pages of, the bytes read for them
@@ -151,7 +152,8 @@ public:
     };
     // Under mu: admits the expert (a slot for each of its slices, as used() would) for a copy the
     // caller queues on its own stream, then commit()s once the copy is done; false: declined.
-    bool admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed);
+    // evict false: only into free slots.
+    bool admit_here(uint32_t group, uint32_t expert, std::vector<Placed>* placed, bool evict = true);
     // Under mu: the slices admit_here placed are in (done true: they serve from now on), or their
     // copy failed (their slots are given back).
     void settle(uint32_t expert, const std::vector<Placed>& placed, bool done);
@@ -192,9 +194,10 @@ public:
         ++stats_.crossed;
         stats_.crossed_admitted += into_pool ? 1 : 0;
     }
-    void count_staged(uint64_t bytes) {
+    void count_staged(uint64_t bytes, bool into_pool) {
         ++stats_.staged;
         stats_.staged_bytes += bytes;
+        stats_.staged_admitted += into_pool ? 1 : 0;
     }
 
 private:

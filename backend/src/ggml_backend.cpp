@@ -562,7 +562,11 @@ std::unordered_set<int32_t> cross_misses(ggml_backend_t acc, ExpertPool& pool, c
         const int32_t e = order[i];
         std::vector<ExpertPool::Placed> placed;
         std::vector<int32_t> slots(unit.mmids.size(), -1);
-        bool in_pool = !large && pool.admit_here(group, static_cast<uint32_t>(e), &placed);
+        // A large batch's crossing lands in the pool only where a slot is free (a pool filling
+        // up, after a start or a model's load): the copy is made once, where a fill would have
+        // made it again from the host (the GPU machine's first prompt of a run: 9 % of its rows
+        // pooled, the hook's pool 68 %). A warm pool's slots stay the decode's.
+        bool in_pool = pool.admit_here(group, static_cast<uint32_t>(e), &placed, /*evict=*/!large);
         for (size_t m = 0; m < unit.mmids.size() && in_pool; ++m) {
             const ExpertTensor* w = unit.weights[m];
             const auto p = std::find_if(placed.begin(), placed.end(), [&](const auto& x) { return x.tensor == w; });
@@ -588,7 +592,7 @@ std::unordered_set<int32_t> cross_misses(ggml_backend_t acc, ExpertPool& pool, c
             ggml_backend_tensor_set_async(acc, a->whole, w.data + static_cast<size_t>(e) * w.slice_bytes,
                                           static_cast<size_t>(slots[m]) * a->slot_bytes, w.slice_bytes);
             staged[m][e] = slots[m];
-            if (large) pool.count_staged(w.slice_bytes);
+            if (large) pool.count_staged(w.slice_bytes, in_pool);
         }
         crossed.insert(e);
         if (!large) pool.count_crossed(in_pool);
@@ -1125,12 +1129,13 @@ void* reg_proc(ggml_backend_reg_t, const char* name) {
 void say_stats(const PoolStats& s) {
     const double rows = static_cast<double>(s.pool_rows + s.cpu_rows);
     say("%llu expert rows computed: %.1f %% from the pool, %llu fills (%.2f GiB), %llu declined; %llu splits as a "
-        "layer's chain, %llu node by node; %llu slices staged for large batches (%.2f GiB)",
-        static_cast<unsigned long long>(s.pool_rows + s.cpu_rows), rows > 0 ? 100.0 * static_cast<double>(s.pool_rows) / rows : 0.0,
-        static_cast<unsigned long long>(s.fills), static_cast<double>(s.fill_bytes) / (1 << 30),
-        static_cast<unsigned long long>(s.declined), static_cast<unsigned long long>(s.units),
-        static_cast<unsigned long long>(s.nodes), static_cast<unsigned long long>(s.staged),
-        static_cast<double>(s.staged_bytes) / (1 << 30));
+        "layer's chain, %llu node by node; %llu slices staged for large batches (%.2f GiB, %llu of them into the pool)",
+        static_cast<unsigned long long>(s.pool_rows + s.cpu_rows),
+        rows > 0 ? 100.0 * static_cast<double>(s.pool_rows) / rows : 0.0, static_cast<unsigned long long>(s.fills),
+        static_cast<double>(s.fill_bytes) / (1 << 30), static_cast<unsigned long long>(s.declined),
+        static_cast<unsigned long long>(s.units), static_cast<unsigned long long>(s.nodes),
+        static_cast<unsigned long long>(s.staged), static_cast<double>(s.staged_bytes) / (1 << 30),
+        static_cast<unsigned long long>(s.staged_admitted));
     say("%llu of small batches' misses crossed the link to the device, %llu of them into the pool; CPU halves: %llu "
         "as their rows alone, %llu with fillers",
         static_cast<unsigned long long>(s.crossed), static_cast<unsigned long long>(s.crossed_admitted),

@@ -23,7 +23,7 @@ namespace {
 struct PoolStats {  // the leading fields of the library's (backend/src/expert_pool.h)
     uint64_t pool_rows = 0, cpu_rows = 0, fills = 0, fill_bytes = 0, declined = 0;
     uint64_t forgotten = 0;
-    uint64_t units = 0, nodes = 0, staged = 0;
+    uint64_t units = 0, nodes = 0, staged = 0, staged_bytes = 0, staged_admitted = 0;
 };
 
 #ifndef MOECACHE_TEST_GGML_DEVICES
@@ -247,6 +247,47 @@ TEST(GgmlBackend, EachDevicesPoolHoldsTheExpertsOfItsOwnLayers) {
 // A runtime that frees a model while the pool's thread still has fills queued from its memory
 // (llama-bench at exit, llama-server swapping models: the mapping is unmapped next): the pool
 // forgets the model's experts first. Its queued fills are dropped, never copied from that memory.
+// A prompt on a pool with free slots (a run's start): the misses that cross to the device for the
+// batch land in those slots and stay, copied once, rather than in staging and then again from the
+// host by a fill; the next prompt finds them pooled. The results are ggml-cpu's byte for byte.
+TEST(GgmlBackend, ALargeBatchsCrossingMissesStayInThePoolsFreeSlots) {
+    auto& g = ggml();
+    ASSERT_NE(g.mc, nullptr);
+    auto& m = model();
+    std::mt19937 rng(13);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    const size_t q8 =
+        static_cast<size_t>(std::find(std::begin(kTypes), std::end(kTypes), GGML_TYPE_Q8_0) - std::begin(kTypes));
+    const int64_t used = 4, tokens = 40;  // a large batch (the backend's threshold is 32)
+    PoolStats before{};
+    g.stats(&before, sizeof before);
+    for (int round = 0; round < 2; ++round) {
+        std::vector<float> act(static_cast<size_t>(kK * tokens));
+        for (auto& x : act) x = dist(rng);
+        std::vector<int32_t> ids(static_cast<size_t>(kExperts * tokens));
+        for (int64_t t = 0; t < tokens; ++t) {
+            std::vector<int32_t> order(kExperts);
+            for (int32_t e = 0; e < kExperts; ++e) order[static_cast<size_t>(e)] = e;
+            std::shuffle(order.begin(), order.begin() + 6, rng);  // the batch uses the first 6 experts
+            for (int32_t e = 0; e < kExperts; ++e)
+                ids[static_cast<size_t>(t * kExperts + e)] = order[static_cast<size_t>(e)];
+        }
+        const auto want = mul_mat_id(g.cpu, m.cpu[q8], act, ids, used, tokens, true);
+        const auto got = mul_mat_id(g.mc, m.mc[q8], act, ids, used, tokens, true);
+        ASSERT_EQ(want.size(), got.size());
+        ASSERT_EQ(0, memcmp(want.data(), got.data(), want.size() * sizeof(float))) << "round " << round;
+        PoolStats now{};
+        g.stats(&now, sizeof now);
+        if (round == 0) {
+            EXPECT_GT(now.staged_admitted, before.staged_admitted) << "no crossing miss stayed in a free slot";
+            EXPECT_LE(now.staged_admitted, now.staged);
+            before = now;
+        } else {
+            EXPECT_GT(now.pool_rows, before.pool_rows) << "the second prompt found none of the first's experts pooled";
+        }
+    }
+}
+
 TEST(GgmlBackend, AModelFreedWithFillsQueuedLeavesThePoolFirst) {
     auto& g = ggml();
     ASSERT_NE(g.mc, nullptr);
