@@ -1,9 +1,10 @@
 #include "expert_pool.h"
 
-#include "moecache/cuda/hot_profile.h"
 #include "moecache/backend/read_ahead.h"
+#include "moecache/cuda/hot_profile.h"
 #include "moecache/memory_cgroup.h"
 #include "moecache/process_maps.h"
+#include "moecache/routing_shift.h"
 
 #include "say.h"
 
@@ -432,7 +433,7 @@ void ExpertPool::used(uint32_t group, const std::vector<int32_t>& pooled_experts
 void ExpertPool::follow(const moecache_directive& d) {
     if (d.action == MOECACHE_SHIFTED) {
         for (uint32_t g = 0; g < groups_.size(); ++g)
-            if (live(g) && group_model_[g] == d.model) heat_.forget(g, cuda::ExpertHeat::kKeepAtShift);
+            if (live(g) && group_model_[g] == d.model) heat_.forget(g, kKeepAtShift);
         return;
     }
     for (uint32_t g = 0; g < groups_.size(); ++g) {

@@ -4,6 +4,7 @@
 #include "moecache/daemon/decide.h"
 #include "moecache/daemon/heat.h"
 #include "moecache/daemon/predictor.h"
+#include "moecache/routing_shift.h"
 
 #include <algorithm>
 #include <map>
@@ -14,9 +15,6 @@ namespace moecache::sim {
 namespace {
 
 enum class Where { Vram, Ram, Staged, Storage };
-
-static_assert(cuda::ExpertHeat::kKeepAtShift == daemon::ShiftDetector::kKeepAtShift,
-              "the hook cuts its counts at a shift as the daemon cuts its heat");
 
 // A daemon's loop turns between two ticks, at most (its turns are milliseconds apart).
 constexpr int kMaxTurnsPerTick = 4096;
@@ -387,7 +385,7 @@ SimResult simulate_moecache(const Trace& trace, const TraceModel& model, const S
             // the turn's pool direction) and cuts its own counts of the model as the heat was cut.
             if (heat.shifts() != shifts_told) {
                 shifts_told = heat.shifts();
-                hook_heat.forget(0, cuda::ExpertHeat::kKeepAtShift);
+                hook_heat.forget(0, kKeepAtShift);
             }
             std::vector<uint8_t> want(n_slots, 0);
             // The daemon directs the pool's frequency part; the hook keeps the rest as an LRU

@@ -1,6 +1,7 @@
 // The VRAM pool's bookkeeping and local policy, and the copy planner: no GPU needed.
-#include "moecache/cuda/copy_plan.h"
 #include "moecache/cuda/vram_pool.h"
+#include "moecache/cuda/copy_plan.h"
+#include "moecache/routing_shift.h"
 
 #include <gtest/gtest.h>
 
@@ -264,7 +265,7 @@ TEST(ExpertHeat, AShiftCutsThatModelsCountsToAHundredth) {
     for (int i = 0; i < 200; ++i) h.touch(0, 0);
     for (int i = 0; i < 200; ++i) h.touch(1, 0);
     h.set_promoted(0, 3, true);
-    h.forget(0, ExpertHeat::kKeepAtShift);
+    h.forget(0, kKeepAtShift);
     EXPECT_EQ(h.count(0, 0), 2u);
     EXPECT_EQ(h.count(1, 0), 200u) << "another model's routing did not shift";
     for (int i = 0; i < 3; ++i) h.touch(0, 1);

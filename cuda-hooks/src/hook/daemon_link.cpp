@@ -2,12 +2,13 @@
 // (one event per layer and batch), each pool's counters, the experts whose every slice is in a
 // pool (and, for one place, this process's pages of them dropped), the daemon's VRAM budget per
 // device and its promote/demote directives.
-#include "moecache/page_cache.h"
-#include "moecache/client/protocol.h"
 #include "driver.h"
 #include "engine.h"
-#include "moecache/client.h"
 #include "log.h"
+#include "moecache/client.h"
+#include "moecache/client/protocol.h"
+#include "moecache/page_cache.h"
+#include "moecache/routing_shift.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -299,7 +300,7 @@ void Engine::poll_directives() {
             for (auto& p : pools_)
                 if (DevicePool* dp = p.load()) {
                     std::lock_guard lock(dp->mu);
-                    dp->heat.forget(m->id, ExpertHeat::kKeepAtShift);
+                    dp->heat.forget(m->id, kKeepAtShift);
                 }
             continue;
         }

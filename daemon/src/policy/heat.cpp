@@ -1,5 +1,7 @@
 #include "moecache/daemon/heat.h"
 
+#include "moecache/routing_shift.h"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -49,7 +51,7 @@ void HeatTable::add(uint32_t layer, std::span<const uint32_t> experts, double we
     }
     // A routing event (not a prompt batch's ranking or union, which say little of a shift) tells
     // the shift detector how many of its experts were cold; at a shift the old heat is cut.
-    if (event && seen > 0 && weight <= 1 && shift_.observe(surprised, seen)) forget(ShiftDetector::kKeepAtShift);
+    if (event && seen > 0 && weight <= 1 && shift_.observe(surprised, seen)) forget(kKeepAtShift);
 }
 
 void HeatTable::forget(double keep) {

@@ -38,11 +38,8 @@ public:
     [[nodiscard]] uint32_t count(uint32_t model, uint32_t expert) const;  // the decayed count alone
     [[nodiscard]] uint32_t hottest() const;
     // The model's routing shifted (the daemon saw it and said so: a Shifted directive): its counts
-    // learnt before are cut to `keep` of what they were, as the daemon cuts its heat
-    // (daemon/shift_detector.h), so that what the new routing uses outranks the old hot set within
-    // tens of tokens instead of the counts' halving's thousand (moecache-sim --table, topic-shift,
-    // VRAM 10/25/50 %, with the daemon's 128-event shift window: 52.1/71.0/85.2 -> 52.8/71.6/85.5).
-    static constexpr double kKeepAtShift = 0.01;
+    // learnt before are cut to `keep` of what they were (kKeepAtShift, moecache/routing_shift.h,
+    // as the daemon cuts its heat).
     void forget(uint32_t model, double keep);
     // Recency for what was not promoted: where the daemon directs the pool by frequency (the
     // share its split learnt: daemon/heat.h, pool_wanted), the rest of the pool is the recency

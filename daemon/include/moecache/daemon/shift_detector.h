@@ -11,16 +11,11 @@ namespace moecache::daemon {
 class ShiftDetector {
 public:
     // One router event: `surprised` of its `seen` routed experts were below their layer's mean heat
-    // (seen > 0). True when the routing has shifted: the caller cuts the old heat to kKeepAtShift.
+    // (seen > 0). True when the routing has shifted: the caller cuts the old heat to kKeepAtShift
+    // (moecache/routing_shift.h).
     bool observe(uint32_t surprised, uint32_t seen);
     // Times a shift was seen.
     [[nodiscard]] uint64_t shifts() const { return shifts_; }
-
-    // What is left of the old heat at a shift: a hundredth, so that the new hot set ranks first
-    // within tens of tokens instead of the half-life's thousands (moecache-sim's topic-shift preset,
-    // 12 layers x 3000 tokens, 25 % of RAM: 64.9 % held without a cut, 69.6 % with a cut to a tenth,
-    // 71.2 % to a hundredth; 71.6 % counting from zero at the very token of the shift).
-    static constexpr double kKeepAtShift = 0.01;
 
 private:
     // The surprise's recent level: a running mean over this many events (the shift is seen about
