@@ -273,11 +273,19 @@ void Engine::shutdown() {
             "stream and device among it), %.1f ms this device's and its peers' pools (lookups, copies queued), %.1f ms "
             "the host's pieces, %.1f ms admissions; of these, %.1f ms launching device-to-device copies",
             ms(kPrepare), ms(kPool), ms(kHost), ms(kAdmit), ms(kLaunch));
-        if (cfg_.ahead)
+        if (cfg_.ahead) {
+            uint64_t mirrored = 0;
+            bool off = false;  // for some model
+            if (const Snapshot* snap = snapshot_.load(std::memory_order_acquire))
+                for (const Model* m : snap->models) {
+                    mirrored += m->mirrored_runs.load(std::memory_order_relaxed);
+                    off = off || m->ahead_off.load(std::memory_order_relaxed);
+                }
             say("copies ahead: %" PRIu64 " slices queued at the first copy of their tensor's run, %" PRIu64
                 " of them not asked for; %" PRIu64 " runs laid out as the host tensor%s",
-                s.copied_ahead, s.ahead_unclaimed, mirrored_runs_.load(),
-                ahead_off_.load() ? " (off: a run laid out otherwise, or a slice not asked for)" : "");
+                s.copied_ahead, s.ahead_unclaimed, mirrored,
+                off ? " (off: a run laid out otherwise, or a slice not asked for)" : "");
+        }
     }
     if (cfg_.log)
         for (auto& p : pools_)

@@ -394,11 +394,9 @@ private:
     // Whether experts [first, first + n) are the first group the ids name (by expert: how many
     // tokens chose it): none chosen before them, each of them chosen, and the group ends there.
     [[nodiscard]] static bool first_group_of(const std::vector<uint32_t>& count, uint32_t first, uint32_t n);
-    // Copies ahead (serve.cpp): runs of one tensor's copies whose destinations mirrored the host
-    // tensor (each slice where the tensor's layout puts it: llama.cpp's copies of used experts),
-    // over every model (each model's own decide: Model::mirrored_runs, Model::ahead_off).
-    std::atomic<uint64_t> mirrored_runs_{0}, copied_ahead_{0}, ahead_unclaimed_{0};
-    std::atomic<bool> ahead_off_{false};  // for some model
+    // Copies ahead (serve.cpp): slices queued ahead, and of them those not asked for (whether a
+    // model's runs mirror the host tensor is its own: Model::mirrored_runs, Model::ahead_off).
+    std::atomic<uint64_t> copied_ahead_{0}, ahead_unclaimed_{0};
     static constexpr uint32_t kMirroredRunsToTrust = 16;
     std::vector<std::pair<uintptr_t, size_t>> unregistering_;  // background thread: slices let go, not yet unregistered
     moecache_client* client_ = nullptr;

@@ -458,22 +458,12 @@ void Engine::follow_run(Serving& s) {
         r.mirrored = r.mirrored && base == r.base;
         return;
     }
-    Model* was = r.model < s.snap->models.size() ? s.snap->models[r.model] : nullptr;
-    const auto turn_off = [&] {
-        if (was != nullptr) was->ahead_off.store(true, std::memory_order_relaxed);
-        ahead_off_.store(true, std::memory_order_relaxed);
-    };
-    if (!r.ahead.empty()) {
-        ahead_unclaimed_.fetch_add(r.ahead.size(), std::memory_order_relaxed);
-        turn_off();
-    }
-    if (r.calls >= 2) {
-        if (!r.mirrored) {
-            turn_off();
-        } else if (was != nullptr) {
-            was->mirrored_runs.fetch_add(1, std::memory_order_relaxed);
-            mirrored_runs_.fetch_add(1, std::memory_order_relaxed);
-        }
+    // The run that ends: a slice queued ahead and not asked for, or a run laid out otherwise, turns
+    // copies ahead off for its model; one laid out as the host tensor counts toward trusting it.
+    ahead_unclaimed_.fetch_add(r.ahead.size(), std::memory_order_relaxed);
+    if (Model* was = r.model < s.snap->models.size() ? s.snap->models[r.model] : nullptr) {
+        if (!r.ahead.empty() || (r.calls >= 2 && !r.mirrored)) was->ahead_off.store(true, std::memory_order_relaxed);
+        if (r.calls >= 2 && r.mirrored) was->mirrored_runs.fetch_add(1, std::memory_order_relaxed);
     }
     r.readback = readback;
     r.stream = s.stream;
@@ -551,7 +541,6 @@ void Engine::launch_ranges(Serving& s) {
         // Refused (a context the kernel was not loaded into, say): this copy's own pieces each the
         // usual way, and no more launches of several for this model.
         s.m->ahead_off.store(true, std::memory_order_relaxed);
-        ahead_off_.store(true, std::memory_order_relaxed);
         for (unsigned k = 0; k < s.n_ranges && s.rc == CUDA_SUCCESS; ++k)
             if (s.range_expert[k] == UINT32_MAX)
                 s.rc = copy_for_runtime(*s.dp, s.ranges[k].dst, s.ranges[k].src, s.ranges[k].bytes, s.stream);
