@@ -2,6 +2,7 @@
 #include "verbs.h"
 
 #include <algorithm>
+#include <iterator>
 #include <string_view>
 
 namespace moecache::ctl {
@@ -194,16 +195,9 @@ std::string single_quoted(std::string_view text, std::string_view quote_escape) 
 
 // The verbs that take a model first, and the options verbs take ("--name", or "--name=" where it
 // takes a value).
-constexpr const char* kModelVerbs = "experts pin unpin prefetch wait evict unregister";
-// Whether `verb` is one of kModelVerbs (a whole word of it, not a piece of one).
+constexpr std::string_view kModelVerbs[] = {"experts", "pin", "unpin", "prefetch", "wait", "evict", "unregister"};
 bool is_model_verb(std::string_view verb) {
-    const std::string_view all = kModelVerbs;
-    for (size_t at = 0; at < all.size();) {
-        const size_t end = std::min(all.find(' ', at), all.size());
-        if (all.substr(at, end - at) == verb) return true;
-        at = end + 1;
-    }
-    return false;
+    return std::find(std::begin(kModelVerbs), std::end(kModelVerbs), verb) != std::end(kModelVerbs);
 }
 struct VerbOptions {
     std::string_view verb;
@@ -232,8 +226,7 @@ std::string zsh_completion() {
                          : fmt::format(" '{}'", o);
         options += fmt::format("        {}) _arguments{} ;;\n", v.verb, specs);
     }
-    std::string model_verbs = kModelVerbs;
-    std::replace(model_verbs.begin(), model_verbs.end(), ' ', '|');
+    const std::string model_verbs = fmt::format("{}", fmt::join(kModelVerbs, "|"));
     return fmt::format(R"ZSH(#compdef moecachectl
 # zsh completion for moecachectl (moecachectl completion zsh)
 _moecachectl_models() {{
@@ -292,7 +285,7 @@ complete -c moecachectl -l no-progress -d 'no progress bars'
         all += std::string(all.empty() ? "" : " ") + c.name;
     }
     out += fmt::format("complete -c moecachectl -n '__fish_seen_subcommand_from {}' -a '(__moecachectl_models)'\n",
-                       kModelVerbs);
+                       fmt::join(kModelVerbs, " "));
     out += "complete -c moecachectl -n '__fish_seen_subcommand_from inspect register' -F\n";
     out += "complete -c moecachectl -n '__fish_seen_subcommand_from budget' -a 'lock reserve (__moecachectl_models)'\n";
     out +=
