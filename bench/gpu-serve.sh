@@ -4,6 +4,8 @@
 #   pg     llama-bench -pg 512,128: a prompt and then decode, in one context
 #   sep    llama-bench -p 512 -n 128: the prompt test and the generation test in separate contexts
 #   compl  llama-completion: a prompt of PROMPT_TOKENS (3072) tokens, then 128 greedy tokens
+#   tg     llama-bench -p 0 -n 64 -r 1: decoding alone (with GPU_TRACE, each run's GPU timeline:
+#          libmoecache-gputrace.so loaded by the driver, summarized by bench/gpu-timeline.py)
 # against what users have today, in the same run:
 #   limit       every expert in VRAM (-ngl 99, nothing on the CPU): the ceiling
 #   cpu         -ot exps=CPU at llama.cpp's default offload threshold: the anchor (ratios are to it)
@@ -35,7 +37,8 @@
 # MOECACHE_BUILD (build: the hook and moecache-mkmodel) or BUNDLE (scripts/bundle.sh's), HOOK (the hook's path), HOOK_B, MKMODEL,
 # BACKEND (libmoecache-ggml.so, for mcP),
 # MODEL (a model to use as it is), else LAYERS EXPERTS USED EMBD FF TYPE SEED (the shape generated),
-# DEADLINE (seconds: no run starts after it; the table is still printed).
+# DEADLINE (seconds: no run starts after it; the table is still printed), GPU_TRACE
+# (libmoecache-gputrace.so: the tg runs' timelines, RUN.trace, and their summary after the table).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bin=$(realpath "${1:?usage: bench/gpu-serve.sh LLAMA_BIN [WORKDIR]}")
@@ -135,7 +138,10 @@ run() {  # run CONFIG WORKLOAD ROUND
         >"$out.prime.out" 2>"$out.prime.err" || echo "gpu-serve: $c: the run before the restart failed" >&2
     fi
   fi
+  local trace=()
+  [ "$w" = tg ] && [ -n "${GPU_TRACE:-}" ] && trace=(CUDA_INJECTION64_PATH="$(realpath "$GPU_TRACE")" MOECACHE_GPU_TRACE="$out.trace")
   case $w in
+    tg) env "${env_[@]}" "${trace[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 0 -n 64 -r 1 -o jsonl ;;
     pg) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 0 -n 0 -pg 512,128 -r 2 -o jsonl ;;
     sep) env "${env_[@]}" "$bin/llama-bench" -m "$model" -ngl 99 "${bench_ot[@]}" "${lm[@]}" -fa 0 -t "$threads" -p 512 -n 128 -r 2 -o jsonl ;;
     compl) env "${env_[@]}" "$bin/llama-completion" -m "$model" -ngl 99 "${compl_ot[@]}" "${lm[@]}" -fa off -t "$threads" -c $((prompt_tokens * 2 + 512)) \
@@ -168,7 +174,7 @@ for c in configs:
         for r in range(1, rounds + 1):
             out, err = read(f"{work}/{c}.{w}.{r}.out"), read(f"{work}/{c}.{w}.{r}.err")
             got = rows.setdefault((c, w), {})
-            if w in ("pg", "sep"):
+            if w in ("pg", "sep", "tg"):
                 for line in out.splitlines():
                     try: j = json.loads(line)
                     except ValueError: continue
@@ -200,7 +206,7 @@ for c in configs:
 def val(c, w, k):
     return med(rows.get((c, w), {}).get(k, []))
 print(f"\n{gpus} GPU(s); medians of {rounds} round(s); tok/s, and the ratio to cpu (-ot exps=CPU, default threshold)")
-cols = [("pg", "pg"), ("sep", "pp"), ("sep", "tg"), ("compl", "pp"), ("compl", "tg")]
+cols = [("pg", "pg"), ("sep", "pp"), ("sep", "tg"), ("tg", "tg"), ("compl", "pp"), ("compl", "tg")]
 cols = [x for x in cols if x[0] in workloads]
 head = "| config | " + " | ".join(f"{w} {k}" for w, k in cols) + " | hit % sep | hit % compl | decode hit % sep / compl | host MiB/token compl | greedy text = recipe |"
 print(head); print("|" + "---|" * (head.count("|") - 1))
@@ -233,3 +239,8 @@ if hooks:
             f = lambda k, fmt: fmt.format(med(g[k])) if g.get(k) else "-"
             print(f"| {c} | {w} | {f('us', '{:.2f}')} | {f('ahead', '{:.0f}')} | {f('unclaimed', '{:.0f}')} |")
 EOF
+if [ -n "${GPU_TRACE:-}" ] && compgen -G "$work/*.tg.*.trace" >/dev/null; then
+  echo
+  echo "Decoding on the GPU, a token (bench/gpu-timeline.py over the tg runs' timelines; $layers MoE layers):"
+  python3 "$here/gpu-timeline.py" --layers "$layers" "$work"/*.tg.*.trace || true
+fi
