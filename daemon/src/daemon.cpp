@@ -183,6 +183,10 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config) {
         d->models_->refresh();
         d->off_loop_->wait_all();
     }
+    // A model opened early in these waits had its experts' reads issued at once, and then waited
+    // with the loop for the others' headers (a hung one: the whole deadline): timed from the
+    // start, the first tick took them for a hung file and set a healthy model aside.
+    d->prefetcher_->restart_deadlines();
 
     // As for metrics: without a bus the daemon still manages memory; say so and go on (and try
     // again now and then: the bus may start later, or come back).

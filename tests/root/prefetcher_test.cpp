@@ -544,6 +544,31 @@ TEST_P(PrefetcherEngines, AReadThatHangsIsGivenUpAndOthersAreRead) {
     fs->release();
 }
 
+// A loop held elsewhere (the daemon's wait for a model's open, up to the read deadline) reaps no
+// completion meanwhile, and under DEFER_TASKRUN does not even drive a buffered read on: a read of
+// a healthy file then looks overdue, and the daemon set its model aside. Timed again from when the
+// loop listens, it is not overdue, and completes.
+TEST_P(PrefetcherEngines, AReadTheLoopWasHeldFromIsTimedAgain) {
+    const auto path = make_cold_file(dir, "data.bin", 4 * kMiB);
+    auto fd = open_random(path);
+    Recorder rec;
+    auto p = make({.queue_depth = 4, .read_size = 1 * kMiB}, rec);
+    const uint64_t id = p.enqueue({fd.get(), 0, 4 * kMiB, 0, 7});
+    ASSERT_TRUE(p.submit());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // held: no on_ready()
+    EXPECT_EQ(p.overdue(std::chrono::milliseconds(200)), std::vector<uint64_t>{7});
+    p.restart_deadlines();
+    EXPECT_TRUE(p.overdue(std::chrono::milliseconds(200)).empty()) << "the time the loop was held counted";
+    for (int i = 0; i < 250 && rec.find(id) == nullptr; ++i) {
+        pollfd pf{p.event_fd(), POLLIN, 0};
+        (void)::poll(&pf, 1, 20);
+        ASSERT_TRUE(p.on_ready());
+    }
+    ASSERT_NE(rec.find(id), nullptr) << "the read never completed";
+    EXPECT_EQ(rec.find(id)->err, 0);
+    EXPECT_EQ(rec.find(id)->bytes, 4 * kMiB);
+}
+
 INSTANTIATE_TEST_SUITE_P(Both, PrefetcherEngines, testing::Values(Prefetcher::Engine::IoUring, Prefetcher::Engine::Threads),
                          engine_name);
 

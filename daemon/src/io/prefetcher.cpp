@@ -115,6 +115,7 @@ struct Prefetcher::State {
     uint64_t enqueue(const PrefetchRequest& q);
     size_t cancel(uint64_t tag);
     std::vector<uint64_t> overdue(std::chrono::nanoseconds deadline) const;
+    void restart_deadlines();
     size_t abandon(uint64_t tag);
     Result<void> submit();
     Result<void> on_ready();
@@ -193,6 +194,14 @@ std::vector<uint64_t> Prefetcher::State::overdue(std::chrono::nanoseconds deadli
             tags.push_back(it->second.tag);
     }
     return tags;
+}
+
+void Prefetcher::State::restart_deadlines() {
+    const int64_t now =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    for (Slot& s : slots)
+        if (s.request != 0 && !s.stuck) s.issued_ns = std::max(s.issued_ns, now);
 }
 
 size_t Prefetcher::State::abandon(uint64_t tag) {
@@ -618,6 +627,7 @@ void Prefetcher::set_callback(Callback callback) { state_->callback = std::move(
 uint64_t Prefetcher::enqueue(const PrefetchRequest& request) { return state_->enqueue(request); }
 size_t Prefetcher::cancel(uint64_t tag) { return state_->cancel(tag); }
 std::vector<uint64_t> Prefetcher::overdue(std::chrono::nanoseconds deadline) const { return state_->overdue(deadline); }
+void Prefetcher::restart_deadlines() { state_->restart_deadlines(); }
 size_t Prefetcher::abandon(uint64_t tag) { return state_->abandon(tag); }
 Result<void> Prefetcher::submit() { return state_->submit(); }
 Result<void> Prefetcher::on_ready() { return state_->on_ready(); }

@@ -275,7 +275,9 @@ void ModelRegistry::open(ModelEntry& m, const std::vector<int>* handed, bool wai
         return;
     }
     m.opening = true;
-    if (wait) off_loop_.wait(*job);
+    if (!wait) return;
+    off_loop_.wait(*job);
+    prefetcher_.restart_deadlines();  // the loop was held: reads of other models waited on it, not on their files
 }
 
 // Its header did not read within the deadline: the thread that reads it is left to its file, and

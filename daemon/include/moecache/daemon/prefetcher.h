@@ -125,6 +125,11 @@ public:
     // The tags of requests with a read issued longer than `deadline` ago and not completed: a file
     // system that does not answer (a hung NFS server, a FUSE server that stopped).
     [[nodiscard]] std::vector<uint64_t> overdue(std::chrono::nanoseconds deadline) const;
+    // Reads in flight are timed from now on, as if issued now: for after the loop was held (a wait
+    // for a model's open, OffLoop::wait), when it could neither reap their completions nor, under
+    // DEFER_TASKRUN, drive them (a buffered read waiting for its pages goes on as the loop's task
+    // work). Time the loop was away is not the file system's: counted, it set healthy models aside.
+    void restart_deadlines();
     // Gives up the requests of this tag: each reports ETIMEDOUT with the bytes it had read, and its
     // reads in flight stop counting against queue_depth (up to queue_depth such reads at once: the
     // slots are twice queue_depth), so that other files are read meanwhile. The kernel is asked to
