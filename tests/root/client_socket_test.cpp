@@ -1094,6 +1094,69 @@ TEST_F(FamilySwapTest, TheModelARuntimeLeftWaitsForTheOtherMemberOfItsFamily) {
     EXPECT_EQ(model_status(prompt_model_).locked_bytes, 0u) << "the model the runtime left waits";
 }
 
+// Every model a user registers costs the daemon memory, descriptors and, each tick, a look at the
+// page cache for each of its experts: one uid registering thousands of sparse files, or a few that
+// claim a quarter of a million tiny experts each, grew the daemon without end and held its loop
+// seconds a tick. What the clients of one uid (root's: of one cgroup) hold of models users
+// registered is bounded in models and in experts; a model [[model]] names is not counted, one the
+// uid holds already adds nothing, and what its clients let go frees its share.
+TEST_F(ClientSocketTest, WhatOneUidMayRegisterIsBoundedInModelsAndExperts) {
+    Config c = test::daemon_config(model_, dir_.file("state"), 16u << 20);
+    c.page_cache_telemetry = "off";
+    c.max_models_per_uid = 2;
+    c.max_experts_per_uid = 150;  // 4 x 16 and 4 x 16, not 4 x 16 and 8 x 16
+    start(c);
+    const std::string a = dir_.file("a.gguf"), b = dir_.file("b.gguf"), other = dir_.file("c.gguf");
+    for (const auto& p : {a, b, other}) test::write_model(test::small_spec(), p);
+    auto spec = test::small_spec();
+    spec.n_layers = 8;
+    const std::string big = dir_.file("big.gguf");
+    test::write_model(spec, big);
+    // The answer to request `rq` (the Locks and policies sent unasked skipped).
+    auto answer = [&](int s, uint32_t rq, const std::string& path) {
+        UniqueFd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+        send_raw(s, encode({rq, RegisterModel{1}}), {f.get()});
+        for (int i = 0; i < 100; ++i) {
+            auto r = reply(s);
+            if (!r || r->request == rq) return r;
+        }
+        return std::optional<Message>{};
+    };
+    auto refused = [&](const std::optional<Message>& r, const std::string& key) {
+        const auto* f = r ? std::get_if<Failure>(&r->body) : nullptr;
+        EXPECT_TRUE(f != nullptr) << failure_text(r);
+        if (f == nullptr) return;
+        EXPECT_EQ(f->errnum, EDQUOT);
+        EXPECT_NE(f->text.find(key), std::string::npos) << f->text;
+    };
+    auto open_models = [&] {
+        std::set<std::string> paths;
+        for (const auto& m : d_->status().models) paths.insert(m.path);
+        return paths;
+    };
+    UniqueFd s1 = hello("one");
+    auto r = answer(s1.get(), 10, a);
+    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    refused(answer(s1.get(), 11, big), "max_experts_per_uid");
+    EXPECT_EQ(open_models().count(big), 0u) << "a model refused for its experts is closed again";
+    r = answer(s1.get(), 12, b);
+    ASSERT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+    // Another connection of the same uid shares the count.
+    UniqueFd s2 = hello("two");
+    refused(answer(s2.get(), 20, other), "max_models_per_uid");
+    EXPECT_EQ(open_models().count(other), 0u);
+    r = answer(s2.get(), 21, a);
+    EXPECT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << "held already: " << failure_text(r);
+    r = answer(s2.get(), 22, model_);
+    EXPECT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << "configured: " << failure_text(r);
+    // The first connection goes with b: there is room for another again.
+    s1.reset();
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(d_->step(5));
+    EXPECT_EQ(open_models().count(b), 0u);
+    r = answer(s2.get(), 23, other);
+    EXPECT_TRUE(r && std::holds_alternative<ModelRegistered>(r->body)) << failure_text(r);
+}
+
 TEST_F(ClientSocketTest, EachUidIsHeldToItsOwnBudget) {
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0755), 0);
     const std::string a = dir_.file("a.gguf"), b = dir_.file("b.gguf");

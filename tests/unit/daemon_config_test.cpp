@@ -69,6 +69,8 @@ std::string describe(const Config& c) {
       << "clients.allow_gids = " << fmt::format("{}", fmt::join(c.client_allow_gids, ",")) << "\n"
       << "clients.max = " << c.max_clients << "\n"
       << "clients.max_per_uid = " << c.max_clients_per_uid << "\n"
+      << "clients.max_models_per_uid = " << c.max_models_per_uid << "\n"
+      << "clients.max_experts_per_uid = " << c.max_experts_per_uid << "\n"
       << "clients.hello_seconds = " << c.hello_seconds << "\n"
       << "clients.idle_seconds = " << c.idle_seconds << "\n";
     for (const auto& [uid, b] : c.uid_budgets) s << "clients.uid_budgets." << uid << " = " << size(b) << "\n";
@@ -561,6 +563,8 @@ allow_uids = [0, 1000]
 allow_gids = [44]
 max = 16
 max_per_uid = 4
+max_models_per_uid = 3
+max_experts_per_uid = 30000
 hello_seconds = 2.5
 uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
 )");
@@ -592,6 +596,8 @@ uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
     EXPECT_EQ(c->client_allow_gids, (std::vector<uint32_t>{44}));
     EXPECT_EQ(c->max_clients, 16u);
     EXPECT_EQ(c->max_clients_per_uid, 4u);
+    EXPECT_EQ(c->max_models_per_uid, 3u);
+    EXPECT_EQ(c->max_experts_per_uid, 30000u);
     EXPECT_EQ(c->hello_seconds, 2.5);
     ASSERT_EQ(c->uid_budgets.size(), 2u);
     EXPECT_EQ(c->uid_budgets.at(1000).bytes, 8 * kGiB);
@@ -620,7 +626,7 @@ uid_budgets = { "1000" = "8GiB", "1001" = "5%" }
     EXPECT_TRUE(qwen.lock_dense);
     EXPECT_TRUE(qwen.pins.empty());
 
-    EXPECT_EQ(c->origins.size(), 28u) << "every key set above has an origin";
+    EXPECT_EQ(c->origins.size(), 30u) << "every key set above has an origin";
     EXPECT_EQ(c->origins.at("budget.lock"), main_ + ":8:8");
     const auto v = validate_config(*c, 256 * kGiB, numa_.path());
     EXPECT_TRUE(v) << v.error().what();
@@ -700,7 +706,7 @@ TEST(AnnotatedConfig, ShowsEveryKeyWithItsDefault) {
     }
     const auto c = parse_config_text(uncommented, kAnnotatedConfig + " (uncommented)");
     ASSERT_TRUE(c) << c.error().what();
-    EXPECT_EQ(c->origins.size(), 43u) << "a key is missing from the annotated config";
+    EXPECT_EQ(c->origins.size(), 45u) << "a key is missing from the annotated config";
     ASSERT_EQ(c->models.size(), 2u) << "the example models";
     Config without_models = *c;
     without_models.models.clear();

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <set>
 
 namespace moecache::daemon {
 namespace {
@@ -211,6 +212,47 @@ bool ClientSessions::on_unmapped(Client& c, const Unmapped& x) {
 }
 
 namespace {
+// A model only users' clients brought: no [[model]] names it and none came over D-Bus.
+bool users_model(const ModelEntry& m) { return m.registered && !m.operator_added; }
+}  // namespace
+
+// Every model a user registers costs the daemon memory and descriptors, and each tick a look at
+// the page cache for each of its experts: one uid registering a few thousand sparse files, or a
+// handful that claim a quarter of a million tiny experts each, held the loop seconds a tick and
+// grew without end. What the clients of one uid (root's: of one cgroup) hold is bounded.
+std::string ClientSessions::past_share(const Client& c, const ModelEntry* m, bool pending) {
+    if (m != nullptr && !users_model(*m)) return "";
+    const std::string& key = c.peer.fairness_key;
+    std::set<uint32_t> ids;
+    for (const auto& o : hub_.all())
+        if (!o->dead && o->peer.fairness_key == key) ids.insert(o->models.begin(), o->models.end());
+    if (pending)
+        for (const auto& p : registering_)
+            if (const Client* o = hub_.find(p.client); o != nullptr && o->peer.fairness_key == key) ids.insert(p.model);
+    if (m != nullptr && ids.count(m->id) > 0) return "";  // held already: nothing more
+    uint32_t models = 0;
+    uint64_t experts = 0;
+    for (uint32_t id : ids) {
+        const ModelEntry* e = models_.find(id);
+        if (e == nullptr || !users_model(*e)) continue;
+        ++models;
+        if (e->res) experts += e->res->n_slots();
+    }
+    if (models >= config_.max_models_per_uid)
+        return fmt::format(
+            "{} holds {} models that users registered already, the most [clients] max_models_per_uid "
+            "allows (root's are counted per cgroup)",
+            key, models);
+    if (m == nullptr || !m->res) return "";  // its experts are counted once it is open
+    if (experts + m->res->n_slots() > config_.max_experts_per_uid)
+        return fmt::format(
+            "{}: its {} experts and the {} of the models {} holds already are more than the {} "
+            "[clients] max_experts_per_uid allows (root's are counted per cgroup)",
+            m->path, m->res->n_slots(), experts, key, config_.max_experts_per_uid);
+    return "";
+}
+
+namespace {
 // Whether a loaded model's files are exactly these inodes, in this order (part 1 first).
 bool same_files(const ModelResidency& r, const std::vector<FileIdentity>& ids) {
     const auto& files = r.model().files();
@@ -235,6 +277,8 @@ bool ClientSessions::register_model(Client& c, uint32_t rq, std::vector<UniqueFd
     ModelEntry* entry = nullptr;
     for (auto& e : models_.all())
         if (e->res && same_files(*e->res, ids)) entry = e.get();
+    if (entry != nullptr)
+        if (const auto why = past_share(c, entry, true); !why.empty()) return hub_.cannot(c, rq, EDQUOT, why);
     if (!entry) {
         char link[64];
         std::snprintf(link, sizeof link, "/proc/self/fd/%d", fds.front().get());
@@ -250,6 +294,8 @@ bool ClientSessions::register_model(Client& c, uint32_t rq, std::vector<UniqueFd
         std::string path = target;
         if (auto split = parse_split_name(path)) path = split_path(split->prefix, 0, split->count);
         const bool existed = models_.find_path(path) != nullptr;
+        if (const auto why = past_share(c, models_.find_path(path), true); !why.empty())
+            return hub_.cannot(c, rq, EDQUOT, why);
         if (!existed) {
             ModelConfig mc;
             mc.path = path;
@@ -322,6 +368,8 @@ bool ClientSessions::finish_registration(Client& c, const PendingRegistration& p
                 "{}: the files the daemon opened are not the ones the client handed over (replaced "
                 "meanwhile, or not all parts, part 1 first)",
                 entry->path);
+        } else if (why = past_share(c, entry, false); !why.empty()) {
+            errnum = EDQUOT;  // its experts, now that it is open
         }
         if (!why.empty()) {
             const bool waited = std::any_of(registering_.begin(), registering_.end(),

@@ -19,6 +19,7 @@
 #include <map>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace moecache::daemon {
@@ -70,6 +71,11 @@ private:
     bool register_model(Client& c, uint32_t request, std::vector<UniqueFd>& fds);
     // The rest of a registration, once its model is open (or could not be): the answer.
     bool finish_registration(Client& c, const PendingRegistration& p);
+    // Why one more model (`m`; null: one not open yet) is past what the clients of c's uid may
+    // hold of models users registered ([clients] max_models_per_uid, max_experts_per_uid), or "".
+    // `pending`: the registrations still opening count too (before an open); after one, only
+    // what its clients hold.
+    std::string past_share(const Client& c, const ModelEntry* m, bool pending);
     bool on_placement(Client& c, const protocol::ExpertPlacement& x);
     bool on_pool_stats(Client& c, const protocol::PoolStats& x);
     bool on_unmapped(Client& c, const protocol::Unmapped& x);

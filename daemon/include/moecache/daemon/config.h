@@ -113,6 +113,12 @@ struct Config {
     // Connections one uid may hold at once; root's are counted per cgroup (a service, a pod's
     // container), since every pod of a node may run as root.
     uint32_t max_clients_per_uid = 64;
+    // What the clients of one uid (root's: of one cgroup, as above) may hold at once of models users
+    // registered (no [[model]] names them, none came over D-Bus): models, and their experts (layers
+    // x routed experts) together. Each such model costs the daemon memory, descriptors and, every
+    // tick, work as its experts; a registration past either is refused.
+    uint32_t max_models_per_uid = 16;
+    uint32_t max_experts_per_uid = 32768;
     double hello_seconds = 5;           // a connection that has not said Hello by then is closed
     double idle_seconds = 300;          // one that has registered no model by then is closed (0: never)
     // What the models a uid's clients registered (and no [[model]] names) may lock together, by
