@@ -1,5 +1,6 @@
-// Page-cache residency: cachestat and mincore agree, partial pages count by overlap, a dropped
-// file shows nothing resident and a read range shows up.
+// Page-cache residency: cachestat and mincore agree, partial pages count by overlap (a range
+// none or all of whose pages are cached is one look; some, three), a dropped file shows nothing
+// resident and a read range shows up.
 #include "temp_dir.h"
 
 #include "moecache/page_cache.h"
@@ -48,6 +49,11 @@ TEST_P(PageCache, CountsWhatWasReadAndNothingElse) {
     EXPECT_EQ(*probe->resident_bytes(100 * kPage - 10, 20), 10u);
     EXPECT_EQ(*probe->resident_bytes(108 * kPage - 10, 30), 10u);
     EXPECT_EQ(*probe->resident_bytes(101 * kPage + 5, 7), 7u);
+    // Ranges over several pages, whose edges are not page edges: every page cached, none, some.
+    EXPECT_EQ(*probe->resident_bytes(100 * kPage + 10, 7 * kPage), 7 * kPage);
+    EXPECT_EQ(*probe->resident_bytes(20 * kPage + 10, 7 * kPage), 0u);
+    EXPECT_EQ(*probe->resident_bytes(98 * kPage + 10, 4 * kPage), 2 * kPage + 10);
+    EXPECT_EQ(*probe->resident_bytes(106 * kPage + 10, 4 * kPage), 2 * kPage - 10);
 }
 
 TEST_P(PageCache, RangePastTheEndIsAnError) {

@@ -121,15 +121,17 @@ Result<uint64_t> PageCacheProbe::resident_bytes(uint64_t offset, uint64_t length
     const uint64_t end = offset + length;
     const uint64_t first = offset / ps, last = (end - 1) / ps;
     if (first == last) return MC_TRY(cached_pages(first, 1)) ? length : 0;
-    uint64_t bytes = 0;
+    // One look at every page first: a range none or all of whose pages are cached (a cold expert,
+    // a locked one: most of them, each tick) needs no other. This runs for every expert of every
+    // model each tick, where each look is a system call.
+    const uint64_t pages = last - first + 1;
+    const uint64_t all = MC_TRY(cached_pages(first, pages));
+    if (all == 0) return uint64_t{0};
+    if (all == pages) return length;
     // Edge pages count by the part of them inside the range; whole pages in between by page.
-    if (MC_TRY(cached_pages(first, 1))) bytes += (first + 1) * ps - offset;
-    if (MC_TRY(cached_pages(last, 1))) bytes += end - last * ps;
-    if (last > first + 1) {
-        const uint64_t mid = MC_TRY(cached_pages(first + 1, last - first - 1));
-        bytes += mid * ps;
-    }
-    return bytes;
+    const uint64_t head = MC_TRY(cached_pages(first, 1)), tail = MC_TRY(cached_pages(last, 1));
+    const uint64_t mid = all >= head + tail ? all - head - tail : 0;  // a page evicted between the looks
+    return (head ? (first + 1) * ps - offset : 0) + (tail ? end - last * ps : 0) + mid * ps;
 }
 
 namespace {
