@@ -10,17 +10,23 @@
 #include "slow_fs.h"
 #include "temp_dir.h"
 
+#include "moecache/client/protocol.h"
 #include "moecache/model.h"
+#include "moecache/unique_fd.h"
 
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
-#include <iostream>
+#include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <regex>
 #include <thread>
 
@@ -53,9 +59,9 @@ protected:
                 for (const auto& r : map->ranges(l.index, e)) first = std::min(first, r.offset);
         return first & ~uint64_t{4095};
     }
-    bool mount(uint64_t hang_from) {
+    bool mount(uint64_t hang_from, uint64_t attr_seconds = 3600) {
         std::string why;
-        fs_ = test::SlowFs::mount(dir_.file("mnt"), "slow.gguf", source_, hang_from, why);
+        fs_ = test::SlowFs::mount(dir_.file("mnt"), "slow.gguf", source_, hang_from, why, attr_seconds);
         if (!fs_) ADD_FAILURE() << why;
         return fs_ != nullptr;
     }
@@ -102,6 +108,21 @@ protected:
         }
         EXPECT_GT(locked, 0u) << "the other model's pinned experts were not locked\n" << body;
         EXPECT_LT(slowest, 2.0) << "a /metrics answer took " << slowest << " s";
+    }
+    // Seconds a Hello on the client socket waits for its answer: the loop's own latency (/metrics
+    // is served beside it). 99 where none comes within 10 s.
+    double hello_seconds() const {
+        const auto t0 = Clock::now();
+        const UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        const std::string path = dir_.file("sock");
+        std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+        if (::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return 99;
+        if (!protocol::send_packet(s.get(), protocol::encode({1, protocol::Hello{1, 1, "probe"}}))) return 99;
+        pollfd p{s.get(), POLLIN, 0};
+        if (::poll(&p, 1, 10000) != 1) return 99;
+        return std::chrono::duration<double>(Clock::now() - t0).count();
     }
     void expect_a_prompt_stop(test::Background& d) {
         const auto t0 = Clock::now();
@@ -158,6 +179,38 @@ TEST_F(SlowFiles, AHeaderThatHangsHoldsNeitherTheStartNorTheLoop) {
     ASSERT_GT(port, 0) << d.output();
     expect_the_rest_goes_on(port);
     expect_a_prompt_stop(d);
+}
+
+// A file system whose lookups and attribute requests stop answering once the model is open (a hung
+// NFS server: attributes are cached for seconds, and every stat after asks the server; a FUSE file
+// system a user mounted with allow_other, for a model the user registers): each tick looks at every
+// model's file by its name and its descriptor to see whether it changed, and that look waits for
+// the server. It is made off the loop: Hellos are answered, the model is set aside, SIGTERM ends
+// the loop. Before, the first tick after the server stopped held the loop for good.
+TEST_F(SlowFiles, AFileWhoseStatHangsIsSetAsideWithoutHoldingTheLoop) {
+    ASSERT_TRUE(mount(UINT64_MAX, /*attr_seconds=*/0));
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, config());
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    ASSERT_TRUE(d.wait_for("model " + fs_->path() + " loaded", 10)) << d.output();
+    EXPECT_LT(hello_seconds(), 2.0) << d.output();
+    fs_->hang_metadata();
+    double slowest = 0;
+    for (const auto end = Clock::now() + std::chrono::seconds(5); Clock::now() < end;) {
+        slowest = std::max(slowest, hello_seconds());
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_GT(fs_->held_metadata(), 0u) << "nothing looked at the file";
+    EXPECT_LT(slowest, 2.0) << "a Hello waited " << slowest << " s for its answer\n" << d.output();
+    EXPECT_TRUE(d.wait_for("a look at its files (a stat) did not answer within 2 s", 1)) << d.output();
+    // SIGTERM ends the loop at once. The thread left in the lookup cannot end before the server
+    // answers (the kernel waits out a FUSE request its server has read, fatal signals or not),
+    // so the process is reaped once the file system answers.
+    d.signal(SIGTERM);
+    EXPECT_TRUE(d.wait_for("fast.gguf closed: the daemon stops", 6)) << d.output();
+    fs_->release();
+    EXPECT_EQ(d.wait(20), 0) << d.output();
 }
 
 }  // namespace

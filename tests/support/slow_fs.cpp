@@ -18,7 +18,6 @@ namespace moecache::test {
 namespace {
 
 constexpr uint64_t kFileNode = 2;
-constexpr uint64_t kAttrSeconds = 3600;
 
 fuse_attr attr_of(uint64_t node, uint64_t size) {
     fuse_attr a{};
@@ -34,8 +33,9 @@ fuse_attr attr_of(uint64_t node, uint64_t size) {
 }  // namespace
 
 std::unique_ptr<SlowFs> SlowFs::mount(const std::string& mountpoint, const std::string& name, const std::string& source,
-                                      uint64_t hang_from, std::string& why) {
+                                      uint64_t hang_from, std::string& why, uint64_t attr_seconds) {
     std::unique_ptr<SlowFs> fs(new SlowFs());
+    fs->attr_seconds_ = attr_seconds;
     fs->mountpoint_ = mountpoint;
     fs->name_ = name;
     fs->hang_from_ = hang_from;
@@ -89,12 +89,32 @@ SlowFs::~SlowFs() {
 
 void SlowFs::release() {
     std::vector<Held> held;
+    std::vector<HeldMetadata> held_metadata;
     {
         std::lock_guard lock(mu_);
         hang_from_ = std::numeric_limits<uint64_t>::max();
+        hang_metadata_ = false;
         held.swap(holding_);
+        held_metadata.swap(holding_metadata_);
     }
     for (const Held& h : held) answer_read(h.unique, h.offset, h.size);
+    for (const HeldMetadata& h : held_metadata) answer_metadata(h.unique, h.opcode, h.node, h.name);
+}
+
+void SlowFs::answer_metadata(uint64_t unique, uint32_t opcode, uint64_t node, const std::string& name) {
+    if (opcode == FUSE_LOOKUP) {
+        if (node != FUSE_ROOT_ID || name_ != name) return answer(unique, ENOENT, nullptr, 0);
+        fuse_entry_out out{};
+        out.nodeid = kFileNode;
+        out.generation = 1;
+        out.entry_valid = out.attr_valid = attr_seconds_;
+        out.attr = attr_of(kFileNode, size_);
+        return answer(unique, 0, &out, sizeof out);
+    }
+    fuse_attr_out out{};
+    out.attr_valid = attr_seconds_;
+    out.attr = attr_of(node, size_);
+    answer(unique, 0, &out, sizeof out);
 }
 
 void SlowFs::answer(uint64_t unique, int error, const void* data, size_t size) {
@@ -152,24 +172,19 @@ void SlowFs::serve() {
                 answer(in.unique, 0, &out, sizeof out);
                 break;
             }
-            case FUSE_LOOKUP: {
-                if (in.nodeid != FUSE_ROOT_ID || name_ != arg) {
-                    answer(in.unique, ENOENT, nullptr, 0);
-                    break;
-                }
-                fuse_entry_out out{};
-                out.nodeid = kFileNode;
-                out.generation = 1;
-                out.entry_valid = out.attr_valid = kAttrSeconds;
-                out.attr = attr_of(kFileNode, size_);
-                answer(in.unique, 0, &out, sizeof out);
-                break;
-            }
+            case FUSE_LOOKUP:
             case FUSE_GETATTR: {
-                fuse_attr_out out{};
-                out.attr_valid = kAttrSeconds;
-                out.attr = attr_of(in.nodeid, size_);
-                answer(in.unique, 0, &out, sizeof out);
+                const std::string name = in.opcode == FUSE_LOOKUP ? std::string(arg) : std::string();
+                bool hold = false;
+                {
+                    std::lock_guard lock(mu_);
+                    if (hang_metadata_) {
+                        holding_metadata_.push_back({in.unique, in.opcode, in.nodeid, name});
+                        ++held_metadata_;
+                        hold = true;
+                    }
+                }
+                if (!hold) answer_metadata(in.unique, in.opcode, in.nodeid, name);
                 break;
             }
             case FUSE_OPEN: {

@@ -113,7 +113,12 @@ void DecideStep::lock_admitted(ModelEntry& m, uint32_t slot) {
         // lock, RLIMIT_MEMLOCK without CAP_IPC_LOCK, would otherwise log each slot of each turn).
         errors_.note(Doing::LockingExpert, fmt::format("model {}: {}", m.path, r.error().what()));
     }
-    // A file truncated or replaced under us fails here first: look at it again now.
+    // A file truncated or replaced under us fails here first: look at it again now (off the loop
+    // on a network or FUSE file system, whose stat may wait for good).
+    if (remote) {
+        models_.look_at_remote_files();
+        return;
+    }
     if (auto same = m.res->model().unchanged(); !same || !*same) models_.close(m, "the file changed on disk");
 }
 

@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <algorithm>
 
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <set>
@@ -145,13 +146,89 @@ void ModelRegistry::refresh() {
         }
     std::erase_if(glob_checked_, [&](const auto& v) { return !matched.count(v.first); });  // files gone
     for (auto& m : models_) {
-        if (m->res) {
+        // One on a network or FUSE file system is looked at off the loop (look_at_remote_files).
+        if (m->res && !m->res->model().on_remote_fs()) {
             auto same = m->res->model().unchanged();
             if (!same || !*same) close(*m, same ? "the file changed on disk or went away" : same.error().what());
         }
         // A model only clients registered is opened from what a client hands over, never again
         // by its name (which its owner may swap); the next registration opens it again.
         if (!m->res && (m->operator_added || !m->registered)) open(*m);  // not while it opens or is set aside
+    }
+    look_at_remote_files();
+}
+
+// A look at one model's files: copies of what it needs (the model may close, or open other files,
+// while the look runs), and what it found.
+struct ModelRegistry::FileLook {
+    struct File {
+        std::string path;
+        FileIdentity identity;
+        UniqueFd fd;
+    };
+    uint32_t id = 0;
+    std::vector<File> files;
+    Result<bool> same = true;
+};
+
+// A stat on NFS, SMB or FUSE waits for the server: a hung server (or a FUSE file system a user
+// mounted with allow_other, for a model the user registered, whose server holds every lookup)
+// held the loop in the tick's look at every model's files, for good: no client was answered, and
+// SIGTERM did not stop the daemon. Such files are looked at on a thread; what the look is at when
+// its deadline passes is the model whose file system does not answer.
+void ModelRegistry::look_at_remote_files() {
+    if (looking_at_files_) return;
+    auto looks = std::make_shared<std::vector<FileLook>>();
+    for (const auto& m : models_) {
+        if (!m->res || !m->res->model().on_remote_fs()) continue;
+        FileLook l;
+        l.id = m->id;
+        for (const auto& f : m->res->model().files()) {
+            UniqueFd fd(::fcntl(f.fd.get(), F_DUPFD_CLOEXEC, 0));
+            if (!fd) return;  // out of descriptors: the next tick looks again
+            l.files.push_back({f.path, f.identity, std::move(fd)});
+        }
+        looks->push_back(std::move(l));
+    }
+    if (looks->empty()) return;
+    auto at = std::make_shared<std::atomic<uint32_t>>(looks->front().id);
+    auto job = off_loop_.run(
+        "looking at the files of models on network or FUSE file systems", read_deadline(),
+        [this, looks, at]() -> OffLoop::Continuation {
+            for (auto& l : *looks) {
+                at->store(l.id);
+                for (const auto& f : l.files) {
+                    l.same = file_unchanged(f.path, f.fd.get(), f.identity);
+                    if (!l.same || !*l.same) break;
+                }
+            }
+            return [this, looks] { looked_at_files(*looks); };
+        },
+        [this, at] {
+            looking_at_files_ = false;
+            if (ModelEntry* m = find(at->load()); m != nullptr && m->res)
+                set_aside(*m, fmt::format("a look at its files (a stat) did not answer within {} s ([prefetch] "
+                                          "read_deadline)",
+                                          config_.read_deadline_seconds));
+        });
+    // Where every thread is taken (files that hang), the next tick tries again.
+    looking_at_files_ = job.has_value();
+}
+
+void ModelRegistry::looked_at_files(std::vector<FileLook>& looks) {
+    looking_at_files_ = false;
+    for (auto& l : looks) {
+        ModelEntry* m = find(l.id);
+        if (m == nullptr || !m->res) continue;
+        // The files looked at, not others it opened since.
+        const auto& files = m->res->model().files();
+        if (files.size() != l.files.size() ||
+            !std::equal(files.begin(), files.end(), l.files.begin(),
+                        [](const ModelFile& a, const FileLook::File& b) { return a.identity == b.identity; }))
+            continue;
+        if (l.same && *l.same) continue;
+        close(*m, l.same ? "the file changed on disk or went away" : l.same.error().what());
+        if (m->operator_added || !m->registered) open(*m);
     }
 }
 

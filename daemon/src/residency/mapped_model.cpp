@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -105,19 +106,26 @@ Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path, 
     return m;
 }
 
-Result<bool> MappedModel::unchanged() const {
-    for (const auto& f : files_) {
-        auto now = identity_of_path(f.path);
-        if (!now) {
-            if (now.error().errnum == ENOENT) return false;
-            return tl::unexpected(now.error());
-        }
-        if (!(*now == f.identity)) return false;
-        // Truncated in place keeps the inode: compare the open file's size as well.
-        const auto open_now = MC_TRY(identity_of(f.fd.get(), f.path));
-        if (!(open_now == f.identity)) return false;
+Result<bool> file_unchanged(const std::string& path, int fd, const FileIdentity& was) {
+    auto now = identity_of_path(path);
+    if (!now) {
+        if (now.error().errnum == ENOENT) return false;
+        return tl::unexpected(now.error());
     }
+    if (!(*now == was)) return false;
+    // Truncated in place keeps the inode: compare the open file's size as well.
+    const auto open_now = MC_TRY(identity_of(fd, path));
+    return open_now == was;
+}
+
+Result<bool> MappedModel::unchanged() const {
+    for (const auto& f : files_)
+        if (!MC_TRY(file_unchanged(f.path, f.fd.get(), f.identity))) return false;
     return true;
+}
+
+bool MappedModel::on_remote_fs() const {
+    return std::any_of(files_.begin(), files_.end(), [](const ModelFile& f) { return ::major(f.identity.dev) == 0; });
 }
 
 }  // namespace moecache::daemon

@@ -67,6 +67,9 @@ public:
 
     // Whether every file on disk is still the one that was mapped (same inode, size, mtime).
     [[nodiscard]] Result<bool> unchanged() const;
+    // Whether a file of it lies on a file system without a block device (NFS, SMB, FUSE, and tmpfs
+    // or overlayfs alike): one whose stat may wait on a server that does not answer.
+    [[nodiscard]] bool on_remote_fs() const;
 
 private:
     std::string path_;
@@ -78,5 +81,8 @@ private:
 
 Result<FileIdentity> identity_of(int fd, const std::string& path);
 Result<FileIdentity> identity_of_path(const std::string& path);
+// Whether `path` still names the file `fd` is, and both are still as `was` (MappedModel::unchanged
+// for one file): false where the name leads elsewhere or nowhere, or the file was truncated.
+Result<bool> file_unchanged(const std::string& path, int fd, const FileIdentity& was);
 
 }  // namespace moecache::daemon

@@ -137,6 +137,12 @@ public:
     // handed: a client's descriptors of it. wait: block until it is open or past the deadline.
     void open(ModelEntry& m, const std::vector<int>* handed = nullptr, bool wait = false);
     void close(ModelEntry& m, const std::string& why);
+    // Whether the open models on file systems without a block device (NFS, SMB, FUSE) still have
+    // the files they opened, looked at off the loop: a stat there waits on the server, which may
+    // never answer. One look at a time; a model whose look passes [prefetch] read_deadline is set
+    // aside. A model that changed is closed (and a configured one opened again) when it ends.
+    // refresh() starts one each tick; others may ask sooner (a lock that failed).
+    void look_at_remote_files();
     // The models whose reads passed [prefetch] read_deadline: closed, their reads given up, not
     // opened again for kSetAsideFor, said and counted. So that other models are read and locked.
     void set_aside_hung_reads();
@@ -149,7 +155,8 @@ public:
     [[nodiscard]] std::string family_of(const ModelEntry& m) const;
     [[nodiscard]] uint64_t set_aside_count() const { return set_aside_; }
     // A glob's new match whose header is being looked at (OffLoop).
-    [[nodiscard]] bool looking() const { return !glob_looking_.empty(); }
+    // Or models' files on a network or FUSE file system (look_at_remote_files).
+    [[nodiscard]] bool looking() const { return !glob_looking_.empty() || looking_at_files_; }
 
 private:
     struct GlobVerdict {
@@ -165,6 +172,8 @@ private:
     // A glob that matches nothing because a folder on its way is closed to the daemon: logged once.
     void say_if_closed(const ModelConfig& mc);
     void glob_looked_at(const std::string& path, const GlobVerdict& now);
+    struct FileLook;  // a look_at_remote_files() of one model
+    void looked_at_files(std::vector<FileLook>& looks);
     void opened(uint32_t id, Result<std::unique_ptr<ModelResidency>> res);
     void open_late(uint32_t id);
     void set_aside(ModelEntry& m, const std::string& why);
@@ -188,6 +197,7 @@ private:
     std::map<std::string, GlobVerdict> glob_checked_;  // by path: what glob_match_is_moe found
     std::set<std::string> glob_looking_;               // paths whose header is being looked at (OffLoop)
     std::set<std::string> glob_closed_told_;           // globs whose closed directory was logged
+    bool looking_at_files_ = false;                    // a look_at_remote_files() runs
 };
 
 }  // namespace moecache::daemon
