@@ -14,6 +14,7 @@
 #include "moecache/model.h"
 #include "moecache/unique_fd.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <poll.h>
@@ -207,6 +208,65 @@ TEST_F(SlowFiles, AFileWhoseStatHangsIsSetAsideWithoutHoldingTheLoop) {
     // SIGTERM ends the loop at once. The thread left in the lookup cannot end before the server
     // answers (the kernel waits out a FUSE request its server has read, fatal signals or not),
     // so the process is reaped once the file system answers.
+    d.signal(SIGTERM);
+    EXPECT_TRUE(d.wait_for("fast.gguf closed: the daemon stops", 6)) << d.output();
+    fs_->release();
+    EXPECT_EQ(d.wait(20), 0) << d.output();
+}
+
+// The same file system, for a model a user registers: the daemon looks at the descriptors it is
+// handed (fstat) and at the path the kernel gives for the first (stat). Neither waits on the
+// server on the loop: Hellos of others are answered meanwhile, and the registration once the
+// model's open (which looks at the path off the loop) passes its deadline. Before, the
+// registration held the loop for good.
+TEST_F(SlowFiles, ARegistrationOfAFileWhoseStatHangsHoldsNotTheLoop) {
+    ASSERT_TRUE(mount(UINT64_MAX, /*attr_seconds=*/0));
+    const std::string cfg = dir_.file("moecached.toml");
+    test::write_file(cfg, "[daemon]\nstate_dir = \"" + dir_.file("state") + "\"\ntick_seconds = 0.1\nsocket = \"" +
+                              dir_.file("sock") +
+                              "\"\n[budget]\nlock = \"64MiB\"\nreserve = \"1GiB\"\n[prefetch]\nread_deadline = 2\n"
+                              "[dbus]\nbus = \"off\"\n[telemetry]\npage_cache = \"off\"\n[metrics]\nlisten = "
+                              "\"127.0.0.1:0\"\n[pressure]\nenabled = false\n[[model]]\npath = \"" +
+                              fast_ + "\"\n");
+    test::Background d({MOECACHE_DAEMON_BIN, "--config", cfg});
+    ASSERT_TRUE(d.wait_for("moecached running", 20)) << d.output();
+    const UniqueFd slow(::open(fs_->path().c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(slow) << std::strerror(errno);
+    const UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    const std::string path = dir_.file("sock");
+    std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+    ASSERT_EQ(::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_TRUE(protocol::send_packet(s.get(), protocol::encode({1, protocol::Hello{1, 1, "user"}})));
+    fs_->hang_metadata();
+    const int fd = slow.get();
+    ASSERT_TRUE(protocol::send_packet(s.get(), protocol::encode({2, protocol::RegisterModel{1}}), {&fd, 1}));
+    double slowest = 0;
+    for (const auto end = Clock::now() + std::chrono::seconds(5); Clock::now() < end;) {
+        slowest = std::max(slowest, hello_seconds());
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_LT(slowest, 2.0) << "a Hello waited " << slowest << " s for its answer\n" << d.output();
+    // The registration's answer, in at most the deadline and a tick or two.
+    bool answered = false;
+    for (int i = 0; i < 20 && !answered; ++i) {
+        pollfd p{s.get(), POLLIN, 0};
+        if (::poll(&p, 1, 500) != 1) continue;
+        std::vector<uint8_t> buf(protocol::kMaxMessageBytes);
+        const ssize_t n = ::recv(s.get(), buf.data(), buf.size(), 0);
+        ASSERT_GT(n, 0) << "the connection closed";
+        buf.resize(static_cast<size_t>(n));
+        auto m = protocol::decode(buf, 0);
+        ASSERT_TRUE(m) << m.error().what();
+        if (m->request != 2) continue;
+        answered = true;
+        const auto* f = std::get_if<protocol::Failure>(&m->body);
+        ASSERT_NE(f, nullptr) << "registered";
+        EXPECT_EQ(f->errnum, ETIMEDOUT) << f->text;
+        EXPECT_NE(f->text.find("did not read within 2 s"), std::string::npos) << f->text;
+    }
+    EXPECT_TRUE(answered) << "the registration was not answered\n" << d.output();
     d.signal(SIGTERM);
     EXPECT_TRUE(d.wait_for("fast.gguf closed: the daemon stops", 6)) << d.output();
     fs_->release();

@@ -342,6 +342,16 @@ void ModelRegistry::open(ModelEntry& m, const std::vector<int>* handed, bool wai
             for (const auto& fd : *fds) raw.push_back(fd.get());
             auto res = std::make_shared<Result<std::unique_ptr<ModelResidency>>>(
                 ModelResidency::open(path, cfg, half_life, with_fds ? &raw : nullptr));
+            // The name the kernel gives for a client's first descriptor must lead to that very file
+            // (ClientSessions looks on the loop where the dentry cache can say; here in any case).
+            if (with_fds && *res) {
+                const FileIdentity& first = (**res)->model().files().front().identity;
+                const auto at = identity_of_path(path);
+                if (!at || at->dev != first.dev || at->ino != first.ino)
+                    *res = fail(ESTALE, fmt::format("{}: the model file has no path the daemon can open that leads to "
+                                                    "it (deleted, replaced, a memfd, or in another mount namespace)",
+                                                    path));
+            }
             return [this, id, res] { opened(id, std::move(*res)); };
         },
         [this, id] { open_late(id); });

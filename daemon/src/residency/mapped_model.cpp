@@ -1,8 +1,10 @@
 #include "moecache/daemon/mapped_model.h"
 
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -104,6 +106,29 @@ Result<std::unique_ptr<MappedModel>> MappedModel::open(const std::string& path, 
     m->dense_ranges_ = m->map_.dense_ranges();
     m->profile_key_ = m->map_.profile_key();
     return m;
+}
+
+Result<FileIdentity> cached_identity_of(int fd, const std::string& what, mode_t* mode) {
+    struct statx stx {};
+    if (::statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC,
+                STATX_TYPE | STATX_MODE | STATX_INO | STATX_SIZE | STATX_MTIME, &stx) != 0)
+        return fail_errno("{}: statx", what);
+    if (mode != nullptr) *mode = stx.stx_mode;
+    return FileIdentity{makedev(stx.stx_dev_major, stx.stx_dev_minor), stx.stx_ino, stx.stx_size,
+                        int64_t{stx.stx_mtime.tv_sec} * 1000000000 + stx.stx_mtime.tv_nsec};
+}
+
+Result<FileIdentity> cached_identity_of_path(const std::string& path) {
+    open_how how{};
+    how.flags = O_PATH | O_CLOEXEC;
+    how.resolve = RESOLVE_CACHED;
+    const UniqueFd fd(static_cast<int>(::syscall(SYS_openat2, AT_FDCWD, path.c_str(), &how, sizeof how)));
+    if (!fd) {
+        // No openat2 (before 5.6) or no RESOLVE_CACHED (before 5.12): it cannot say without waiting.
+        if (errno == ENOSYS || errno == EINVAL || errno == E2BIG) errno = EAGAIN;
+        return fail_errno("{}: open by the cached path", path);
+    }
+    return cached_identity_of(fd.get(), path);
 }
 
 Result<bool> file_unchanged(const std::string& path, int fd, const FileIdentity& was) {

@@ -45,14 +45,16 @@ const char* kind_of(mode_t m) {
     return "not a regular file";
 }
 
-// Why a descriptor cannot stand for a model file the client may read, or "" if it can.
+// Why a descriptor cannot stand for a model file the client may read, or "" if it can. Looked at
+// as the kernel has it cached: a plain fstat of a file on NFS, SMB or FUSE asks the server, and a
+// hung one (or a user's own FUSE file system) never answers; on the loop that held it for good.
 std::string unusable(int fd, size_t index) {
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) return fmt::format("descriptor {}: fstat failed: {}", index, std::strerror(errno));
+    mode_t mode = 0;
+    if (auto id = cached_identity_of(fd, fmt::format("descriptor {}", index), &mode); !id) return id.error().what();
     const int flags = ::fcntl(fd, F_GETFL);
     if (flags >= 0 && (flags & O_PATH))
         return fmt::format("descriptor {} was opened with O_PATH: it proves no right to read the file", index);
-    if (!S_ISREG(st.st_mode)) return fmt::format("descriptor {} is {}, not a model file", index, kind_of(st.st_mode));
+    if (!S_ISREG(mode)) return fmt::format("descriptor {} is {}, not a model file", index, kind_of(mode));
     if (flags < 0 || (flags & O_ACCMODE) == O_WRONLY)
         return fmt::format("descriptor {} is not open for reading", index);
     return "";
@@ -270,7 +272,7 @@ bool ClientSessions::register_model(Client& c, uint32_t rq, std::vector<UniqueFd
     std::vector<FileIdentity> ids;
     for (size_t i = 0; i < fds.size(); ++i) {
         if (auto why = unusable(fds[i].get(), i); !why.empty()) return hub_.cannot(c, rq, EBADF, why);
-        auto id = identity_of(fds[i].get(), fmt::format("descriptor {}", i));
+        auto id = cached_identity_of(fds[i].get(), fmt::format("descriptor {}", i));
         if (!id) return hub_.cannot(c, rq, id.error().errnum, id.error().what());
         ids.push_back(*id);
     }
@@ -285,9 +287,13 @@ bool ClientSessions::register_model(Client& c, uint32_t rq, std::vector<UniqueFd
         char target[4096];
         const ssize_t n = ::readlink(link, target, sizeof target - 1);
         if (n > 0) target[n] = '\0';
-        // The path must lead to the very inode the client handed over.
-        auto at_path = n > 0 && target[0] == '/' ? identity_of_path(target) : Result<FileIdentity>(failf("no path"));
-        if (!at_path || at_path->dev != ids.front().dev || at_path->ino != ids.front().ino)
+        // The path must lead to the very inode the client handed over. Where the dentry cache cannot
+        // say without asking the file system (a lookup of NFS or FUSE), the open checks it, off the
+        // loop (ModelRegistry::open); a model the daemon has already is its files whatever the name.
+        auto at_path =
+            n > 0 && target[0] == '/' ? cached_identity_of_path(target) : Result<FileIdentity>(failf("no path"));
+        const bool at_open = !at_path && at_path.error().errnum == EAGAIN;
+        if (!at_open && (!at_path || at_path->dev != ids.front().dev || at_path->ino != ids.front().ino))
             return hub_.cannot(c, rq, ESTALE,
                                "the model file has no path the daemon can open that leads to it (deleted, replaced, "
                                "a memfd, or in another mount namespace)");

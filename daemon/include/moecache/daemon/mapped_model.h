@@ -81,6 +81,13 @@ private:
 
 Result<FileIdentity> identity_of(int fd, const std::string& path);
 Result<FileIdentity> identity_of_path(const std::string& path);
+// The same, as the kernel has them cached, asking no file system's server (which on NFS, SMB or
+// FUSE a plain stat does once attributes are stale, and a hung server or a user's FUSE file system
+// never answers): statx with AT_STATX_DONT_SYNC, for a path after openat2 with RESOLVE_CACHED,
+// which fails with EAGAIN where a part of the path would have to be looked up or revalidated (or
+// the kernel has no RESOLVE_CACHED). For the loop. `mode`: the file's type and mode, if wanted.
+Result<FileIdentity> cached_identity_of(int fd, const std::string& what, mode_t* mode = nullptr);
+Result<FileIdentity> cached_identity_of_path(const std::string& path);
 // Whether `path` still names the file `fd` is, and both are still as `was` (MappedModel::unchanged
 // for one file): false where the name leads elsewhere or nowhere, or the file was truncated.
 Result<bool> file_unchanged(const std::string& path, int fd, const FileIdentity& was);
